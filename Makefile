@@ -1,0 +1,45 @@
+# Everything runs inside .venv, created here from pyproject.toml on first use.
+PYTHON ?= python3
+VENV   := .venv
+BIN    := $(VENV)/bin
+STAMP  := $(VENV)/.installed
+# torch==2.13.0 is pinned in pyproject.toml: this machine has its CPU wheel locally.
+
+.PHONY: venv test test-all lint typecheck demo bench bench-quick clean
+
+venv: $(STAMP)
+
+$(STAMP): pyproject.toml
+	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install --quiet --upgrade pip
+	$(BIN)/python -m pip install --quiet -e '.[dev,models,bench]'
+	touch $(STAMP)
+
+lint: $(STAMP)
+	$(BIN)/ruff check .
+	$(BIN)/ruff format --check .
+
+typecheck: $(STAMP)
+	$(BIN)/mypy
+
+## make test: lint, types, and the test suite without the slow checks (a few minutes on 2 cores)
+test: lint typecheck
+	HYPOTHESIS_PROFILE=ci $(BIN)/pytest -q -m "not slow"
+
+## make test-all: everything, including the slow checks
+test-all: lint typecheck
+	HYPOTHESIS_PROFILE=ci $(BIN)/pytest -q
+
+## make demo: write a synthetic cache, open it, print a summary and a few reads
+demo: $(STAMP)
+	$(BIN)/python -m saev_shards.demo
+
+## make bench: the benchmark tables (ratios to the machine's limits and to the alternatives)
+bench: $(STAMP)
+	$(BIN)/python scripts/bench.py
+
+bench-quick: $(STAMP)
+	$(BIN)/python scripts/bench.py --quick
+
+clean:
+	rm -rf $(VENV) build *.egg-info .mypy_cache .ruff_cache .pytest_cache .hypothesis

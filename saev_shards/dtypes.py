@@ -1,0 +1,117 @@
+"""Casting to the stored dtypes, bfloat16 without ml_dtypes, and non-finite checks by bits.
+
+bfloat16 is stored as its raw 2 bytes (the upper half of a float32); numpy has no
+bfloat16, so numpy code sees those bytes as uint16 and `bf16_to_float32` widens them.
+Casts round to nearest, ties to even, exactly as torch does, so a cache is byte-identical
+whether it was written from numpy or from torch tensors.
+"""
+
+from __future__ import annotations
+
+import sys
+from typing import Any
+
+import numpy as np
+import numpy.typing as npt
+
+from .format import DTYPES
+
+#: Bits that are all set exactly when a value is inf or NaN, per stored dtype.
+_EXPONENT_MASK = {"float16": 0x7C00, "bfloat16": 0x7F80, "float32": 0x7F800000}
+_UINT_VIEW = {"float16": np.uint16, "bfloat16": np.uint16, "float32": np.uint32}
+#: Elements per step of the chunked non-finite scan: small enough to stay in L2 cache.
+_SCAN_CHUNK = 1 << 17
+
+
+def is_torch_tensor(x: object) -> bool:
+    """True for a torch.Tensor, without importing torch."""
+    torch = sys.modules.get("torch")
+    return torch is not None and isinstance(x, torch.Tensor)
+
+
+def float32_to_bf16(x: npt.NDArray[Any]) -> npt.NDArray[np.uint16]:
+    """Round float values to bfloat16 (nearest, ties to even; NaN -> 0x7FC0), as raw uint16."""
+    f = np.ascontiguousarray(x, dtype=np.float32)
+    u = f.view(np.uint32)
+    rounded = ((u + (np.uint32(0x7FFF) + ((u >> 16) & np.uint32(1)))) >> 16).astype(np.uint16)
+    nan = np.isnan(f)
+    if nan.any():
+        rounded[nan] = 0x7FC0
+    return rounded
+
+
+def bf16_to_float32(raw: npt.NDArray[np.uint16]) -> npt.NDArray[np.float32]:
+    """Widen raw bfloat16 bits (uint16) to float32 exactly."""
+    return (np.asarray(raw, dtype=np.uint16).astype(np.uint32) << 16).view(np.float32)
+
+
+def to_float32(raw: npt.NDArray[Any], dtype: str) -> npt.NDArray[np.float32]:
+    """Stored values of ``dtype`` (as read from a cache) to float32."""
+    if dtype == "bfloat16":
+        return bf16_to_float32(raw)
+    return np.asarray(raw, dtype=np.float32)
+
+
+def to_stored(x: object, dtype: str) -> tuple[npt.NDArray[Any], bool]:
+    """Cast activations (numpy array or torch tensor) to the stored dtype ``dtype``.
+
+    Returns ``(array, owned)``: a C-contiguous little-endian array with `DTYPES[dtype]`,
+    and whether it is a fresh buffer (False when it may share memory with ``x``).
+    Raises `TypeError` for non-floating input.
+    """
+    target = DTYPES[dtype]
+    if is_torch_tensor(x):
+        return _torch_to_stored(x, dtype)
+    arr = np.asarray(x)
+    if arr.dtype.kind != "f":
+        raise TypeError(f"expected floating-point activations, found dtype {arr.dtype}")
+    if dtype == "bfloat16":
+        return float32_to_bf16(arr), True
+    if arr.dtype == target and arr.flags.c_contiguous:
+        return arr, False
+    torch = sys.modules.get("torch")
+    if torch is not None and arr.dtype in (np.float32, np.float64) and arr.flags.c_contiguous:
+        # numpy's float->float16 cast is scalar code (~0.4 GB/s here); torch's is
+        # vectorised and rounds identically. Only used when torch is already imported.
+        out = torch.from_numpy(arr).to(torch.float16 if dtype == "float16" else torch.float32)
+        return out.numpy(), True
+    return np.ascontiguousarray(arr, dtype=target), True
+
+
+def _torch_to_stored(x: Any, dtype: str) -> tuple[npt.NDArray[Any], bool]:
+    import torch
+
+    if not x.is_floating_point():
+        raise TypeError(f"expected floating-point activations, found dtype {x.dtype}")
+    want = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32}[dtype]
+    t = x.detach()
+    owned = t.dtype != want or t.device.type != "cpu" or not t.is_contiguous()
+    # Cast on the tensor's own device, before the copy to host: half the bytes cross.
+    t = t.to(want).contiguous().cpu()
+    if dtype == "bfloat16":
+        arr = t.view(torch.int16).numpy().view(np.uint16)
+    else:
+        arr = t.numpy()
+    return arr, owned
+
+
+def nonfinite_mask_any(arr: npt.NDArray[Any], dtype: str) -> bool:
+    """True if any stored value is inf or NaN (a fast chunked scan of the bit patterns)."""
+    mask = _EXPONENT_MASK[dtype]
+    flat = arr.reshape(-1).view(_UINT_VIEW[dtype])
+    tmp = np.empty(min(_SCAN_CHUNK, flat.size), dtype=flat.dtype)
+    for start in range(0, flat.size, _SCAN_CHUNK):
+        chunk = flat[start : start + _SCAN_CHUNK]
+        out = tmp[: chunk.size]
+        np.bitwise_and(chunk, mask, out=out)
+        if out.max() == mask:
+            return True
+    return False
+
+
+def nonfinite_elements(arr: npt.NDArray[Any], dtype: str) -> npt.NDArray[np.bool_]:
+    """Boolean mask of inf/NaN elements, same shape as ``arr``."""
+    mask = _EXPONENT_MASK[dtype]
+    bits = arr.view(_UINT_VIEW[dtype])
+    result: npt.NDArray[np.bool_] = (bits & mask) == mask
+    return result

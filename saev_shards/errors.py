@@ -1,0 +1,152 @@
+"""Every error saev_shards raises on purpose.
+
+The base class subclasses `ValueError`, and the "not found" kinds also subclass
+`FileNotFoundError`, so callers' existing ``except`` clauses keep working.
+
+`open()` and `Shards.verify()` collect every problem they find before raising. When
+all problems are of one kind, that kind is raised; when they are of several kinds,
+`InvalidCacheError` is raised. Either way `.problems` lists them, grouped by kind, and
+the message names every file involved by its absolute path.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+
+
+class ShardsError(ValueError):
+    """Raised for anything saev_shards rejects; the base of every error here."""
+
+
+class MetadataError(ShardsError):
+    """Raised when metadata (a `Metadata` argument or `metadata.json`) is malformed."""
+
+
+class ProtocolVersionError(MetadataError):
+    """Raised when a cache declares a protocol version this library cannot read."""
+
+
+class DtypeError(MetadataError):
+    """Raised when a dtype is not one the protocol allows."""
+
+
+class WriterError(ShardsError):
+    """Raised when a `ShardWriter` is used wrongly (shapes, counts, order, state)."""
+
+
+class NonFiniteError(WriterError):
+    """Raised when values are not finite after the cast to the stored dtype."""
+
+
+class AlreadyPublishedError(WriterError, FileExistsError):
+    """Raised when writing a cache whose hash is already published in the root."""
+
+
+class WriterBusyError(WriterError):
+    """Raised when another live process already writes the same shards."""
+
+
+class Problem:
+    """One problem found in a cache: its kind (an error class) and a message."""
+
+    __slots__ = ("kind", "message")
+
+    def __init__(self, kind: type[InvalidCacheError], message: str) -> None:
+        self.kind = kind
+        self.message = message
+
+    def __repr__(self) -> str:
+        return f"Problem({self.kind.__name__}, {self.message!r})"
+
+
+class InvalidCacheError(ShardsError):
+    """Raised when a cache on disk breaks the protocol; `.problems` lists every problem."""
+
+    #: Heading used when problems of this kind are listed.
+    title = "invalid cache"
+
+    def __init__(self, problems: str | Sequence[Problem], path: str | None = None) -> None:
+        if isinstance(problems, str):
+            problems = [Problem(type(self), problems)]
+        self.problems: list[Problem] = list(problems)
+        self.path = path
+        super().__init__(_format(self.problems, path))
+
+
+class CacheNotFoundError(InvalidCacheError, FileNotFoundError):
+    """Raised when a cache directory, or a file it must contain, does not exist."""
+
+    title = "missing"
+
+
+class MetadataFileError(InvalidCacheError, MetadataError):
+    """Raised when `metadata.json` is missing keys, has unknown keys or bad values."""
+
+    title = "metadata.json"
+
+
+class ManifestError(InvalidCacheError):
+    """Raised when `shards.json` is malformed or disagrees with `metadata.json`."""
+
+    title = "shards.json"
+
+
+class HashMismatchError(InvalidCacheError):
+    """Raised when the directory name is not the hash of its `metadata.json`."""
+
+    title = "hash"
+
+
+class FileSizeError(InvalidCacheError):
+    """Raised when a data file is not exactly as long as the manifest says."""
+
+    title = "size"
+
+
+class ChecksumMismatchError(InvalidCacheError):
+    """Raised when a data file's xxh3_128 digest differs from the manifest."""
+
+    title = "checksum"
+
+
+class UnexpectedFileError(InvalidCacheError):
+    """Raised when a cache holds a data file its manifest does not list."""
+
+    title = "unexpected file"
+
+
+def _format(problems: Sequence[Problem], path: str | None) -> str:
+    if not problems:
+        return "no problems"
+    head = f"{path}: " if path else ""
+    if len(problems) == 1:
+        return head + problems[0].message
+    groups: dict[str, list[str]] = {}
+    for p in problems:
+        groups.setdefault(p.kind.title, []).append(p.message)
+    lines = [f"{head}{len(problems)} problems"]
+    for title, messages in groups.items():
+        lines.append(f"  {title} ({len(messages)}):")
+        lines.extend(f"    - {m}" for m in messages)
+    return "\n".join(lines)
+
+
+def raise_problems(problems: Iterable[Problem], path: str | None = None) -> None:
+    """Raise the collected problems, if any, as one error (see the module docstring)."""
+    found = sorted(problems, key=lambda p: (_KIND_ORDER.get(p.kind, 99), p.kind.__name__))
+    if not found:
+        return
+    kinds = {p.kind for p in found}
+    cls: type[InvalidCacheError] = kinds.pop() if len(kinds) == 1 else InvalidCacheError
+    raise cls(found, path)
+
+
+_KIND_ORDER: dict[type[InvalidCacheError], int] = {
+    CacheNotFoundError: 0,
+    MetadataFileError: 1,
+    HashMismatchError: 2,
+    ManifestError: 3,
+    UnexpectedFileError: 4,
+    FileSizeError: 5,
+    ChecksumMismatchError: 6,
+}

@@ -1,0 +1,307 @@
+"""`shards.json`: the manifest of every data file in a cache (protocol.md section 2.2).
+
+Parse at the edge: `parse_manifest` turns JSON into frozen dataclasses and reports every
+problem it finds; the rest of the library works on `Manifest`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping
+from typing import Any
+
+from .errors import ManifestError, Problem
+from .format import (
+    COLUMN_DTYPES,
+    FIELD_NAME_RE,
+    LABELS_DTYPE,
+    LABELS_FILE,
+    LEGACY_PROTOCOL,
+    STATS_FILE,
+    XXH3_RE,
+    column_file,
+    is_int,
+    text_file,
+    type_name,
+)
+
+
+@dataclasses.dataclass(frozen=True)
+class ShardEntry:
+    """One activation shard: ``acts<06d>.bin`` with its example count, size and digest."""
+
+    name: str
+    n_examples: int
+    nbytes: int
+    xxh3_128: str | None  # None only in a protocol 2.1 cache without checksums.json
+
+
+@dataclasses.dataclass(frozen=True)
+class ArrayEntry:
+    """A raw C-order array file (labels or a per-example column)."""
+
+    name: str
+    dtype: str  # numpy dtype.str, e.g. "|u1", "<i4"
+    shape: tuple[int, ...]
+    nbytes: int
+    xxh3_128: str | None
+
+
+@dataclasses.dataclass(frozen=True)
+class TextEntry:
+    """A JSON Lines file with one line per example."""
+
+    name: str
+    n_lines: int
+    nbytes: int
+    xxh3_128: str
+
+
+@dataclasses.dataclass(frozen=True)
+class FileEntry:
+    """A plain file with a size and a digest (the statistics file)."""
+
+    name: str
+    nbytes: int
+    xxh3_128: str
+
+
+@dataclasses.dataclass(frozen=True)
+class Manifest:
+    """Everything shards.json records."""
+
+    shards: tuple[ShardEntry, ...]
+    labels: ArrayEntry | None = None
+    # Plain dicts (picklable, for DataLoader workers); treat them as read-only.
+    columns: Mapping[str, ArrayEntry] = dataclasses.field(default_factory=dict)
+    text: Mapping[str, TextEntry] = dataclasses.field(default_factory=dict)
+    stats: FileEntry | None = None
+
+    def files(self) -> list[tuple[str, int, str | None]]:
+        """``(name, nbytes, xxh3_128)`` of every data file, shards first."""
+        out: list[tuple[str, int, str | None]] = [(s.name, s.nbytes, s.xxh3_128) for s in self.shards]
+        if self.labels is not None:
+            out.append((self.labels.name, self.labels.nbytes, self.labels.xxh3_128))
+        out.extend((c.name, c.nbytes, c.xxh3_128) for c in self.columns.values())
+        out.extend((t.name, t.nbytes, t.xxh3_128) for t in self.text.values())
+        if self.stats is not None:
+            out.append((self.stats.name, self.stats.nbytes, self.stats.xxh3_128))
+        return out
+
+    def to_json(self, protocol: str) -> Any:
+        """The JSON value written as shards.json for ``protocol``."""
+        if protocol == LEGACY_PROTOCOL:
+            return [{"name": s.name, "n_examples": s.n_examples} for s in self.shards]
+        return {
+            "shards": [dataclasses.asdict(s) for s in self.shards],
+            "labels": _array_json(self.labels) if self.labels else None,
+            "columns": {k: _array_json(v) for k, v in sorted(self.columns.items())},
+            "text": {k: dataclasses.asdict(v) for k, v in sorted(self.text.items())},
+            "stats": dataclasses.asdict(self.stats) if self.stats else None,
+        }
+
+    def checksums_json(self) -> Any:
+        """Protocol 2.1 only: the checksums.json sidecar."""
+        return {"files": {name: {"nbytes": n, "xxh3_128": h} for name, n, h in self.files()}}
+
+
+def _array_json(a: ArrayEntry) -> dict[str, Any]:
+    d = dataclasses.asdict(a)
+    d["shape"] = list(a.shape)
+    return d
+
+
+class _Collector:
+    def __init__(self, path: str) -> None:
+        self.path = path
+        self.problems: list[Problem] = []
+
+    def add(self, message: str) -> None:
+        self.problems.append(Problem(ManifestError, f"{self.path}: {message}"))
+
+    def keys(self, where: str, obj: object, required: tuple[str, ...]) -> bool:
+        if not isinstance(obj, dict):
+            self.add(f"{where}: expected an object, found {type_name(obj)}")
+            return False
+        missing = [k for k in required if k not in obj]
+        unknown = sorted(set(obj) - set(required))
+        if missing:
+            self.add(f"{where}: missing keys {missing}")
+        if unknown:
+            self.add(f"{where}: unknown keys {unknown}")
+        return not missing
+
+    def count(self, where: str, value: object) -> int | None:
+        if not is_int(value) or value < 0:  # type: ignore[operator]
+            self.add(f"{where}: expected an integer >= 0, found {type_name(value)} {value!r}")
+            return None
+        return value  # type: ignore[return-value]
+
+    def digest(self, where: str, value: object) -> str | None:
+        if not isinstance(value, str) or not XXH3_RE.fullmatch(value):
+            self.add(f"{where}: expected 32 lower-case hex digits (xxh3_128), found {value!r}")
+            return None
+        return value
+
+    def name(self, where: str, value: object, expected: str) -> str | None:
+        if value != expected:
+            self.add(f"{where}: expected name {expected!r}, found {value!r}")
+            return None
+        return expected
+
+
+SHARD_KEYS = ("name", "n_examples", "nbytes", "xxh3_128")
+ARRAY_KEYS = ("name", "dtype", "shape", "nbytes", "xxh3_128")
+TEXT_KEYS = ("name", "n_lines", "nbytes", "xxh3_128")
+FILE_KEYS = ("name", "nbytes", "xxh3_128")
+TOP_KEYS = ("shards", "labels", "columns", "text", "stats")
+
+
+def parse_manifest(obj: object, protocol: str, path: str) -> tuple[Manifest | None, list[Problem]]:
+    """Parse shards.json of a ``protocol`` cache; returns the manifest and every problem found."""
+    c = _Collector(path)
+    if protocol == LEGACY_PROTOCOL:
+        return _parse_legacy(obj, c), c.problems
+    if not c.keys("top level", obj, TOP_KEYS):
+        return None, c.problems
+    assert isinstance(obj, dict)
+    shards_obj = obj["shards"]
+    if not isinstance(shards_obj, list):
+        c.add(f"shards: expected an array, found {type_name(shards_obj)}")
+        return None, c.problems
+    shards: list[ShardEntry] = []
+    for i, e in enumerate(shards_obj):
+        where = f"shards[{i}]"
+        if not isinstance(e, dict) or e.keys() != _SHARD_KEYSET:
+            c.keys(where, e, SHARD_KEYS)
+            continue
+        name, n_ex, nbytes, digest = e["name"], e["n_examples"], e["nbytes"], e["xxh3_128"]
+        # Fast path for the common, valid entry; otherwise report each field.
+        if not (
+            isinstance(name, str)
+            and is_int(n_ex)
+            and is_int(nbytes)
+            and n_ex >= 0
+            and nbytes >= 0
+            and isinstance(digest, str)
+            and len(digest) == 32
+            and XXH3_RE.fullmatch(digest)
+        ):
+            if not isinstance(name, str):
+                c.add(f"{where}.name: expected a string, found {type_name(name)}")
+            c.count(f"{where}.n_examples", n_ex)
+            c.count(f"{where}.nbytes", nbytes)
+            c.digest(f"{where}.xxh3_128", digest)
+            continue
+        shards.append(ShardEntry(name, n_ex, nbytes, digest))
+    labels = None
+    if obj["labels"] is not None:
+        labels = _parse_array(c, "labels", obj["labels"], LABELS_FILE)
+        if labels is not None and labels.dtype != LABELS_DTYPE.str:
+            c.add(f"labels.dtype: expected {LABELS_DTYPE.str!r}, found {labels.dtype!r}")
+    columns: dict[str, ArrayEntry] = {}
+    if isinstance(obj["columns"], dict):
+        for key, e in obj["columns"].items():
+            if not FIELD_NAME_RE.fullmatch(key):
+                c.add(f"columns: bad column name {key!r} (expected {FIELD_NAME_RE.pattern})")
+                continue
+            entry = _parse_array(c, f"columns.{key}", e, column_file(key))
+            if entry is not None:
+                columns[key] = entry
+    else:
+        c.add(f"columns: expected an object, found {type_name(obj['columns'])}")
+    text: dict[str, TextEntry] = {}
+    if isinstance(obj["text"], dict):
+        for key, e in obj["text"].items():
+            where = f"text.{key}"
+            if not FIELD_NAME_RE.fullmatch(key):
+                c.add(f"text: bad field name {key!r} (expected {FIELD_NAME_RE.pattern})")
+                continue
+            if not c.keys(where, e, TEXT_KEYS):
+                continue
+            name = c.name(f"{where}.name", e["name"], text_file(key))
+            n_lines = c.count(f"{where}.n_lines", e["n_lines"])
+            nbytes = c.count(f"{where}.nbytes", e["nbytes"])
+            digest = c.digest(f"{where}.xxh3_128", e["xxh3_128"])
+            if name is not None and n_lines is not None and nbytes is not None and digest is not None:
+                text[key] = TextEntry(name, n_lines, nbytes, digest)
+    else:
+        c.add(f"text: expected an object, found {type_name(obj['text'])}")
+    stats = None
+    if obj["stats"] is not None and c.keys("stats", obj["stats"], FILE_KEYS):
+        s = obj["stats"]
+        name = c.name("stats.name", s["name"], STATS_FILE)
+        nbytes = c.count("stats.nbytes", s["nbytes"])
+        digest = c.digest("stats.xxh3_128", s["xxh3_128"])
+        if name is not None and nbytes is not None and digest is not None:
+            stats = FileEntry(name, nbytes, digest)
+    manifest = Manifest(
+        shards=tuple(shards),
+        labels=labels,
+        columns=columns,
+        text=text,
+        stats=stats,
+    )
+    return manifest, c.problems
+
+
+_SHARD_KEYSET = frozenset(SHARD_KEYS)
+
+
+def _parse_array(c: _Collector, where: str, e: object, expected_name: str) -> ArrayEntry | None:
+    if not c.keys(where, e, ARRAY_KEYS):
+        return None
+    assert isinstance(e, dict)
+    name = c.name(f"{where}.name", e["name"], expected_name)
+    dtype = e["dtype"]
+    if dtype not in COLUMN_DTYPES:
+        c.add(f"{where}.dtype: expected one of {list(COLUMN_DTYPES)}, found {dtype!r}")
+        dtype = None
+    shape = e["shape"]
+    if not (isinstance(shape, list) and shape and all(is_int(x) and x >= 0 for x in shape)):
+        c.add(f"{where}.shape: expected a non-empty array of integers >= 0, found {shape!r}")
+        shape = None
+    nbytes = c.count(f"{where}.nbytes", e["nbytes"])
+    digest = c.digest(f"{where}.xxh3_128", e["xxh3_128"])
+    if name is None or dtype is None or shape is None or nbytes is None or digest is None:
+        return None
+    return ArrayEntry(name, dtype, tuple(shape), nbytes, digest)
+
+
+def _parse_legacy(obj: object, c: _Collector) -> Manifest | None:
+    if not isinstance(obj, list):
+        c.add(f"expected an array of shard objects (protocol 2.1), found {type_name(obj)}")
+        return None
+    shards: list[ShardEntry] = []
+    for i, e in enumerate(obj):
+        where = f"[{i}]"
+        if not c.keys(where, e, ("name", "n_examples")):
+            continue
+        assert isinstance(e, dict)
+        n_ex = c.count(f"{where}.n_examples", e["n_examples"])
+        if not isinstance(e["name"], str):
+            c.add(f"{where}.name: expected a string, found {type_name(e['name'])}")
+        elif n_ex is not None:
+            shards.append(ShardEntry(e["name"], n_ex, -1, None))
+    return Manifest(shards=tuple(shards))
+
+
+def parse_checksums(obj: object, path: str) -> tuple[dict[str, tuple[int, str]], list[Problem]]:
+    """Parse the protocol 2.1 checksums.json sidecar into ``{name: (nbytes, xxh3_128)}``."""
+    c = _Collector(path)
+    out: dict[str, tuple[int, str]] = {}
+    if not c.keys("top level", obj, ("files",)):
+        return out, c.problems
+    assert isinstance(obj, dict)
+    files = obj["files"]
+    if not isinstance(files, dict):
+        c.add(f"files: expected an object, found {type_name(files)}")
+        return out, c.problems
+    for name, e in files.items():
+        if not c.keys(f"files.{name}", e, ("nbytes", "xxh3_128")):
+            continue
+        nbytes = c.count(f"files.{name}.nbytes", e["nbytes"])
+        digest = c.digest(f"files.{name}.xxh3_128", e["xxh3_128"])
+        if nbytes is not None and digest is not None:
+            out[name] = (nbytes, digest)
+    return out, c.problems

@@ -1,0 +1,629 @@
+"""`open` a cache and read it: validation up front, memmaps opened lazily per process."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import stat
+from collections.abc import Callable, Iterator, Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import numpy.typing as npt
+import orjson
+
+from . import layout
+from ._indexing import getitem
+from .dtypes import to_float32
+from .errors import (
+    CacheNotFoundError,
+    ChecksumMismatchError,
+    FileSizeError,
+    HashMismatchError,
+    ManifestError,
+    MetadataError,
+    MetadataFileError,
+    Problem,
+    ProtocolVersionError,
+    UnexpectedFileError,
+    raise_problems,
+)
+from .format import (
+    CHECKSUMS_FILE,
+    HASH_RE,
+    LABELS_DTYPE,
+    LABELS_FILE,
+    LEGACY_PROTOCOL,
+    MANIFEST_FILE,
+    METADATA_FILE,
+    SHARD_NAME_RE,
+    check_version,
+    shard_name,
+    strict_json_loads,
+    warn_legacy,
+)
+from .manifest import ArrayEntry, Manifest, ShardEntry, parse_checksums, parse_manifest
+from .metadata import Metadata, parse_metadata
+from .progress import Progress
+from .writer import hash_file
+
+PathLike = str | os.PathLike[str]
+
+
+def open(path: PathLike, *, check_hash: bool = True) -> Shards:
+    """Open the cache at ``path``, checking everything that can be checked without reading shards.
+
+    Checks: exact key sets and types of both JSON files, a known protocol version, the
+    directory name equals the metadata hash (unless ``check_hash=False``), shard names
+    and counts, and that every listed file exists, is a regular file and has exactly
+    the expected size. Every problem is collected and raised at once (see `errors`).
+    """
+    root = Path(path).absolute()
+    where = str(root)
+    if not root.exists():
+        raise CacheNotFoundError(f"no cache at {where}")
+    if not root.is_dir():
+        raise CacheNotFoundError(f"{where} is not a directory")
+    md, problems = _load_metadata(root, check_hash)
+    if md is None:
+        raise_problems(problems, where)
+        raise AssertionError("unreachable")
+    manifest, more = _load_manifest(root, md)
+    problems.extend(more)
+    raise_problems(problems, where)
+    assert manifest is not None
+    if md.protocol == LEGACY_PROTOCOL:
+        warn_legacy(where)
+    return Shards(root, md, manifest)
+
+
+def _load_metadata(root: Path, check_hash: bool) -> tuple[Metadata | None, list[Problem]]:
+    path = root / METADATA_FILE
+    try:
+        raw = path.read_bytes()
+    except FileNotFoundError:
+        return None, [Problem(CacheNotFoundError, f"{path}: missing")]
+    try:
+        obj = strict_json_loads(raw)
+    except (ValueError, UnicodeDecodeError) as err:
+        return None, [Problem(MetadataFileError, f"{path}: not valid UTF-8 JSON ({err})")]
+    if isinstance(obj, dict) and "protocol" in obj:
+        try:
+            check_version(obj["protocol"])
+        except ProtocolVersionError as err:
+            raise ProtocolVersionError(f"{path}: {err}") from None
+    try:
+        md = parse_metadata(obj)
+    except MetadataError as err:
+        return None, [Problem(MetadataFileError, f"{path}: {err}")]
+    problems = []
+    if check_hash and root.name != md.hash:
+        detail = "" if HASH_RE.fullmatch(root.name) else " (the directory name is not a 64-digit hash)"
+        problems.append(
+            Problem(
+                HashMismatchError,
+                f"{root}: directory name is not the hash of its metadata.json{detail}; "
+                f"expected {md.hash}, found {root.name}",
+            )
+        )
+    return md, problems
+
+
+def _load_manifest(root: Path, md: Metadata) -> tuple[Manifest | None, list[Problem]]:
+    path = root / MANIFEST_FILE
+    try:
+        obj = orjson.loads(path.read_bytes())
+    except FileNotFoundError:
+        return None, [Problem(CacheNotFoundError, f"{path}: missing")]
+    except orjson.JSONDecodeError as err:
+        return None, [Problem(ManifestError, f"{path}: not valid JSON ({err})")]
+    manifest, problems = parse_manifest(obj, md.protocol, str(path))
+    if manifest is None or problems:
+        return manifest, problems
+    legacy = md.protocol == LEGACY_PROTOCOL
+    if legacy:
+        manifest, more = _legacy_fixups(root, md, manifest)
+        problems.extend(more)
+    problems.extend(_check_shards(root, md, manifest))
+    problems.extend(_check_other_files(root, md, manifest))
+    return manifest, problems
+
+
+def _legacy_fixups(root: Path, md: Metadata, manifest: Manifest) -> tuple[Manifest, list[Problem]]:
+    """Protocol 2.1: drop the reference writer's trailing empty shard, attach sizes and digests."""
+    problems: list[Problem] = []
+    shards = list(manifest.shards)
+    while len(shards) > md.n_shards and shards[-1].n_examples == 0:
+        shards.pop()
+    digests: dict[str, tuple[int, str]] = {}
+    sidecar = root / CHECKSUMS_FILE
+    if sidecar.exists():
+        try:
+            digests, problems = parse_checksums(orjson.loads(sidecar.read_bytes()), str(sidecar))
+        except orjson.JSONDecodeError as err:
+            problems = [Problem(ManifestError, f"{sidecar}: not valid JSON ({err})")]
+    entries = []
+    for i, s in enumerate(shards):
+        # The reference writer pads the last shard to a full shard; accept both lengths.
+        size = _size(root / s.name)
+        full = md.examples_per_shard * md.example_nbytes
+        nbytes = full if (i == md.n_shards - 1 and size == full) else s.n_examples * md.example_nbytes
+        nbytes, digest = digests.get(s.name, (nbytes, None))
+        entries.append(ShardEntry(s.name, s.n_examples, nbytes, digest))
+    labels = None
+    if (root / LABELS_FILE).exists():
+        nbytes = md.n_examples * md.patches_per_ex
+        nbytes, digest = digests.get(LABELS_FILE, (nbytes, None))
+        labels = ArrayEntry(LABELS_FILE, LABELS_DTYPE.str, (md.n_examples, md.patches_per_ex), nbytes, digest)
+    return Manifest(shards=tuple(entries), labels=labels), problems
+
+
+def _size(path: Path) -> int:
+    try:
+        return os.stat(path).st_size
+    except OSError:
+        return -1
+
+
+def _check_shards(root: Path, md: Metadata, manifest: Manifest) -> list[Problem]:
+    problems: list[Problem] = []
+    where = root / MANIFEST_FILE
+    expected = md.n_shards
+    if len(manifest.shards) != expected:
+        problems.append(
+            Problem(
+                ManifestError,
+                f"{where}: expected {expected} shards for n_examples={md.n_examples} and "
+                f"examples_per_shard={md.examples_per_shard}, found {len(manifest.shards)}",
+            )
+        )
+    eps = md.examples_per_shard
+    example_nbytes = md.example_nbytes
+    legacy = md.protocol == LEGACY_PROTOCOL
+    for i, s in enumerate(manifest.shards):
+        name_ok = s.name == shard_name(i) if i < 1_000_000 else False
+        if not name_ok:
+            hint = "" if SHARD_NAME_RE.fullmatch(s.name) else " (shard names are plain acts<06d>.bin, no paths)"
+            problems.append(
+                Problem(ManifestError, f"{where}: shard {i}: expected name {shard_name(i)!r}, found {s.name!r}{hint}")
+            )
+            continue
+        want_n = min(eps, md.n_examples - i * eps) if i < expected else 0
+        if s.n_examples != want_n:
+            problems.append(
+                Problem(ManifestError, f"{where}: {s.name}: expected n_examples={want_n}, found {s.n_examples}")
+            )
+            continue
+        if not legacy and s.nbytes != want_n * example_nbytes:
+            problems.append(
+                Problem(
+                    ManifestError, f"{where}: {s.name}: expected nbytes={want_n * example_nbytes}, found {s.nbytes}"
+                )
+            )
+            continue
+        problems.extend(_check_file(root / s.name, s.nbytes))
+    return problems
+
+
+def _check_file(path: Path, nbytes: int) -> list[Problem]:
+    try:
+        st = os.stat(path)
+    except FileNotFoundError:
+        return [Problem(CacheNotFoundError, f"{path}: missing")]
+    except OSError as err:
+        return [Problem(CacheNotFoundError, f"{path}: cannot stat ({err.strerror})")]
+    if not stat.S_ISREG(st.st_mode):
+        return [Problem(ManifestError, f"{path}: not a regular file")]
+    if st.st_size != nbytes:
+        hint = " (file seems not fully written?)" if st.st_size < nbytes else ""
+        return [Problem(FileSizeError, f"{path}: expected {nbytes} bytes, found {st.st_size}{hint}")]
+    return []
+
+
+def _check_other_files(root: Path, md: Metadata, manifest: Manifest) -> list[Problem]:
+    problems: list[Problem] = []
+    where = root / MANIFEST_FILE
+    if manifest.labels is not None:
+        want = (md.n_examples, md.patches_per_ex)
+        lab = manifest.labels
+        if lab.shape != want or (md.protocol != LEGACY_PROTOCOL and lab.nbytes != md.n_examples * md.patches_per_ex):
+            problems.append(
+                Problem(ManifestError, f"{where}: labels: expected shape {list(want)} uint8, found {list(lab.shape)}")
+            )
+        else:
+            problems.extend(_check_file(root / lab.name, lab.nbytes))
+    for name, col in manifest.columns.items():
+        itemsize = np.dtype(col.dtype).itemsize
+        want_nbytes = int(np.prod(col.shape, dtype=object)) * itemsize
+        if col.shape[0] != md.n_examples or col.nbytes != want_nbytes:
+            problems.append(
+                Problem(
+                    ManifestError,
+                    f"{where}: columns.{name}: expected shape ({md.n_examples}, ...) and nbytes = "
+                    f"prod(shape) * {itemsize}, found shape {list(col.shape)} nbytes {col.nbytes}",
+                )
+            )
+        else:
+            problems.extend(_check_file(root / col.name, col.nbytes))
+    for name, txt in manifest.text.items():
+        if txt.n_lines != md.n_examples:
+            problems.append(
+                Problem(ManifestError, f"{where}: text.{name}: expected n_lines={md.n_examples}, found {txt.n_lines}")
+            )
+        else:
+            problems.extend(_check_file(root / txt.name, txt.nbytes))
+    if manifest.stats is not None:
+        problems.extend(_check_file(root / manifest.stats.name, manifest.stats.nbytes))
+    listed = {name for name, _, _ in manifest.files()}
+    if md.protocol == LEGACY_PROTOCOL:
+        listed |= {s for s in os.listdir(root) if SHARD_NAME_RE.fullmatch(s)}  # trailing empty shards
+    for name in sorted(os.listdir(root)):
+        if name in listed:
+            continue
+        if (
+            SHARD_NAME_RE.fullmatch(name)
+            or name == LABELS_FILE
+            or (name.startswith(("column.", "text.")) and name.endswith((".bin", ".jsonl")))
+            or name == "stats.json"
+        ):
+            problems.append(Problem(UnexpectedFileError, f"{root / name}: data file not listed in {MANIFEST_FILE}"))
+    return problems
+
+
+class TextColumn(Sequence[Any]):
+    """Per-example JSON values of one text field, read lazily from its JSON Lines file."""
+
+    def __init__(self, path: Path, n_lines: int) -> None:
+        self.path = path
+        self.n_lines = n_lines
+        self._offsets: npt.NDArray[np.int64] | None = None
+
+    def _index(self) -> npt.NDArray[np.int64]:
+        if self._offsets is None:
+            data = np.fromfile(self.path, dtype=np.uint8)
+            ends = np.flatnonzero(data == ord("\n")) + 1
+            if len(ends) != self.n_lines:
+                raise ManifestError(f"{self.path}: expected {self.n_lines} lines, found {len(ends)}")
+            self._offsets = np.concatenate([[0], ends]).astype(np.int64)
+        return self._offsets
+
+    def __len__(self) -> int:
+        return self.n_lines
+
+    def __getitem__(self, i: Any) -> Any:
+        if isinstance(i, slice):
+            return [self[j] for j in range(*i.indices(self.n_lines))]
+        i = int(i)
+        if i < 0:
+            i += self.n_lines
+        if not 0 <= i < self.n_lines:
+            raise IndexError(f"example {i} out of range [0, {self.n_lines})")
+        offsets = self._index()
+        with self.path.open("rb") as f:
+            f.seek(int(offsets[i]))
+            return orjson.loads(f.read(int(offsets[i + 1] - offsets[i])))
+
+    def __iter__(self) -> Iterator[Any]:
+        with self.path.open("rb") as f:
+            for line in f:
+                yield orjson.loads(line)
+
+
+class Shards:
+    """An open cache: the logical tensor ``(n_examples, L, T, D)`` and everything beside it.
+
+    Index it like a numpy array (the layer axis takes positions in ``metadata.layers``),
+    or use `get` / `example` with layer *values*. Results are read-only views into the
+    memmapped shards whenever numpy would return a view, copies otherwise. bfloat16 caches
+    return raw uint16 bits; `to_float32` widens them.
+
+    Memmaps and file handles open lazily and per process: a pickled `Shards` carries no
+    data and no handles, and a forked or unpickled copy opens its own.
+    """
+
+    def __init__(self, path: Path, metadata: Metadata, manifest: Manifest) -> None:
+        self.path = path
+        self.metadata = metadata
+        self.manifest = manifest
+        md = metadata
+        self.shape = md.shape
+        self.dtype = md.dtype
+        self.numpy_dtype = md.numpy_dtype
+        self.n_examples = md.n_examples
+        self.examples_per_shard = md.examples_per_shard
+        self.n_shards = len(manifest.shards)
+        self._layer_idx = {layer: i for i, layer in enumerate(md.layers)}
+        self._reset()
+
+    # -- per-process handles -------------------------------------------------------------
+    def _reset(self) -> None:
+        self._pid = os.getpid()
+        self._maps: dict[int, np.memmap[Any, Any]] = {}
+        self._fds: dict[int, int] = {}
+        self._aux: dict[str, Any] = {}
+
+    def _check_pid(self) -> None:
+        if self._pid != os.getpid():  # forked: never use the parent's handles
+            self._reset()
+
+    def __getstate__(self) -> dict[str, Any]:
+        state = self.__dict__.copy()
+        for key in ("_maps", "_fds", "_aux", "_pid"):
+            state.pop(key, None)
+        return state
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state)
+        self._reset()
+
+    def close(self) -> None:
+        """Drop this process's memmaps and file descriptors (reopened on next use)."""
+        if self._pid == os.getpid():
+            for fd in self._fds.values():
+                os.close(fd)
+        self._reset()
+
+    def __del__(self) -> None:
+        with contextlib.suppress(Exception):  # at interpreter shutdown os may be gone
+            self.close()
+
+    def shard(self, k: int) -> np.memmap[Any, Any]:
+        """Read-only memmap of shard ``k``, shape ``(n_examples_k, L, T, D)``."""
+        self._check_pid()
+        mm = self._maps.get(k)
+        if mm is None:
+            entry = self.manifest.shards[k]
+            shape = (entry.n_examples, *self.metadata.shard_shape[1:])
+            if entry.n_examples == 0 or self.metadata.example_nbytes == 0:
+                mm = np.zeros(shape, self.numpy_dtype).view(np.memmap)  # mmap cannot map 0 bytes
+            else:
+                mm = np.memmap(self.path / entry.name, dtype=self.numpy_dtype, mode="r", shape=shape)
+            self._maps[k] = mm
+        return mm
+
+    def _fd(self, k: int) -> int:
+        self._check_pid()
+        fd = self._fds.get(k)
+        if fd is None:
+            fd = os.open(self.path / self.manifest.shards[k].name, os.O_RDONLY)
+            self._fds[k] = fd
+        return fd
+
+    # -- notebook API --------------------------------------------------------------------
+    def __len__(self) -> int:
+        return self.n_examples
+
+    def __repr__(self) -> str:
+        md = self.metadata
+        n, l_, t, d = md.shape
+        cls = "CLS + " if md.cls_token else ""
+        extras = []
+        if self.manifest.labels is not None:
+            extras.append("labels")
+        extras += [f"column {c}" for c in self.manifest.columns]
+        extras += [f"text {t_}" for t_ in self.manifest.text]
+        if self.manifest.stats is not None:
+            extras.append("stats")
+        return (
+            f"<saev_shards.Shards {md.hash[:12]} {md.family}:{md.ckpt} shape=({n}, {l_}, {t}, {d}) "
+            f"{md.dtype} layers={list(md.layers)} tokens={cls}{md.patches_per_ex} "
+            f"shards={self.n_shards}x{md.examples_per_shard} {_bytes(md.nbytes)} protocol={md.protocol}"
+            + (f" [{', '.join(extras)}]" if extras else "")
+            + f" at {self.path}>"
+        )
+
+    def layer_index(self, layer: int) -> int:
+        """Position of layer value ``layer``; `KeyError` naming the recorded layers if absent."""
+        try:
+            return self._layer_idx[layer]
+        except (KeyError, TypeError):
+            raise KeyError(
+                f"layer {layer!r} was not recorded; recorded layers are {list(self.metadata.layers)}"
+            ) from None
+
+    def _example(self, example: int) -> tuple[int, int]:
+        example = int(example)
+        if example < 0:
+            example += self.n_examples
+        if not 0 <= example < self.n_examples:
+            raise IndexError(f"example {example} out of range for a cache of {self.n_examples} examples")
+        return layout.shard_of(example, self.examples_per_shard)
+
+    def get(self, example: int, layer: int, token: int) -> npt.NDArray[Any]:
+        """The ``(D,)`` activation of ``example`` at layer *value* ``layer`` and token ``token``."""
+        k, i = self._example(example)
+        t = int(token)
+        if not -self.shape[2] <= t < self.shape[2]:
+            raise IndexError(f"token {token} out of range [0, {self.shape[2]})")
+        return np.asarray(self.shard(k)[i, self.layer_index(layer), t])
+
+    def example(self, example: int, layer: int) -> npt.NDArray[Any]:
+        """The ``(T, D)`` view of ``example`` at layer *value* ``layer``; reads nothing else."""
+        k, i = self._example(example)
+        return np.asarray(self.shard(k)[i, self.layer_index(layer)])
+
+    def locate(self, example: int, layer: int, token: int) -> tuple[int, int]:
+        """``(shard_index, byte_offset)`` of a vector; pure arithmetic, no I/O."""
+        md = self.metadata
+        return layout.locate(
+            int(example),
+            self.layer_index(layer),
+            int(token),
+            n_examples=md.n_examples,
+            eps=md.examples_per_shard,
+            n_layers=md.n_layers,
+            tokens=md.tokens_per_ex,
+            d_model=md.d_model,
+            itemsize=md.itemsize,
+        )
+
+    def __getitem__(self, key: Any) -> npt.NDArray[Any]:
+        return getitem(self, key)
+
+    def to_float32(self, values: npt.NDArray[Any]) -> npt.NDArray[np.float32]:
+        """Values read from this cache as float32 (widens bfloat16 bits exactly)."""
+        return to_float32(values, self.dtype)
+
+    # -- fast copying reads (pread; used by loaders and benchmarks) ----------------------
+    def read_example(self, example: int, layer_idx: int, out: npt.NDArray[Any] | None = None) -> npt.NDArray[Any]:
+        """Copy ``[example, layer_idx]`` ``(T, D)`` into ``out`` with one ``pread``.
+
+        ``layer_idx`` is a position in ``metadata.layers``.
+        """
+        md = self.metadata
+        k, i = self._example(example)
+        if not 0 <= layer_idx < md.n_layers:
+            raise IndexError(f"layer index {layer_idx} out of range [0, {md.n_layers})")
+        if out is None:
+            out = np.empty(md.shard_shape[2:], self.numpy_dtype)
+        nbytes = md.tokens_per_ex * md.d_model * md.itemsize
+        offset = (i * md.n_layers + layer_idx) * nbytes
+        if not out.flags.c_contiguous:
+            raise ValueError("out must be C-contiguous")
+        view = out.data.cast("B")
+        if view.nbytes != nbytes:
+            raise ValueError(
+                f"out must hold {nbytes} bytes ({md.shard_shape[2:]} {self.numpy_dtype}), found {view.nbytes}"
+            )
+        _pread_into(self._fd(k), view, offset)
+        return out
+
+    def read_examples(
+        self,
+        examples: npt.ArrayLike,
+        layer_idx: npt.ArrayLike,
+        out: npt.NDArray[Any] | None = None,
+    ) -> npt.NDArray[Any]:
+        """Copy ``(n, T, D)`` slices for pairs ``(examples[j], layer_idx[j])`` (positions)."""
+        ex = np.asarray(examples, dtype=np.int64).reshape(-1)
+        li = np.broadcast_to(np.asarray(layer_idx, dtype=np.int64), ex.shape)
+        md = self.metadata
+        if out is None:
+            out = np.empty((len(ex), *md.shard_shape[2:]), self.numpy_dtype)
+        for j in range(len(ex)):
+            self.read_example(int(ex[j]), int(li[j]), out[j])
+        return out
+
+    # -- what lives beside the activations -----------------------------------------------
+    @property
+    def labels(self) -> np.memmap[Any, Any] | None:
+        """``(n_examples, patches_per_ex)`` uint8 memmap of patch labels, or None."""
+        lab = self.manifest.labels
+        if lab is None:
+            return None
+        self._check_pid()
+        if "labels" not in self._aux:
+            self._aux["labels"] = _map(self.path / lab.name, np.dtype(lab.dtype), lab.shape)
+        return self._aux["labels"]  # type: ignore[no-any-return]
+
+    @property
+    def columns(self) -> dict[str, npt.NDArray[Any]]:
+        """Per-example numeric columns by name, as read-only memmaps."""
+        self._check_pid()
+        if "columns" not in self._aux:
+            self._aux["columns"] = {
+                name: _map(self.path / c.name, np.dtype(c.dtype), c.shape) for name, c in self.manifest.columns.items()
+            }
+        return self._aux["columns"]  # type: ignore[no-any-return]
+
+    @property
+    def lengths(self) -> npt.NDArray[Any] | None:
+        """The ``lengths`` column (valid token positions per example), or None."""
+        return self.columns.get("lengths")
+
+    def text(self, name: str) -> TextColumn:
+        """Per-example values of text field ``name`` (lazy, indexable)."""
+        entry = self.manifest.text.get(name)
+        if entry is None:
+            raise KeyError(f"no text field {name!r}; this cache has {sorted(self.manifest.text)}")
+        return TextColumn(self.path / entry.name, entry.n_lines)
+
+    @property
+    def stats(self) -> dict[str, Any] | None:
+        """Per-layer statistics gathered while writing (numpy arrays), or None."""
+        entry = self.manifest.stats
+        if entry is None:
+            return None
+        if "stats" not in self._aux:
+            raw = orjson.loads((self.path / entry.name).read_bytes())
+            self._aux["stats"] = {k: np.asarray(v) for k, v in raw.items()}
+        return self._aux["stats"]  # type: ignore[no-any-return]
+
+    # -- integrity -----------------------------------------------------------------------
+    def verify(self, *, progress: bool | None = False, on_bytes: Callable[[int], None] | None = None) -> int:
+        """Recompute every file's size and xxh3_128 digest, and the metadata hash.
+
+        Returns the number of bytes checked. Raises `ChecksumMismatchError` (or
+        `InvalidCacheError` for several kinds) listing every problem.
+        """
+        problems: list[Problem] = []
+        md_path = self.path / METADATA_FILE
+        try:
+            current = parse_metadata(strict_json_loads(md_path.read_bytes()))
+            if current != self.metadata:
+                problems.append(Problem(HashMismatchError, f"{md_path}: changed since the cache was opened"))
+            elif self.path.name != current.hash:
+                problems.append(
+                    Problem(HashMismatchError, f"{self.path}: directory name is not the hash {current.hash}")
+                )
+        except (OSError, ValueError) as err:
+            problems.append(Problem(MetadataFileError, f"{md_path}: {err}"))
+        files = self.manifest.files()
+        total = sum(n for _, n, _ in files)
+        unchecked = [name for name, _, digest in files if digest is None]
+        checked = 0
+        with Progress(total, f"verify {self.path.name[:12]}", enabled=progress) as bar:
+            for name, nbytes, digest in files:
+                path = self.path / name
+
+                def tick(n: int) -> None:
+                    bar.update(n)
+                    if on_bytes is not None:
+                        on_bytes(n)
+
+                try:
+                    size, found = hash_file(path, tick)
+                except OSError as err:
+                    problems.append(Problem(CacheNotFoundError, f"{path}: {err.strerror}"))
+                    continue
+                checked += size
+                if size != nbytes:
+                    problems.append(Problem(FileSizeError, f"{path}: expected {nbytes} bytes, found {size}"))
+                elif digest is not None and found != digest:
+                    problems.append(
+                        Problem(ChecksumMismatchError, f"{path}: xxh3_128 expected {digest}, found {found}")
+                    )
+        raise_problems(problems, str(self.path))
+        if unchecked:
+            import warnings
+
+            warnings.warn(
+                f"{self.path}: {len(unchecked)} files have no recorded checksum (protocol 2.1 without "
+                f"{CHECKSUMS_FILE}); only their sizes were checked",
+                stacklevel=2,
+            )
+        return checked
+
+
+def _map(path: Path, dtype: np.dtype[Any], shape: tuple[int, ...]) -> np.memmap[Any, Any]:
+    if int(np.prod(shape, dtype=object)) * dtype.itemsize == 0:
+        return np.zeros(shape, dtype).view(np.memmap)
+    return np.memmap(path, dtype=dtype, mode="r", shape=shape)
+
+
+def _pread_into(fd: int, view: memoryview, offset: int) -> None:
+    while view.nbytes:
+        n = os.preadv(fd, [view], offset)
+        if n == 0:
+            raise FileSizeError(f"unexpected end of file at byte {offset} (file truncated after open?)")
+        view = view[n:]
+        offset += n
+
+
+def _bytes(n: int) -> str:
+    for unit in ("B", "KB", "MB", "GB", "TB", "PB"):
+        if n < 1000 or unit == "PB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1000  # type: ignore[assignment]
+    return f"{n} B"

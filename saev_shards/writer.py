@@ -1,0 +1,994 @@
+"""`ShardWriter`: write a cache into a staging directory and publish it atomically.
+
+How a cache is written (protocol.md section 6):
+
+* Everything goes to ``<root>/.staging-<HASH>/``; nothing appears at ``<root>/<HASH>``
+  until every file is complete and fsynced, then one ``rename`` publishes it.
+* Data arrives as *streams*: activations, and optionally labels, per-example numeric
+  columns and per-example text. Each stream is cut at shard boundaries into per-shard
+  part files. When every stream has covered a shard, a small part record
+  (``part<06d>.json``) seals it, with sizes and xxh3_128 digests computed while writing.
+* Sealed shards survive a crash: a writer opened with ``resume=True`` starts after the
+  last sealed shard. Several writers (``rank``/``world_size``) each write a disjoint,
+  contiguous block of shards into the same staging directory; `finalize` checks every
+  part record, joins the per-shard parts into the final files and publishes.
+* The output is a pure function of the data: the same input gives byte-identical
+  files, however it was batched and however many writers produced it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import fcntl
+import os
+import queue
+import shutil
+import stat
+import threading
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import numpy.typing as npt
+import orjson
+import xxhash
+
+from . import dtypes
+from .errors import (
+    AlreadyPublishedError,
+    NonFiniteError,
+    WriterBusyError,
+    WriterError,
+)
+from .format import (
+    CHECKSUMS_FILE,
+    COLUMN_DTYPES,
+    FIELD_NAME_RE,
+    LABELS_DTYPE,
+    LABELS_FILE,
+    LEGACY_PROTOCOL,
+    MANIFEST_FILE,
+    METADATA_FILE,
+    STATS_FILE,
+    column_file,
+    pretty_json,
+    shard_name,
+    strict_json_loads,
+    text_file,
+)
+from .manifest import ArrayEntry, FileEntry, Manifest, ShardEntry, TextEntry
+from .metadata import Metadata
+
+STAGING_PREFIX = ".staging-"
+LOCK_FILE = ".lock"
+#: Bytes per read when hashing or joining files: large sequential I/O.
+IO_CHUNK = 8 << 20
+#: Examples per step of the statistics pass (bounds its float64 scratch memory).
+STATS_CHUNK = 8
+
+
+def staging_dir(root: Path, md: Metadata) -> Path:
+    """Where ``md``'s cache is written before it is published."""
+    return Path(root) / f"{STAGING_PREFIX}{md.hash}"
+
+
+def part_record(k: int) -> str:
+    """Name of shard ``k``'s part record in the staging directory."""
+    return f"part{k:06d}.json"
+
+
+def part_file(k: int, stream: str) -> str:
+    """Name of stream ``stream``'s part of shard ``k`` (activations use the final name)."""
+    if stream == "acts":
+        return shard_name(k)
+    suffix = ".jsonl" if stream.startswith("text.") else ".bin"
+    return f"part{k:06d}.{stream}{suffix}"
+
+
+def rank_shards(n_shards: int, rank: int, world_size: int) -> range:
+    """The contiguous block of shard indices writer ``rank`` of ``world_size`` writes."""
+    if world_size < 1 or not 0 <= rank < world_size:
+        raise WriterError(f"rank {rank} is not in [0, world_size={world_size})")
+    return range(rank * n_shards // world_size, (rank + 1) * n_shards // world_size)
+
+
+def world_from_env(rank: int | None, world_size: int | None) -> tuple[int, int]:
+    """``(rank, world_size)``: explicit values, else torchrun's RANK/WORLD_SIZE, else a SLURM
+    array's task id and count, else ``(0, 1)``."""
+    if rank is not None or world_size is not None:
+        if rank is None or world_size is None:
+            raise WriterError("give both rank and world_size, or neither")
+        return rank, world_size
+    env = os.environ
+    if "RANK" in env and "WORLD_SIZE" in env:
+        return int(env["RANK"]), int(env["WORLD_SIZE"])
+    if "SLURM_ARRAY_TASK_ID" in env and "SLURM_ARRAY_TASK_COUNT" in env:
+        first = int(env.get("SLURM_ARRAY_TASK_MIN", "0"))
+        return int(env["SLURM_ARRAY_TASK_ID"]) - first, int(env["SLURM_ARRAY_TASK_COUNT"])
+    return 0, 1
+
+
+# --------------------------------------------------------------------------------------
+# small durable-file helpers
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def write_file_atomic(path: Path, data: bytes, durable: bool = True) -> None:
+    """Write ``data`` to ``path`` via a temporary name in the same folder and a rename."""
+    # A unique temporary name: several writers may race to create the same file.
+    tmp = path.with_name(f"{path.name}.{os.getpid()}.{threading.get_ident()}.tmp")
+    with open(tmp, "wb") as f:
+        f.write(data)
+        if durable:
+            f.flush()
+            os.fsync(f.fileno())
+    os.replace(tmp, path)
+    if durable:
+        _fsync_dir(path.parent)
+
+
+def _write_all(f: Any, view: memoryview) -> None:
+    while view.nbytes:
+        n = f.write(view)
+        view = view[n:]
+
+
+def hash_file(path: Path, progress: Callable[[int], None] | None = None) -> tuple[int, str]:
+    """``(nbytes, xxh3_128 hex)`` of a file, read in large sequential chunks."""
+    h = xxhash.xxh3_128()
+    total = 0
+    buf = bytearray(IO_CHUNK)
+    view = memoryview(buf)
+    with open(path, "rb", buffering=0) as f:
+        while True:
+            n = f.readinto(view)
+            if not n:
+                break
+            h.update(view[:n])
+            total += n
+            if progress is not None:
+                progress(n)
+    return total, h.hexdigest()
+
+
+# --------------------------------------------------------------------------------------
+# per-shard statistics
+
+
+class _Stats:
+    """Per-layer sums over the tokens of one shard, accumulated example by example.
+
+    The order of every floating-point addition depends only on the data, never on how
+    it was batched, so the sums (and the cache) are byte-identical for any batching.
+    """
+
+    def __init__(self, n_layers: int, d_model: int) -> None:
+        self.sum = np.zeros((n_layers, d_model), np.float64)
+        self.sum_sq = np.zeros((n_layers, d_model), np.float64)
+        self.count = np.zeros(n_layers, np.int64)
+        self.norm_sum = np.zeros(n_layers, np.float64)
+        self.norm_sq_sum = np.zeros(n_layers, np.float64)
+        self.nonfinite = np.zeros(n_layers, np.int64)
+
+    def update(self, acts: npt.NDArray[Any], dtype: str, lengths: npt.NDArray[Any] | None) -> None:
+        # acts: stored dtype, shape (B, L, T, D)
+        n_tokens = acts.shape[2]
+        for start in range(0, acts.shape[0], STATS_CHUNK):
+            block = acts[start : start + STATS_CHUNK]
+            valid = np.ones((block.shape[0], n_tokens), bool)  # (b, T)
+            if lengths is not None:
+                valid &= np.arange(n_tokens)[None, :] < lengths[start : start + STATS_CHUNK, None]
+            for li in range(block.shape[1]):
+                x = dtypes.to_float32(block[:, li], dtype).astype(np.float64)  # (b, T, D)
+                finite = np.isfinite(x).all(axis=2)  # (b, T)
+                ok = valid & finite
+                self.nonfinite[li] += int(np.count_nonzero(valid & ~finite))
+                x[~ok] = 0.0
+                sq = x * x
+                per_ex_sum = x.sum(axis=1)  # (b, D): sums over T, in token order
+                per_ex_sq = sq.sum(axis=1)
+                norms_sq = sq.sum(axis=2)  # (b, T)
+                norms = np.sqrt(norms_sq)
+                per_ex_norm = norms.sum(axis=1)  # (b,)
+                per_ex_norm_sq = norms_sq.sum(axis=1)
+                for b in range(block.shape[0]):  # example order
+                    self.sum[li] += per_ex_sum[b]
+                    self.sum_sq[li] += per_ex_sq[b]
+                    self.norm_sum[li] += per_ex_norm[b]
+                    self.norm_sq_sum[li] += per_ex_norm_sq[b]
+                self.count[li] += int(np.count_nonzero(ok))
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "sum": self.sum.tolist(),
+            "sum_sq": self.sum_sq.tolist(),
+            "count": self.count.tolist(),
+            "norm_sum": self.norm_sum.tolist(),
+            "norm_sq_sum": self.norm_sq_sum.tolist(),
+            "nonfinite": self.nonfinite.tolist(),
+        }
+
+    @classmethod
+    def from_json(cls, d: Mapping[str, Any], n_layers: int, d_model: int) -> _Stats:
+        s = cls(n_layers, d_model)
+        s.sum[:] = d["sum"]
+        s.sum_sq[:] = d["sum_sq"]
+        s.count[:] = d["count"]
+        s.norm_sum[:] = d["norm_sum"]
+        s.norm_sq_sum[:] = d["norm_sq_sum"]
+        s.nonfinite[:] = d["nonfinite"]
+        return s
+
+    def add(self, other: _Stats) -> None:
+        self.sum += other.sum
+        self.sum_sq += other.sum_sq
+        self.count += other.count
+        self.norm_sum += other.norm_sum
+        self.norm_sq_sum += other.norm_sq_sum
+        self.nonfinite += other.nonfinite
+
+    def summary(self, layers: Sequence[int]) -> dict[str, Any]:
+        """The stats.json object (protocol.md section 2.6)."""
+        with np.errstate(invalid="ignore", divide="ignore"):
+            n = self.count.astype(np.float64)
+            mean = self.sum / n[:, None]
+            var = np.maximum(self.sum_sq / n[:, None] - mean * mean, 0.0)
+            norm_mean = self.norm_sum / n
+            norm_sq_mean = self.norm_sq_sum / n
+        empty = self.count == 0
+        mean[empty] = 0.0
+        var[empty] = 0.0
+        norm_mean[empty] = 0.0
+        norm_sq_mean[empty] = 0.0
+        return {
+            "layers": list(layers),
+            "count": self.count.tolist(),
+            "nonfinite": self.nonfinite.tolist(),
+            "mean": mean.tolist(),
+            "var": var.tolist(),
+            "norm_mean": norm_mean.tolist(),
+            "norm_sq_mean": norm_sq_mean.tolist(),
+        }
+
+
+# --------------------------------------------------------------------------------------
+# streams
+
+
+class _StreamSpec:
+    """What one stream writes per example: dtype and per-example shape (text: none)."""
+
+    def __init__(self, key: str, dtype: np.dtype[Any] | None, tail: tuple[int, ...]) -> None:
+        self.key = key
+        self.dtype = dtype
+        self.tail = tail
+
+    @property
+    def is_text(self) -> bool:
+        return self.key.startswith("text.")
+
+    def to_json(self) -> dict[str, Any]:
+        if self.is_text:
+            return {}
+        assert self.dtype is not None
+        return {"dtype": self.dtype.str, "shape": list(self.tail)}
+
+
+class _Cursor:
+    """A stream's open part file: the shard it is in, examples written, digest so far."""
+
+    def __init__(self, path: Path, k: int) -> None:
+        self.path = path
+        self.k = k
+        self.count = 0
+        self.nbytes = 0
+        self.hasher = xxhash.xxh3_128()
+        self.file = open(path, "wb", buffering=0)  # noqa: SIM115 - closed in _close_cursor
+        if path.name.startswith("acts"):
+            try:
+                fcntl.flock(self.file.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except OSError as err:
+                self.file.close()
+                raise WriterBusyError(f"{path} is being written by another process") from err
+
+    def write(self, data: bytes | memoryview) -> None:
+        view = memoryview(data).cast("B")
+        _write_all(self.file, view)
+        self.hasher.update(view)
+        self.nbytes += view.nbytes
+
+
+class _Pipeline:
+    """Runs writer operations in order, in one background thread or inline."""
+
+    def __init__(self, background: bool) -> None:
+        self.error: BaseException | None = None
+        self.thread: threading.Thread | None = None
+        if background:
+            self.queue: queue.Queue[tuple[Callable[..., None], tuple[Any, ...]] | None] = queue.Queue(maxsize=2)
+            self.thread = threading.Thread(target=self._run, name="saev-shards-writer", daemon=True)
+            self.thread.start()
+
+    def _run(self) -> None:
+        while True:
+            item = self.queue.get()
+            if item is None:
+                return
+            if self.error is None:
+                fn, args = item
+                try:
+                    fn(*args)
+                except BaseException as err:
+                    self.error = err
+
+    def check(self) -> None:
+        if self.error is not None:
+            raise self.error
+
+    def submit(self, fn: Callable[..., None], *args: Any) -> None:
+        self.check()
+        if self.thread is None:
+            fn(*args)
+        else:
+            self.queue.put((fn, args))
+
+    def drain(self) -> None:
+        """Wait for every submitted operation; raise the first error if any."""
+        if self.thread is not None:
+            self.queue.put(None)
+            self.thread.join()
+            self.thread = None
+        self.check()
+
+
+# --------------------------------------------------------------------------------------
+# the writer
+
+
+class ShardWriter:
+    """Write a cache for ``md`` under ``root``; published as ``root/<md.hash>`` on close.
+
+    >>> with ShardWriter(root, md) as w:           # doctest: +SKIP
+    ...     w.write(acts)                          # (B, L, T, D), any B, float numpy or torch
+    ...     w.write_labels(labels)                 # (B, patches_per_ex) uint8, optional
+
+    Arguments:
+        root: folder holding caches (created if missing).
+        md: the cache's metadata; ``md.n_examples`` examples must be written.
+        rank, world_size: this writer's share when several processes write one cache
+            (default: torchrun or SLURM array variables, else a single writer). Rank ``r``
+            writes the contiguous examples `start` to `stop`; only a single writer
+            publishes on close, otherwise call `finalize` once all ranks are done.
+        resume: keep this rank's sealed shards from an interrupted run; feed examples
+            from `next_example` on. Without it a single writer starts over.
+        allow_nonfinite: store inf/NaN produced by the cast instead of raising.
+        stats: gather per-layer statistics into stats.json (padding excluded when a
+            ``lengths`` column is given in the same `write` call).
+        labels, columns, text: declare streams up front (needed for ``resume``);
+            undeclared streams are also accepted on first use.
+        background: write and hash in a background thread, overlapping the caller.
+        durable: fsync files and folders (turn off only for throwaway tests).
+    """
+
+    def __init__(
+        self,
+        root: str | os.PathLike[str],
+        md: Metadata,
+        *,
+        rank: int | None = None,
+        world_size: int | None = None,
+        resume: bool = False,
+        allow_nonfinite: bool = False,
+        stats: bool = False,
+        labels: bool = False,
+        columns: Mapping[str, tuple[Any, tuple[int, ...]]] | None = None,
+        text: Iterable[str] = (),
+        background: bool = True,
+        durable: bool = True,
+    ) -> None:
+        if not isinstance(md, Metadata):
+            raise TypeError(f"md must be a saev_shards.Metadata, found {type(md).__name__}")
+        self.md = md
+        self.root = Path(root)
+        self.rank, self.world_size = world_from_env(rank, world_size)
+        self.shards = rank_shards(md.n_shards, self.rank, self.world_size)
+        eps = md.examples_per_shard
+        self.start = self.shards.start * eps
+        self.stop = min(self.shards.stop * eps, md.n_examples)
+        self.allow_nonfinite = allow_nonfinite
+        self.stats_enabled = stats
+        self.durable = durable
+        self.path = self.root / md.hash
+        self.staging = staging_dir(self.root, md)
+        self._closed = False
+        self._lock_fd: int | None = None
+        if md.protocol == LEGACY_PROTOCOL and (stats or columns or tuple(text)):
+            raise WriterError("protocol 2.1 caches hold activations and labels only; use protocol 3.0")
+
+        # Streams known so far (caller thread): key -> spec. "acts" always exists.
+        self._specs: dict[str, _StreamSpec] = {"acts": _StreamSpec("acts", md.numpy_dtype, md.shard_shape[1:])}
+        if labels:
+            self._declare("labels", LABELS_DTYPE, (md.patches_per_ex,))
+        for name, (dt, tail) in (columns or {}).items():
+            self._declare(f"column.{_field(name)}", np.dtype(dt), tuple(tail))
+        for name in text:
+            self._declare(f"text.{_field(name)}", None, ())
+        # Examples accepted per stream (caller thread), as global example indices.
+        self._next: dict[str, int] = {}
+
+        # I/O-thread state. _io_keys mirrors _specs in operation order (declarations are
+        # operations too), so the I/O thread never reads a dict the caller is changing.
+        self._io_keys: set[str] = set(self._specs)
+        self._cursors: dict[str, _Cursor] = {}
+        self._done: dict[int, dict[str, dict[str, Any]]] = {}  # shard -> stream -> part info
+        self._shard_stats: dict[int, _Stats] = {}
+
+        self.root.mkdir(parents=True, exist_ok=True)
+        if self.path.exists():
+            raise AlreadyPublishedError(f"{self.path} is already published; published caches are immutable")
+        self._open_staging(resume)
+        self.next_example = self._resume_point() if resume else self.start
+        for key in self._specs:
+            self._next[key] = self.next_example
+        self._pipeline = _Pipeline(background)
+
+    # -- set-up ---------------------------------------------------------------------
+    def _declare(self, key: str, dtype: np.dtype[Any] | None, tail: tuple[int, ...]) -> _StreamSpec:
+        if dtype is not None and key != "acts":
+            dtype = dtype.newbyteorder("<") if dtype.byteorder == ">" else dtype
+            if dtype.str not in COLUMN_DTYPES:
+                raise WriterError(f"{key}: dtype {dtype} is not allowed; use one of {list(COLUMN_DTYPES)}")
+        spec = _StreamSpec(key, dtype, tail)
+        self._specs[key] = spec
+        pipeline = getattr(self, "_pipeline", None)
+        if pipeline is not None:
+            pipeline.submit(self._io_keys.add, key)
+        return spec
+
+    def _open_staging(self, resume: bool) -> None:
+        self.staging.mkdir(exist_ok=True)
+        self._lock_fd = os.open(self.staging / LOCK_FILE, os.O_RDWR | os.O_CREAT, 0o644)
+        single = self.world_size == 1
+        try:
+            fcntl.flock(self._lock_fd, (fcntl.LOCK_EX if single else fcntl.LOCK_SH) | fcntl.LOCK_NB)
+        except OSError as err:
+            os.close(self._lock_fd)
+            self._lock_fd = None
+            raise WriterBusyError(
+                f"{self.staging} is locked by another writer" + ("" if single else " that is finalizing")
+            ) from err
+        expected = pretty_json(self.md.to_dict())
+        md_path = self.staging / METADATA_FILE
+        if single and not resume:
+            for entry in os.scandir(self.staging):
+                if entry.name != LOCK_FILE:
+                    _remove(Path(entry.path))
+        elif not resume:
+            for k in self.shards:
+                for name in os.listdir(self.staging):
+                    if name.startswith((f"part{k:06d}.", shard_name(k))):
+                        _remove(self.staging / name)
+        if md_path.exists():
+            if md_path.read_bytes() != expected:
+                raise WriterError(f"{md_path} does not match this writer's metadata; remove {self.staging}")
+        else:
+            write_file_atomic(md_path, expected, self.durable)
+
+    def _resume_point(self) -> int:
+        """First example of this rank's first shard without a valid part record."""
+        for k in self.shards:
+            record = self._load_record(k)
+            if record is None or set(record["streams"]) != set(self._specs) - {"acts"}:
+                return k * self.md.examples_per_shard
+            for key, spec in self._specs.items():
+                if key != "acts" and record["streams"][key].get("dtype") != spec.to_json().get("dtype"):
+                    return k * self.md.examples_per_shard
+            if self.stats_enabled and record["stats"] is None:
+                return k * self.md.examples_per_shard
+            self._done[k] = {"acts": record["acts"], **record["streams"]}
+            if record["stats"] is not None:
+                self._shard_stats[k] = _Stats.from_json(record["stats"], self.md.n_layers, self.md.d_model)
+        return self.stop
+
+    def _load_record(self, k: int) -> dict[str, Any] | None:
+        """Shard ``k``'s part record if it and every part it names check out, else None."""
+        path = self.staging / part_record(k)
+        try:
+            record = strict_json_loads(path.read_bytes())
+            if record["n_examples"] != self.md.shard_n_examples(k):
+                return None
+            for key, info in [("acts", record["acts"]), *record["streams"].items()]:
+                nbytes, digest = hash_file(self.staging / part_file(k, key))
+                if nbytes != info["nbytes"] or digest != info["xxh3_128"]:
+                    return None
+            record["stats"]
+        except (OSError, ValueError, KeyError, TypeError, AttributeError):
+            return None
+        return dict(record)
+
+    # -- public writing API (caller thread) -----------------------------------------
+    def write(
+        self,
+        acts: Any,
+        *,
+        labels: Any = None,
+        columns: Mapping[str, Any] | None = None,
+        text: Mapping[str, Sequence[Any]] | None = None,
+    ) -> None:
+        """Append a batch of activations ``(B, L, T, D)``; optionally its labels, columns and text.
+
+        Batches may have any size and may straddle shard boundaries.
+        """
+        self._check_open()
+        arr, owned = self._cast(acts)
+        batch = arr.shape[0]
+        first = self._reserve("acts", batch)
+        lengths = None
+        if columns and "lengths" in columns:
+            lengths = _to_numpy(columns["lengths"])
+            if lengths.shape != (batch,):
+                self._next["acts"] -= batch
+                raise WriterError(f"lengths: expected shape ({batch},), found {lengths.shape}")
+            self._check_lengths(lengths, batch_reserved=batch)
+        if not self.allow_nonfinite and dtypes.nonfinite_mask_any(arr, self.md.dtype):
+            self._next["acts"] -= batch
+            raise self._nonfinite_error(acts, arr, first)
+        if self._pipeline.thread is not None and not owned:
+            arr = arr.copy()  # the caller may reuse its buffer while we write in the background
+        self._pipeline.submit(self._io_acts, arr, first, lengths)
+        if labels is not None:
+            self.write_labels(labels)
+        if columns:
+            self.write_columns(**columns)
+        if text:
+            self.write_text(**text)
+
+    def write_labels(self, labels: Any) -> None:
+        """Append patch labels ``(B, patches_per_ex)`` uint8 (no [CLS] column)."""
+        self._check_open()
+        arr = _to_numpy(labels)
+        if arr.dtype != np.uint8:
+            raise WriterError(f"labels: expected dtype uint8, found {arr.dtype}")
+        spec = self._specs.get("labels") or self._declare("labels", LABELS_DTYPE, (self.md.patches_per_ex,))
+        self._append_array(spec, arr)
+
+    def write_columns(self, **columns: Any) -> None:
+        """Append per-example numeric columns, e.g. ``write_columns(lengths=np.array([...]))``.
+
+        Each column is ``(B, *shape)`` with a fixed dtype and shape per example; its dtype
+        and shape are taken from the first call (or the ``columns=`` declaration).
+        ``lengths`` has a defined meaning: the number of valid token positions of each
+        example (0 <= lengths <= T); loaders skip positions at or beyond it.
+        """
+        self._check_open()
+        for name, values in columns.items():
+            key = f"column.{_field(name)}"
+            arr = _to_numpy(values)
+            if arr.ndim == 0:
+                raise WriterError(f"column {name!r}: expected an array with a batch axis, found a scalar")
+            spec = self._specs.get(key) or self._declare(key, arr.dtype, arr.shape[1:])
+            assert spec.dtype is not None
+            if arr.dtype != spec.dtype and np.can_cast(arr.dtype, spec.dtype, "same_kind"):
+                cast = arr.astype(spec.dtype)
+                if np.array_equal(cast.astype(arr.dtype), arr, equal_nan=arr.dtype.kind == "f"):
+                    arr = cast
+            if name == "lengths":
+                self._check_lengths(arr)
+            self._append_array(spec, arr)
+
+    def _check_lengths(self, lengths: npt.NDArray[Any], batch_reserved: int = 0) -> None:
+        if lengths.dtype.kind not in "iu":
+            bad_msg = f"lengths: expected integers, found dtype {lengths.dtype}"
+        elif ((lengths < 0) | (lengths > self.md.tokens_per_ex)).any():
+            bad = lengths[(lengths < 0) | (lengths > self.md.tokens_per_ex)]
+            bad_msg = f"lengths: values must lie in [0, {self.md.tokens_per_ex}], found {bad[:5].tolist()}"
+        else:
+            return
+        self._next["acts"] -= batch_reserved
+        raise WriterError(bad_msg)
+
+    def write_text(self, **fields: Sequence[Any]) -> None:
+        """Append per-example text (or any JSON value), one per example, e.g. ``write_text(prompt=[...])``."""
+        self._check_open()
+        for name, values in fields.items():
+            key = f"text.{_field(name)}"
+            spec = self._specs.get(key) or self._declare(key, None, ())
+            if isinstance(values, (str, bytes)):
+                raise WriterError(f"text {name!r}: expected a sequence with one value per example, found a string")
+            lines = []
+            for v in values:
+                try:
+                    lines.append(orjson.dumps(v) + b"\n")
+                except TypeError as err:
+                    raise WriterError(f"text {name!r}: value {v!r} is not JSON-serialisable ({err})") from err
+            first = self._reserve(spec.key, len(lines))
+            self._pipeline.submit(self._io_text, spec, lines, first)
+
+    def _append_array(self, spec: _StreamSpec, arr: npt.NDArray[Any]) -> None:
+        if arr.ndim < 1 or arr.shape[1:] != spec.tail or arr.dtype != spec.dtype:
+            raise WriterError(
+                f"{spec.key}: expected shape (B, {', '.join(map(str, spec.tail))}) dtype {spec.dtype}, "
+                f"found shape {arr.shape} dtype {arr.dtype}"
+            )
+        first = self._reserve(spec.key, arr.shape[0])
+        arr = np.ascontiguousarray(arr, dtype=spec.dtype)
+        self._pipeline.submit(self._io_array, spec, arr.copy() if self._pipeline.thread else arr, first)
+
+    def _reserve(self, key: str, count: int) -> int:
+        first = self._next.setdefault(key, self.next_example)
+        if first + count > self.stop:
+            raise WriterError(
+                f"{key}: too many examples: {first - self.start} written + {count} in this batch > "
+                f"{self.stop - self.start} expected"
+                + (f" for rank {self.rank} of {self.world_size}" if self.world_size > 1 else "")
+            )
+        self._next[key] = first + count
+        return first
+
+    def _cast(self, acts: Any) -> tuple[npt.NDArray[Any], bool]:
+        try:
+            arr, owned = dtypes.to_stored(acts, self.md.dtype)
+        except TypeError as err:
+            raise WriterError(str(err)) from None
+        want = self.md.shard_shape[1:]
+        if arr.ndim != 4 or arr.shape[1:] != want:
+            raise WriterError(
+                f"acts: expected shape (B, {want[0]}, {want[1]}, {want[2]}) = (batch, layers, "
+                f"tokens_per_ex, d_model), found {tuple(arr.shape)}"
+            )
+        return arr, owned
+
+    def _nonfinite_error(self, original: Any, arr: npt.NDArray[Any], first: int) -> NonFiniteError:
+        bad = dtypes.nonfinite_elements(arr, self.md.dtype)
+        per_example = bad.reshape(arr.shape[0], -1).any(axis=1)
+        examples = (np.flatnonzero(per_example) + first).tolist()
+        shown = ", ".join(map(str, examples[:10])) + (", ..." if len(examples) > 10 else "")
+        detail = ""
+        if self.md.dtype == "float16":
+            if dtypes.is_torch_tensor(original):
+                biggest = float(original.detach().float().abs().nan_to_num(nan=0.0).max())
+            else:
+                biggest = float(np.nanmax(np.abs(np.asarray(original, np.float64))))
+            detail = f"; float16 holds at most 65504, the largest |value| was {biggest:.6g}"
+        return NonFiniteError(
+            f"{int(bad.sum())} values in {len(examples)} examples (global indices {shown}) are not "
+            f"finite after the cast to {self.md.dtype}{detail}; pass allow_nonfinite=True to store them"
+        )
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise WriterError("this writer is closed")
+        self._pipeline.check()
+
+    # -- I/O thread -------------------------------------------------------------------
+    def _cursor(self, key: str, example: int) -> _Cursor:
+        k = example // self.md.examples_per_shard
+        cur = self._cursors.get(key)
+        if cur is None:
+            cur = _Cursor(self.staging / part_file(k, key), k)
+            self._cursors[key] = cur
+        return cur
+
+    def _io_acts(self, arr: npt.NDArray[Any], first: int, lengths: npt.NDArray[Any] | None) -> None:
+        pos = 0
+        while pos < arr.shape[0]:
+            cur = self._cursor("acts", first + pos)
+            room = self.md.shard_n_examples(cur.k) - cur.count
+            piece = arr[pos : pos + room]
+            cur.write(piece.data if piece.flags.c_contiguous else piece.tobytes())
+            if self.stats_enabled:
+                stats = self._shard_stats.setdefault(cur.k, _Stats(self.md.n_layers, self.md.d_model))
+                stats.update(piece, self.md.dtype, None if lengths is None else lengths[pos : pos + room])
+            cur.count += piece.shape[0]
+            pos += piece.shape[0]
+            if cur.count == self.md.shard_n_examples(cur.k):
+                self._finish_part("acts", cur, {})
+
+    def _io_array(self, spec: _StreamSpec, arr: npt.NDArray[Any], first: int) -> None:
+        pos = 0
+        while pos < arr.shape[0]:
+            cur = self._cursor(spec.key, first + pos)
+            room = self.md.shard_n_examples(cur.k) - cur.count
+            piece = arr[pos : pos + room]
+            cur.write(piece.data)
+            cur.count += piece.shape[0]
+            pos += piece.shape[0]
+            if cur.count == self.md.shard_n_examples(cur.k):
+                self._finish_part(spec.key, cur, spec.to_json())
+
+    def _io_text(self, spec: _StreamSpec, lines: list[bytes], first: int) -> None:
+        pos = 0
+        while pos < len(lines):
+            cur = self._cursor(spec.key, first + pos)
+            room = self.md.shard_n_examples(cur.k) - cur.count
+            piece = lines[pos : pos + room]
+            cur.write(b"".join(piece))
+            cur.count += len(piece)
+            pos += len(piece)
+            if cur.count == self.md.shard_n_examples(cur.k):
+                self._finish_part(spec.key, cur, {"n_lines": cur.count})
+
+    def _finish_part(self, key: str, cur: _Cursor, extra: dict[str, Any]) -> None:
+        if key == "acts" and self.md.protocol == LEGACY_PROTOCOL and cur.k == self.md.n_shards - 1:
+            # The saev reference memmaps every shard at full size; pad so it can read ours.
+            pad = self.md.shard_nbytes(cur.k) - cur.nbytes
+            zeros = bytes(min(pad, IO_CHUNK))
+            while pad:
+                cur.write(zeros[: min(pad, IO_CHUNK)])
+                pad -= min(pad, IO_CHUNK)
+        if self.durable:
+            os.fsync(cur.file.fileno())
+        cur.file.close()
+        del self._cursors[key]
+        self._done.setdefault(cur.k, {})[key] = {"nbytes": cur.nbytes, "xxh3_128": cur.hasher.hexdigest(), **extra}
+        self._maybe_seal(cur.k)
+
+    def _maybe_seal(self, k: int) -> None:
+        done = self._done.get(k, {})
+        if not all(key in done for key in self._io_keys):
+            return
+        stats = self._shard_stats.get(k)
+        record = {
+            "shard": k,
+            "n_examples": self.md.shard_n_examples(k),
+            "acts": done["acts"],
+            "streams": {key: done[key] for key in sorted(self._io_keys) if key != "acts"},
+            "stats": stats.to_json() if stats is not None else None,
+        }
+        write_file_atomic(self.staging / part_record(k), orjson.dumps(record), self.durable)
+
+    # -- closing ----------------------------------------------------------------------
+    def close(self) -> Path | None:
+        """Finish writing; a single writer publishes and returns the cache's path.
+
+        Raises `WriterError` (and publishes nothing) if any stream is incomplete.
+        """
+        if self._closed:
+            return self.path if self.path.exists() else None
+        try:
+            self._pipeline.drain()
+            missing = {key: self._next.get(key, self.next_example) for key in self._specs}
+            short = {k: n for k, n in missing.items() if n != self.stop}
+            if short:
+                parts = ", ".join(
+                    f"{k}: {n - self.start} of {self.stop - self.start} examples" for k, n in sorted(short.items())
+                )
+                raise WriterError(f"closing with missing examples ({parts}); nothing was published")
+        except BaseException:
+            self._abort()
+            raise
+        self._closed = True
+        if self.world_size > 1:
+            self._release_lock()
+            return None
+        try:
+            finalize(self.root, self.md, verify=False, _lock_fd=self._lock_fd, durable=self.durable)
+        finally:
+            self._release_lock()
+        return self.path
+
+    def abort(self) -> None:
+        """Stop writing and publish nothing. Sealed shards stay in staging for ``resume``."""
+        self._abort()
+
+    def _abort(self) -> None:
+        self._closed = True
+        try:
+            pipeline = getattr(self, "_pipeline", None)
+            if pipeline is not None:
+                with contextlib.suppress(BaseException):
+                    pipeline.drain()
+            for cur in list(getattr(self, "_cursors", {}).values()):
+                with contextlib.suppress(OSError):
+                    cur.file.close()
+        finally:
+            self._release_lock()
+
+    def _release_lock(self) -> None:
+        if getattr(self, "_lock_fd", None) is not None:
+            assert self._lock_fd is not None
+            os.close(self._lock_fd)
+            self._lock_fd = None
+
+    def __enter__(self) -> ShardWriter:
+        return self
+
+    def __exit__(self, exc_type: object, exc: object, tb: object) -> None:
+        if exc_type is None:
+            self.close()
+        else:
+            self._abort()
+
+    def __del__(self) -> None:
+        if not getattr(self, "_closed", True):
+            with contextlib.suppress(BaseException):
+                self._abort()
+
+    def __repr__(self) -> str:
+        return (
+            f"ShardWriter({str(self.path)!r}, rank={self.rank}/{self.world_size}, "
+            f"examples [{self.start}, {self.stop}), next={self._next.get('acts', self.next_example)})"
+        )
+
+
+def _field(name: str) -> str:
+    if not FIELD_NAME_RE.fullmatch(name):
+        raise WriterError(f"bad column/text name {name!r}: use lower-case letters, digits and _ (max 64)")
+    return name
+
+
+def _to_numpy(x: Any) -> npt.NDArray[Any]:
+    if dtypes.is_torch_tensor(x):
+        return np.asarray(x.detach().cpu().numpy())
+    return np.asarray(x)
+
+
+def _remove(path: Path) -> None:
+    if path.is_dir() and not path.is_symlink():
+        shutil.rmtree(path)
+    else:
+        with contextlib.suppress(FileNotFoundError):
+            path.unlink()
+
+
+# --------------------------------------------------------------------------------------
+# finalize and publish
+
+
+def finalize(
+    root: str | os.PathLike[str],
+    md: Metadata,
+    *,
+    verify: bool = True,
+    durable: bool = True,
+    _lock_fd: int | None = None,
+) -> Path:
+    """Check every shard's part record, join the parts, write the manifest and publish.
+
+    Called automatically when a single writer closes. With several writers, call it
+    once after every rank has closed; ``verify`` re-reads every part to check its
+    digest. Raises `WriterError` naming every missing or broken shard.
+    """
+    root = Path(root)
+    staging = staging_dir(root, md)
+    final = root / md.hash
+    if final.exists():
+        raise AlreadyPublishedError(f"{final} is already published; published caches are immutable")
+    if not staging.is_dir():
+        raise WriterError(f"nothing to finalize: {staging} does not exist")
+    own_lock = _lock_fd is None
+    lock_fd = _lock_fd
+    if own_lock:
+        lock_fd = os.open(staging / LOCK_FILE, os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            fcntl.flock(lock_fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError as err:
+            os.close(lock_fd)
+            raise WriterBusyError(f"{staging}: writers are still running; finalize after they close") from err
+    try:
+        return _finalize_locked(root, md, staging, final, verify, durable)
+    finally:
+        if own_lock and lock_fd is not None:
+            os.close(lock_fd)
+
+
+def _finalize_locked(root: Path, md: Metadata, staging: Path, final: Path, verify: bool, durable: bool) -> Path:
+    if (staging / METADATA_FILE).read_bytes() != pretty_json(md.to_dict()):
+        raise WriterError(f"{staging / METADATA_FILE} does not match the metadata being finalized")
+    records: list[dict[str, Any]] = []
+    problems: list[str] = []
+    for k in range(md.n_shards):
+        try:
+            records.append(strict_json_loads((staging / part_record(k)).read_bytes()))
+        except FileNotFoundError:
+            problems.append(f"shard {k}: not written (no {part_record(k)})")
+        except (OSError, ValueError) as err:
+            problems.append(f"shard {k}: unreadable part record ({err})")
+    if problems:
+        raise WriterError(
+            f"{staging}: cannot finalize, {len(problems)} shards incomplete:\n  " + "\n  ".join(problems[:50])
+        )
+    stream_sets = {tuple(sorted(r["streams"])) for r in records}
+    if len(stream_sets) > 1:
+        raise WriterError(f"{staging}: shards were written with different streams: {sorted(stream_sets)}")
+    streams = sorted(stream_sets.pop()) if records else []
+    for r in records:
+        k = r["shard"]
+        for key, info in [("acts", r["acts"]), *r["streams"].items()]:
+            path = staging / part_file(k, key)
+            size = path.stat().st_size if path.exists() else -1
+            if size != info["nbytes"]:
+                problems.append(f"{path}: expected {info['nbytes']} bytes, found {size if size >= 0 else 'no file'}")
+            elif verify and hash_file(path)[1] != info["xxh3_128"]:
+                problems.append(f"{path}: xxh3_128 differs from its part record")
+        if r["acts"]["nbytes"] != md.shard_nbytes(k):
+            problems.append(f"shard {k}: expected {md.shard_nbytes(k)} bytes, record says {r['acts']['nbytes']}")
+    if problems:
+        raise WriterError(f"{staging}: cannot finalize:\n  " + "\n  ".join(problems[:50]))
+
+    shards = tuple(
+        ShardEntry(shard_name(r["shard"]), r["n_examples"], r["acts"]["nbytes"], r["acts"]["xxh3_128"]) for r in records
+    )
+    labels = None
+    columns: dict[str, ArrayEntry] = {}
+    text: dict[str, TextEntry] = {}
+    for key in streams:
+        info = records[0]["streams"][key]
+        if any(
+            r["streams"][key].get("dtype") != info.get("dtype") or r["streams"][key].get("shape") != info.get("shape")
+            for r in records
+        ):
+            raise WriterError(f"{staging}: stream {key!r} has different dtypes or shapes across shards")
+        if key == "labels":
+            nbytes, digest = _join(staging, md, key, LABELS_FILE, durable)
+            labels = ArrayEntry(LABELS_FILE, info["dtype"], (md.n_examples, *info["shape"]), nbytes, digest)
+        elif key.startswith("column."):
+            name = key.split(".", 1)[1]
+            nbytes, digest = _join(staging, md, key, column_file(name), durable)
+            columns[name] = ArrayEntry(
+                column_file(name), info["dtype"], (md.n_examples, *info["shape"]), nbytes, digest
+            )
+        else:
+            name = key.split(".", 1)[1]
+            nbytes, digest = _join(staging, md, key, text_file(name), durable)
+            text[name] = TextEntry(text_file(name), md.n_examples, nbytes, digest)
+    stats_entry = None
+    if records and all(r["stats"] is not None for r in records):
+        total = _Stats(md.n_layers, md.d_model)
+        for r in records:  # shard order: the sums are the same for any number of writers
+            total.add(_Stats.from_json(r["stats"], md.n_layers, md.d_model))
+        data = pretty_json(total.summary(md.layers))
+        write_file_atomic(staging / STATS_FILE, data, durable)
+        stats_entry = FileEntry(STATS_FILE, len(data), xxhash.xxh3_128_hexdigest(data))
+    manifest = Manifest(shards=shards, labels=labels, columns=columns, text=text, stats=stats_entry)
+    write_file_atomic(staging / MANIFEST_FILE, pretty_json(manifest.to_json(md.protocol)), durable)
+    if md.protocol == LEGACY_PROTOCOL:
+        write_file_atomic(staging / CHECKSUMS_FILE, pretty_json(manifest.checksums_json()), durable)
+
+    # Remove the staging-only files, freeze, publish with one rename.
+    for name in os.listdir(staging):
+        if name.startswith("part") or name == LOCK_FILE or name.endswith(".tmp"):
+            _remove(staging / name)
+    for name in os.listdir(staging):
+        os.chmod(staging / name, stat.S_IRUSR | stat.S_IRGRP | stat.S_IROTH)
+    if durable:
+        _fsync_dir(staging)
+    try:
+        os.rename(staging, final)
+    except OSError as err:
+        if err.errno in (errno.EEXIST, errno.ENOTEMPTY):
+            raise AlreadyPublishedError(f"{final} was published by someone else meanwhile") from err
+        raise
+    os.chmod(final, 0o555)  # noqa: S103 - published caches are world-readable and immutable
+    if durable:
+        _fsync_dir(root)
+    return final
+
+
+def _join(staging: Path, md: Metadata, key: str, name: str, durable: bool) -> tuple[int, str]:
+    """Concatenate stream ``key``'s per-shard parts, in shard order, into ``name``; ``(nbytes, digest)``."""
+    h = xxhash.xxh3_128()
+    total = 0
+    out_path = staging / name
+    with open(out_path, "wb", buffering=0) as out:
+        for k in range(md.n_shards):
+            with open(staging / part_file(k, key), "rb", buffering=0) as f:
+                while True:
+                    chunk = f.read(IO_CHUNK)
+                    if not chunk:
+                        break
+                    _write_all(out, memoryview(chunk))
+                    h.update(chunk)
+                    total += len(chunk)
+        if durable:
+            os.fsync(out.fileno())
+    return total, h.hexdigest()
