@@ -489,6 +489,35 @@ class Shards:
         _pread_into(self._fd(k), view, offset)
         return out
 
+    def read_range(self, start: int, stop: int, out: npt.NDArray[Any] | None = None) -> npt.NDArray[Any]:
+        """Copy examples ``[start, stop)`` ``(stop - start, L, T, D)`` into ``out``: one large
+        sequential ``pread`` per shard touched (the fast path for streaming readers)."""
+        md = self.metadata
+        if not 0 <= start <= stop <= self.n_examples:
+            raise IndexError(f"range [{start}, {stop}) is not within [0, {self.n_examples}]")
+        if out is None:
+            out = np.empty((stop - start, *md.shard_shape[1:]), self.numpy_dtype)
+        if out.shape != (stop - start, *md.shard_shape[1:]) or out.dtype != self.numpy_dtype:
+            raise ValueError(f"out must have shape {(stop - start, *md.shard_shape[1:])} and dtype {self.numpy_dtype}")
+        if not out.flags.c_contiguous:
+            raise ValueError("out must be C-contiguous")
+        view = out.data.cast("B")
+        eps, example_nbytes = md.examples_per_shard, md.example_nbytes
+        e = start
+        pos = 0
+        while e < stop:
+            k, local = layout.shard_of(e, eps)
+            count = min(stop, (k + 1) * eps) - e
+            nbytes = count * example_nbytes
+            _pread_into(self._fd(k), view[pos : pos + nbytes], local * example_nbytes)
+            pos += nbytes
+            e += count
+        return out
+
+    def shard_path(self, k: int) -> Path:
+        """Absolute path of shard file ``k``."""
+        return self.path / self.manifest.shards[k].name
+
     def read_examples(
         self,
         examples: npt.ArrayLike,

@@ -18,6 +18,7 @@ How a cache is written (protocol.md section 6):
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import errno
 import fcntl
@@ -27,6 +28,7 @@ import shutil
 import stat
 import threading
 from collections.abc import Callable, Iterable, Mapping, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -65,8 +67,10 @@ STAGING_PREFIX = ".staging-"
 LOCK_FILE = ".lock"
 #: Bytes per read when hashing or joining files: large sequential I/O.
 IO_CHUNK = 8 << 20
-#: Examples per step of the statistics pass (bounds its float64 scratch memory).
+#: Examples per step of the statistics pass (bounds its float32 scratch memory).
 STATS_CHUNK = 8
+#: Batches that may wait for the statistics thread before the writer blocks.
+_STATS_BACKLOG = 2
 
 
 def staging_dir(root: Path, md: Metadata) -> Path:
@@ -180,32 +184,34 @@ class _Stats:
         self.nonfinite = np.zeros(n_layers, np.int64)
 
     def update(self, acts: npt.NDArray[Any], dtype: str, lengths: npt.NDArray[Any] | None) -> None:
-        # acts: stored dtype, shape (B, L, T, D)
+        """Add the tokens of ``acts`` (stored dtype, shape (B, L, T, D)); padding excluded by ``lengths``."""
         n_tokens = acts.shape[2]
+        positions = np.arange(n_tokens)
         for start in range(0, acts.shape[0], STATS_CHUNK):
             block = acts[start : start + STATS_CHUNK]
-            valid = np.ones((block.shape[0], n_tokens), bool)  # (b, T)
-            if lengths is not None:
-                valid &= np.arange(n_tokens)[None, :] < lengths[start : start + STATS_CHUNK, None]
+            has_nonfinite = dtypes.nonfinite_mask_any(block, dtype)
             for li in range(block.shape[1]):
-                x = dtypes.to_float32(block[:, li], dtype).astype(np.float64)  # (b, T, D)
-                finite = np.isfinite(x).all(axis=2)  # (b, T)
-                ok = valid & finite
-                self.nonfinite[li] += int(np.count_nonzero(valid & ~finite))
-                x[~ok] = 0.0
-                sq = x * x
-                per_ex_sum = x.sum(axis=1)  # (b, D): sums over T, in token order
-                per_ex_sq = sq.sum(axis=1)
-                norms_sq = sq.sum(axis=2)  # (b, T)
-                norms = np.sqrt(norms_sq)
-                per_ex_norm = norms.sum(axis=1)  # (b,)
-                per_ex_norm_sq = norms_sq.sum(axis=1)
-                for b in range(block.shape[0]):  # example order
-                    self.sum[li] += per_ex_sum[b]
-                    self.sum_sq[li] += per_ex_sq[b]
-                    self.norm_sum[li] += per_ex_norm[b]
-                    self.norm_sq_sum[li] += per_ex_norm_sq[b]
-                self.count[li] += int(np.count_nonzero(ok))
+                x = dtypes.to_float32(block[:, li], dtype)  # (b, T, D) float32
+                for b in range(block.shape[0]):  # one example at a time: fixed shapes, fixed order
+                    xb = x[b]  # (T, D)
+                    valid = None
+                    if lengths is not None:
+                        valid = positions < lengths[start + b]
+                    if has_nonfinite:
+                        finite = np.isfinite(xb).all(axis=1)
+                        self.nonfinite[li] += int(np.count_nonzero(~finite if valid is None else valid & ~finite))
+                        valid = finite if valid is None else valid & finite
+                    if valid is not None:
+                        xb = np.where(valid[:, None], xb, np.float32(0))
+                        self.count[li] += int(np.count_nonzero(valid))
+                    else:
+                        self.count[li] += n_tokens
+                    sq = xb * xb
+                    norms_sq = sq.sum(axis=1)  # (T,)
+                    self.sum[li] += xb.sum(axis=0)
+                    self.sum_sq[li] += sq.sum(axis=0)
+                    self.norm_sum[li] += float(np.sqrt(norms_sq).sum(dtype=np.float64))
+                    self.norm_sq_sum[li] += float(norms_sq.sum(dtype=np.float64))
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -431,6 +437,10 @@ class ShardWriter:
         self._cursors: dict[str, _Cursor] = {}
         self._done: dict[int, dict[str, dict[str, Any]]] = {}  # shard -> stream -> part info
         self._shard_stats: dict[int, _Stats] = {}
+        # Statistics run in their own thread (numpy releases the GIL), in submission order,
+        # so they overlap the disk writes; at most _STATS_BACKLOG batches wait for it.
+        self._stats_pool = ThreadPoolExecutor(1, "saev-shards-stats") if stats else None
+        self._stats_pending: collections.deque[tuple[int, Future[None]]] = collections.deque()
 
         self.root.mkdir(parents=True, exist_ok=True)
         if self.path.exists():
@@ -685,9 +695,13 @@ class ShardWriter:
             room = self.md.shard_n_examples(cur.k) - cur.count
             piece = arr[pos : pos + room]
             cur.write(piece.data if piece.flags.c_contiguous else piece.tobytes())
-            if self.stats_enabled:
+            if self._stats_pool is not None:
                 stats = self._shard_stats.setdefault(cur.k, _Stats(self.md.n_layers, self.md.d_model))
-                stats.update(piece, self.md.dtype, None if lengths is None else lengths[pos : pos + room])
+                piece_lengths = None if lengths is None else lengths[pos : pos + room]
+                fut = self._stats_pool.submit(stats.update, piece, self.md.dtype, piece_lengths)
+                self._stats_pending.append((cur.k, fut))
+                while len(self._stats_pending) > _STATS_BACKLOG:
+                    self._stats_pending.popleft()[1].result()
             cur.count += piece.shape[0]
             pos += piece.shape[0]
             if cur.count == self.md.shard_n_examples(cur.k):
@@ -736,6 +750,8 @@ class ShardWriter:
         done = self._done.get(k, {})
         if not all(key in done for key in self._io_keys):
             return
+        while self._stats_pending and self._stats_pending[0][0] <= k:
+            self._stats_pending.popleft()[1].result()
         stats = self._shard_stats.get(k)
         record = {
             "shard": k,
@@ -767,6 +783,8 @@ class ShardWriter:
             self._abort()
             raise
         self._closed = True
+        if self._stats_pool is not None:
+            self._stats_pool.shutdown()
         if self.world_size > 1:
             self._release_lock()
             return None
@@ -787,6 +805,9 @@ class ShardWriter:
             if pipeline is not None:
                 with contextlib.suppress(BaseException):
                     pipeline.drain()
+            pool = getattr(self, "_stats_pool", None)
+            if pool is not None:
+                pool.shutdown(wait=True, cancel_futures=True)
             for cur in list(getattr(self, "_cursors", {}).values()):
                 with contextlib.suppress(OSError):
                     cur.file.close()

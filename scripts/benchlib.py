@@ -1,0 +1,282 @@
+"""Shared benchmark tools: the machine's own limits, measured in the same run, and tables.
+
+Every speed figure the benchmarks print is a ratio against a limit measured here in the
+same run (memcpy, O_DIRECT sequential and random disk I/O), because absolute numbers on
+a shared virtual machine drift by 2x from minute to minute. Limits and measurements are
+interleaved (`interleaved`) and summarised by their medians.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import mmap
+import os
+import platform
+import statistics
+import threading
+import time
+from collections.abc import Callable, Iterator, Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+REPO = Path(__file__).resolve().parent.parent
+#: Large O_DIRECT requests: the disk's best sequential rate, not Python's per-call cost.
+DIRECT_BLOCK = 8 << 20
+ALIGN = 4096  # O_DIRECT needs offsets, lengths and buffers aligned to the logical block size
+
+
+def bench_dir() -> Path:
+    """Where benchmark data files go: $SAEV_BENCH_DIR, else ./bench_out (same disk as the repo)."""
+    path = Path(os.environ.get("SAEV_BENCH_DIR", REPO / "bench_out"))
+    path.mkdir(parents=True, exist_ok=True)
+    return path
+
+
+def results_dir() -> Path:
+    """Where tables (markdown) and plots (PNG) are saved: ./results."""
+    path = Path(os.environ.get("SAEV_RESULTS_DIR", REPO / "results"))
+    path.mkdir(parents=True, exist_ok=True)
+    return path
+
+
+# --------------------------------------------------------------------------------------
+# the machine's limits
+
+
+def memcpy_gbps(nbytes: int = 256 << 20, repeats: int = 5) -> float:
+    """Large-buffer memcpy bandwidth (GB/s, bytes copied / second): numpy copyto, best of ``repeats``."""
+    src = np.ones(nbytes, np.uint8)
+    dst = np.empty_like(src)
+    np.copyto(dst, src)
+    best = float("inf")
+    for _ in range(repeats):
+        t = time.perf_counter()
+        np.copyto(dst, src)
+        best = min(best, time.perf_counter() - t)
+    return nbytes / best / 1e9
+
+
+def memcpy_chunks_gbps(chunk: int, total: int = 512 << 20, pool: int = 1 << 30, seed: int = 0) -> float:
+    """memcpy of ``chunk``-byte pieces from random offsets of a ``pool``-byte buffer into one
+    destination: the best any reader of ``chunk``-sized slices from page-cached memory can do."""
+    src = np.ones(pool, np.uint8)
+    dst = np.empty(chunk, np.uint8)
+    n = max(1, total // chunk)
+    rng = np.random.default_rng(seed)
+    offsets = rng.integers(0, (pool - chunk) // 64, n) * 64
+    t = time.perf_counter()
+    for o in offsets.tolist():
+        np.copyto(dst, src[o : o + chunk])
+    return n * chunk / (time.perf_counter() - t) / 1e9
+
+
+def _aligned(nbytes: int) -> mmap.mmap:
+    buf = mmap.mmap(-1, nbytes)  # page-aligned anonymous memory
+    buf.write(os.urandom(min(nbytes, 1 << 20)) * (nbytes // min(nbytes, 1 << 20)))
+    return buf
+
+
+def odirect_write_gbps(path: Path, nbytes: int, block: int = DIRECT_BLOCK) -> float:
+    """Sequential O_DIRECT write of ``nbytes`` (plus fsync): the disk's write limit, GB/s."""
+    nbytes -= nbytes % block
+    buf = _aligned(block)
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_DIRECT, 0o644)
+    try:
+        t = time.perf_counter()
+        for off in range(0, nbytes, block):
+            os.pwrite(fd, buf, off)
+        os.fsync(fd)
+        return nbytes / (time.perf_counter() - t) / 1e9
+    finally:
+        os.close(fd)
+
+
+def odirect_read_gbps(path: Path, block: int = DIRECT_BLOCK, limit: int | None = None) -> float:
+    """Sequential O_DIRECT read of a file: the disk's read limit, GB/s (page cache bypassed)."""
+    size = os.stat(path).st_size
+    size -= size % block
+    if limit is not None:
+        size = min(size, limit - limit % block)
+    buf = _aligned(block)
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECT)
+    try:
+        t = time.perf_counter()
+        for off in range(0, size, block):
+            os.preadv(fd, [buf], off)
+        return size / (time.perf_counter() - t) / 1e9
+    finally:
+        os.close(fd)
+
+
+def odirect_random_read(path: Path, block: int, n: int, threads: int = 1, seed: int = 0) -> tuple[float, float]:
+    """``n`` random aligned O_DIRECT reads of ``block`` bytes: ``(GB/s, reads/s)``."""
+    size = os.stat(path).st_size
+    rng = np.random.default_rng(seed)
+    offsets = (rng.integers(0, (size - block) // ALIGN, n) * ALIGN).tolist()
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECT)
+
+    def work(part: list[int]) -> None:
+        buf = _aligned(block)
+        for off in part:
+            os.preadv(fd, [buf], off)
+
+    try:
+        t = time.perf_counter()
+        pool = [threading.Thread(target=work, args=(offsets[i::threads],)) for i in range(threads)]
+        for th in pool:
+            th.start()
+        for th in pool:
+            th.join()
+        dt = time.perf_counter() - t
+    finally:
+        os.close(fd)
+    return n * block / dt / 1e9, n / dt
+
+
+def fill_file(path: Path, nbytes: int) -> None:
+    """Write ``nbytes`` of incompressible data (sequentially, then fsync)."""
+    block = DIRECT_BLOCK
+    chunk = os.urandom(1 << 20) * (block >> 20)
+    with open(path, "wb", buffering=0) as f:
+        left = nbytes
+        while left:
+            n = f.write(chunk[: min(left, block)])
+            left -= n
+        os.fsync(f.fileno())
+
+
+def drop_cache(paths: Path | Sequence[Path]) -> None:
+    """Evict files from the page cache (POSIX_FADV_DONTNEED on clean pages), recursively for folders."""
+    items = [paths] if isinstance(paths, Path) else list(paths)
+    for p in items:
+        files = [p] if p.is_file() else [q for q in p.rglob("*") if q.is_file()]
+        for f in files:
+            fd = os.open(f, os.O_RDONLY)
+            try:
+                os.fdatasync(fd) if os.access(f, os.W_OK) else None
+                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+            finally:
+                os.close(fd)
+
+
+def warm_cache(paths: Path | Sequence[Path]) -> None:
+    """Read files once so they sit in the page cache."""
+    items = [paths] if isinstance(paths, Path) else list(paths)
+    buf = bytearray(DIRECT_BLOCK)
+    for p in items:
+        files = [p] if p.is_file() else [q for q in p.rglob("*") if q.is_file()]
+        for f in files:
+            with open(f, "rb", buffering=0) as fh:
+                while fh.readinto(buf):
+                    pass
+
+
+# --------------------------------------------------------------------------------------
+# measuring
+
+
+def interleaved(fns: dict[str, Callable[[], float]], rounds: int = 3) -> dict[str, float]:
+    """Run each rate function once per round, in turn, and return the median rate of each.
+
+    Interleaving spreads the machine's drift over every contender instead of favouring
+    whichever ran in a quiet minute.
+    """
+    samples: dict[str, list[float]] = {k: [] for k in fns}
+    for _ in range(rounds):
+        for name, fn in fns.items():
+            samples[name].append(fn())
+    return {k: statistics.median(v) for k, v in samples.items()}
+
+
+def latencies(fn: Callable[[int], Any], n: int) -> np.ndarray[Any, np.dtype[np.float64]]:
+    """Seconds taken by ``fn(i)`` for i in range(n)."""
+    out = np.empty(n)
+    clock = time.perf_counter
+    for i in range(n):
+        t = clock()
+        fn(i)
+        out[i] = clock() - t
+    return out
+
+
+@contextlib.contextmanager
+def stopwatch() -> Iterator[list[float]]:
+    """``with stopwatch() as t: ...`` then ``t[0]`` holds the elapsed seconds."""
+    box: list[float] = []
+    start = time.perf_counter()
+    try:
+        yield box
+    finally:
+        box.append(time.perf_counter() - start)
+
+
+# --------------------------------------------------------------------------------------
+# reporting
+
+
+def machine() -> str:
+    """One line naming the machine the figures came from."""
+    cpu = platform.processor() or platform.machine()
+    with contextlib.suppress(OSError), open("/proc/cpuinfo") as f:
+        for line in f:
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    mem = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30
+    return (
+        f"{cpu}, {os.cpu_count()} cores, {mem:.0f} GiB RAM, Python {platform.python_version()}, numpy {np.__version__}"
+    )
+
+
+class Table:
+    """A markdown table that prints itself and is saved to results/<name>.md."""
+
+    def __init__(self, name: str, title: str, columns: Sequence[str]) -> None:
+        self.name = name
+        self.title = title
+        self.columns = list(columns)
+        self.rows: list[list[str]] = []
+        self.notes: list[str] = []
+
+    def add(self, *cells: object) -> None:
+        self.rows.append([_cell(c) for c in cells])
+
+    def note(self, text: str) -> None:
+        self.notes.append(text)
+
+    def render(self) -> str:
+        widths = [
+            max(len(c), *(len(r[i]) for r in self.rows)) if self.rows else len(c) for i, c in enumerate(self.columns)
+        ]
+        lines = [f"### {self.title}", ""]
+        lines.append("| " + " | ".join(c.ljust(w) for c, w in zip(self.columns, widths, strict=True)) + " |")
+        lines.append("| " + " | ".join("-" * w for w in widths) + " |")
+        lines.extend("| " + " | ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)) + " |" for r in self.rows)
+        if self.notes:
+            lines.append("")
+            lines.extend(self.notes)
+        return "\n".join(lines) + "\n"
+
+    def emit(self) -> str:
+        text = self.render()
+        print(text, flush=True)
+        (results_dir() / f"{self.name}.md").write_text(text)
+        return text
+
+
+def _cell(c: object) -> str:
+    if isinstance(c, float):
+        if c != c:  # NaN
+            return "n/a"
+        if abs(c) >= 100:
+            return f"{c:,.0f}"
+        if abs(c) >= 10:
+            return f"{c:.1f}"
+        return f"{c:.2f}"
+    return str(c)
+
+
+def gb(nbytes: float) -> str:
+    return f"{nbytes / 1e9:.2f} GB"
