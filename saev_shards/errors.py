@@ -115,6 +115,38 @@ class UnexpectedFileError(InvalidCacheError):
     title = "unexpected file"
 
 
+class RootNotSetError(ShardsError):
+    """Raised when a shards or runs root is needed but neither given nor set in the environment."""
+
+
+class CacheRefError(ShardsError):
+    """Raised when a cache reference (a path, hash or hash prefix) is malformed, e.g. too short."""
+
+
+class AmbiguousPrefixError(CacheRefError):
+    """Raised when a hash prefix matches several caches; `.candidates` lists their paths."""
+
+    def __init__(self, message: str, candidates: Sequence[str] = ()) -> None:
+        self.candidates = list(candidates)
+        super().__init__(message)
+
+
+class UnknownCacheError(CacheNotFoundError, CacheRefError):
+    """Raised when a path, hash or hash prefix names no cache in the shards roots."""
+
+
+class RunError(ShardsError):
+    """Raised when a run folder cannot be created or is not a run folder."""
+
+
+class RunNotFoundError(RunError, FileNotFoundError):
+    """Raised when a run path or run id names no run folder."""
+
+
+class RunExistsError(RunError, FileExistsError):
+    """Raised when creating a run whose folder already exists."""
+
+
 def _format(problems: Sequence[Problem], path: str | None) -> str:
     if not problems:
         return "no problems"
