@@ -28,7 +28,7 @@ def _is_int(c: object) -> bool:
     return isinstance(c, (int, np.integer)) and not isinstance(c, (bool, np.bool_))
 
 
-def _normalize(key: Any) -> tuple[Any, ...]:
+def _normalize(key: Any, shape: tuple[int, ...]) -> tuple[Any, ...]:
     if not isinstance(key, tuple):
         key = (key,)
     if any(c is None for c in key):
@@ -53,7 +53,26 @@ def _normalize(key: Any) -> tuple[Any, ...]:
         key = key[:i] + fill + key[i + 1 :]
     else:
         key = key + fill
-    return tuple(np.asarray(c) if _is_array(c) else c for c in key)
+    out = tuple(_as_index_array(c) if _is_array(c) else c for c in key)
+    axis = 0
+    for c in out:
+        if isinstance(c, np.ndarray) and c.dtype == bool:
+            if c.shape != tuple(shape[axis : axis + c.ndim]):
+                raise IndexError(
+                    f"boolean index did not match indexed array along axis {axis}; "
+                    f"size is {shape[axis : axis + c.ndim]} but corresponding boolean size is {c.shape}"
+                )
+            axis += c.ndim
+        else:
+            axis += 1
+    return out
+
+
+def _as_index_array(c: object) -> npt.NDArray[Any]:
+    arr = np.asarray(c)
+    if arr.size == 0 and arr.dtype.kind not in "iub":
+        return arr.astype(np.intp)  # numpy treats an empty list as an empty integer index
+    return arr
 
 
 def _expand_bools(rest: tuple[Any, ...]) -> tuple[Any, ...]:
@@ -68,7 +87,7 @@ def _expand_bools(rest: tuple[Any, ...]) -> tuple[Any, ...]:
 
 def getitem(shards: Shards, key: Any) -> npt.NDArray[Any]:
     """``logical[key]`` for the cache behind ``shards``."""
-    key = _normalize(key)
+    key = _normalize(key, shards.shape)
     first, rest = key[0], _expand_bools(key[1:])
     n = shards.n_examples
     rest_has_array = any(isinstance(c, np.ndarray) for c in rest)

@@ -75,7 +75,8 @@ def to_stored(x: object, dtype: str) -> tuple[npt.NDArray[Any], bool]:
         # vectorised and rounds identically. Only used when torch is already imported.
         out = torch.from_numpy(arr).to(torch.float16 if dtype == "float16" else torch.float32)
         return out.numpy(), True
-    return np.ascontiguousarray(arr, dtype=target), True
+    with np.errstate(over="ignore"):  # overflow to inf is reported by the writer's own check
+        return np.ascontiguousarray(arr, dtype=target), True
 
 
 def _torch_to_stored(x: Any, dtype: str) -> tuple[npt.NDArray[Any], bool]:

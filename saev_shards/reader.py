@@ -481,7 +481,7 @@ class Shards:
         offset = (i * md.n_layers + layer_idx) * nbytes
         if not out.flags.c_contiguous:
             raise ValueError("out must be C-contiguous")
-        view = out.data.cast("B")
+        view = out.reshape(-1).view(np.uint8).data
         if view.nbytes != nbytes:
             raise ValueError(
                 f"out must hold {nbytes} bytes ({md.shard_shape[2:]} {self.numpy_dtype}), found {view.nbytes}"
@@ -501,7 +501,7 @@ class Shards:
             raise ValueError(f"out must have shape {(stop - start, *md.shard_shape[1:])} and dtype {self.numpy_dtype}")
         if not out.flags.c_contiguous:
             raise ValueError("out must be C-contiguous")
-        view = out.data.cast("B")
+        view = out.reshape(-1).view(np.uint8).data
         eps, example_nbytes = md.examples_per_shard, md.example_nbytes
         e = start
         pos = 0

@@ -146,6 +146,13 @@ def _write_all(f: Any, view: memoryview) -> None:
         view = view[n:]
 
 
+def _byte_view(data: bytes | npt.NDArray[Any]) -> memoryview:
+    """The raw bytes of ``data`` as a flat memoryview (also for empty and 0-d arrays)."""
+    if isinstance(data, np.ndarray):
+        return np.ascontiguousarray(data).reshape(-1).view(np.uint8).data
+    return memoryview(data)
+
+
 def hash_file(path: Path, progress: Callable[[int], None] | None = None) -> tuple[int, str]:
     """``(nbytes, xxh3_128 hex)`` of a file, read in large sequential chunks."""
     h = xxhash.xxh3_128()
@@ -306,8 +313,8 @@ class _Cursor:
                 self.file.close()
                 raise WriterBusyError(f"{path} is being written by another process") from err
 
-    def write(self, data: bytes | memoryview) -> None:
-        view = memoryview(data).cast("B")
+    def write(self, data: bytes | npt.NDArray[Any]) -> None:
+        view = _byte_view(data)
         _write_all(self.file, view)
         self.hasher.update(view)
         self.nbytes += view.nbytes
@@ -694,7 +701,7 @@ class ShardWriter:
             cur = self._cursor("acts", first + pos)
             room = self.md.shard_n_examples(cur.k) - cur.count
             piece = arr[pos : pos + room]
-            cur.write(piece.data if piece.flags.c_contiguous else piece.tobytes())
+            cur.write(piece)
             if self._stats_pool is not None:
                 stats = self._shard_stats.setdefault(cur.k, _Stats(self.md.n_layers, self.md.d_model))
                 piece_lengths = None if lengths is None else lengths[pos : pos + room]
@@ -713,7 +720,7 @@ class ShardWriter:
             cur = self._cursor(spec.key, first + pos)
             room = self.md.shard_n_examples(cur.k) - cur.count
             piece = arr[pos : pos + room]
-            cur.write(piece.data)
+            cur.write(piece)
             cur.count += piece.shape[0]
             pos += piece.shape[0]
             if cur.count == self.md.shard_n_examples(cur.k):

@@ -1,0 +1,156 @@
+"""Metadata: the exact hash formula, validation, serialisation."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from typing import Any
+
+import numpy as np
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+import saev_shards as ss
+from saev_shards.format import pretty_json
+from saev_shards.metadata import KEYS, parse_metadata
+
+from .helpers import small_metadata
+
+
+def seed_hash(md: dict[str, Any]) -> str:
+    """The seed protocol's formula, spelled out independently of the library."""
+    return hashlib.sha256(json.dumps(md, sort_keys=True, separators=(",", ":")).encode("utf-8")).hexdigest()
+
+
+def test_hash_is_the_seed_formula() -> None:
+    md = small_metadata()
+    assert md.hash == seed_hash(md.to_dict())
+    assert len(md.hash) == 64
+    assert all(c in "0123456789abcdef" for c in md.hash)
+
+
+json_values = st.recursive(
+    st.none()
+    | st.booleans()
+    | st.integers(-(2**53), 2**53)
+    | st.floats(allow_nan=False, allow_infinity=False)
+    | st.text(),
+    lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=8), inner, max_size=4),
+    max_leaves=12,
+)
+
+
+@given(data=st.dictionaries(st.text(max_size=10), json_values, max_size=5), dataset=st.text(), ckpt=st.text())
+def test_hash_formula_with_unicode_and_floats(data: dict[str, Any], dataset: str, ckpt: str) -> None:
+    md = small_metadata(data=data, dataset=dataset, ckpt=ckpt)
+    assert md.hash == seed_hash(md.to_dict())
+    # What is written to metadata.json parses back to metadata with the same hash.
+    again = parse_metadata(json.loads(pretty_json(md.to_dict())))
+    assert again == md
+    assert again.hash == md.hash
+
+
+def test_non_ascii_is_hashed_as_escapes() -> None:
+    md = small_metadata(data={"name": "café ∑"})
+    text = json.dumps(md.to_dict(), sort_keys=True, separators=(",", ":"))
+    assert "\\u00e9" in text
+    assert md.hash == hashlib.sha256(text.encode()).hexdigest()
+
+
+def test_pinned_hash() -> None:
+    """A fixed configuration has a fixed hash forever (changing it breaks every training config)."""
+    md = ss.Metadata(
+        family="clip",
+        ckpt="ViT-B-16/openai",
+        layers=(6, 11),
+        patches_per_ex=196,
+        cls_token=True,
+        d_model=768,
+        n_examples=10_000,
+        patches_per_shard=2_400_000,
+        data={"name": "imagenet-1k"},
+        dataset="/data/imagenet",
+        dtype="float16",
+    )
+    assert md.hash == seed_hash(md.to_dict())
+    assert md.hash == "df9d849fcb7d5202ae0c3ab674739e62d14c90b6278c2e0534e2cbe3548e1eb8"
+    assert (md.tokens_per_ex, md.examples_per_shard, md.n_shards) == (197, 6091, 2)
+    assert md.shard_shape == (6091, 2, 197, 768)
+
+
+def test_metadata_properties() -> None:
+    md = small_metadata()
+    assert md.shape == (23, 2, 5, 8)
+    assert md.n_layers == 2
+    assert md.itemsize == 2
+    assert md.example_nbytes == 2 * 5 * 8 * 2
+    assert md.nbytes == 23 * md.example_nbytes
+    assert [md.shard_n_examples(k) for k in range(md.n_shards)] == [5, 5, 5, 5, 3]
+    assert md.layer_index(11) == 1
+    with pytest.raises(KeyError, match=r"layer 7 was not recorded; recorded layers are \[6, 11\]"):
+        md.layer_index(7)
+
+
+def test_dtype_accepts_numpy_types() -> None:
+    assert small_metadata(dtype=np.float32).dtype == "float32"  # type: ignore[arg-type]
+    assert small_metadata(dtype=np.dtype("float16")).dtype == "float16"  # type: ignore[arg-type]
+
+
+def test_data_is_copied() -> None:
+    data = {"name": "x"}
+    md = small_metadata(data=data)
+    before = md.hash
+    data["name"] = "changed"
+    assert md.hash == before
+
+
+@pytest.mark.parametrize(
+    ("changes", "message"),
+    [
+        ({"layers": ()}, "at least one layer"),
+        ({"layers": (1, 1)}, "distinct"),
+        ({"layers": (1, True)}, "expected integers"),
+        ({"patches_per_ex": -1}, "patches_per_ex: expected an integer >= 0"),
+        ({"patches_per_ex": 0, "cls_token": False}, "T would be 0"),
+        ({"d_model": 0}, "d_model: expected an integer >= 1"),
+        ({"n_examples": 2.0}, "n_examples: expected an integer, found float"),
+        ({"cls_token": 1}, "cls_token: expected true or false"),
+        ({"dtype": "int8"}, "dtype: expected one of"),
+        ({"dtype": "float16", "protocol": "2.1"}, "for protocol 2.1"),
+        ({"protocol": "9.0"}, "protocol: expected one of"),
+        ({"data": [1, 2]}, "data: expected an object"),
+        ({"data": {"x": float("nan")}}, "not JSON-serialisable"),
+        ({"patches_per_shard": 9}, "patches_per_shard=9 is too small"),
+        ({"family": 3}, "family: expected a string"),
+    ],
+)
+def test_invalid_metadata(changes: dict[str, Any], message: str) -> None:
+    with pytest.raises(ss.MetadataError, match=message):
+        small_metadata(**changes)
+
+
+def test_parse_rejects_unknown_and_missing_keys() -> None:
+    d = small_metadata().to_dict()
+    d["extra"] = 1
+    del d["ckpt"]
+    with pytest.raises(ss.MetadataError, match=r"missing keys \['ckpt'\].*unknown keys \['extra'\]"):
+        parse_metadata(d)
+    assert list(small_metadata().to_dict()) == list(KEYS)
+
+
+def test_legacy_metadata_allows_string_data() -> None:
+    md = small_metadata(dtype="float32", protocol="2.1", data="gASVAAAA")
+    assert md.protocol == "2.1"
+    assert md.hash == seed_hash(md.to_dict())
+
+
+def test_legacy_last_shard_is_padded() -> None:
+    md = small_metadata(dtype="float32", protocol="2.1")
+    assert md.shard_nbytes(md.n_shards - 1) == md.examples_per_shard * md.example_nbytes
+    assert small_metadata().shard_nbytes(4) == 3 * small_metadata().example_nbytes
+
+
+def test_too_many_shards_for_six_digit_names() -> None:
+    with pytest.raises(ss.MetadataError, match="1,000,000 shards"):
+        small_metadata(n_examples=2_000_000, patches_per_shard=10)

@@ -1,0 +1,377 @@
+"""ShardWriter: clear errors, nothing half-published, resumable, several writers, same bytes."""
+
+from __future__ import annotations
+
+import os
+import signal
+import stat
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+import saev_shards as ss
+from saev_shards.dtypes import float32_to_bf16
+from saev_shards.writer import staging_dir
+
+from .helpers import float_input, labels_for, logical_tensor, small_metadata, tree_bytes, write_cache
+
+
+def test_publishes_read_only(root: Path) -> None:
+    md = small_metadata()
+    write_cache(root, md, labels=True)
+    path = root / md.hash
+    assert not staging_dir(root, md).exists()
+    assert stat.S_IMODE(path.stat().st_mode) == 0o555
+    for f in path.iterdir():
+        assert stat.S_IMODE(f.stat().st_mode) == 0o444
+    assert sorted(p.name for p in path.iterdir()) == [
+        "acts000000.bin", "acts000001.bin", "acts000002.bin", "acts000003.bin", "acts000004.bin",
+        "labels.bin", "metadata.json", "shards.json",
+    ]  # fmt: skip
+
+
+def test_already_published_is_an_error(root: Path) -> None:
+    md = small_metadata()
+    write_cache(root, md)
+    with pytest.raises(ss.AlreadyPublishedError, match="already published"):
+        ss.ShardWriter(root, md)
+    assert isinstance(ss.AlreadyPublishedError("x"), FileExistsError)
+
+
+@pytest.mark.parametrize(
+    ("shape", "message"),
+    [((2, 2, 5), r"expected shape \(B, 2, 5, 8\)"), ((2, 3, 5, 8), r"found \(2, 3, 5, 8\)"), ((2, 2, 5, 9), "d_model")],
+)
+def test_wrong_shapes(root: Path, shape: tuple[int, ...], message: str) -> None:
+    w = ss.ShardWriter(root, small_metadata(), durable=False)
+    with pytest.raises(ss.WriterError, match=message):
+        w.write(np.zeros(shape, np.float16))
+    w.abort()
+
+
+def test_integer_input_is_rejected(root: Path) -> None:
+    w = ss.ShardWriter(root, small_metadata(), durable=False)
+    with pytest.raises(ss.WriterError, match="expected floating-point activations, found dtype int64"):
+        w.write(np.zeros((1, 2, 5, 8), np.int64))
+    w.abort()
+
+
+def test_too_many_examples(root: Path) -> None:
+    md = small_metadata()
+    w = ss.ShardWriter(root, md, durable=False)
+    w.write(np.zeros((20, 2, 5, 8), np.float16))
+    with pytest.raises(ss.WriterError, match=r"too many examples: 20 written \+ 4 in this batch > 23 expected"):
+        w.write(np.zeros((4, 2, 5, 8), np.float16))
+    w.write(np.zeros((3, 2, 5, 8), np.float16))  # the failed batch was not counted
+    assert w.close() == root / md.hash
+
+
+def test_closing_short_publishes_nothing(root: Path) -> None:
+    md = small_metadata()
+    w = ss.ShardWriter(root, md, durable=False)
+    w.write(np.zeros((10, 2, 5, 8), np.float16))
+    with pytest.raises(ss.WriterError, match=r"missing examples \(acts: 10 of 23 examples\); nothing was published"):
+        w.close()
+    assert not (root / md.hash).exists()
+
+
+def test_missing_labels_publish_nothing(root: Path) -> None:
+    md = small_metadata()
+    acts = np.zeros(md.shape, np.float16)
+    with pytest.raises(ss.WriterError, match="labels: 5 of 23"), ss.ShardWriter(root, md, durable=False) as w:
+        w.write(acts)
+        w.write_labels(labels_for(md)[:5])
+    assert not (root / md.hash).exists()
+
+
+def test_exception_inside_with_publishes_nothing(root: Path) -> None:
+    md = small_metadata()
+    with pytest.raises(RuntimeError, match="boom"), ss.ShardWriter(root, md, durable=False) as w:
+        w.write(np.zeros(md.shape, np.float16))
+        raise RuntimeError("boom")
+    assert not (root / md.hash).exists()
+
+
+def test_nonfinite_raises_with_count_and_examples(root: Path) -> None:
+    md = small_metadata()
+    acts = np.ones(md.shape, np.float32)
+    acts[3, 0, 0, 0] = 70000.0  # above float16's 65504
+    acts[12, 1, 2, 3] = -1e9
+    acts[12, 1, 2, 4] = np.inf
+    w = ss.ShardWriter(root, md, durable=False)
+    w.write(acts[:2])
+    with pytest.raises(ss.NonFiniteError) as info:
+        w.write(acts[2:23])
+    message = str(info.value)
+    assert "3 values in 2 examples (global indices 3, 12)" in message
+    assert "float16 holds at most 65504, the largest |value| was inf" in message
+    assert "allow_nonfinite=True" in message
+    w.abort()
+
+
+def test_nonfinite_from_torch_bf16(root: Path) -> None:
+    md = small_metadata(dtype="bfloat16")
+    acts = torch.ones(md.shape)
+    acts[5, 0, 0, 0] = float("nan")
+    w = ss.ShardWriter(root, md, durable=False)
+    with pytest.raises(ss.NonFiniteError, match=r"1 values in 1 examples \(global indices 5\)"):
+        w.write(acts)
+    w.abort()
+
+
+def test_allow_nonfinite_stores_inf(root: Path) -> None:
+    md = small_metadata(n_examples=1)
+    acts = np.zeros(md.shape, np.float32)
+    acts[0, 0, 0, 0] = 1e5
+    with ss.ShardWriter(root, md, allow_nonfinite=True, durable=False) as w:
+        w.write(acts)
+    assert ss.open(root / md.hash).get(0, 6, 0)[0] == np.inf
+
+
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16", "float32"])
+def test_torch_and_numpy_inputs_give_identical_bytes(tmp_path: Path, dtype: str) -> None:
+    md = small_metadata(dtype=dtype)
+    rng = np.random.default_rng(5)
+    values = (rng.standard_normal(md.shape) * 100).astype(np.float32)
+    values.flat[:6] = [0.0, -0.0, 65504.0, 1e-8, 3.0e38, -3.0e38]
+    allow = dtype != "float32"
+    for name, source in (("numpy", values), ("torch", torch.from_numpy(values)), ("f64", values.astype(np.float64))):
+        with ss.ShardWriter(tmp_path / name, md, allow_nonfinite=allow, durable=False) as w:
+            w.write(source)
+    assert tree_bytes(tmp_path / "numpy" / md.hash) == tree_bytes(tmp_path / "torch" / md.hash)
+    if dtype != "bfloat16":  # float64 -> bfloat16 rounds once in torch, twice via float32 in numpy
+        assert tree_bytes(tmp_path / "numpy" / md.hash) == tree_bytes(tmp_path / "f64" / md.hash)
+
+
+def test_bf16_rounding_matches_torch() -> None:
+    rng = np.random.default_rng(0)
+    x = np.concatenate(
+        [
+            rng.standard_normal(10_000).astype(np.float32) * 1e3,
+            np.array([0.0, -0.0, np.inf, -np.inf, np.nan, 3.4e38, -3.4e38, 1e-40, 1.00390625, 1.01171875], np.float32),
+            rng.integers(0, 2**32, 10_000, dtype=np.uint64).astype(np.uint32).view(np.float32),
+        ]
+    )
+    ours = float32_to_bf16(x)
+    theirs = torch.from_numpy(x).to(torch.bfloat16).view(torch.int16).numpy().view(np.uint16)
+    nan = np.isnan(x)
+    np.testing.assert_array_equal(ours[~nan], theirs[~nan])
+    assert np.isnan(ss.bf16_to_float32(ours[nan])).all()
+
+
+def test_buffers_may_be_reused_after_write(root: Path) -> None:
+    """With background writes, the caller may overwrite its batch buffer right after write()."""
+    md = small_metadata()
+    logical = logical_tensor(md)
+    buf = np.empty((1, *md.shape[1:]), np.float16)
+    with ss.ShardWriter(root, md, background=True, durable=False) as w:
+        for i in range(md.n_examples):
+            buf[:] = logical[i]
+            w.write(buf)
+    np.testing.assert_array_equal(ss.open(root / md.hash)[:], logical)
+
+
+def test_columns_dtype_and_shape_checks(root: Path) -> None:
+    md = small_metadata()
+    w = ss.ShardWriter(root, md, durable=False)
+    w.write_columns(token_ids=np.zeros((2, 5), np.int32))
+    with pytest.raises(ss.WriterError, match=r"column.token_ids: expected shape \(B, 5\) dtype int32"):
+        w.write_columns(token_ids=np.zeros((2, 4), np.int32))
+    w.write_columns(token_ids=np.ones((1, 5), np.int64))  # values fit: cast to the column's dtype
+    with pytest.raises(ss.WriterError, match=r"lengths: values must lie in \[0, 5\]"):
+        w.write_columns(lengths=np.array([6]))
+    with pytest.raises(ss.WriterError, match="bad column/text name 'Bad-Name'"):
+        w.write_columns(**{"Bad-Name": np.zeros(1)})
+    with pytest.raises(ss.WriterError, match="found a string"):
+        w.write_text(prompt="not a list")
+    w.abort()
+
+
+def test_legacy_protocol_refuses_columns(root: Path) -> None:
+    md = small_metadata(dtype="float32", protocol="2.1")
+    with pytest.raises(ss.WriterError, match="protocol 2.1 caches hold activations and labels only"):
+        ss.ShardWriter(root, md, stats=True)
+
+
+def test_empty_cache(root: Path) -> None:
+    md = small_metadata(n_examples=0)
+    with ss.ShardWriter(root, md) as w:
+        pass
+    shards = ss.open(w.path)
+    assert shards.shape == (0, 2, 5, 8)
+    assert shards[:].shape == (0, 2, 5, 8)
+    assert shards.manifest.shards == ()
+
+
+def test_several_writers_equal_one(tmp_path: Path) -> None:
+    """3 ranks writing disjoint shard blocks, then finalize: byte-identical to a single writer."""
+    md = small_metadata()
+    lengths = (np.arange(md.n_examples) % 5 + 1).astype(np.int16)
+    single = write_cache(tmp_path / "one", md, labels=True, lengths=lengths, text=True, stats=True)
+    source = float_input(md, single)
+    labels = labels_for(md)
+    root = tmp_path / "three"
+    writers = [ss.ShardWriter(root, md, rank=r, world_size=3, stats=True, durable=False) for r in range(3)]
+    assert [(w.start, w.stop) for w in writers] == [(0, 5), (5, 15), (15, 23)]
+    with pytest.raises(ss.WriterBusyError, match="writers are still running"):
+        ss.finalize(root, md)
+    for w in reversed(writers):  # order does not matter
+        for a in range(w.start, w.stop, 3):
+            b = min(a + 3, w.stop)
+            w.write(
+                source[a:b],
+                labels=labels[a:b],
+                columns={"lengths": lengths[a:b]},
+                text={"prompt": [f"example {i}: é" for i in range(a, b)]},
+            )
+        assert w.close() is None
+    assert not (root / md.hash).exists()
+    assert ss.finalize(root, md) == root / md.hash
+    assert tree_bytes(root / md.hash) == tree_bytes(tmp_path / "one" / md.hash)
+
+
+def test_finalize_reports_missing_shards(root: Path) -> None:
+    md = small_metadata()
+    w = ss.ShardWriter(root, md, rank=0, world_size=2, durable=False)
+    w.write(np.zeros((w.stop - w.start, 2, 5, 8), np.float16))
+    w.close()
+    with pytest.raises(ss.WriterError, match=r"3 shards incomplete:\n  shard 2: not written \(no part000002.json\)"):
+        ss.finalize(root, md)
+
+
+def test_same_rank_twice_is_busy(root: Path) -> None:
+    md = small_metadata()
+    a = ss.ShardWriter(root, md, durable=False)
+    with pytest.raises(ss.WriterBusyError, match="locked by another writer"):
+        ss.ShardWriter(root, md, durable=False)
+    a.abort()
+
+
+def test_rank_from_environment(monkeypatch: pytest.MonkeyPatch, root: Path) -> None:
+    md = small_metadata()
+    monkeypatch.setenv("SLURM_ARRAY_TASK_ID", "7")
+    monkeypatch.setenv("SLURM_ARRAY_TASK_MIN", "6")
+    monkeypatch.setenv("SLURM_ARRAY_TASK_COUNT", "2")
+    w = ss.ShardWriter(root, md, durable=False)
+    assert (w.rank, w.world_size) == (1, 2)
+    w.abort()
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.setenv("WORLD_SIZE", "3")
+    w = ss.ShardWriter(root, md, durable=False)
+    assert (w.rank, w.world_size, w.start, w.stop) == (0, 3, 0, 5)
+    w.abort()
+    with pytest.raises(ss.WriterError, match="give both rank and world_size"):
+        ss.ShardWriter(root, md, rank=1)
+
+
+def test_resume_after_abort_is_byte_identical(tmp_path: Path) -> None:
+    md = small_metadata()
+    expected_root = tmp_path / "clean"
+    logical = write_cache(expected_root, md, labels=True, stats=True)
+    source, labels = float_input(md, logical), labels_for(md)
+    root = tmp_path / "resumed"
+    w = ss.ShardWriter(root, md, labels=True, stats=True, durable=False)
+    w.write(source[:13], labels=labels[:13])  # shards 0 and 1 complete, shard 2 partial
+    w.abort()
+    w = ss.ShardWriter(root, md, labels=True, stats=True, resume=True, durable=False)
+    assert w.next_example == 10
+    w.write(source[10:], labels=labels[10:])
+    w.close()
+    assert tree_bytes(root / md.hash) == tree_bytes(expected_root / md.hash)
+
+
+def test_resume_rewrites_a_corrupted_shard(root: Path) -> None:
+    md = small_metadata()
+    logical = logical_tensor(md)
+    w = ss.ShardWriter(root, md, durable=False)
+    w.write(logical[:15])
+    w.abort()
+    shard1 = staging_dir(root, md) / "acts000001.bin"
+    data = bytearray(shard1.read_bytes())
+    data[7] ^= 0xFF
+    shard1.write_bytes(bytes(data))
+    w = ss.ShardWriter(root, md, resume=True, durable=False)
+    assert w.next_example == 5  # shard 1's checksum no longer matches its record
+    w.abort()
+
+
+def test_fresh_start_discards_stale_staging(root: Path) -> None:
+    md = small_metadata()
+    logical = logical_tensor(md)
+    w = ss.ShardWriter(root, md, durable=False)
+    w.write(logical[:15])
+    w.abort()
+    w = ss.ShardWriter(root, md, durable=False)
+    assert w.next_example == 0
+    w.write(logical)
+    w.close()
+    np.testing.assert_array_equal(ss.open(root / md.hash)[:], logical)
+
+
+KILL_SCRIPT = textwrap.dedent(
+    """
+    import sys, numpy as np
+    sys.path.insert(0, {repo!r})
+    import saev_shards as ss
+    from tests.helpers import small_metadata, logical_tensor
+    md = small_metadata(n_examples=4000, d_model=64)
+    logical = logical_tensor(md)
+    w = ss.ShardWriter({root!r}, md, resume={resume})
+    print(w.next_example, flush=True)
+    for a in range(w.next_example, md.n_examples, 50):
+        w.write(logical[a:a + 50])
+        if {pause}:
+            import time; time.sleep(0.01)
+    w.close()
+    print("done", flush=True)
+    """
+)
+
+
+def run_writer(root: Path, resume: bool, pause: bool) -> subprocess.Popen[str]:
+    repo = str(Path(__file__).resolve().parent.parent)
+    code = KILL_SCRIPT.format(repo=repo, root=str(root), resume=resume, pause=pause)
+    return subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
+
+
+def test_sigkill_publishes_nothing_and_resume_is_byte_identical(tmp_path: Path) -> None:
+    md = small_metadata(n_examples=4000, d_model=64)
+    root = tmp_path / "killed"
+    proc = run_writer(root, resume=False, pause=True)
+    assert proc.stdout is not None
+    assert proc.stdout.readline().strip() == "0"
+    staging = staging_dir(root, md)
+    deadline = time.monotonic() + 60
+    while not any(staging.glob("part*.json")) and time.monotonic() < deadline:
+        time.sleep(0.02)
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    assert not (root / md.hash).exists()
+    with pytest.raises(ss.CacheNotFoundError):
+        ss.open(root / md.hash)
+    sealed = len(list(staging.glob("part*.json")))
+    assert sealed >= 1
+    proc = run_writer(root, resume=True, pause=False)
+    out, _ = proc.communicate(timeout=120)
+    assert proc.returncode == 0
+    first, last = out.split()
+    assert int(first) >= sealed * md.examples_per_shard > 0
+    assert last == "done"
+    clean = tmp_path / "clean"
+    write_cache(clean, md, batches=[50], durable=True)
+    assert tree_bytes(root / md.hash) == tree_bytes(clean / md.hash)
+
+
+def test_writer_repr_and_durable_default(root: Path) -> None:
+    md = small_metadata()
+    w = ss.ShardWriter(root, md)
+    assert w.durable
+    assert "rank=0/1, examples [0, 23), next=0" in repr(w)
+    w.abort()
+    assert os.path.isdir(staging_dir(root, md))
