@@ -93,8 +93,8 @@ def test_metadata_properties() -> None:
 
 
 def test_dtype_accepts_numpy_types() -> None:
-    assert small_metadata(dtype=np.float32).dtype == "float32"  # type: ignore[arg-type]
-    assert small_metadata(dtype=np.dtype("float16")).dtype == "float16"  # type: ignore[arg-type]
+    assert small_metadata(dtype=np.float32).dtype == "float32"
+    assert small_metadata(dtype=np.dtype("float16")).dtype == "float16"
 
 
 def test_data_is_copied() -> None:

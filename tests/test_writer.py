@@ -195,7 +195,7 @@ def test_columns_dtype_and_shape_checks(root: Path) -> None:
 
 def test_legacy_protocol_refuses_columns(root: Path) -> None:
     md = small_metadata(dtype="float32", protocol="2.1")
-    with pytest.raises(ss.WriterError, match="protocol 2.1 caches hold activations and labels only"):
+    with pytest.raises(ss.WriterError, match=r"protocol 2\.1 caches hold activations and labels only"):
         ss.ShardWriter(root, md, stats=True)
 
 
