@@ -51,8 +51,13 @@ from .writer import hash_file
 PathLike = str | os.PathLike[str]
 
 
-def open(path: PathLike, *, check_hash: bool = True) -> Shards:
+def open(path: PathLike, *, check_hash: bool = True, roots: PathLike | Sequence[PathLike] | None = None) -> Shards:
     """Open the cache at ``path``, checking everything that can be checked without reading shards.
+
+    ``path`` may also be a full hash or a unique hash prefix (at least 4 hex digits) of a
+    cache in the shards roots (``roots``, else ``$SAEV_SHARDS_ROOT``, else
+    ``$SAEV_SCRATCH/saev/shards``; see `saev_shards.store.resolve`). An existing path
+    always wins.
 
     Checks: exact key sets and types of both JSON files, a known protocol version, the
     directory name equals the metadata hash (unless ``check_hash=False``), shard names
@@ -60,9 +65,11 @@ def open(path: PathLike, *, check_hash: bool = True) -> Shards:
     the expected size. Every problem is collected and raised at once (see `errors`).
     """
     root = Path(path).absolute()
-    where = str(root)
     if not root.exists():
-        raise CacheNotFoundError(f"no cache at {where}")
+        from . import store  # only when `path` is not a path: a hash, a prefix, or a mistake
+
+        root = store.resolve(path, roots)
+    where = str(root)
     if not root.is_dir():
         raise CacheNotFoundError(f"{where} is not a directory")
     md, problems = _load_metadata(root, check_hash)
