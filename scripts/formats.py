@@ -1,0 +1,664 @@
+"""One adapter per cache format, each with its best configuration and fastest natural read path.
+
+Every format stores the same logical float16 tensor ``(N, L, T, D)`` (examples, layers,
+tokens, d_model) from the same `Source`. A `Format` knows how to write the whole cache
+(ending with every file fsynced, as our writer does) and how to open it; the opened
+`Reader` answers the three read patterns the benchmarks time:
+
+* ``read(ex, layer, out)``: one ``(T, D)`` slice (seed 000's validation query);
+* ``read_pairs(ex, layers, out)``: ``b`` examples x 2 layers, ``(b, 2, T, D)`` (seed 000's
+  training pattern);
+* ``gather(ex, layer, tok, out)``: ``n`` single token vectors, ``(n, D)``.
+
+Each returns the values read, in ``out`` when the library can fill a caller's buffer
+and in a new array otherwise. Layers are positions ``0..L-1`` everywhere. What each
+adapter does, and why, is in its ``note`` (printed under the tables) and in
+docs/benchmarks.md.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import gzip
+import os
+import pickle
+import shutil
+import stat
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any, Protocol
+
+import numpy as np
+import numpy.typing as npt
+import orjson
+
+import saev_shards as ss
+
+Array = npt.NDArray[Any]
+DTYPE = np.dtype("<f2")
+
+
+# --------------------------------------------------------------------------------------
+# the data
+
+
+@dataclasses.dataclass(frozen=True)
+class CacheSpec:
+    """Shape of the benchmark cache: the logical tensor and how it is cut into shards."""
+
+    n_examples: int
+    n_layers: int
+    tokens: int
+    d_model: int
+    examples_per_shard: int
+
+    @property
+    def shape(self) -> tuple[int, int, int, int]:
+        return (self.n_examples, self.n_layers, self.tokens, self.d_model)
+
+    @property
+    def slice_nbytes(self) -> int:
+        """Bytes of one ``(T, D)`` slice."""
+        return self.tokens * self.d_model * DTYPE.itemsize
+
+    @property
+    def vector_nbytes(self) -> int:
+        return self.d_model * DTYPE.itemsize
+
+    @property
+    def example_nbytes(self) -> int:
+        return self.n_layers * self.slice_nbytes
+
+    @property
+    def nbytes(self) -> int:
+        return self.n_examples * self.example_nbytes
+
+    @property
+    def n_shards(self) -> int:
+        return -(-self.n_examples // self.examples_per_shard)
+
+    def shard_range(self, k: int) -> tuple[int, int]:
+        """``[start, stop)`` examples of shard ``k``."""
+        start = k * self.examples_per_shard
+        return start, min(self.n_examples, start + self.examples_per_shard)
+
+    def describe(self) -> str:
+        n, l_, t, d = self.shape
+        return (
+            f"(N, L, T, D) = ({n}, {l_}, {t}, {d}) float16, {self.nbytes / 1e9:.2f} GB, "
+            f"{self.n_shards} shards of {self.examples_per_shard} examples, "
+            f"slice (T, D) = {self.slice_nbytes / 2**10:.0f} KiB, vector = {self.vector_nbytes / 2**10:.0f} KiB"
+        )
+
+
+class Source:
+    """Deterministic float16 data, identical for every format, without holding the cache in memory.
+
+    Shard ``k``'s examples are a contiguous window of a random pool (a view, so producing
+    a batch costs nothing); windows start at different, unaligned offsets, so every
+    example differs from every other one.
+    """
+
+    def __init__(self, spec: CacheSpec, seed: int = 0, extra_nbytes: int = 64 << 20) -> None:
+        self.spec = spec
+        batch = spec.examples_per_shard * spec.example_nbytes // DTYPE.itemsize
+        self._batch_elems = batch
+        n_elems = batch + extra_nbytes // DTYPE.itemsize
+        rng = np.random.default_rng(seed)
+        pool = np.empty(n_elems, DTYPE)
+        step = 1 << 24
+        for i in range(0, n_elems, step):  # in pieces: bounded float32 scratch memory
+            piece = rng.standard_normal(min(step, n_elems - i), dtype=np.float32)
+            pool[i : i + len(piece)] = piece
+        self._pool = pool
+        self._room = n_elems - batch
+
+    def _offset(self, k: int) -> int:
+        return (k * 1_000_003 + 17 * k * k) % max(1, self._room)
+
+    def shard(self, k: int) -> Array:
+        """Examples of shard ``k``, ``(n_k, L, T, D)`` float16 (a read-only view)."""
+        start, stop = self.spec.shard_range(k)
+        count = (stop - start) * self.spec.example_nbytes // DTYPE.itemsize
+        off = self._offset(k)
+        view = self._pool[off : off + count].reshape(stop - start, *self.spec.shape[1:])
+        view.flags.writeable = False
+        return view
+
+    def batches(self) -> Iterator[tuple[int, Array]]:
+        """``(first_example, batch)`` for every shard in order."""
+        for k in range(self.spec.n_shards):
+            yield self.spec.shard_range(k)[0], self.shard(k)
+
+    def example(self, ex: int) -> Array:
+        """``(L, T, D)`` values of example ``ex``."""
+        k, local = divmod(ex, self.spec.examples_per_shard)
+        return self.shard(k)[local]
+
+
+# --------------------------------------------------------------------------------------
+# the adapters
+
+
+class Reader(Protocol):
+    def read(self, ex: int, layer: int, out: Array) -> Array: ...
+
+    def read_pairs(self, ex: Array, layers: Array, out: Array) -> Array: ...
+
+    def gather(self, ex: Array, layer: Array, tok: Array, out: Array) -> Array: ...
+
+    def close(self) -> None: ...
+
+
+@dataclasses.dataclass(frozen=True)
+class Format:
+    """A cache format: how it writes the whole cache and opens it for reading."""
+
+    key: str
+    name: str
+    note: str
+    write: Callable[[Path, CacheSpec, Source], Path]
+    open: Callable[[Path, CacheSpec], Reader]
+    #: Rows that read the same files another way share the files (written once).
+    files_of: str | None = None
+
+
+def fsync_tree(path: Path) -> None:
+    """fsync every file under ``path`` and every folder: what a durable write ends with."""
+    items = [path] if path.is_file() else [*sorted(path.rglob("*")), path]
+    for p in items:
+        fd = os.open(p, os.O_RDONLY | (os.O_DIRECTORY if p.is_dir() else 0))
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+    fd = os.open(path.parent, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def remove(path: Path) -> None:
+    """Delete a file or folder, including our read-only published caches."""
+    if not path.exists() and not path.is_symlink():
+        return
+    if path.is_file() or path.is_symlink():
+        path.unlink()
+        return
+    for p in [path, *path.rglob("*")]:
+        if p.is_dir():
+            os.chmod(p, stat.S_IRWXU)
+    shutil.rmtree(path)
+
+
+def files(path: Path) -> list[Path]:
+    """Every regular file of a store (for dropping or warming the page cache)."""
+    return [path] if path.is_file() else sorted(p for p in path.rglob("*") if p.is_file())
+
+
+class _LoopReader:
+    """`read_pairs` and `gather` as loops over single reads, for libraries without a batched call."""
+
+    def read(self, ex: int, layer: int, out: Array) -> Array:
+        raise NotImplementedError
+
+    def read_vector(self, ex: int, layer: int, tok: int, out: Array) -> Array:
+        raise NotImplementedError
+
+    def read_pairs(self, ex: Array, layers: Array, out: Array) -> Array:
+        for j, e in enumerate(ex.tolist()):
+            for c, layer in enumerate(layers[j].tolist()):
+                dst = out[j, c]
+                got = self.read(e, layer, dst)
+                if got is not dst:
+                    dst[...] = got
+        return out
+
+    def gather(self, ex: Array, layer: Array, tok: Array, out: Array) -> Array:
+        for j, (e, layer_, t) in enumerate(zip(ex.tolist(), layer.tolist(), tok.tolist(), strict=True)):
+            dst = out[j]
+            got = self.read_vector(e, layer_, t, dst)
+            if got is not dst:
+                dst[...] = got
+        return out
+
+    def close(self) -> None:
+        pass
+
+
+# -- saev_shards --------------------------------------------------------------------------
+
+
+def _metadata(spec: CacheSpec) -> ss.Metadata:
+    return ss.Metadata(
+        family="bench",
+        ckpt="synthetic",
+        layers=tuple(range(spec.n_layers)),
+        patches_per_ex=spec.tokens,
+        cls_token=False,
+        d_model=spec.d_model,
+        n_examples=spec.n_examples,
+        patches_per_shard=spec.examples_per_shard * spec.tokens * spec.n_layers,
+        data={"name": "bench", "shape": list(spec.shape)},
+        dataset="/synthetic",
+    )
+
+
+def write_saev(root: Path, spec: CacheSpec, source: Source, *, durable: bool = True) -> Path:
+    md = _metadata(spec)
+    with ss.ShardWriter(root, md, durable=durable) as w:  # checksums on, background thread
+        for _, batch in source.batches():
+            w.write(batch)
+    return root / md.hash
+
+
+class SaevReader:
+    """Our copying fast path: one ``pread`` per slice straight into the caller's buffer."""
+
+    def __init__(self, path: Path, spec: CacheSpec) -> None:
+        self.shards = ss.open(path)
+        self.spec = spec
+        md = self.shards.metadata
+        self._vec = md.d_model * md.itemsize
+        self._fds: dict[int, int] = {}
+
+    def read(self, ex: int, layer: int, out: Array) -> Array:
+        return self.shards.read_example(ex, layer, out)
+
+    def read_pairs(self, ex: Array, layers: Array, out: Array) -> Array:
+        flat = out.reshape(-1, *out.shape[2:])
+        self.shards.read_examples(np.repeat(ex, layers.shape[1]), layers.reshape(-1), flat)
+        return out
+
+    def gather(self, ex: Array, layer: Array, tok: Array, out: Array) -> Array:
+        # The reader has no vector-gather call yet: locate_many's offsets, one pread each.
+        md = self.shards.metadata
+        shard, offset = ss.layout.locate_many(
+            ex,
+            layer,
+            tok,
+            eps=md.examples_per_shard,
+            n_layers=md.n_layers,
+            tokens=md.tokens_per_ex,
+            d_model=md.d_model,
+            itemsize=md.itemsize,
+        )
+        view = out.data.cast("B")
+        vec = self._vec
+        for j, (k, off) in enumerate(zip(shard.tolist(), offset.tolist(), strict=True)):
+            fd = self._fds.get(k)
+            if fd is None:
+                fd = self._fds[k] = os.open(self.shards.shard_path(k), os.O_RDONLY)
+            if os.preadv(fd, [view[j * vec : (j + 1) * vec]], off) != vec:
+                raise OSError(f"short read from shard {k} at {off}")
+        return out
+
+    def close(self) -> None:
+        for fd in self._fds.values():
+            os.close(fd)
+        self._fds.clear()
+        self.shards.close()
+
+
+class SaevViewReader:
+    """Our notebook path: zero-copy memmap views (`example`, numpy indexing), then a copy."""
+
+    def __init__(self, path: Path, spec: CacheSpec) -> None:
+        self.shards = ss.open(path)
+
+    def read(self, ex: int, layer: int, out: Array) -> Array:
+        np.copyto(out, self.shards.example(ex, layer))
+        return out
+
+    def read_pairs(self, ex: Array, layers: Array, out: Array) -> Array:
+        for j, e in enumerate(ex.tolist()):
+            for c, layer in enumerate(layers[j].tolist()):
+                np.copyto(out[j, c], self.shards.example(e, layer))
+        return out
+
+    def gather(self, ex: Array, layer: Array, tok: Array, out: Array) -> Array:
+        return self.shards[ex, layer, tok]
+
+    def close(self) -> None:
+        self.shards.close()
+
+
+# -- numpy .npy ---------------------------------------------------------------------------
+
+
+def write_npy(root: Path, spec: CacheSpec, source: Source) -> Path:
+    path = root / "acts.npy"
+    mm = np.lib.format.open_memmap(path, mode="w+", dtype=DTYPE, shape=spec.shape)
+    for start, batch in source.batches():
+        mm[start : start + len(batch)] = batch
+    mm.flush()
+    del mm
+    fsync_tree(path)
+    return path
+
+
+class NpyReader:
+    """``np.load(mmap_mode="r")`` of the whole logical tensor; slicing plus a copy."""
+
+    def __init__(self, path: Path, spec: CacheSpec) -> None:
+        self.mm = np.load(path, mmap_mode="r")
+
+    def read(self, ex: int, layer: int, out: Array) -> Array:
+        np.copyto(out, self.mm[ex, layer])
+        return out
+
+    def read_pairs(self, ex: Array, layers: Array, out: Array) -> Array:
+        return self.mm[ex[:, None], layers]  # type: ignore[no-any-return]
+
+    def gather(self, ex: Array, layer: Array, tok: Array, out: Array) -> Array:
+        return self.mm[ex, layer, tok]  # type: ignore[no-any-return]
+
+    def close(self) -> None:
+        del self.mm
+
+
+# -- zarr ---------------------------------------------------------------------------------
+
+
+def _zarr() -> Any:
+    import warnings
+
+    import zarr
+
+    # zarr warns that consolidated metadata is not in the v3 spec; we use it on purpose.
+    warnings.filterwarnings("ignore", message="Consolidated metadata", category=UserWarning)
+    return zarr
+
+
+def write_zarr(root: Path, spec: CacheSpec, source: Source, *, sharded: bool) -> Path:
+    zarr = _zarr()
+    path = root / "acts.zarr"
+    group = zarr.open_group(path, mode="w", zarr_format=3 if sharded else 2)
+    _, n_layers, tokens, d_model = spec.shape
+    arr = group.create_array(
+        "acts",
+        shape=spec.shape,
+        chunks=(1, 1, tokens, d_model),
+        shards=(spec.examples_per_shard, n_layers, tokens, d_model) if sharded else None,
+        dtype="float16",
+        compressors=None,
+        filters=None,
+        fill_value=0,
+    )
+    for start, batch in source.batches():  # whole shards: no read-modify-write
+        arr[start : start + len(batch)] = batch
+    zarr.consolidate_metadata(path)
+    fsync_tree(path)
+    return path
+
+
+class ZarrReader(_LoopReader):
+    """``zarr.open_consolidated(mode="r")``; basic indexing ``arr[ex, layer]`` per slice and
+    ``arr[ex, layer, tok]`` per vector (``vindex`` only takes a coordinate for every axis: for
+    gathers that means n x D index arrays, measured no faster and gigabytes of indices)."""
+
+    def __init__(self, path: Path, spec: CacheSpec) -> None:
+        zarr = _zarr()
+        self.arr = zarr.open_consolidated(path, mode="r")["acts"]
+
+    def read(self, ex: int, layer: int, out: Array) -> Array:
+        return self.arr[ex, layer]  # type: ignore[no-any-return]
+
+    def read_vector(self, ex: int, layer: int, tok: int, out: Array) -> Array:
+        return self.arr[ex, layer, tok]  # type: ignore[no-any-return]
+
+
+# -- HDF5 ---------------------------------------------------------------------------------
+
+
+def write_h5(root: Path, spec: CacheSpec, source: Source) -> Path:
+    import h5py
+
+    path = root / "acts.h5"
+    _, _, tokens, d_model = spec.shape
+    with h5py.File(path, "w", libver="latest") as f:
+        dset = f.create_dataset("acts", shape=spec.shape, dtype=DTYPE, chunks=(1, 1, tokens, d_model))
+        for start, batch in source.batches():
+            dset.write_direct(np.ascontiguousarray(batch), dest_sel=np.s_[start : start + len(batch)])
+    fsync_tree(path)
+    return path
+
+
+class H5Reader(_LoopReader):
+    """``h5py.File(rdcc_nbytes=0)``; ``read_direct`` into the caller's buffer, one call per slice or vector.
+
+    No chunk cache: random slices never hit it, and without it HDF5 reads the selected
+    bytes straight into ``out`` instead of staging whole chunks (measured faster here).
+    """
+
+    def __init__(self, path: Path, spec: CacheSpec) -> None:
+        import h5py
+
+        self.file = h5py.File(path, "r", rdcc_nbytes=0)
+        self.dset = self.file["acts"]
+
+    def read(self, ex: int, layer: int, out: Array) -> Array:
+        self.dset.read_direct(out, source_sel=np.s_[ex, layer])
+        return out
+
+    def read_vector(self, ex: int, layer: int, tok: int, out: Array) -> Array:
+        self.dset.read_direct(out, source_sel=np.s_[ex, layer, tok])
+        return out
+
+    def close(self) -> None:
+        self.file.close()
+
+
+# -- safetensors --------------------------------------------------------------------------
+
+
+def _shard_file(k: int, suffix: str) -> str:
+    return f"shard_{k:06d}{suffix}"
+
+
+def write_safetensors(root: Path, spec: CacheSpec, source: Source) -> Path:
+    from safetensors.numpy import save_file
+
+    path = root / "acts.safetensors.d"
+    path.mkdir()
+    for k in range(spec.n_shards):
+        save_file({"acts": np.ascontiguousarray(source.shard(k))}, str(path / _shard_file(k, ".safetensors")))
+    fsync_tree(path)
+    return path
+
+
+class SafetensorsReader(_LoopReader):
+    """One ``safe_open(framework="numpy")`` per shard file, opened up front; ``get_slice`` per read."""
+
+    def __init__(self, path: Path, spec: CacheSpec) -> None:
+        from safetensors import safe_open
+
+        self.spec = spec
+        self._handles = []
+        self._slices = []
+        for k in range(spec.n_shards):
+            handle = safe_open(str(path / _shard_file(k, ".safetensors")), framework="numpy")
+            handle.__enter__()
+            self._handles.append(handle)
+            self._slices.append(handle.get_slice("acts"))
+
+    def read(self, ex: int, layer: int, out: Array) -> Array:
+        k, local = divmod(ex, self.spec.examples_per_shard)
+        return self._slices[k][local, layer]  # type: ignore[no-any-return]
+
+    def read_vector(self, ex: int, layer: int, tok: int, out: Array) -> Array:
+        k, local = divmod(ex, self.spec.examples_per_shard)
+        return self._slices[k][local, layer, tok]  # type: ignore[no-any-return]
+
+    def close(self) -> None:
+        for handle in self._handles:
+            handle.__exit__(None, None, None)
+        self._handles.clear()
+        self._slices.clear()
+
+
+# -- pickle.gz (seed 001) ------------------------------------------------------------------
+
+
+def write_pickle_gz(root: Path, spec: CacheSpec, source: Source, *, compresslevel: int = 1) -> Path:
+    path = root / "acts.pkl.gz.d"
+    path.mkdir()
+    shards = []
+    for k in range(spec.n_shards):
+        start, stop = spec.shard_range(k)
+        data = source.shard(k)
+        shard = {
+            f"layer_{layer}": [
+                {
+                    "sample_idx": start + i,
+                    "activation": data[i, layer],
+                    "shape": data.shape[2:],
+                    "text_preview": "",
+                    "metadata": {"token_count": spec.tokens},
+                }
+                for i in range(stop - start)
+            ]
+            for layer in range(spec.n_layers)
+        }
+        name = _shard_file(k, ".pkl.gz")
+        with gzip.open(path / name, "wb", compresslevel=compresslevel) as f:
+            pickle.dump(shard, f, protocol=pickle.HIGHEST_PROTOCOL)
+        shards.append(
+            {
+                "shard_id": k,
+                "filename": name,
+                "size_bytes": (path / name).stat().st_size,
+                "num_samples": stop - start,
+                "layers": list(range(spec.n_layers)),
+                "sample_id_range": [start, stop - 1],
+                "compressed": True,
+            }
+        )
+    metadata = {
+        "version": "1.0",
+        "extraction_config": {"layers_extracted": list(range(spec.n_layers)), "max_seq_length": spec.tokens},
+        "shards": shards,
+        "statistics": {"total_shards": spec.n_shards, "total_samples": spec.n_examples},
+    }
+    (path / "metadata.json").write_bytes(orjson.dumps(metadata))
+    fsync_tree(path)
+    return path
+
+
+class PickleGzReader(_LoopReader):
+    """Seed 001's reader: ``metadata.json`` up front, then whole shards (``gzip`` + ``pickle``),
+    keeping the current one, as its ``ActivationDataset`` does."""
+
+    def __init__(self, path: Path, spec: CacheSpec) -> None:
+        self.path = path
+        self.metadata = orjson.loads((path / "metadata.json").read_bytes())
+        self.starts = [s["sample_id_range"][0] for s in self.metadata["shards"]]
+        self.current: tuple[int, dict[str, Any]] | None = None
+
+    def _shard(self, k: int) -> dict[str, Any]:
+        if self.current is None or self.current[0] != k:
+            self.current = None  # free the previous shard first
+            with gzip.open(self.path / self.metadata["shards"][k]["filename"], "rb") as f:
+                self.current = (k, pickle.load(f))
+        return self.current[1]
+
+    def _locate(self, ex: int) -> tuple[int, int]:
+        k = int(np.searchsorted(self.starts, ex, side="right")) - 1
+        return k, ex - self.starts[k]
+
+    def read(self, ex: int, layer: int, out: Array) -> Array:
+        k, local = self._locate(ex)
+        return self._shard(k)[f"layer_{layer}"][local]["activation"]  # type: ignore[no-any-return]
+
+    def read_vector(self, ex: int, layer: int, tok: int, out: Array) -> Array:
+        k, local = self._locate(ex)
+        return self._shard(k)[f"layer_{layer}"][local]["activation"][tok]  # type: ignore[no-any-return]
+
+    def gather(self, ex: Array, layer: Array, tok: Array, out: Array) -> Array:
+        # Grouped by shard, so each shard is decompressed once per batch (the best this format allows).
+        order = np.argsort(ex, kind="stable")
+        for j in order.tolist():
+            out[j] = self.read_vector(int(ex[j]), int(layer[j]), int(tok[j]), out[j])
+        return out
+
+    def close(self) -> None:
+        self.current = None
+
+
+# --------------------------------------------------------------------------------------
+# the registry
+
+FORMATS: dict[str, Format] = {
+    f.key: f
+    for f in [
+        Format(
+            "saev",
+            "saev_shards",
+            "ours: `read_example` (one pread per slice into a reused buffer), `read_examples` for "
+            "batches, `layout.locate_many` + one pread per vector for gathers; written by `ShardWriter` "
+            "(xxh3 checksums, background thread, fsync)",
+            write_saev,
+            SaevReader,
+        ),
+        Format(
+            "saev_view",
+            "saev_shards view",
+            "ours, notebook path: `example()` memmap view + `np.copyto`; gathers by numpy indexing "
+            "`shards[ex, layer, tok]` on the memmaps (same files as saev_shards)",
+            write_saev,
+            SaevViewReader,
+            files_of="saev",
+        ),
+        Format(
+            "npy",
+            "numpy .npy",
+            "one `.npy` of the whole (N, L, T, D) tensor written through `open_memmap`; read with "
+            "`np.load(mmap_mode='r')`: slice + `np.copyto`, fancy indexing for batches and gathers",
+            write_npy,
+            NpyReader,
+        ),
+        Format(
+            "zarr2",
+            "zarr v2",
+            "seed 000's layout: zarr v2 directory store, chunks (1, 1, T, D), no compressor or filters, "
+            "consolidated metadata; `arr[ex, layer]` per slice, `arr[ex, layer, tok]` per vector",
+            lambda root, spec, src: write_zarr(root, spec, src, sharded=False),
+            ZarrReader,
+        ),
+        Format(
+            "zarr3",
+            "zarr v3 sharded",
+            "zarr v3 with the sharding codec: inner chunks (1, 1, T, D) inside shards of our shard's "
+            "shape (one file per shard), no compressor, consolidated metadata; same read calls as zarr v2",
+            lambda root, spec, src: write_zarr(root, spec, src, sharded=True),
+            ZarrReader,
+        ),
+        Format(
+            "h5",
+            "HDF5 (h5py)",
+            "one HDF5 file, chunks (1, 1, T, D), no filters, libver='latest'; opened with rdcc_nbytes=0; "
+            "`read_direct` into the caller's buffer, one call per slice or vector (h5py has no "
+            "multi-axis point selection)",
+            write_h5,
+            H5Reader,
+        ),
+        Format(
+            "safetensors",
+            "safetensors",
+            "one `.safetensors` file per shard (tensor `acts`, shape (S, L, T, D)); every file "
+            "`safe_open(framework='numpy')` at open, `get_slice('acts')[ex, layer]` per slice or vector",
+            write_safetensors,
+            SafetensorsReader,
+        ),
+        Format(
+            "pickle_gz",
+            "pickle.gz",
+            "seed 001: one gzip'd pickle per shard (per-layer lists of per-sample dicts, float16 here "
+            "instead of the seed's float32 so the data is identical; gzip level 1, its fastest) plus "
+            "metadata.json; reads load whole shards and keep the current one, gathers grouped by shard",
+            write_pickle_gz,
+            PickleGzReader,
+        ),
+    ]
+}

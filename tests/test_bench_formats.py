@@ -1,0 +1,60 @@
+"""The benchmark's format adapters return exactly the data they were given (a benchmark of wrong data is void)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+pytest.importorskip("zarr")
+pytest.importorskip("h5py")
+pytest.importorskip("safetensors")
+
+from scripts import formats as F
+
+# 3 shards, the last one short: 7 examples x 3 layers x 5 tokens x 16 dims.
+SPEC = F.CacheSpec(n_examples=7, n_layers=3, tokens=5, d_model=16, examples_per_shard=3)
+
+
+@pytest.fixture(scope="module")
+def source() -> F.Source:
+    return F.Source(SPEC, seed=1, extra_nbytes=4096)
+
+
+def test_source_is_deterministic_and_examples_differ(source: F.Source) -> None:
+    again = F.Source(SPEC, seed=1, extra_nbytes=4096)
+    logical = np.concatenate([b for _, b in source.batches()])
+    assert logical.shape == SPEC.shape and logical.dtype == np.float16
+    np.testing.assert_array_equal(logical, np.concatenate([b for _, b in again.batches()]))
+    flat = logical.reshape(SPEC.n_examples, -1)
+    assert len({row.tobytes() for row in flat}) == SPEC.n_examples
+    np.testing.assert_array_equal(source.example(4), logical[4])
+
+
+@pytest.mark.parametrize("key", sorted(F.FORMATS))
+def test_adapter_round_trips(key: str, source: F.Source, tmp_path: Path) -> None:
+    fmt = F.FORMATS[key]
+    logical = np.concatenate([b for _, b in source.batches()])
+    root = tmp_path / key
+    root.mkdir()
+    path = fmt.write(root, SPEC, source)
+    assert F.files(path)
+    reader = fmt.open(path, SPEC)
+    try:
+        out = np.empty((SPEC.tokens, SPEC.d_model), np.float16)
+        for ex in range(SPEC.n_examples):
+            for layer in range(SPEC.n_layers):
+                np.testing.assert_array_equal(reader.read(ex, layer, out), logical[ex, layer])
+        ex = np.array([6, 0, 3, 3])
+        layers = np.array([[2, 0], [1, 2], [0, 1], [2, 1]])
+        pairs = reader.read_pairs(ex, layers, np.empty((4, 2, SPEC.tokens, SPEC.d_model), np.float16))
+        np.testing.assert_array_equal(pairs, logical[ex[:, None], layers])
+        rng = np.random.default_rng(0)
+        gex, glayer, gtok = (rng.integers(0, n, 50) for n in SPEC.shape[:3])
+        got = reader.gather(gex, glayer, gtok, np.empty((50, SPEC.d_model), np.float16))
+        np.testing.assert_array_equal(got, logical[gex, glayer, gtok])
+    finally:
+        reader.close()
+    F.remove(path)
+    assert not path.exists()
