@@ -1,0 +1,412 @@
+"""Map-style PyTorch datasets over a cache, and the token selection the loaders share.
+
+Every dataset works with ``torch.utils.data.DataLoader`` for any ``num_workers`` and
+start method: it holds a `Shards` (which pickles without handles and memmaps lazily in
+each process) and a few small numpy arrays, never an open file. torch is imported only
+when an item is read, so ``import saev_shards`` needs numpy alone.
+
+>>> ds = ExampleDataset(shards, layers=11)              # doctest: +SKIP
+>>> ds[3]["acts"].shape                                  # doctest: +SKIP
+torch.Size([197, 768])
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterable, Sequence
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+import numpy.typing as npt
+
+from .errors import ShardsError
+from .reader import Shards
+from .reader import open as open_shards
+
+if TYPE_CHECKING:
+    import torch
+
+#: Label reported for a [CLS] token: labels.bin has no CLS column, and 255 is the one
+#: value a uint8 label can take that no patch label set we know uses.
+CLS_LABEL = 255
+#: Token choices: the patches, the [CLS] token, or both.
+TOKEN_CHOICES = ("content", "cls", "all")
+#: Output dtypes a caller may ask for (None keeps the stored dtype).
+OUT_DTYPES = ("float16", "bfloat16", "float32")
+#: Examples per step when counting selected tokens over the whole cache (bounds memory).
+_COUNT_CHUNK = 1 << 16
+
+
+class LoaderError(ShardsError):
+    """Raised when a loader or dataset is configured in a way the cache cannot serve."""
+
+
+def as_shards(shards: Shards | str | os.PathLike[str]) -> Shards:
+    """An open `Shards` from a `Shards` or a cache path."""
+    if isinstance(shards, Shards):
+        return shards
+    return open_shards(shards)
+
+
+def parse_layers(shards: Shards, layers: int | Sequence[int] | None) -> tuple[int, ...]:
+    """Layer *values* chosen by ``layers`` (None = every recorded layer), checked against the cache."""
+    recorded = shards.metadata.layers
+    if layers is None:
+        return tuple(recorded)
+    chosen = (layers,) if isinstance(layers, (int, np.integer)) else tuple(layers)
+    if not chosen:
+        raise LoaderError(f"layers: expected at least one layer of {list(recorded)}, found none")
+    values = []
+    for layer in chosen:
+        if isinstance(layer, bool) or not isinstance(layer, (int, np.integer)) or int(layer) not in recorded:
+            raise LoaderError(f"layers: expected recorded layer values {list(recorded)}, found {layer!r}")
+        values.append(int(layer))
+    if len(set(values)) != len(values):
+        raise LoaderError(f"layers: expected distinct layer values, found {values}")
+    return tuple(values)
+
+
+def parse_out_dtype(shards: Shards, out_dtype: object) -> str:
+    """The dtype name of returned activations: the stored one for None, else one of `OUT_DTYPES`."""
+    if out_dtype is None:
+        return shards.dtype
+    name = str(out_dtype).removeprefix("torch.")
+    if name not in OUT_DTYPES:
+        raise LoaderError(f"out_dtype: expected None or one of {list(OUT_DTYPES)}, found {out_dtype!r}")
+    return name
+
+
+def torch_dtype(name: str) -> torch.dtype:
+    """The torch dtype called ``name``."""
+    import torch
+
+    return {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32}[name]
+
+
+def to_tensor(raw: npt.NDArray[Any], stored: str, out: str) -> torch.Tensor:
+    """Wrap stored values (bfloat16 as raw uint16) in a tensor of dtype ``out``.
+
+    ``raw`` must be a fresh writable array; when no cast is needed the tensor shares it.
+    """
+    import torch
+
+    if stored == "bfloat16":
+        tensor = torch.from_numpy(raw.view(np.int16)).view(torch.bfloat16)
+    else:
+        tensor = torch.from_numpy(raw)
+    return tensor if stored == out else tensor.to(torch_dtype(out))
+
+
+class TokenSelection:
+    """Which token vectors of a cache a loader yields: layers, token kind and per-token filters.
+
+    ``tokens`` is ``"content"`` (patches; positions ``cls_token .. T-1``), ``"cls"`` (position
+    0, caches with a CLS token) or ``"all"``. ``ignore_labels`` drops content tokens whose
+    ``labels.bin`` value is listed (CLS tokens have no label and are never dropped by it).
+    ``skip_padding`` drops positions ``>= lengths[i]`` when the cache has a ``lengths`` column.
+    Within an example the selected vectors are ordered by layer (metadata order), then token.
+    """
+
+    def __init__(
+        self,
+        shards: Shards,
+        layers: int | Sequence[int] | None = None,
+        tokens: str = "content",
+        ignore_labels: Iterable[int] = (),
+        skip_padding: bool = True,
+    ) -> None:
+        md = shards.metadata
+        self.shards = shards
+        self.layer_values = parse_layers(shards, layers)
+        #: Positions of the chosen layers in ``metadata.layers``, ascending (disk order).
+        self.layer_positions = np.array(sorted(shards.layer_index(v) for v in self.layer_values), dtype=np.int64)
+        self.layer_values = tuple(md.layers[int(p)] for p in self.layer_positions)
+        self.n_layers = len(self.layer_positions)
+        if tokens not in TOKEN_CHOICES:
+            raise LoaderError(f"tokens: expected one of {list(TOKEN_CHOICES)}, found {tokens!r}")
+        if tokens == "cls" and not md.cls_token:
+            raise LoaderError("tokens='cls': expected a cache with a CLS token (cls_token=true), found cls_token=false")
+        self.tokens = tokens
+        self.cls = int(md.cls_token)
+        self.tokens_per_ex = md.tokens_per_ex
+        base = np.zeros(md.tokens_per_ex, dtype=bool)
+        if tokens in ("content", "all"):
+            base[self.cls :] = True
+        if tokens in ("cls", "all"):
+            base[0] = True
+        self.base_mask = base
+        #: Token positions chosen when no per-example filter applies.
+        self.base_tokens = np.flatnonzero(base).astype(np.int64)
+
+        ignore = sorted({int(v) for v in ignore_labels})
+        if any(not 0 <= v <= 255 for v in ignore):
+            raise LoaderError(f"ignore_labels: expected uint8 label values 0..255, found {ignore}")
+        if ignore and shards.manifest.labels is None:
+            raise LoaderError(f"ignore_labels={ignore}: expected a cache with labels.bin, found none at {shards.path}")
+        self.ignore_labels = np.array(ignore, dtype=np.uint8)
+        self.has_labels = shards.manifest.labels is not None
+        self.label_filter = bool(ignore) and tokens != "cls" and md.patches_per_ex > 0
+        self.length_filter = bool(skip_padding) and "lengths" in shards.manifest.columns
+        self.skip_padding = bool(skip_padding)
+        #: True when the chosen tokens differ from example to example.
+        self.varies = self.label_filter or self.length_filter
+        self._counts: npt.NDArray[np.int64] | None = None
+
+    # -- per-example masks -----------------------------------------------------------------
+    def mask(
+        self, examples: npt.NDArray[np.int64], labels: npt.NDArray[np.uint8] | None = None
+    ) -> npt.NDArray[np.bool_]:
+        """``(len(examples), T)`` bool: the chosen token positions of each example.
+
+        ``labels`` may pass the examples' ``labels.bin`` rows when the caller has them already.
+        """
+        mask = np.broadcast_to(self.base_mask, (len(examples), self.tokens_per_ex))
+        if not self.varies or len(examples) == 0:
+            return mask
+        mask = mask.copy()
+        if self.label_filter:
+            if labels is None:
+                labels = self.labels_of(examples)
+            mask[:, self.cls :] &= ~np.isin(labels, self.ignore_labels)
+        if self.length_filter:
+            lengths = np.asarray(self.shards.columns["lengths"][examples]).astype(np.int64)
+            mask &= np.arange(self.tokens_per_ex) < lengths[:, None]
+        return mask
+
+    def labels_of(self, examples: npt.NDArray[np.int64]) -> npt.NDArray[np.uint8]:
+        """``(len(examples), patches_per_ex)`` labels of ``examples`` (sorted runs read fastest)."""
+        labels = self.shards.labels
+        if labels is None:
+            raise LoaderError(f"labels: expected a cache with labels.bin, found none at {self.shards.path}")
+        if len(examples) and examples[-1] - examples[0] + 1 == len(examples):  # one contiguous run
+            return np.array(labels[int(examples[0]) : int(examples[-1]) + 1])
+        return np.asarray(labels[examples])
+
+    def tokens_of(self, example: int) -> npt.NDArray[np.int64]:
+        """Chosen token positions of one example, ascending."""
+        if not self.varies:
+            return self.base_tokens
+        return np.flatnonzero(self.mask(np.array([example], dtype=np.int64))[0]).astype(np.int64)
+
+    @property
+    def counts(self) -> npt.NDArray[np.int64] | None:
+        """Chosen tokens per example (one layer), or None when every example has ``len(base_tokens)``.
+
+        Computed once by a sequential pass over labels.bin and the lengths column.
+        """
+        if not self.varies:
+            return None
+        if self._counts is None:
+            n = self.shards.n_examples
+            counts = np.empty(n, dtype=np.int64)
+            for start in range(0, n, _COUNT_CHUNK):
+                stop = min(n, start + _COUNT_CHUNK)
+                counts[start:stop] = self.mask(np.arange(start, stop, dtype=np.int64)).sum(axis=1)
+            self._counts = counts
+        return self._counts
+
+    def tokens_before(self, examples: npt.NDArray[np.int64]) -> npt.NDArray[np.int64]:
+        """Chosen tokens (one layer) in all examples before each of ``examples``."""
+        counts = self.counts
+        if counts is None:
+            return np.asarray(examples, dtype=np.int64) * len(self.base_tokens)
+        cum = self._cumulative()
+        return cum[np.asarray(examples, dtype=np.int64)]
+
+    def _cumulative(self) -> npt.NDArray[np.int64]:
+        cum: npt.NDArray[np.int64] | None = getattr(self, "_cum", None)
+        if cum is None:
+            counts = self.counts
+            assert counts is not None
+            cum = np.zeros(len(counts) + 1, dtype=np.int64)
+            np.cumsum(counts, out=cum[1:])
+            self._cum = cum
+        return cum
+
+    def __getstate__(self) -> dict[str, Any]:
+        state = self.__dict__.copy()
+        state.pop("_cum", None)  # rebuilt from counts on demand; halves what workers receive
+        return state
+
+
+class TokenDataset:
+    """index -> one token vector ``(D,)`` of one layer, with its example and token index.
+
+    Items are dicts: ``acts`` (tensor ``(D,)``), ``example``, ``token`` (position on the T
+    axis) and, when the cache has labels.bin, ``label`` (`CLS_LABEL` for a CLS token).
+    Index ``i`` walks examples in order, then their chosen tokens in order.
+
+    >>> ds = TokenDataset(shards, layer=11, tokens="content", ignore_labels=[0])  # doctest: +SKIP
+    >>> DataLoader(ds, batch_size=4096, shuffle=True, num_workers=4)             # doctest: +SKIP
+    """
+
+    def __init__(
+        self,
+        shards: Shards | str | os.PathLike[str],
+        layer: int | None = None,
+        tokens: str = "content",
+        ignore_labels: Iterable[int] = (),
+        skip_padding: bool = True,
+        out_dtype: str | None = None,
+    ) -> None:
+        self.shards = as_shards(shards)
+        recorded = self.shards.metadata.layers
+        if layer is None:
+            if len(recorded) != 1:
+                raise LoaderError(f"layer: expected one of {list(recorded)} (the cache records several), found None")
+            layer = recorded[0]
+        self.selection = TokenSelection(self.shards, layer, tokens, ignore_labels, skip_padding)
+        self.layer = self.selection.layer_values[0]
+        self.layer_position = int(self.selection.layer_positions[0])
+        self.out_dtype = parse_out_dtype(self.shards, out_dtype)
+        counts = self.selection.counts
+        per_example = len(self.selection.base_tokens)
+        self._len = int(counts.sum()) if counts is not None else self.shards.n_examples * per_example
+
+    def __len__(self) -> int:
+        return self._len
+
+    def locate(self, index: int) -> tuple[int, int]:
+        """``(example, token)`` of item ``index``."""
+        i = int(index)
+        if i < 0:
+            i += self._len
+        if not 0 <= i < self._len:
+            raise IndexError(f"index {index} out of range for a dataset of {self._len} tokens")
+        sel = self.selection
+        if not sel.varies:
+            per_example = len(sel.base_tokens)
+            return i // per_example, int(sel.base_tokens[i % per_example])
+        cum = sel._cumulative()
+        example = int(np.searchsorted(cum, i, side="right")) - 1
+        return example, int(sel.tokens_of(example)[i - int(cum[example])])
+
+    def __getitem__(self, index: int) -> dict[str, Any]:
+        example, token = self.locate(index)
+        shard, local = divmod(example, self.shards.examples_per_shard)
+        raw = np.array(self.shards.shard(shard)[local, self.layer_position, token])
+        item: dict[str, Any] = {
+            "acts": to_tensor(raw, self.shards.dtype, self.out_dtype),
+            "example": example,
+            "token": token,
+        }
+        if self.selection.has_labels:
+            labels = self.shards.labels
+            assert labels is not None
+            cls = self.selection.cls
+            item["label"] = CLS_LABEL if token < cls else int(labels[example, token - cls])
+        return item
+
+
+class ExampleDataset:
+    """index -> the ``(T, D)`` slice of one ``(example, layer)`` pair, read with one ``pread``.
+
+    With one layer, index ``i`` is example ``i``; with several, index ``i`` is example
+    ``i // n_layers`` at the ``i % n_layers``-th chosen layer. Items are dicts: ``acts``,
+    ``example``, ``layer`` (the layer value), ``length`` when the cache has a lengths column,
+    and ``labels`` ``(patches_per_ex,)`` when ``with_labels`` is set. No other activation
+    bytes are read.
+    """
+
+    def __init__(
+        self,
+        shards: Shards | str | os.PathLike[str],
+        layers: int | Sequence[int] | None = None,
+        out_dtype: str | None = None,
+        with_labels: bool = False,
+    ) -> None:
+        self.shards = as_shards(shards)
+        self.layers = parse_layers(self.shards, layers)
+        self.layer_positions = tuple(self.shards.layer_index(v) for v in self.layers)
+        self.out_dtype = parse_out_dtype(self.shards, out_dtype)
+        if with_labels and self.shards.manifest.labels is None:
+            raise LoaderError(f"with_labels=True: expected a cache with labels.bin, found none at {self.shards.path}")
+        self.with_labels = with_labels
+        self.has_lengths = "lengths" in self.shards.manifest.columns
+
+    def __len__(self) -> int:
+        return self.shards.n_examples * len(self.layers)
+
+    def __getitem__(self, index: int) -> dict[str, Any]:
+        n = len(self)
+        i = int(index)
+        if i < 0:
+            i += n
+        if not 0 <= i < n:
+            raise IndexError(f"index {index} out of range for a dataset of {n} (example, layer) slices")
+        example, which = divmod(i, len(self.layers))
+        raw = self.shards.read_example(example, self.layer_positions[which])
+        item: dict[str, Any] = {
+            "acts": to_tensor(raw, self.shards.dtype, self.out_dtype),
+            "example": example,
+            "layer": self.layers[which],
+        }
+        if self.has_lengths:
+            item["length"] = int(self.shards.columns["lengths"][example])
+        if self.with_labels:
+            labels = self.shards.labels
+            assert labels is not None
+            item["labels"] = np.array(labels[example])
+        return item
+
+
+class LayerPairDataset:
+    """Seed 000's training pattern: index -> example ``i`` at 2 random distinct layers, ``(2, T, D)``.
+
+    The pair is drawn from ``(seed, epoch, i)``, so every worker and every rerun agrees;
+    `set_epoch` draws new pairs (call it before each epoch; persistent workers keep the
+    epoch they were started with). Two ``pread`` calls per item, nothing else is read.
+    Items are dicts ``acts`` ``(2, T, D)``, ``example`` and ``layers`` (int64 ``(2,)``, values),
+    so ``DataLoader(ds, batch_size=b, shuffle=True)`` yields ``(b, 2, T, D)`` batches.
+    """
+
+    def __init__(
+        self,
+        shards: Shards | str | os.PathLike[str],
+        layers: Sequence[int] | None = None,
+        seed: int = 0,
+        out_dtype: str | None = None,
+    ) -> None:
+        self.shards = as_shards(shards)
+        self.layers = parse_layers(self.shards, layers)
+        if len(self.layers) < 2:
+            raise LoaderError(f"layers: expected at least 2 layers to draw pairs from, found {list(self.layers)}")
+        self.layer_positions = np.array([self.shards.layer_index(v) for v in self.layers], dtype=np.int64)
+        self.out_dtype = parse_out_dtype(self.shards, out_dtype)
+        if int(seed) < 0:
+            raise LoaderError(f"seed: expected an integer >= 0, found {seed}")
+        self.seed = int(seed)
+        self.epoch = 0
+
+    def set_epoch(self, epoch: int) -> None:
+        """Draw the pairs of epoch ``epoch`` from now on."""
+        self.epoch = int(epoch)
+
+    def __len__(self) -> int:
+        return self.shards.n_examples
+
+    def pair(self, example: int) -> npt.NDArray[np.int64]:
+        """Indices into `layers` of the two layers drawn for ``example`` this epoch."""
+        rng = np.random.default_rng([self.seed, self.epoch, example])
+        return rng.choice(len(self.layers), size=2, replace=False).astype(np.int64)
+
+    def __getitem__(self, index: int) -> dict[str, Any]:
+        import torch
+
+        n = len(self)
+        example = int(index)
+        if example < 0:
+            example += n
+        if not 0 <= example < n:
+            raise IndexError(f"index {index} out of range for a dataset of {n} examples")
+        which = self.pair(example)
+        md = self.shards.metadata
+        raw = np.empty((2, md.tokens_per_ex, md.d_model), dtype=self.shards.numpy_dtype)
+        for j in range(2):
+            self.shards.read_example(example, int(self.layer_positions[which[j]]), raw[j])
+        values = np.array(self.layers, dtype=np.int64)[which]
+        return {
+            "acts": to_tensor(raw, self.shards.dtype, self.out_dtype),
+            "example": example,
+            "layers": torch.from_numpy(values),
+        }
