@@ -150,9 +150,9 @@ class RunExistsError(RunError, FileExistsError):
 def _format(problems: Sequence[Problem], path: str | None) -> str:
     if not problems:
         return "no problems"
-    head = f"{path}: " if path else ""
     if len(problems) == 1:
-        return head + problems[0].message
+        return problems[0].message  # every message names its file by absolute path
+    head = f"{path}: " if path else ""
     groups: dict[str, list[str]] = {}
     for p in problems:
         groups.setdefault(p.kind.title, []).append(p.message)

@@ -1,0 +1,96 @@
+"""Memmap lazily, per process: pickles carry no data or handles; fork and spawn reopen."""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import pickle
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+import saev_shards as ss
+
+from .helpers import small_metadata, write_cache
+
+REPO = str(Path(__file__).resolve().parent.parent)
+
+
+def test_pickle_is_small_and_handle_free(root: Path) -> None:
+    md = small_metadata(n_examples=2000, d_model=64)
+    logical = write_cache(root, md, batches=[500])
+    shards = ss.open(root / md.hash)
+    _ = shards[:]  # open every memmap and some descriptors
+    shards.read_example(3, 0)
+    blob = pickle.dumps(shards)
+    assert len(blob) < 64 * 1024 < md.nbytes
+    assert b"memmap" not in blob
+    clone = pickle.loads(blob)
+    assert clone._maps == {}
+    assert clone._fds == {}
+    np.testing.assert_array_equal(clone[1234], logical[1234])
+
+
+def _child_reads(shards: ss.Shards, queue: Any) -> None:
+    inherited = len(shards._maps)
+    queue.put((os.getpid(), inherited, shards[17].tolist(), shards.read_example(1999, 1).sum().item()))
+
+
+def _run(context: str, shards: ss.Shards) -> tuple[int, int, Any, float]:
+    ctx = mp.get_context(context)
+    queue = ctx.Queue()
+    proc = ctx.Process(target=_child_reads, args=(shards, queue))  # type: ignore[attr-defined]
+    proc.start()
+    result = queue.get(timeout=60)
+    proc.join(timeout=60)
+    assert proc.exitcode == 0
+    return result  # type: ignore[no-any-return]
+
+
+def test_fork_and_spawn_open_their_own(root: Path) -> None:
+    md = small_metadata(n_examples=2000, d_model=64)
+    logical = write_cache(root, md, batches=[500])
+    shards = ss.open(root / md.hash)
+    _ = shards[:]  # the parent holds memmaps of every shard
+    assert len(shards._maps) == md.n_shards
+    for context in ("fork", "spawn"):
+        pid, inherited, row, total = _run(context, shards)
+        assert pid != os.getpid()
+        # fork copies the object, but it notices the new pid before using any handle
+        assert row == logical[17].tolist()
+        assert total == float(logical[1999, 1].sum())
+        if context == "spawn":
+            assert inherited == 0
+
+
+def test_core_imports_without_torch() -> None:
+    """Opening and reading a cache needs numpy, orjson and xxhash only."""
+    code = textwrap.dedent(
+        f"""
+        import sys
+        class Block:
+            def find_spec(self, name, path=None, target=None):
+                if name == "torch" or name.startswith("torch."):
+                    raise ImportError("torch is blocked in this test")
+        sys.meta_path.insert(0, Block())
+        sys.path.insert(0, {REPO!r})
+        import tempfile, pathlib
+        import saev_shards as ss
+        from tests.helpers import small_metadata, write_cache
+        root = pathlib.Path(tempfile.mkdtemp())
+        md = small_metadata()
+        logical = write_cache(root, md, stats=True, labels=True)
+        shards = ss.open(root / md.hash)
+        assert (shards[:] == logical).all()
+        shards.verify()
+        assert "torch" not in sys.modules
+        print("ok")
+        """
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=False)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "ok"
