@@ -435,6 +435,8 @@ class ShardWriter:
             self._declare(f"column.{_field(name)}", np.dtype(dt), tuple(tail))
         for name in text:
             self._declare(f"text.{_field(name)}", None, ())
+        # Whether statistics see lengths (decided by the first batch; see write()).
+        self._stats_lengths: bool | None = None
         # Examples accepted per stream (caller thread), as global example indices.
         self._next: dict[str, int] = {}
 
@@ -556,6 +558,16 @@ class ShardWriter:
                 self._next["acts"] -= batch
                 raise WriterError(f"lengths: expected shape ({batch},), found {lengths.shape}")
             self._check_lengths(lengths, batch_reserved=batch)
+        if self.stats_enabled:
+            # Statistics must exclude padding in every batch or in none (protocol.md 2.6).
+            if self._stats_lengths is None:
+                self._stats_lengths = lengths is not None
+            elif self._stats_lengths != (lengths is not None):
+                self._next["acts"] -= batch
+                raise WriterError(
+                    "with stats=True, pass lengths with every batch of activations or with none "
+                    "(write(acts, columns={'lengths': ...}))"
+                )
         if not self.allow_nonfinite and dtypes.nonfinite_mask_any(arr, self.md.dtype):
             self._next["acts"] -= batch
             raise self._nonfinite_error(acts, arr, first)
@@ -565,7 +577,7 @@ class ShardWriter:
         if labels is not None:
             self.write_labels(labels)
         if columns:
-            self.write_columns(**columns)
+            self._write_columns(columns, with_acts=True)
         if text:
             self.write_text(**text)
 
@@ -586,7 +598,15 @@ class ShardWriter:
         ``lengths`` has a defined meaning: the number of valid token positions of each
         example (0 <= lengths <= T); loaders skip positions at or beyond it.
         """
+        self._write_columns(columns, with_acts=False)
+
+    def _write_columns(self, columns: Mapping[str, Any], with_acts: bool) -> None:
         self._check_open()
+        if self.stats_enabled and "lengths" in columns and not with_acts:
+            raise WriterError(
+                "with stats=True, lengths must come with their activations so statistics can skip "
+                "padding: use write(acts, columns={'lengths': ...})"
+            )
         for name, values in columns.items():
             key = f"column.{_field(name)}"
             arr = _to_numpy(values)

@@ -375,3 +375,15 @@ def test_writer_repr_and_durable_default(root: Path) -> None:
     assert "rank=0/1, examples [0, 23), next=0" in repr(w)
     w.abort()
     assert os.path.isdir(staging_dir(root, md))
+
+
+def test_stats_need_lengths_with_the_activations(root: Path) -> None:
+    md = small_metadata()
+    acts = np.zeros((2, *md.shape[1:]), np.float16)
+    w = ss.ShardWriter(root, md, stats=True, durable=False)
+    with pytest.raises(ss.WriterError, match="lengths must come with their activations"):
+        w.write_columns(lengths=np.array([1, 2]))
+    w.write(acts, columns={"lengths": np.array([1, 2])})
+    with pytest.raises(ss.WriterError, match="pass lengths with every batch of activations or with none"):
+        w.write(acts)
+    w.abort()
