@@ -14,11 +14,13 @@ The core needs numpy, orjson and xxhash only; torch is imported lazily by the lo
 and the recorder. protocol.md is the normative description of the bytes on disk.
 """
 
-from . import errors, layout
+from . import errors, layout, store
 from .dtypes import bf16_to_float32, to_float32
 from .errors import (
     AlreadyPublishedError,
+    AmbiguousPrefixError,
     CacheNotFoundError,
+    CacheRefError,
     ChecksumMismatchError,
     DtypeError,
     FileSizeError,
@@ -29,8 +31,13 @@ from .errors import (
     MetadataFileError,
     NonFiniteError,
     ProtocolVersionError,
+    RootNotSetError,
+    RunError,
+    RunExistsError,
+    RunNotFoundError,
     ShardsError,
     UnexpectedFileError,
+    UnknownCacheError,
     WriterBusyError,
     WriterError,
 )
@@ -47,7 +54,9 @@ __all__ = [
     "PROTOCOL",
     "SUPPORTED_PROTOCOLS",
     "AlreadyPublishedError",
+    "AmbiguousPrefixError",
     "CacheNotFoundError",
+    "CacheRefError",
     "ChecksumMismatchError",
     "DtypeError",
     "FileSizeError",
@@ -61,11 +70,16 @@ __all__ = [
     "NonFiniteError",
     "ProtocolVersionError",
     "ProtocolWarning",
+    "RootNotSetError",
+    "RunError",
+    "RunExistsError",
+    "RunNotFoundError",
     "ShardWriter",
     "Shards",
     "ShardsError",
     "TextColumn",
     "UnexpectedFileError",
+    "UnknownCacheError",
     "WriterBusyError",
     "WriterError",
     "__version__",
@@ -75,5 +89,6 @@ __all__ = [
     "finalize",
     "layout",
     "open",
+    "store",
     "to_float32",
 ]
