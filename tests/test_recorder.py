@@ -1,0 +1,316 @@
+"""The recorder: hooked block outputs equal a direct forward pass, in the order of `layers`."""
+
+from __future__ import annotations
+
+import itertools
+import os
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+
+import saev_shards as ss
+from saev_shards.recorder import AsyncWriter, Recorder, RecorderError, find_blocks, resolve_modules
+
+from .helpers import small_metadata, tree_bytes
+
+# --------------------------------------------------------------------------------------
+# small models, built here (no downloads); the dump tests use them too
+
+
+class TinyBlock(torch.nn.Module):
+    """Pre-norm residual block; mixes tokens by a masked mean so padding matters."""
+
+    def __init__(self, d: int, tuple_output: bool) -> None:
+        super().__init__()
+        self.norm = torch.nn.LayerNorm(d)
+        self.mlp = torch.nn.Sequential(torch.nn.Linear(d, 2 * d), torch.nn.GELU(), torch.nn.Linear(2 * d, d))
+        self.mix = torch.nn.Linear(d, d)
+        self.tuple_output = tuple_output
+
+    def forward(self, x: Any, mask: Any) -> Any:
+        m = mask[:, :, None].to(x.dtype)
+        pooled = (x * m).sum(1, keepdim=True) / m.sum(1, keepdim=True).clamp(min=1)
+        x = x + self.mlp(self.norm(x)) + self.mix(pooled)
+        return (x, pooled) if self.tuple_output else x
+
+
+class TinyTextModel(torch.nn.Module):
+    """A small text encoder: embeddings, a list of blocks, a final norm."""
+
+    def __init__(self, vocab: int = 128, d_model: int = 16, n_blocks: int = 4, max_len: int = 64, seed: int = 0):
+        super().__init__()
+        gen = torch.Generator().manual_seed(seed)
+        self.embed = torch.nn.Embedding(vocab, d_model)
+        self.pos = torch.nn.Embedding(max_len, d_model)
+        self.blocks = torch.nn.ModuleList(TinyBlock(d_model, tuple_output=i % 2 == 0) for i in range(n_blocks))
+        self.final = torch.nn.LayerNorm(d_model)
+        with torch.no_grad():
+            for p in self.parameters():
+                p.copy_(torch.randn(p.shape, generator=gen) * 0.5)
+        self.delay = float(os.environ.get("SAEV_TEST_DELAY", "0"))
+
+    def forward(self, input_ids: Any, attention_mask: Any = None, return_all: bool = False) -> Any:
+        if self.delay:
+            time.sleep(self.delay)  # lets a test kill a dump mid-way
+        if attention_mask is None:
+            attention_mask = torch.ones_like(input_ids)
+        x = self.embed(input_ids) + self.pos(torch.arange(input_ids.shape[1]))[None]
+        outs = []
+        for block in self.blocks:
+            y = block(x, attention_mask)
+            x = y[0] if isinstance(y, tuple) else y
+            outs.append(x)
+        return outs if return_all else self.final(x)
+
+
+class TinyViT(torch.nn.Module):
+    """A ViT-style model: patch embedding, [CLS] token, `blocks`, like timm's layout."""
+
+    def __init__(self, d_model: int = 12, n_blocks: int = 3, patch: int = 4, image: int = 8) -> None:
+        super().__init__()
+        torch.manual_seed(1)
+        self.patch_embed = torch.nn.Conv2d(3, d_model, patch, patch)
+        self.cls = torch.nn.Parameter(torch.randn(1, 1, d_model))
+        self.pos = torch.nn.Parameter(torch.randn(1, 1 + (image // patch) ** 2, d_model))
+        self.blocks = torch.nn.Sequential(
+            *[torch.nn.TransformerEncoderLayer(d_model, 2, 24, dropout=0.0, batch_first=True) for _ in range(n_blocks)]
+        )
+        self.norm = torch.nn.LayerNorm(d_model)
+
+    def forward(self, pixels: Any, return_all: bool = False) -> Any:
+        x = self.patch_embed(pixels).flatten(2).transpose(1, 2)
+        x = torch.cat([self.cls.expand(x.shape[0], -1, -1), x], dim=1) + self.pos
+        outs = []
+        for block in self.blocks:
+            x = block(x)
+            outs.append(x)
+        return outs if return_all else self.norm(x)
+
+
+def tiny_tokenize(texts: list[str]) -> list[list[int]]:
+    """[CLS]=1, then one id per character (3..127); untruncated."""
+    return [[1] + [3 + (ord(c) % 125) for c in t] for t in texts]
+
+
+def tiny_text_model(**kwargs: Any) -> tuple[TinyTextModel, Any]:
+    """The dump tests' model factory (``tests.test_recorder:tiny_text_model``)."""
+    return TinyTextModel(**kwargs).eval(), tiny_tokenize
+
+
+def _ids(batch: int = 3, T: int = 10, seed: int = 0) -> tuple[Any, Any]:
+    gen = torch.Generator().manual_seed(seed)
+    ids = torch.randint(3, 128, (batch, T), generator=gen)
+    lengths = torch.tensor([T, T // 2, 1][:batch] + [T] * max(0, batch - 3))
+    mask = (torch.arange(T)[None] < lengths[:, None]).long()
+    return ids, mask
+
+
+def _hooks(model: Any) -> list[tuple[str, list[int]]]:
+    return [(name, list(m._forward_hooks)) for name, m in model.named_modules()]
+
+
+# --------------------------------------------------------------------------------------
+# values
+
+
+@pytest.mark.parametrize("layers", [(0,), (3, 1), (2, 0, 3), (1, 3, 0, 2), (3, 2, 1, 0)])
+def test_recorded_values_equal_direct_forward_in_layer_order(layers: tuple[int, ...]) -> None:
+    model = TinyTextModel().eval()
+    before = _hooks(model)
+    ids, mask = _ids()
+    with torch.inference_mode():
+        direct = model(ids, mask, return_all=True)
+    rec = Recorder(model, list(layers), dtype="float32")
+    acts = rec.record(ids, attention_mask=mask)
+    assert acts.shape == (3, len(layers), 10, 16)
+    for slot, layer in enumerate(layers):
+        torch.testing.assert_close(acts[:, slot], direct[layer], rtol=0, atol=0)
+    assert _hooks(model) == before
+
+
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16", "float32"])
+def test_cast_on_device_equals_torch_cast(dtype: str) -> None:
+    model = TinyTextModel().eval()
+    ids, mask = _ids()
+    with torch.inference_mode():
+        direct = model(ids, mask, return_all=True)
+    acts = Recorder(model, [2, 0], dtype=dtype).record(ids, attention_mask=mask)
+    want = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32}[dtype]
+    assert acts.dtype == want
+    assert torch.equal(acts[:, 0], direct[2].to(want))
+    assert torch.equal(acts[:, 1], direct[0].to(want))
+
+
+def test_lengths_zero_padding_positions_only() -> None:
+    model = TinyTextModel().eval()
+    ids, mask = _ids()
+    lengths = mask.sum(1)
+    plain = Recorder(model, [1, 3]).record(ids, attention_mask=mask)
+    acts = Recorder(model, [1, 3]).record(ids, attention_mask=mask, lengths=lengths)
+    for b, n in enumerate(lengths.tolist()):
+        assert torch.equal(acts[b, :, :n], plain[b, :, :n])
+        assert not acts[b, :, n:].any()
+        assert n == 10 or plain[b, :, n:].any()  # the model does write something there
+
+
+def test_dotted_names_and_vit_style_model() -> None:
+    model = TinyViT().eval()
+    pixels = torch.randn(2, 3, 8, 8, generator=torch.Generator().manual_seed(0))
+    with torch.inference_mode():
+        direct = model(pixels, return_all=True)
+    assert find_blocks(model) == "blocks"
+    acts = Recorder(model, {7: "blocks.2", 5: "blocks.0"}, dtype="float32").record(pixels)
+    assert acts.shape == (2, 2, 5, 12)  # CLS + 4 patches
+    assert torch.equal(acts[:, 0], direct[2])
+    assert torch.equal(acts[:, 1], direct[0])
+    by_index = Recorder(model, [-1], dtype="float32").record(pixels)
+    assert torch.equal(by_index[:, 0], direct[2])
+
+
+def test_stop_early_skips_later_blocks() -> None:
+    model = TinyTextModel().eval()
+    ran = []
+    model.blocks[3].register_forward_pre_hook(lambda m, a: ran.append(3))
+    ids, mask = _ids()
+    Recorder(model, [2, 0]).record(ids, attention_mask=mask)
+    assert ran == []
+    Recorder(model, [2, 0], stop_early=False).record(ids, attention_mask=mask)
+    assert ran == [3]
+
+
+def test_hooks_removed_on_error() -> None:
+    model = TinyTextModel().eval()
+    before = _hooks(model)
+    ids, _ = _ids()
+    with pytest.raises(IndexError):
+        Recorder(model, [0, 3]).record(ids + 1000)  # out of the embedding's range
+    assert _hooks(model) == before
+    model.blocks[1].register_forward_hook(lambda m, a, o: 1 / 0)
+    with pytest.raises(ZeroDivisionError):
+        Recorder(model, [0, 3]).record(ids)  # another hook fails mid-pass
+    assert [h for _, h in _hooks(model)].count([]) == len(before) - 1
+
+    class Twice(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.blocks = torch.nn.ModuleList([torch.nn.Linear(4, 4), torch.nn.Linear(4, 4)])
+
+        def forward(self, x: Any) -> Any:
+            return self.blocks[0](self.blocks[0](x))
+
+    twice = Twice()
+    before = _hooks(twice)
+    with pytest.raises(RecorderError, match="ran twice"):
+        Recorder(twice, [0], stop_early=False).record(torch.zeros(1, 2, 4))
+    assert _hooks(twice) == before
+    with pytest.raises(RecorderError, match=r"layers \[1\] did not run"):
+        Recorder(twice, [1]).record(torch.zeros(1, 2, 4))
+    assert _hooks(twice) == before
+
+
+def test_bad_layers_and_names() -> None:
+    model = TinyTextModel().eval()
+    with pytest.raises(RecorderError, match="out of range: blocks has 4 blocks"):
+        Recorder(model, [4])
+    with pytest.raises(RecorderError, match="no module named 'nope'"):
+        Recorder(model, {0: "nope"})
+    with pytest.raises(RecorderError, match="dtype"):
+        Recorder(model, [0], dtype="int8")
+    with pytest.raises(RecorderError, match="no list of blocks"):
+        find_blocks(torch.nn.Linear(2, 2))
+    assert {k: n for k, (n, _) in resolve_modules(model, [3, 0]).items()} == {3: "blocks.3", 0: "blocks.0"}
+
+
+# --------------------------------------------------------------------------------------
+# Hugging Face encoders and decoders, built from small configs (nothing downloaded)
+
+transformers = pytest.importorskip("transformers")
+
+
+def test_hf_bert_encoder_matches_hidden_states() -> None:
+    cfg = transformers.BertConfig(
+        vocab_size=100, hidden_size=16, num_hidden_layers=3, num_attention_heads=2, intermediate_size=32
+    )
+    torch.manual_seed(0)
+    model = transformers.BertModel(cfg).eval()
+    assert find_blocks(model) == "encoder.layer"
+    ids, mask = _ids(T=8)
+    ids = ids % 100
+    with torch.inference_mode():
+        hidden = model(input_ids=ids, attention_mask=mask, output_hidden_states=True).hidden_states
+    before = _hooks(model)  # transformers installs its own hooks on the first call
+    for layers in itertools.permutations([0, 1, 2], 2):
+        acts = Recorder(model, list(layers), dtype="float32").record(input_ids=ids, attention_mask=mask)
+        for slot, layer in enumerate(layers):
+            assert torch.equal(acts[:, slot], hidden[layer + 1])  # hidden_states[0] is the embeddings
+    assert _hooks(model) == before
+
+
+def test_hf_gpt2_decoder_matches_hidden_states() -> None:
+    cfg = transformers.GPT2Config(vocab_size=100, n_embd=16, n_layer=3, n_head=2, n_positions=16)
+    torch.manual_seed(0)
+    model = transformers.GPT2Model(cfg).eval()
+    assert find_blocks(model) == "h"
+    ids, mask = _ids(T=8)
+    ids = ids % 100
+    with torch.inference_mode():
+        hidden = model(input_ids=ids, attention_mask=mask, output_hidden_states=True).hidden_states
+    acts = Recorder(model, [1, 0], dtype="float32").record(input_ids=ids, attention_mask=mask)
+    # GPT-2's last hidden state has the final norm applied; blocks 0 and 1 are plain.
+    assert torch.equal(acts[:, 0], hidden[2])
+    assert torch.equal(acts[:, 1], hidden[1])
+
+
+def test_hf_vit_matches_hidden_states() -> None:
+    cfg = transformers.ViTConfig(
+        image_size=8, patch_size=4, hidden_size=16, num_hidden_layers=2, num_attention_heads=2, intermediate_size=32
+    )
+    torch.manual_seed(0)
+    model = transformers.ViTModel(cfg, add_pooling_layer=False).eval()
+    pixels = torch.randn(2, 3, 8, 8)
+    with torch.inference_mode():
+        hidden = model(pixel_values=pixels, output_hidden_states=True).hidden_states
+    acts = Recorder(model, [1, 0], dtype="float32").record(pixel_values=pixels)
+    assert acts.shape == (2, 2, 5, 16)
+    assert torch.equal(acts[:, 0], hidden[2])
+    assert torch.equal(acts[:, 1], hidden[1])
+
+
+# --------------------------------------------------------------------------------------
+# AsyncWriter
+
+
+def test_async_writer_equals_direct_writes(tmp_path: Path) -> None:
+    md = small_metadata(d_model=16, patches_per_ex=9, cls_token=True, n_examples=11, patches_per_shard=60)
+    model = TinyTextModel().eval()
+    ids = torch.randint(3, 128, (md.n_examples, 10), generator=torch.Generator().manual_seed(3))
+    mask = torch.ones_like(ids)
+    lengths = np.arange(md.n_examples, dtype=np.int32) % 10 + 1
+    rec = Recorder(model, list(md.layers)[:0] or [1, 3], dtype=md.dtype)
+    md = md.replace(layers=(1, 3))
+    direct = tmp_path / "direct"
+    with ss.ShardWriter(direct, md, stats=True, durable=False) as w:
+        w.write(rec.record(ids, attention_mask=mask, lengths=lengths), columns={"lengths": lengths})
+    overlapped = tmp_path / "async"
+    with AsyncWriter(ss.ShardWriter(overlapped, md, stats=True, durable=False)) as aw:
+        for a in range(0, md.n_examples, 4):
+            b = min(a + 4, md.n_examples)
+            acts = rec.record(ids[a:b], attention_mask=mask[a:b], lengths=lengths[a:b])
+            aw.submit(acts, columns={"lengths": lengths[a:b]})
+    assert tree_bytes(direct / md.hash) == tree_bytes(overlapped / md.hash)
+
+
+def test_async_writer_reports_writer_errors(tmp_path: Path) -> None:
+    md = small_metadata()
+    aw = AsyncWriter(ss.ShardWriter(tmp_path, md, durable=False))
+    aw.submit(torch.zeros(2, 2, 3, 8))  # wrong token count: the writer raises in the thread
+    with pytest.raises(ss.WriterError, match="expected shape"):
+        for _ in range(20):  # the error surfaces on a later submit or on join
+            aw.submit(torch.zeros(1, *md.shape[1:]))
+        aw.join()
+    aw.abort()
+    assert not (tmp_path / md.hash).exists()
