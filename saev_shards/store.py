@@ -761,6 +761,12 @@ def create_run(
     return Run(path)
 
 
+def _one_line(err: Exception) -> str:
+    """An error listing several problems, on one line (a report has one line per finding)."""
+    lines = [line.strip() for line in str(err).splitlines() if line.strip()]
+    return "; ".join(lines)
+
+
 @dataclasses.dataclass(frozen=True)
 class Finding:
     """One line of a `doctor` report: ``level`` is "ok", "note", "warning" or "error"."""
@@ -822,7 +828,7 @@ def doctor(
                     warnings.simplefilter("ignore", ProtocolWarning)
                     cache = reader.open(link.resolve())
             except ShardsError as err:
-                add("error", subject, f"{shown}: not a valid cache: {err}")
+                add("error", subject, f"{shown}: not a valid cache: {_one_line(err)}")
                 continue
             opened[name] = cache
             if verify:
@@ -831,7 +837,7 @@ def doctor(
                         warnings.simplefilter("ignore")
                         nbytes = cache.verify(progress=progress)
                 except ShardsError as err:
-                    add("error", subject, f"{shown}: verification failed: {err}")
+                    add("error", subject, f"{shown}: verification failed: {_one_line(err)}")
                     continue
                 verified = f", {nbytes:,} bytes verified"
             else:

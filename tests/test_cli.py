@@ -1,0 +1,559 @@
+"""The saev-shards command line, driven in subprocesses over real caches: output and exit codes."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+import saev_shards as ss
+from saev_shards import cli
+
+from .helpers import small_metadata, tree_bytes, write_cache
+from .test_store import colliding_metadata, writable_copy
+
+
+@dataclass
+class Result:
+    code: int
+    out: str
+    err: str
+
+
+@dataclass
+class Store:
+    """A scratch and an NFS folder as seed 004 lays them out, with two caches."""
+
+    base: Path
+    env: dict[str, str]
+    shards_root: Path
+    full: ss.Metadata  # labels, a lengths column, text and statistics
+    plain: ss.Metadata  # activations only, bfloat16
+
+    def run(self, *args: str, env: dict[str, str] | None = None, cwd: Path | None = None) -> Result:
+        proc = subprocess.run(
+            [sys.executable, "-m", "saev_shards", *args],
+            check=False,
+            capture_output=True,
+            text=True,
+            env=env if env is not None else self.env,
+            cwd=cwd or self.base,
+            timeout=120,
+        )
+        return Result(proc.returncode, proc.stdout, proc.stderr)
+
+
+def python(code: str, env: dict[str, str]) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-c", code], check=False, capture_output=True, text=True, env=env, timeout=60
+    )
+
+
+def clean_env(**extra: str) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("SAEV_")}
+    env.update(extra)
+    return env
+
+
+@pytest.fixture(scope="module")
+def st(tmp_path_factory: pytest.TempPathFactory) -> Store:
+    base = tmp_path_factory.mktemp("cli")
+    scratch, nfs = base / "scratch", base / "nfs"
+    shards_root = scratch / "saev" / "shards"
+    full = small_metadata()
+    lengths = (1 + __import__("numpy").arange(full.n_examples) % full.tokens_per_ex).astype("int32")
+    write_cache(shards_root, full, labels=True, text=True, lengths=lengths, stats=True)
+    plain = small_metadata(n_examples=7, dtype="bfloat16")
+    write_cache(shards_root, plain)
+    env = clean_env(SAEV_SCRATCH=str(scratch), SAEV_NFS=str(nfs), SAEV_STAGE_ROOT=str(base / "local"))
+    return Store(base, env, shards_root, full, plain)
+
+
+def one_error_line(r: Result) -> str:
+    """The error output must be exactly one line, and never a traceback."""
+    assert "Traceback" not in r.err
+    lines = r.err.strip().splitlines()
+    assert len(lines) == 1, r.err
+    assert lines[0].startswith("saev-shards: error: ")
+    return lines[0]
+
+
+# --------------------------------------------------------------------------------------
+# help
+
+
+def test_help_lists_commands_roots_and_exit_codes(st: Store):
+    r = st.run("--help")
+    assert r.code == 0
+    for command in ("info", "ls", "verify", "resolve", "stage", "run", "doctor", "dump"):
+        assert f"\n    {command}" in r.out
+    assert "$SAEV_SHARDS_ROOT" in r.out and "$SAEV_SCRATCH/saev/shards" in r.out and "$SAEV_NFS/saev/runs" in r.out
+    assert cli.EXIT_CODES_HELP in r.out
+
+
+COMMANDS = ["info", "ls", "verify", "resolve", "stage", "run", "run init", "run show", "doctor"]
+
+
+def test_every_command_has_help_with_examples(st: Store):
+    # One interpreter runs every `<command> --help` (each exits 0 via SystemExit): ~0.3 s, not 3.
+    code = (
+        "import contextlib, io, json, sys\nfrom saev_shards.cli import main\nout = {}\n"
+        f"for command in {COMMANDS!r}:\n"
+        "    buf = io.StringIO()\n"
+        "    try:\n"
+        "        with contextlib.redirect_stdout(buf):\n"
+        "            main([*command.split(), '--help'])\n"
+        "    except SystemExit as e:\n"
+        "        out[command] = (e.code, buf.getvalue())\n"
+        "print(json.dumps(out))\n"
+    )
+    proc = python(code, st.env)
+    assert proc.returncode == 0, proc.stderr
+    helps = json.loads(proc.stdout)
+    assert sorted(helps) == sorted(COMMANDS)
+    for command, (exit_code, text) in helps.items():
+        assert exit_code == 0, command
+        examples = text.split("examples:\n", 1)[1]
+        assert f"  saev-shards {command} " in examples, command
+        assert "exit codes:" in text, command
+
+
+def test_usage_errors_exit_2(st: Store):
+    r = st.run("info")
+    assert r.code == 2 and "the following arguments are required: ref" in r.err
+    r = st.run("frobnicate")
+    assert r.code == 2 and "invalid choice: 'frobnicate'" in r.err
+
+
+# --------------------------------------------------------------------------------------
+# info, ls, verify, resolve
+
+
+def test_info_text(st: Store):
+    r = st.run("info", st.full.hash[:6])
+    assert r.code == 0, r.err
+    fields = dict(line.split(None, 1) for line in r.out.splitlines() if line and not line.startswith(" "))
+    assert fields["cache"] == st.full.hash
+    assert fields["path"] == str(st.shards_root / st.full.hash)
+    assert fields["shape"] == "(23, 2, 5, 8)  examples x layers x tokens x d_model"
+    assert fields["dtype"] == "float16 (2 bytes per value)"
+    assert fields["layers"] == "[6, 11]"
+    assert fields["tokens"] == "5 per example (CLS + 4)"
+    assert fields["shards"] == "5 x 5 examples (last: 3)"
+    assert fields["bytes"].startswith("3,680 bytes of activations (3.7 KB), ")
+    assert fields["labels"] == "uint8 (23, 4)"
+    assert fields["columns"] == "lengths int32 (23,)"
+    assert fields["text"] == "prompt (23 lines)"
+    assert fields["checksums"] == "xxh3_128 for every file"
+    stats = [line.split() for line in r.out.splitlines() if line.startswith("  ")]
+    assert stats[0] == ["layer", "tokens", "mean", "|x|", "mean", "|x|^2", "mean", "var", "non-finite"]
+    counted = int(ss.open(st.shards_root / st.full.hash).stats["count"][0])  # type: ignore[index]
+    assert [row[:2] for row in stats[1:]] == [["6", f"{counted:,}"], ["11", f"{counted:,}"]]
+
+
+def test_info_json(st: Store):
+    r = st.run("info", st.plain.hash, "--json")
+    assert r.code == 0, r.err
+    info = json.loads(r.out)
+    md = st.plain
+    assert info["hash"] == md.hash
+    assert info["shape"] == list(md.shape)
+    assert info["dtype"] == "bfloat16"
+    assert info["layers"] == [6, 11]
+    assert info["n_shards"] == md.n_shards == len(info["shards"])
+    assert info["nbytes"] == md.nbytes == sum(s["nbytes"] for s in info["shards"])
+    assert info["labels"] is None and info["columns"] == {} and info["text"] == {} and info["stats"] is None
+    assert info["data"] == md.data and info["dataset"] == md.dataset
+
+
+def test_ls_lists_caches_sizes_and_unpublished_folders(st: Store, tmp_path: Path):
+    r = st.run("ls")
+    assert r.code == 0, r.err
+    lines = r.out.splitlines()
+    assert lines[0].startswith(f"{st.shards_root} (SAEV_SCRATCH): 2 caches, ")
+    assert lines[1].split() == ["HASH", "MODEL", "DTYPE", "SHAPE", "SHARDS", "SIZE", "STATUS"]
+    rows = {line.split()[0]: line.split() for line in lines[2:]}
+    assert rows[st.full.hash[:12]][1:6] == ["clip:test/ckpt", "float16", "(23,", "2,", "5,"]
+    assert rows[st.plain.hash[:12]][-1] == "ok" and rows[st.plain.hash[:12]][2] == "bfloat16"
+    # Another root, given on the command line, holding an interrupted copy.
+    (tmp_path / ".copying-abcd").mkdir()
+    r = st.run("ls", str(tmp_path), "--json")
+    assert r.code == 0
+    assert json.loads(r.out) == [
+        {"root": str(tmp_path), "source": "argument", "exists": True, "caches": [], "unpublished": [
+            str(tmp_path / ".copying-abcd")]}
+    ]  # fmt: skip
+    r = st.run("ls", str(tmp_path))
+    assert r.out.splitlines()[-1] == "  unpublished (being written, or interrupted): .copying-abcd"
+    r = st.run("ls", str(tmp_path / "nowhere"))
+    assert r.code == 3 and r.out == f"{tmp_path / 'nowhere'} (argument): no such directory\n"
+
+
+def test_verify_ok_with_a_progress_bar(st: Store):
+    r = st.run("verify", st.full.hash[:5], "--progress")
+    assert r.code == 0, r.err
+    files = len(ss.open(st.shards_root / st.full.hash).manifest.files())
+    assert r.out.startswith(f"ok {st.shards_root / st.full.hash}\n   {files} files, ")
+    assert "sizes, xxh3_128 checksums and the metadata hash match" in r.out
+    assert f"verify {st.full.hash[:12]}: 100.0%" in r.err
+    r = st.run("verify", st.full.hash[:5])  # not a terminal: no bar unless asked
+    assert r.code == 0 and r.err == ""
+
+
+def test_resolve_unique_ambiguous_unknown_and_short_prefixes(st: Store, tmp_path: Path):
+    r = st.run("resolve", st.full.hash[:4])
+    assert r.code == 0 and r.out == f"{st.shards_root / st.full.hash}\n"
+    a, b = colliding_metadata()
+    write_cache(tmp_path / "a", a)
+    write_cache(tmp_path / "b", b)
+    roots = ("--root", str(tmp_path / "a"), "--root", str(tmp_path / "b"))
+    r = st.run("resolve", a.hash[:4], *roots)
+    assert r.code == 3 and r.out == ""
+    assert r.err.splitlines() == [
+        f"saev-shards: error: hash prefix '{a.hash[:4]}' is ambiguous: 2 caches match; give more digits:",
+        *sorted([f"  {a.hash} in {tmp_path / 'a'}", f"  {b.hash} in {tmp_path / 'b'}"]),
+    ]
+    n = next(i for i in range(64) if a.hash[i] != b.hash[i]) + 1
+    r = st.run("resolve", b.hash[:n], *roots)
+    assert r.code == 0 and r.out == f"{tmp_path / 'b' / b.hash}\n"
+    unknown = next(p for p in ("0000", "1111", "2222") if not any(h.startswith(p) for h in (a.hash, b.hash)))
+    r = st.run("resolve", unknown, *roots)
+    assert r.code == 3
+    assert one_error_line(r) == (
+        f"saev-shards: error: no cache matches hash prefix '{unknown}' in "
+        f"{tmp_path / 'a'} (argument), {tmp_path / 'b'} (argument)"
+    )
+    r = st.run("resolve", "abc")
+    assert r.code == 3 and "too short: expected at least 4 hex digits, found 3" in one_error_line(r)
+
+
+def test_errors_are_one_line_and_tracebacks_need_debug(st: Store):
+    r = st.run("info", "beefbeef")
+    assert r.code == 3
+    assert (
+        one_error_line(r)
+        == f"saev-shards: error: no cache matches hash prefix 'beefbeef' in {st.shards_root} (SAEV_SCRATCH)"
+    )
+    r = st.run("--debug", "info", "beefbeef")
+    assert r.code == 3
+    assert "Traceback (most recent call last)" in r.err and "UnknownCacheError" in r.err
+    assert r.err.splitlines()[-1].startswith("saev-shards: error: no cache matches")
+
+
+def test_no_root_configured(st: Store):
+    env = clean_env()
+    r = st.run("ls", env=env)
+    assert r.code == 2
+    assert "no shards root: pass one explicitly (--root), or set SAEV_SHARDS_ROOT" in one_error_line(r)
+    r = st.run("info", st.full.hash[:8], env=env)
+    assert r.code == 3
+    assert "no shards root to look up the hash prefix" in one_error_line(r)
+    # A path needs no root.
+    r = st.run("resolve", str(st.shards_root / st.full.hash), env=env)
+    assert r.code == 0
+
+
+# --------------------------------------------------------------------------------------
+# broken caches
+
+BROKEN = {
+    # kind: (how, what info says, what verify says, whether ls and info see it)
+    "missing shard": ("acts000002.bin: missing", True),
+    "truncated shard": ("acts000001.bin: expected 800 bytes, found 100 (file seems not fully written?)", True),
+    "modified shard": ("acts000003.bin: xxh3_128 expected ", False),
+    "wrong hash": ("directory name is not the hash of its metadata.json", True),
+}
+
+
+def break_cache(st: Store, kind: str, dest_root: Path) -> Path:
+    src = st.shards_root / st.full.hash
+    cache = writable_copy(src, dest_root)
+    if kind == "missing shard":
+        (cache / "acts000002.bin").unlink()
+    elif kind == "truncated shard":
+        with open(cache / "acts000001.bin", "r+b") as f:
+            f.truncate(100)
+    elif kind == "modified shard":
+        data = bytearray((cache / "acts000003.bin").read_bytes())
+        data[100] ^= 0x40
+        (cache / "acts000003.bin").write_bytes(bytes(data))
+    elif kind == "wrong hash":
+        cache = cache.rename(dest_root / ("f" * 64))
+    return cache
+
+
+@pytest.mark.parametrize("kind", list(BROKEN))
+def test_broken_caches_info_verify_ls(st: Store, tmp_path: Path, kind: str):
+    message, visible_without_checksums = BROKEN[kind]
+    cache = break_cache(st, kind, tmp_path)
+    info = st.run("info", str(cache))
+    verify = st.run("verify", str(cache))
+    ls = st.run("ls", str(tmp_path))
+    assert verify.code == 1
+    assert verify.out == ""
+    assert message in verify.err and f"saev-shards: error: {cache}" in verify.err
+    assert "Traceback" not in verify.err
+    if visible_without_checksums:
+        assert info.code == 1 and message in info.err and info.out == ""
+        assert ls.code == 1
+        assert f"1 cache, {cli.human_bytes(sum(p.stat().st_size for p in cache.iterdir()))}, 1 broken" in ls.out
+        assert "BROKEN: " in ls.out and message.split(" (")[0].split(": ")[-1] in ls.out
+    else:  # same sizes: only the checksums tell
+        assert info.code == 0 and ls.code == 0 and ls.out.rstrip().endswith("ok")
+
+
+def test_several_problems_are_all_listed(st: Store, tmp_path: Path):
+    cache = break_cache(st, "missing shard", tmp_path)
+    with open(cache / "acts000004.bin", "r+b") as f:
+        f.truncate(1)
+    r = st.run("verify", str(cache))
+    assert r.code == 1
+    assert r.err.splitlines() == [
+        f"saev-shards: error: {cache}: 2 problems",
+        "  missing (1):",
+        f"    - {cache}/acts000002.bin: missing",
+        "  size (1):",
+        f"    - {cache}/acts000004.bin: expected 480 bytes, found 1 (file seems not fully written?)",
+    ]
+
+
+# --------------------------------------------------------------------------------------
+# stage
+
+
+def test_stage_copies_verifies_and_prints_the_local_path(st: Store, tmp_path: Path):
+    local = tmp_path / "local"
+    r = st.run("stage", st.plain.hash[:6], "--to", str(local))
+    assert r.code == 0, r.err
+    assert r.out == f"{local / st.plain.hash}\n"
+    files = len(ss.open(st.shards_root / st.plain.hash).manifest.files())
+    assert r.err == f"{st.plain.hash[:12]}: copied {files} files (1.1 KB); checksums verified\n"
+    assert tree_bytes(local / st.plain.hash) == tree_bytes(st.shards_root / st.plain.hash)
+    r = st.run("stage", st.plain.hash[:6], "--to", str(local))
+    assert r.code == 0 and r.err == f"{st.plain.hash[:12]}: already staged, nothing copied\n"
+    # The default destination: $SAEV_STAGE_ROOT.
+    r = st.run("stage", st.plain.hash[:6])
+    assert r.code == 0 and r.out == f"{st.base / 'local' / st.plain.hash}\n"
+
+
+def test_stage_interrupted_then_resumed(st: Store, tmp_path: Path):
+    local = tmp_path / "local"
+    files = ss.open(st.shards_root / st.full.hash).manifest.files()
+    copied = 0
+
+    def interrupt(n: int) -> None:
+        nonlocal copied
+        copied += n
+        if copied >= files[0][1] + files[1][1]:
+            raise KeyboardInterrupt
+
+    with pytest.raises(KeyboardInterrupt):
+        ss.store.copy_cache(st.shards_root / st.full.hash, local, on_bytes=interrupt)
+    partial = local / f".copying-{st.full.hash}"
+    half = partial / files[1][0]
+    half.write_bytes(half.read_bytes()[:300])  # as if the copy stopped mid-file
+    r = st.run("ls", str(local))
+    assert r.out.splitlines()[-1] == f"  unpublished (being written, or interrupted): .copying-{st.full.hash}"
+    r = st.run("stage", st.full.hash, "--to", str(local))
+    assert r.code == 0, r.err
+    assert r.out == f"{local / st.full.hash}\n"
+    assert r.err == (
+        f"{st.full.hash[:12]}: copied {len(files) - 2} files "
+        f"({cli.human_bytes(sum(n for _, n, _ in files[2:]) + files[1][1] - 300)}); "
+        f"resumed: kept 1 complete and 1 half-written files ({cli.human_bytes(files[0][1] + 300)}) "
+        "after re-verifying them; checksums verified\n"
+    )
+    assert st.run("verify", str(local / st.full.hash)).code == 0
+    assert not partial.exists()
+
+
+def test_stage_of_a_damaged_source_fails_and_publishes_nothing(st: Store, tmp_path: Path):
+    src_root = tmp_path / "src"
+    src_root.mkdir()
+    cache = break_cache(st, "modified shard", src_root)
+    r = st.run("stage", str(cache), "--to", str(tmp_path / "local"))
+    assert r.code == 1 and r.out == ""
+    line = one_error_line(r)
+    assert f"{cache}/acts000003.bin: xxh3_128 expected" in line
+    assert f"the source cache is damaged (check it with: saev-shards verify {cache})" in line
+    assert not (tmp_path / "local" / st.full.hash).exists()
+
+
+@pytest.mark.slow
+def test_stage_killed_by_ctrl_c_resumes(tmp_path: Path):
+    """A real interruption: SIGINT while a ~300 MB copy runs, then the same command again."""
+    md = small_metadata(n_examples=1500, d_model=1024, patches_per_ex=49, layers=(1, 2), patches_per_shard=1_000_000)
+    import numpy as np
+
+    rng = np.random.default_rng(0)
+    with ss.ShardWriter(tmp_path / "shards", md, durable=False) as w:
+        for start in range(0, md.n_examples, 100):
+            w.write(rng.standard_normal((min(100, md.n_examples - start), *md.shape[1:]), dtype=np.float32))
+    env = clean_env(SAEV_SHARDS_ROOT=str(tmp_path / "shards"))
+    local = tmp_path / "local"
+    partial = local / f".copying-{md.hash}"
+    args = [sys.executable, "-m", "saev_shards", "stage", md.hash[:8], "--to", str(local)]
+    proc = subprocess.Popen(args, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline and not (partial.is_dir() and any(p.stat().st_size for p in partial.iterdir())):
+        time.sleep(0.005)
+    proc.send_signal(signal.SIGINT)
+    out, err = proc.communicate(timeout=60)
+    assert proc.returncode == 130, err
+    assert err.endswith("saev-shards: interrupted\n") and out == ""
+    assert partial.is_dir() and not (local / md.hash).exists()
+    done = subprocess.run(args, check=False, env=env, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert "resumed: kept " in done.stderr
+    assert tree_bytes(local / md.hash) == tree_bytes(tmp_path / "shards" / md.hash)
+
+
+# --------------------------------------------------------------------------------------
+# runs
+
+
+def test_run_init_show_and_doctor(st: Store, tmp_path: Path):
+    data = tmp_path / "data"
+    data.mkdir()
+    r = st.run(
+        "run", "init", "--train", st.full.hash[:6], "--val", st.plain.hash[:6], "--id", "sae-16k",
+        "--train-dataset", str(data), "--runs-root", str(tmp_path / "runs"),
+    )  # fmt: skip
+    run = tmp_path / "runs" / "sae-16k"
+    assert r.code == 0, r.err
+    assert r.out.splitlines() == [
+        f"created run {run}",
+        f"  links/train-shards   -> {st.shards_root / st.full.hash}",
+        f"  links/train-dataset  -> {data}",
+        f"  links/val-shards     -> {st.shards_root / st.plain.hash}",
+        f"  links/val-dataset    -> {st.plain.dataset}  (does not exist here)",
+        "  checkpoint/          (empty: training writes sae.pt and config.json here)",
+    ]
+    r = st.run("run", "show", "--run", str(run), "--json")
+    assert r.code == 0
+    assert json.loads(r.out) == {
+        "run": str(run),
+        "train-shards": str(st.shards_root / st.full.hash),
+        "train-dataset": str(data),
+        "val-shards": str(st.shards_root / st.plain.hash),
+        "val-dataset": None,
+        "sae_checkpoint": str(run / "checkpoint" / "sae.pt"),
+        "checkpoint_config": str(run / "checkpoint" / "config.json"),
+    }
+    r = st.run("doctor", "--run", str(run))
+    assert r.code == 1
+    lines = r.out.splitlines()
+    assert lines[0] == f"run {run}"
+    assert [line.split()[:2] for line in lines[1:-1]] == [
+        ["ok", "links/train-shards"],
+        ["ok", "links/train-dataset"],
+        ["ok", "links/val-shards"],
+        ["ERROR", "links/val-dataset"],
+        ["note", "checkpoint/sae.pt"],
+        ["note", "checkpoint/config.json"],
+        ["WARNING", "links/val-shards"],
+    ]
+    assert f"dangling: points to {st.plain.dataset}, which does not exist" in lines[4]
+    assert "train and val caches differ: dtype 'float16' vs 'bfloat16'" in lines[7]
+    assert lines[-1] == "1 error, 1 warning"
+    # Repair the link: healthy, but not trained; --trained makes that an error.
+    (run / "links" / "val-dataset").unlink()
+    (run / "links" / "val-dataset").symlink_to(data)
+    r = st.run("doctor", "--run", str(run), "--json")
+    assert r.code == 0
+    report = json.loads(r.out)
+    assert (report["errors"], report["warnings"]) == (0, 1)
+    r = st.run("doctor", "--run", str(run), "--trained")
+    assert r.code == 1 and r.out.splitlines()[-1] == "2 errors, 1 warning"
+    # A bare run id resolves in $SAEV_RUNS_ROOT; an unknown one is "not found".
+    env = dict(st.env, SAEV_RUNS_ROOT=str(tmp_path / "runs"))
+    assert st.run("doctor", "--run", "sae-16k", env=env).code == 0
+    r = st.run("doctor", "--run", "nope", env=env)
+    assert r.code == 3
+    assert one_error_line(r) == (
+        f"saev-shards: error: no run folder at {st.base / 'nope'} nor {tmp_path / 'runs' / 'nope'}"
+    )
+    r = st.run("run", "init", "--train", st.full.hash[:6], "--id", "sae-16k", env=env)
+    assert r.code == 2 and one_error_line(r) == f"saev-shards: error: {run}: a run with this id already exists"
+
+
+def test_doctor_verify_catches_a_modified_linked_cache(st: Store, tmp_path: Path):
+    broken_root = tmp_path / "broken"
+    broken_root.mkdir()
+    cache = break_cache(st, "modified shard", broken_root)
+    data = tmp_path / "data"
+    data.mkdir()
+    r = st.run("run", "init", "--train", str(cache), "--train-dataset", str(data), "--id", "r",
+               "--runs-root", str(tmp_path / "runs"))  # fmt: skip
+    assert r.code == 0, r.err
+    run = str(tmp_path / "runs" / "r")
+    assert st.run("doctor", "--run", run).code == 0  # sizes are right
+    r = st.run("doctor", "--run", run, "--verify")
+    assert r.code == 1
+    error = next(line for line in r.out.splitlines() if line.split()[:2] == ["ERROR", "links/train-shards"])
+    assert "verification failed" in error and "acts000003.bin: xxh3_128 expected" in error
+    # Dangling shards link.
+    shutil.rmtree(broken_root)
+    r = st.run("doctor", "--run", run)
+    assert r.code == 1
+    error = next(line for line in r.out.splitlines() if line.split()[:2] == ["ERROR", "links/train-shards"])
+    assert error.endswith(f"dangling: points to {cache}, which does not exist")
+
+
+def test_doctor_without_a_run_checks_the_roots(st: Store):
+    r = st.run("doctor")
+    assert r.code == 0, r.err
+    assert r.out.splitlines()[1].split() == ["ok", "shards", "root", str(st.shards_root), "(SAEV_SCRATCH)"]
+    assert "runs root    " in r.out and "stage root   " in r.out
+    r = st.run("doctor", env=clean_env())
+    assert r.code == 1 and "ERROR    shards root" in r.out and "ERROR    runs root" in r.out
+
+
+# --------------------------------------------------------------------------------------
+# dump, entry points
+
+
+def test_cli_never_imports_torch_or_dump_unless_dump_runs(st: Store):
+    code = (
+        "import sys\nfrom saev_shards import cli\n"
+        f"assert cli.main(['ls', {str(st.shards_root)!r}]) == 0\n"
+        f"assert cli.main(['info', {st.full.hash[:6]!r}, '--root', {str(st.shards_root)!r}]) == 0\n"
+        "assert 'torch' not in sys.modules and 'saev_shards.dump' not in sys.modules, sorted(sys.modules)\n"
+    )
+    proc = python(code, st.env)
+    assert proc.returncode == 0, proc.stderr
+
+
+def test_dump_missing_is_one_line_error(st: Store):
+    code = (
+        "import sys\nsys.modules['saev_shards.dump'] = None\nfrom saev_shards.cli import main\nsys.exit(main(['dump']))"
+    )
+    proc = python(code, st.env)
+    assert proc.returncode == 2
+    assert proc.stderr == (
+        "saev-shards: error: the dump command is not available in this installation (no module saev_shards.dump)\n"
+    )
+
+
+@pytest.mark.skipif(not (Path(ss.__file__).parent / "dump.py").exists(), reason="saev_shards/dump.py not written yet")
+def test_dump_help_comes_from_the_dump_module(st: Store):
+    r = st.run("dump", "--help")
+    assert r.code == 0, r.err
+    assert r.out.startswith("usage: saev-shards dump")
+    assert "exit codes:" in r.out
+
+
+def test_console_script_and_version(st: Store):
+    script = Path(sys.executable).parent / "saev-shards"
+    if not script.exists():
+        pytest.skip("console script not installed in this environment")
+    proc = subprocess.run([str(script), "--version"], check=False, capture_output=True, text=True, env=st.env)
+    assert proc.returncode == 0 and proc.stdout == f"saev-shards {ss.__version__}\n"
