@@ -761,10 +761,11 @@ def create_run(
     return Run(path)
 
 
-def _one_line(err: Exception) -> str:
-    """An error listing several problems, on one line (a report has one line per finding)."""
-    lines = [line.strip() for line in str(err).splitlines() if line.strip()]
-    return "; ".join(lines)
+def _one_line(err: Exception, cache: Path) -> str:
+    """An error listing several problems, on one line (a report has one line per finding),
+    with the files of ``cache`` named relative to it (the line already shows where it is)."""
+    text = str(err).replace(f"{cache}/", "").replace(f"{cache}: ", "")
+    return "; ".join(line.strip() for line in text.splitlines() if line.strip())
 
 
 @dataclasses.dataclass(frozen=True)
@@ -823,12 +824,13 @@ def doctor(
                 else:
                     add("error", subject, f"{shown}: not a directory")
                 continue
+            target = link.resolve()
             try:
                 with warnings.catch_warnings():
                     warnings.simplefilter("ignore", ProtocolWarning)
-                    cache = reader.open(link.resolve())
+                    cache = reader.open(target)
             except ShardsError as err:
-                add("error", subject, f"{shown}: not a valid cache: {_one_line(err)}")
+                add("error", subject, f"{shown}: not a valid cache: {_one_line(err, target)}")
                 continue
             opened[name] = cache
             if verify:
@@ -837,7 +839,7 @@ def doctor(
                         warnings.simplefilter("ignore")
                         nbytes = cache.verify(progress=progress)
                 except ShardsError as err:
-                    add("error", subject, f"{shown}: verification failed: {_one_line(err)}")
+                    add("error", subject, f"{shown}: verification failed: {_one_line(err, target)}")
                     continue
                 verified = f", {nbytes:,} bytes verified"
             else:
