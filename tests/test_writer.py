@@ -2,20 +2,27 @@
 
 from __future__ import annotations
 
+import errno
 import os
 import signal
 import stat
 import subprocess
 import sys
+import tempfile
 import textwrap
 import time
+from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
 import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 import saev_shards as ss
+from saev_shards import writer as writer_module
 from saev_shards.dtypes import float32_to_bf16
 from saev_shards.writer import staging_dir
 
@@ -320,7 +327,7 @@ KILL_SCRIPT = textwrap.dedent(
     sys.path.insert(0, {repo!r})
     import saev_shards as ss
     from tests.helpers import small_metadata, logical_tensor
-    md = small_metadata(n_examples=4000, d_model=64)
+    md = small_metadata(n_examples=4000, d_model=64, patches_per_shard=1000)
     logical = logical_tensor(md)
     w = ss.ShardWriter({root!r}, md, resume={resume})
     print(w.next_example, flush=True)
@@ -341,7 +348,7 @@ def run_writer(root: Path, resume: bool, pause: bool) -> subprocess.Popen[str]:
 
 
 def test_sigkill_publishes_nothing_and_resume_is_byte_identical(tmp_path: Path) -> None:
-    md = small_metadata(n_examples=4000, d_model=64)
+    md = small_metadata(n_examples=4000, d_model=64, patches_per_shard=1000)
     root = tmp_path / "killed"
     proc = run_writer(root, resume=False, pause=True)
     assert proc.stdout is not None
@@ -387,3 +394,58 @@ def test_stats_need_lengths_with_the_activations(root: Path) -> None:
     with pytest.raises(ss.WriterError, match="pass lengths with every batch of activations or with none"):
         w.write(acts)
     w.abort()
+
+
+@given(chunks=st.lists(st.integers(0, 20_000), max_size=12), direct=st.booleans())
+@settings(max_examples=30, suppress_health_check=[HealthCheck.function_scoped_fixture])  # the block size is constant
+def test_sequential_file_writes_exact_bytes(monkeypatch_block: None, chunks: list[int], direct: bool) -> None:
+    """O_DIRECT blocks, short remainders and the buffered tail add up to exactly the bytes given."""
+    with tempfile.TemporaryDirectory(dir=Path(__file__).parent) as tmp:
+        path = Path(tmp) / "f.bin"
+        rng = np.random.default_rng(len(chunks))
+        data = [rng.integers(0, 256, n, dtype=np.uint8).tobytes() for n in chunks]
+        f = writer_module._SequentialFile(path, direct=direct)
+        for d in data:
+            f.write(memoryview(d))
+        f.close(durable=False)
+        assert path.read_bytes() == b"".join(data)
+
+
+@pytest.fixture
+def monkeypatch_block() -> Iterator[None]:
+    saved = writer_module.DIRECT_BLOCK
+    writer_module.DIRECT_BLOCK = 8192  # two alignment units, so every path is hit with small data
+    yield
+    writer_module.DIRECT_BLOCK = saved
+
+
+def test_large_shards_go_through_o_direct(root: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A 20 MB shard (one 16 MiB block, an aligned rest, an unaligned tail) and a 10 MB one."""
+    md = small_metadata(d_model=1000, n_examples=1500, patches_per_shard=10_000)
+    assert md.shard_nbytes(0) == 20_000_000 > writer_module.DIRECT_BLOCK
+    opened_direct = []
+    real_open = os.open
+
+    def spy(path: Any, flags: int, *args: Any) -> int:
+        if flags & os.O_DIRECT:
+            opened_direct.append(Path(path).name)
+        return real_open(path, flags, *args)
+
+    monkeypatch.setattr(os, "open", spy)
+    logical = write_cache(root, md, batches=[7, 300])
+    assert opened_direct == ["acts000000.bin"]
+    np.testing.assert_array_equal(ss.open(root / md.hash)[:], logical)
+
+
+def test_falls_back_when_o_direct_is_refused(root: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    md = small_metadata(d_model=1000, n_examples=1000, patches_per_shard=10_000)
+    real_open = os.open
+
+    def refuse(path: Any, flags: int, *args: Any) -> int:
+        if flags & os.O_DIRECT:
+            raise OSError(errno.EINVAL, "O_DIRECT not supported here")
+        return real_open(path, flags, *args)
+
+    monkeypatch.setattr(os, "open", refuse)
+    logical = write_cache(root, md, batches=[64])
+    np.testing.assert_array_equal(ss.open(root / md.hash)[:], logical)
