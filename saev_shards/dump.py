@@ -824,7 +824,11 @@ def describe(the_plan: Plan, root: Path, rank: int, world_size: int) -> str:
 
 
 def _gb(n: float) -> str:
-    return f"{n / 1e9:.3f} GB" if n >= 1e8 else f"{n / 1e6:.2f} MB"
+    """Bytes in decimal units: 512 B, 3.4 KB, 19.66 MB, 1.234 GB."""
+    for unit, scale, digits in (("GB", 1e9, 3), ("MB", 1e6, 2), ("KB", 1e3, 1)):
+        if n >= scale:
+            return f"{n / scale:.{digits}f} {unit}"
+    return f"{n:.0f} B"
 
 
 def _print(msg: str) -> None:

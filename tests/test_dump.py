@@ -1,0 +1,338 @@
+"""`dump`: a real forward pass into a cache; resume after SIGKILL; several writers; the CLI."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import given
+from hypothesis import strategies as st
+
+import saev_shards as ss
+from saev_shards import dump as dump_mod
+from saev_shards.dump import ConfigError, batches, parse_config, plan, truncation
+
+from .helpers import tree_bytes
+from .test_dump_models import TinyTextModel, tiny_tokenize
+
+REPO = Path(__file__).resolve().parent.parent
+T = 12  # [CLS] + 11 content tokens
+LAYERS = [3, 1]  # deliberately not sorted: data lands in this order
+
+
+def write_dataset(path: Path, n: int) -> list[dict[str, Any]]:
+    """A JSONL dataset whose texts are shorter than, equal to and longer than T tokens."""
+    rng = np.random.default_rng(0)
+    records = []
+    for i in range(n):
+        length = int(rng.integers(1, 2 * T))
+        text = "".join(chr(ord("a") + int(c)) for c in rng.integers(0, 26, length))
+        records.append({"text": text, "uid": f"ex-{i:03d}", "label": i % 3, "split": "val" if i % 4 == 0 else "train"})
+    path.write_text("".join(json.dumps(r) + "\n" for r in records))
+    return records
+
+
+def make_config(tmp_path: Path, n: int = 23, **changes: Any) -> dict[str, Any]:
+    data = tmp_path / "data.jsonl"
+    if not data.exists():
+        write_dataset(data, n)
+    cfg: dict[str, Any] = {
+        "root": str(tmp_path / "shards"),
+        "layers": LAYERS,
+        "T": T,
+        "dtype": "float16",
+        "batch_size": 3,  # does not divide the 5 examples per shard: batches are cut at shard ends
+        "patches_per_shard": 5 * T * len(LAYERS),
+        "device": "cpu",
+        "model": {
+            "factory": "tests.test_dump_models:tiny_text_model",
+            "kwargs": {"d_model": 16, "n_blocks": 4, "max_len": T},
+            "cls_token": True,
+        },
+        "dataset": {
+            "kind": "jsonl",
+            "path": str(data),
+            "id_field": "uid",
+            "columns": {"label": "int64"},
+            "text_fields": ["split"],
+        },
+    }
+    cfg.update(changes)
+    return cfg
+
+
+def quiet(_: str) -> None:
+    pass
+
+
+def test_dump_values_columns_stats_and_truncation(tmp_path: Path) -> None:
+    cfg = make_config(tmp_path)
+    records = [json.loads(line) for line in (tmp_path / "data.jsonl").read_text().splitlines()]
+    path = dump_mod.dump(cfg, durable=False, log=quiet)
+    assert path is not None
+    shards = ss.open(path)
+    md = shards.metadata
+    assert md.layers == tuple(LAYERS)
+    assert (md.n_examples, md.tokens_per_ex, md.patches_per_ex, md.cls_token, md.d_model) == (23, T, T - 1, True, 16)
+    assert md.n_shards == 5
+    shards.verify()
+
+    # The reference: tokenize, truncate and pad by hand; run every block directly.
+    model = TinyTextModel(d_model=16, n_blocks=4, max_len=T).eval()
+    full = tiny_tokenize([r["text"] for r in records])
+    true = np.array([len(x) for x in full])
+    lengths = np.minimum(true, T)
+    ids = torch.zeros((len(full), T), dtype=torch.long)
+    for i, x in enumerate(full):
+        ids[i, : lengths[i]] = torch.tensor(x[:T])
+    mask = (torch.arange(T)[None] < torch.as_tensor(lengths)[:, None]).long()
+    # Batched exactly as the dump batches (a batch's other members can change the last bits).
+    grid = list(batches(0, md.n_examples, md.examples_per_shard, cfg["batch_size"]))
+    assert (0, 3) in grid and (3, 5) in grid  # cut at the shard end
+    with torch.inference_mode():
+        runs = [model(ids[a:b], mask[a:b], return_all=True) for a, b in grid]
+    direct = [torch.cat([r[layer] for r in runs]) for layer in range(4)]
+    for slot, layer in enumerate(LAYERS):
+        want = direct[layer].to(torch.float16).numpy()
+        want[np.arange(T)[None, :] >= lengths[:, None]] = 0  # padding is stored as zeros
+        got = shards[:, slot]
+        assert np.array_equal(got.view(np.uint16), want.view(np.uint16)), f"layer {layer}"
+
+    cols = shards.columns
+    assert np.array_equal(cols["lengths"], lengths) and cols["lengths"].dtype == np.int32
+    assert np.array_equal(cols["true_lengths"], true)
+    assert np.array_equal(cols["token_ids"], ids.numpy())
+    assert np.array_equal(cols["label"], [r["label"] for r in records]) and cols["label"].dtype == np.int64
+    assert list(shards.text("id")) == [r["uid"] for r in records]
+    assert list(shards.text("text")) == [r["text"] for r in records]
+    assert list(shards.text("split")) == [r["split"] for r in records]
+
+    t = truncation(shards)
+    assert t["truncated_count"] == int((true > T).sum()) > 0
+    assert t["truncated_fraction"] == pytest.approx((true > T).mean())
+    assert t["dropped_tokens"] == int(np.maximum(true - T, 0).sum())
+    assert 0 < t["truncated_count"] < md.n_examples  # the dataset has both kinds
+
+    stats = shards.stats
+    assert stats is not None
+    for slot in range(len(LAYERS)):
+        valid = np.concatenate([shards[i, slot, : lengths[i]].astype(np.float64) for i in range(md.n_examples)])
+        assert stats["count"][slot] == lengths.sum()
+        np.testing.assert_allclose(stats["mean"][slot], valid.mean(0), rtol=1e-6, atol=1e-9)
+        np.testing.assert_allclose(stats["var"][slot], valid.var(0), rtol=1e-4)  # E[x²]-E[x]², float32 partial sums
+        np.testing.assert_allclose(stats["norm_mean"][slot], np.linalg.norm(valid, axis=1).mean(), rtol=1e-6)
+        assert stats["nonfinite"][slot] == 0
+
+    # The same configuration again: already published, same path, nothing rewritten.
+    assert dump_mod.dump(cfg, durable=False, log=quiet) == path
+
+
+def test_hash_follows_every_setting_that_changes_bytes(tmp_path: Path) -> None:
+    base = plan(make_config(tmp_path)).metadata.hash
+    model = make_config(tmp_path)["model"]
+    variants = [
+        {"T": T + 1, "model": {**model, "kwargs": {"d_model": 16, "n_blocks": 4, "max_len": T + 1}}},
+        {"batch_size": 4},
+        {"budget": 10},
+        {"dtype": "bfloat16"},
+        {"layers": [1, 3]},
+        {"model": {**model, "kwargs": {"d_model": 16, "n_blocks": 4, "max_len": T, "seed": 1}}},
+    ]
+    hashes = {plan(make_config(tmp_path, **v)).metadata.hash for v in variants}
+    assert base not in hashes and len(hashes) == len(variants)
+    assert plan(make_config(tmp_path, root="elsewhere", device="cpu")).metadata.hash == base
+    (tmp_path / "data.jsonl").write_text((tmp_path / "data.jsonl").read_text().replace("a", "b", 1))
+    assert plan(make_config(tmp_path)).metadata.hash != base  # the corpus digest sees the text
+
+
+def test_stdlib_corpus_dump(tmp_path: Path) -> None:
+    cfg = make_config(tmp_path, budget=7, dataset="stdlib")
+    path = dump_mod.dump(cfg, durable=False, log=quiet)
+    assert path is not None
+    shards = ss.open(path)
+    from saev_shards.corpus import stdlib_corpus
+
+    corpus = stdlib_corpus(7)
+    assert shards.metadata.dataset == corpus.name
+    assert shards.metadata.data["corpus"]["xxh3_128"] == corpus.digest
+    assert list(shards.text("text")) == [ex.text for ex in corpus.examples]
+    assert list(shards.text("id")) == [ex.id for ex in corpus.examples]
+
+
+def test_config_errors_list_every_problem(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError) as err:
+        parse_config(
+            {
+                "layers": [1, 1],
+                "T": 0,
+                "dtype": "int8",
+                "surprise": 1,
+                "model": {"path": "a", "factory": "b:c"},
+                "dataset": {"kind": "csv", "columns": {"lengths": "int32"}},
+                "batch_size": 0,
+            }
+        )
+    msg = str(err.value)
+    for part in (
+        "unknown keys ['surprise']",
+        "exactly one of path, package or factory",
+        "dataset.kind",
+        "reserved column name 'lengths'",
+        "layers: expected distinct",
+        "T: expected an integer >= 1",
+        "dtype: expected one of",
+        "batch_size: expected an integer >= 1",
+    ):
+        assert part in msg, part
+    with pytest.raises(ConfigError, match="missing key 'model'"):
+        parse_config({"layers": [0], "T": 4})
+    cfg_file = tmp_path / "bad.toml"
+    cfg_file.write_text("layers = [0\n")
+    with pytest.raises(ConfigError, match="not valid TOML"):
+        dump_mod.load_config(cfg_file)
+
+
+def test_toml_and_json_configs_agree_and_paths_are_relative_to_the_file(tmp_path: Path) -> None:
+    (tmp_path / "sub").mkdir()
+    toml = tmp_path / "sub" / "dump.toml"
+    toml.write_text(
+        'root = "out"\nlayers = [1]\nT = 8\n[model]\npath = "m"\n[dataset]\nkind = "lines"\npath = "x.txt"\n'
+    )
+    js = tmp_path / "sub" / "dump.json"
+    js.write_text(json.dumps({"root": "out", "layers": [1], "T": 8, "model": "m", "dataset": "x.txt"}))
+    a, b = dump_mod.load_config(toml), dump_mod.load_config(js)
+    assert a == b
+    assert a.root == str(tmp_path / "sub" / "out")
+    assert a.model.path == str(tmp_path / "sub" / "m")
+    assert a.dataset.path == str(tmp_path / "sub" / "x.txt")
+
+
+@given(
+    eps=st.integers(1, 20),
+    batch=st.integers(1, 9),
+    n_shards=st.integers(1, 6),
+    data=st.data(),
+)
+def test_batches_follow_a_fixed_grid_inside_each_shard(eps: int, batch: int, n_shards: int, data: Any) -> None:
+    n = data.draw(st.integers((n_shards - 1) * eps + 1, n_shards * eps))
+    whole = list(batches(0, n, eps, batch))
+    assert whole[0][0] == 0 and whole[-1][1] == n
+    assert all(a < b and b - a <= batch and a // eps == (b - 1) // eps for a, b in whole)
+    assert all(whole[i][1] == whole[i + 1][0] for i in range(len(whole) - 1))
+    # Starting at any shard boundary (a resumed run, another rank) gives the same batches.
+    k = data.draw(st.integers(0, n_shards - 1))
+    stop_k = data.draw(st.integers(k + 1, n_shards))
+    part = list(batches(k * eps, min(stop_k * eps, n), eps, batch))
+    assert part == [ab for ab in whole if k * eps <= ab[0] < min(stop_k * eps, n)]
+
+
+def test_dry_run_prints_hash_shards_and_bytes_and_writes_nothing(tmp_path: Path, capsys: Any) -> None:
+    cfg = make_config(tmp_path)
+    cfg_file = tmp_path / "dump.json"
+    cfg_file.write_text(json.dumps(cfg))
+    md = plan(cfg).metadata
+    assert dump_mod.main([str(cfg_file), "--dry-run", "--rank", "1", "--world-size", "2"]) == 0
+    out = capsys.readouterr().out
+    assert f"hash      {md.hash}" in out
+    assert "shards    5 x 5 examples (last 3)" in out
+    assert f"{dump_mod._gb(md.nbytes)} activations" in out
+    assert "rank 1 of 2: shards [2, 5), examples [10, 23)" in out
+    assert "state     not started" in out
+    assert not (tmp_path / "shards").exists()
+
+
+def test_no_finalize_then_finalize(tmp_path: Path, capsys: Any) -> None:
+    cfg = make_config(tmp_path)
+    md = plan(cfg).metadata
+    root = Path(cfg["root"])
+    for rank in (1, 0):
+        assert dump_mod.dump(cfg, rank=rank, world_size=2, finalize_when_done=False, durable=False, log=quiet) is None
+    assert not (root / md.hash).exists()
+    cfg_file = tmp_path / "dump.json"
+    cfg_file.write_text(json.dumps(cfg))
+    assert dump_mod.main([str(cfg_file), "--finalize"]) == 0
+    assert f"published {root / md.hash}" in capsys.readouterr().out
+    single = tmp_path / "single"
+    dump_mod.dump(cfg, root=single, durable=False, log=quiet)
+    assert tree_bytes(root / md.hash) == tree_bytes(single / md.hash)
+
+
+# --------------------------------------------------------------------------------------
+# separate processes: SIGKILL and resume; three writers
+
+
+def _cli(cfg_file: Path, *args: str, env: dict[str, str] | None = None) -> subprocess.Popen[str]:
+    full_env = {**os.environ, "PYTHONPATH": str(REPO), **(env or {})}
+    for key in ("RANK", "WORLD_SIZE", "SLURM_ARRAY_TASK_ID", "SLURM_ARRAY_TASK_COUNT", "SLURM_ARRAY_TASK_MIN"):
+        if env is None or key not in env:
+            full_env.pop(key, None)
+    return subprocess.Popen(
+        [sys.executable, "-m", "saev_shards.dump", str(cfg_file), "--no-progress", *args],
+        cwd=REPO,
+        env=full_env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+
+
+def test_sigkill_then_rerun_resumes_and_is_byte_identical(tmp_path: Path) -> None:
+    cfg = make_config(tmp_path, n=60)
+    md = plan(cfg).metadata
+    assert md.n_shards == 12
+    cfg_file = tmp_path / "dump.json"
+    cfg_file.write_text(json.dumps(cfg))
+    staging = Path(cfg["root"]) / f".staging-{md.hash}"
+
+    proc = _cli(cfg_file, env={"SAEV_TEST_DELAY": "0.15"})  # slow forward passes: time to kill it
+    deadline = time.monotonic() + 120
+    while not (staging / "part000002.json").exists():
+        assert proc.poll() is None, proc.communicate()[0]
+        assert time.monotonic() < deadline, "the dump never sealed 3 shards"
+        time.sleep(0.02)
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    sealed = sorted(p.name for p in staging.glob("part*.json"))
+    assert 3 <= len(sealed) < md.n_shards, sealed
+    first = (staging / "acts000000.bin").stat()
+
+    proc = _cli(cfg_file)
+    out = proc.communicate(timeout=120)[0]
+    assert proc.returncode == 0, out
+    resumed_at = int(out.split("resuming at example ")[1].split()[0])
+    assert resumed_at >= 15 and resumed_at % 5 == 0, out
+    published = Path(cfg["root"]) / md.hash
+    assert (published / "acts000000.bin").stat().st_mtime_ns == first.st_mtime_ns  # not rewritten
+
+    reference = tmp_path / "reference"
+    dump_mod.dump(cfg, root=reference, log=quiet)
+    assert tree_bytes(published) == tree_bytes(reference / md.hash)
+
+
+def test_three_writer_processes_make_the_same_cache_as_one(tmp_path: Path) -> None:
+    cfg = make_config(tmp_path, n=40)
+    md = plan(cfg).metadata
+    cfg_file = tmp_path / "dump.json"
+    cfg_file.write_text(json.dumps(cfg))
+    procs = [
+        _cli(cfg_file, "--rank", "0", "--world-size", "3"),
+        _cli(cfg_file, env={"RANK": "1", "WORLD_SIZE": "3"}),  # torchrun's variables
+        _cli(cfg_file, env={"SLURM_ARRAY_TASK_ID": "7", "SLURM_ARRAY_TASK_COUNT": "3", "SLURM_ARRAY_TASK_MIN": "5"}),
+    ]
+    outs = [p.communicate(timeout=180)[0] for p in procs]
+    assert [p.returncode for p in procs] == [0, 0, 0], outs
+    for rank, out in enumerate(outs):
+        assert f"rank {rank} of 3: dumping" in out, out
+    assert sum(f"published {Path(cfg['root']) / md.hash}" in out for out in outs) == 1, outs
+    single = tmp_path / "single"
+    dump_mod.dump(cfg, root=single, log=quiet)
+    assert tree_bytes(Path(cfg["root"]) / md.hash) == tree_bytes(single / md.hash)
