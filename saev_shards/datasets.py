@@ -25,6 +25,13 @@ from .reader import open as open_shards
 
 if TYPE_CHECKING:
     import torch
+    from torch.utils.data import Dataset
+
+    # Type checkers see torch's Dataset (DataLoader's parameter type); at run time the base is
+    # object, so importing this module does not import torch.
+    _MapDataset = Dataset[dict[str, Any]]
+else:
+    _MapDataset = object
 
 #: Label reported for a [CLS] token: labels.bin has no CLS column, and 255 is the one
 #: value a uint8 label can take that no patch label set we know uses.
@@ -229,7 +236,7 @@ class TokenSelection:
         return state
 
 
-class TokenDataset:
+class TokenDataset(_MapDataset):
     """index -> one token vector ``(D,)`` of one layer, with its example and token index.
 
     Items are dicts: ``acts`` (tensor ``(D,)``), ``example``, ``token`` (position on the T
@@ -298,7 +305,7 @@ class TokenDataset:
         return item
 
 
-class ExampleDataset:
+class ExampleDataset(_MapDataset):
     """index -> the ``(T, D)`` slice of one ``(example, layer)`` pair, read with one ``pread``.
 
     With one layer, index ``i`` is example ``i``; with several, index ``i`` is example
@@ -350,7 +357,7 @@ class ExampleDataset:
         return item
 
 
-class LayerPairDataset:
+class LayerPairDataset(_MapDataset):
     """Seed 000's training pattern: index -> example ``i`` at 2 random distinct layers, ``(2, T, D)``.
 
     The pair is drawn from ``(seed, epoch, i)``, so every worker and every rerun agrees;

@@ -24,9 +24,11 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import hashlib
+import itertools
 import json
 import os
 import queue
+import sys
 import threading
 import weakref
 from collections.abc import Iterable, Iterator, Sequence
@@ -70,6 +72,8 @@ BLOCK_BYTES = 4 << 20
 #: Below this many bytes per ``(example, layer)`` slice, a proper subset of layers is read
 #: as whole examples (one large read, discarding the other layers) instead of slice by slice.
 MIN_SLICE_READ = 128 << 10
+#: Fewest rows a gather thread copies: below this, handing work to a thread costs more than it saves.
+_MIN_GATHER_ROWS = 1024
 
 
 @dataclasses.dataclass
@@ -221,21 +225,30 @@ def _plan_epoch(
 
 @dataclasses.dataclass
 class _WindowIndex:
-    """Where every vector of a loaded window sits, in the order the batches take them."""
+    """Every vector of a loaded window, in the order the batches take them."""
 
-    flat: npt.NDArray[np.int64]  # vector index into the buffer ``(rows * T, D)``, batch order
-    examples: npt.NDArray[np.int64]  # global example of each example slot in the buffer
-    labels: npt.NDArray[np.uint8] | None  # (n_examples_in_window, patches_per_ex)
-    row_offsets: npt.NDArray[np.int64]  # first buffer row of each block
+    flat: npt.NDArray[np.int64]  # vector index into the buffer ``(rows * T, D)``
+    examples: npt.NDArray[np.int64]
+    tokens: npt.NDArray[np.int64]
+    layers: npt.NDArray[np.int64]
+    labels: npt.NDArray[np.uint8] | None
+
+    def __len__(self) -> int:
+        return len(self.flat)
 
 
 def _index_window(
-    shards: Shards,
     selection: TokenSelection,
     blocks: _Blocks,
+    slot_layer: npt.NDArray[np.int64],
     window: _Window,
     rng: np.random.Generator | None,
 ) -> _WindowIndex:
+    """Where each chosen vector of ``window`` lands in its buffer, permuted by ``rng`` (if any).
+
+    The buffer holds the window's blocks back to back, each example as ``rows_per_ex``
+    ``(T, D)`` slices; vectors are listed by example, layer, token before the permutation.
+    """
     starts, stops = blocks.start[window.blocks], blocks.stop[window.blocks]
     sizes = stops - starts
     ex_first = np.zeros(len(sizes), dtype=np.int64)
@@ -248,8 +261,8 @@ def _index_window(
     tokens = selection.tokens_per_ex
     rows_per_ex = blocks.rows_per_ex
     slots = blocks.slots
-    ex_local = np.arange(n_ex, dtype=np.int64)
     if not selection.varies:
+        ex_local = np.arange(n_ex, dtype=np.int64)
         chosen = selection.base_tokens
         flat = ((ex_local[:, None, None] * rows_per_ex + slots[None, :, None]) * tokens + chosen[None, None, :]).ravel()
     else:
@@ -260,7 +273,7 @@ def _index_window(
         np.cumsum(counts[:-1], out=first_of_ex[1:])
         rank_j = np.arange(len(ex_j), dtype=np.int64) - first_of_ex[ex_j]
         n_layers = len(slots)
-        base = first_of_ex[ex_j] * n_layers + rank_j  # vectors before this one, layer 0
+        base = first_of_ex[ex_j] * n_layers + rank_j  # vectors before this one, at the first layer
         flat = np.empty(len(ex_j) * n_layers, dtype=np.int64)
         for s in range(n_layers):
             flat[base + s * counts[ex_j]] = (ex_j * rows_per_ex + slots[s]) * tokens + tok_j
@@ -268,8 +281,54 @@ def _index_window(
         flat = flat[window.trim_lo : len(flat) - window.trim_hi]
     if rng is not None:
         flat = flat[rng.permutation(len(flat))]
-    row_offsets = ex_first * rows_per_ex
-    return _WindowIndex(flat, examples, labels, row_offsets)
+    row = flat // tokens
+    token = flat - row * tokens
+    ex_local = row // rows_per_ex
+    vector_labels = None
+    if labels is not None:
+        patches, cls = labels.shape[1], selection.cls
+        if patches == 0:
+            vector_labels = np.full(len(flat), CLS_LABEL, dtype=np.uint8)
+        else:
+            vector_labels = labels[ex_local, np.clip(token - cls, 0, patches - 1)]
+            vector_labels[token < cls] = CLS_LABEL
+    return _WindowIndex(
+        flat=flat,
+        examples=examples[ex_local],
+        tokens=token,
+        layers=slot_layer[row - ex_local * rows_per_ex],
+        labels=vector_labels,
+    )
+
+
+class _Recycler:
+    """Output arrays handed out as tensors, reused once nothing outside refers to them.
+
+    A fresh multi-megabyte array costs a page fault per 4 KiB on first touch, which
+    halves the gather rate. ``torch.from_numpy`` keeps a reference to its array for as long
+    as any tensor or view of that memory lives, so an array whose only reference is ours
+    is free. At most ``keep`` arrays are remembered; when all are in use a new one is made.
+    """
+
+    def __init__(self, keep: int) -> None:
+        self.keep = keep
+        self.arrays: list[npt.NDArray[Any]] = []
+        probe = [np.empty(1)]
+        self.free_refs = sys.getrefcount(probe[0])  # the list's reference and the argument's
+
+    def get(self, shape: tuple[int, ...], dtype: np.dtype[Any]) -> npt.NDArray[Any]:
+        for i in range(len(self.arrays)):
+            if sys.getrefcount(self.arrays[i]) == self.free_refs:
+                arr = self.arrays.pop(i)
+                if arr.shape == shape and arr.dtype == dtype:
+                    self.arrays.append(arr)
+                    return arr
+                break  # a batch of another size (the last): drop it, make one below
+        arr = np.empty(shape, dtype=dtype)
+        self.arrays.append(arr)
+        if len(self.arrays) > self.keep:
+            del self.arrays[0]
+        return arr
 
 
 # --------------------------------------------------------------------------------------
@@ -289,6 +348,7 @@ class _Config:
         pin_memory: bool,
         read_threads: int,
         prefetch: int,
+        gather_threads: int,
     ) -> None:
         self.shards = shards
         self.selection = selection
@@ -298,6 +358,7 @@ class _Config:
         self.pin_memory = pin_memory
         self.read_threads = read_threads
         self.prefetch = prefetch
+        self.gather_threads = gather_threads
         md = shards.metadata
         self.tokens = md.tokens_per_ex
         self.d_model = md.d_model
@@ -331,6 +392,7 @@ class _TokenLoader:
         block_bytes: int,
         read_threads: int,
         prefetch: int,
+        gather_threads: int | None,
     ) -> None:
         import torch
 
@@ -344,6 +406,7 @@ class _TokenLoader:
             ("block_bytes", block_bytes, 1),
             ("read_threads", read_threads, 1),
             ("prefetch", prefetch, 1),
+            ("gather_threads", 1 if gather_threads is None else gather_threads, 1),
         ):
             if int(value) < low:
                 raise LoaderError(f"{name}: expected an integer >= {low}, found {value}")
@@ -370,6 +433,7 @@ class _TokenLoader:
             self.pin_memory,
             int(read_threads),
             int(prefetch),
+            default_gather_threads() if gather_threads is None else int(gather_threads),
         )
         total = self._blocks.total
         lo, hi = _rank_range(total, self.rank, self.world_size)
@@ -515,6 +579,11 @@ class _TokenLoader:
         self.close()
 
 
+def default_gather_threads() -> int:
+    """Threads that gather one batch: a quarter of the cores, 1 to 4; the rest read and train."""
+    return max(1, min(4, (os.cpu_count() or 1) // 4))
+
+
 def _world(rank: int | None, world_size: int | None) -> tuple[int, int]:
     """``(rank, world_size)``: explicit values, else torch.distributed's when initialised, else (0, 1)."""
     if rank is None and world_size is None:
@@ -566,6 +635,7 @@ class ShuffledLoader(_TokenLoader):
         block_bytes: int = BLOCK_BYTES,
         read_threads: int = 4,
         prefetch: int = 4,
+        gather_threads: int | None = None,
     ) -> None:
         super().__init__(
             shards,
@@ -584,6 +654,7 @@ class ShuffledLoader(_TokenLoader):
             block_bytes,
             read_threads,
             prefetch,
+            gather_threads,
         )
 
 
@@ -615,6 +686,7 @@ class OrderedLoader(_TokenLoader):
         block_bytes: int = BLOCK_BYTES,
         read_threads: int = 2,
         prefetch: int = 4,
+        gather_threads: int | None = None,
     ) -> None:
         super().__init__(
             shards,
@@ -633,6 +705,7 @@ class OrderedLoader(_TokenLoader):
             block_bytes,
             read_threads,
             prefetch,
+            gather_threads,
         )
 
 
@@ -672,6 +745,11 @@ class _Run:
         self.stop = threading.Event()
         self.queue: queue.Queue[Any] = queue.Queue(maxsize=cfg.prefetch)
         self.pool = ThreadPoolExecutor(max_workers=cfg.read_threads, thread_name_prefix="saev-read")
+        self.gather_pool = (
+            ThreadPoolExecutor(max_workers=cfg.gather_threads - 1, thread_name_prefix="saev-gather")
+            if cfg.gather_threads > 1
+            else None
+        )
         self.opened: set[int] = set()  # shards whose file descriptor this run has opened
         self.open_lock = threading.Lock()
         self.closed = False
@@ -680,7 +758,7 @@ class _Run:
 
     # -- consumer side -----------------------------------------------------------------
     def __iter__(self) -> Iterator[Batch]:
-        while True:
+        while not self.closed:
             try:
                 item = self.queue.get(timeout=0.1)
             except queue.Empty:
@@ -701,6 +779,8 @@ class _Run:
         if threading.current_thread() is not self.thread:
             self.thread.join()
         self.pool.shutdown(wait=True, cancel_futures=True)
+        if self.gather_pool is not None:
+            self.gather_pool.shutdown(wait=True, cancel_futures=True)
         if self.buffers:
             self.give_buffers(self.buffers)
             self.buffers = []
@@ -763,7 +843,7 @@ class _Run:
             for b, o in zip(window.blocks.tolist(), offsets.tolist(), strict=True)
         ]
         rng = self.window_rng(self.epoch, w)
-        index = self.pool.submit(_index_window, cfg.shards, cfg.selection, cfg.blocks, window, rng)
+        index = self.pool.submit(_index_window, cfg.selection, cfg.blocks, cfg.slot_layer, window, rng)
         return reads, index
 
     def _assemble(self) -> None:
@@ -787,10 +867,11 @@ class _Run:
         if w + 1 < n_windows:
             pending[w + 1] = self._submit(w + 1)
         ready: dict[int, _WindowIndex] = {}
+        recycler = _Recycler(keep=cfg.prefetch + 4)
         scratch = np.empty((size, cfg.d_model), dtype=cfg.numpy_dtype) if self._converts() else None
         for b in range(self.start, plan.n_batches):
             n = min(size, plan.n_vectors - b * size)
-            raw, acts = self._allocate(n, scratch)
+            raw = scratch[:n] if scratch is not None else self._output(recycler, n)
             parts = []
             filled = 0
             while filled < n:
@@ -802,72 +883,78 @@ class _Run:
                 if self.stop.is_set():
                     return
                 win = ready[w]
-                take = min(n - filled, len(win.flat) - offset)
-                idx = win.flat[offset : offset + take]
-                # mode="clip": with the default "raise", numpy gathers into a temporary and copies.
-                np.take(self.buffers[w % 2], idx, axis=0, out=raw[filled : filled + take], mode="clip")
-                parts.append((win, idx))
+                take = min(n - filled, len(win) - offset)
+                # One vectorised gather (torch's runs on every core; numpy's on one).
+                self._gather(self.buffers[w % 2], win.flat[offset : offset + take], raw[filled : filled + take])
+                parts.append((win, offset, offset + take))
                 filled += take
                 offset += take
-                if offset == len(win.flat):
+                if offset == len(win):
                     del ready[w]
                     if w + 2 < n_windows:
                         pending[w + 2] = self._submit(w + 2)
                     w += 1
                     offset = 0
-            self._put(self._batch(raw, acts, parts))
+            self._put(self._batch(raw, recycler, parts))
             if self.stop.is_set():
                 return
+
+    def _gather(self, source: npt.NDArray[Any], idx: npt.NDArray[np.int64], out: npt.NDArray[Any]) -> None:
+        """``out[:] = source[idx]``, split over the gather threads for large batches."""
+        # mode="clip": with the default "raise", numpy gathers into a temporary and copies.
+        parts = self.cfg.gather_threads
+        if parts == 1 or len(idx) < 2 * _MIN_GATHER_ROWS:
+            np.take(source, idx, axis=0, out=out, mode="clip")
+            return
+        bounds = np.linspace(0, len(idx), min(parts, len(idx) // _MIN_GATHER_ROWS) + 1).astype(int).tolist()
+        assert self.gather_pool is not None
+        futures = [
+            self.gather_pool.submit(np.take, source, idx[a:b], 0, out[a:b], "clip")
+            for a, b in itertools.pairwise(bounds[1:])
+        ]
+        np.take(source, idx[: bounds[1]], axis=0, out=out[: bounds[1]], mode="clip")  # numpy releases the GIL
+        for future in futures:
+            future.result()
 
     def _converts(self) -> bool:
         return self.cfg.out_dtype != self.cfg.stored
 
-    def _allocate(self, n: int, scratch: npt.NDArray[Any] | None) -> tuple[npt.NDArray[Any], torch.Tensor | None]:
-        """``(raw, acts)``: where the gather writes, and the output tensor when it is not ``raw``."""
+    def _output(self, recycler: _Recycler, n: int) -> npt.NDArray[Any]:
+        """Where the gather of a batch of stored-dtype vectors writes (pinned when asked)."""
         import torch
 
         cfg = self.cfg
-        if scratch is not None:
-            acts = torch.empty((n, cfg.d_model), dtype=torch_dtype(cfg.out_dtype), pin_memory=cfg.pin_memory)
-            return scratch[:n], acts
-        if cfg.pin_memory:
+        if cfg.pin_memory:  # torch's pinned allocator caches its blocks itself
             acts = torch.empty((n, cfg.d_model), dtype=torch_dtype(cfg.stored), pin_memory=True)
-            raw = acts.view(torch.int16).numpy().view(cfg.numpy_dtype) if cfg.stored == "bfloat16" else acts.numpy()
-            return raw, acts
-        return np.empty((n, cfg.d_model), dtype=cfg.numpy_dtype), None
+            return acts.view(torch.int16).numpy().view(cfg.numpy_dtype) if cfg.stored == "bfloat16" else acts.numpy()
+        return recycler.get((n, cfg.d_model), cfg.numpy_dtype)
 
-    def _batch(
-        self, raw: npt.NDArray[Any], acts: torch.Tensor | None, parts: list[tuple[_WindowIndex, npt.NDArray[np.int64]]]
-    ) -> Batch:
+    def _batch(self, raw: npt.NDArray[Any], recycler: _Recycler, parts: list[tuple[_WindowIndex, int, int]]) -> Batch:
         import torch
 
         cfg = self.cfg
-        if acts is None:
+        if not self._converts():
             acts = to_tensor(raw, cfg.stored, cfg.stored)
-        elif self._converts():
+        else:
+            out = torch_dtype(cfg.out_dtype)
+            n = len(raw)
+            if cfg.pin_memory:
+                acts = torch.empty((n, cfg.d_model), dtype=out, pin_memory=True)
+            else:
+                arr = recycler.get((n, cfg.d_model), np.dtype(np.float32 if cfg.out_dtype == "float32" else np.int16))
+                acts = torch.from_numpy(arr)
+                if cfg.out_dtype != "float32":
+                    acts = acts.view(out)
             acts.copy_(to_tensor(raw, cfg.stored, cfg.stored))
-        tokens_per_ex, rows_per_ex = cfg.tokens, cfg.blocks.rows_per_ex
-        examples, tokens, layers, labels = [], [], [], []
-        cls = cfg.selection.cls
-        for win, idx in parts:
-            row = idx // tokens_per_ex
-            token = idx - row * tokens_per_ex
-            ex_local = row // rows_per_ex
-            examples.append(win.examples[ex_local])
-            tokens.append(token)
-            layers.append(cfg.slot_layer[row - ex_local * rows_per_ex])
-            if win.labels is not None:
-                patches = win.labels.shape[1]
-                if patches == 0:
-                    labels.append(np.full(len(idx), CLS_LABEL, dtype=np.uint8))
-                else:
-                    label = win.labels[ex_local, np.clip(token - cls, 0, patches - 1)]
-                    label[token < cls] = CLS_LABEL
-                    labels.append(label)
+
+        def cat(name: str) -> torch.Tensor:
+            pieces = [getattr(win, name)[lo:hi] for win, lo, hi in parts]
+            return torch.from_numpy(np.concatenate(pieces) if len(pieces) > 1 else pieces[0].copy())
+
         return Batch(
             acts=acts,
-            examples=torch.from_numpy(np.concatenate(examples)),
-            tokens=torch.from_numpy(np.concatenate(tokens)),
-            layers=torch.from_numpy(np.concatenate(layers)),
-            labels=torch.from_numpy(np.concatenate(labels)) if labels else None,
+            examples=cat("examples"),
+            tokens=cat("tokens"),
+            layers=cat("layers"),
+            labels=cat("labels") if parts[0][0].labels is not None else None,
         )

@@ -1,0 +1,474 @@
+"""The iterable training loaders against a plain-Python model of the token selection."""
+
+from __future__ import annotations
+
+import gc
+import subprocess
+import sys
+import tempfile
+import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import given
+from hypothesis import strategies as st
+
+import saev_shards as ss
+from saev_shards import loaders
+from saev_shards.loaders import CLS_LABEL, Batch, LoaderError, OrderedLoader, ShuffledLoader
+
+from . import strategies
+from .helpers import labels_for, small_metadata, write_cache
+
+# -- a reference model of what a loader must yield -------------------------------------
+
+
+def expected_vectors(
+    md: ss.Metadata,
+    layers: tuple[int, ...] | None = None,
+    tokens: str = "content",
+    ignore: tuple[int, ...] = (),
+    labels: np.ndarray[Any, Any] | None = None,
+    lengths: np.ndarray[Any, Any] | None = None,
+    skip_padding: bool = True,
+) -> list[tuple[int, int, int]]:
+    """Every chosen ``(example, layer value, token)``, in ``(example, layer position, token)`` order."""
+    chosen = [v for v in md.layers if layers is None or v in layers]
+    out = []
+    cls = int(md.cls_token)
+    for e in range(md.n_examples):
+        for layer in chosen:
+            for t in range(md.tokens_per_ex):
+                is_cls = md.cls_token and t == 0
+                if tokens == "content" and is_cls:
+                    continue
+                if tokens == "cls" and not is_cls:
+                    continue
+                if not is_cls and ignore and labels is not None and labels[e, t - cls] in ignore:
+                    continue
+                if skip_padding and lengths is not None and t >= lengths[e]:
+                    continue
+                out.append((e, layer, t))
+    return out
+
+
+@contextmanager
+def cache(md: ss.Metadata, **kwargs: Any) -> Iterator[tuple[ss.Shards, np.ndarray[Any, Any]]]:
+    """A cache in a temporary folder (hypothesis cannot use function-scoped fixtures)."""
+    with tempfile.TemporaryDirectory() as tmp:
+        logical = write_cache(Path(tmp), md, **kwargs)
+        shards = ss.open(Path(tmp) / md.hash)
+        try:
+            yield shards, logical
+        finally:
+            shards.close()
+
+
+def check_batch(batch: Batch, md: ss.Metadata, logical: np.ndarray[Any, Any]) -> list[tuple[int, int, int]]:
+    """Values and labels of ``batch`` equal the logical tensor's; returns its (example, layer, token)."""
+    ex, tok, lay = batch.examples.numpy(), batch.tokens.numpy(), batch.layers.numpy()
+    assert batch.examples.dtype == batch.tokens.dtype == batch.layers.dtype == torch.int64
+    positions = np.array([md.layers.index(int(v)) for v in lay], dtype=np.int64)
+    acts = batch.acts
+    if md.dtype == "bfloat16":
+        assert acts.dtype == torch.bfloat16
+        got = acts.view(torch.int16).numpy().view(np.uint16)
+    else:
+        got = acts.numpy()
+    np.testing.assert_array_equal(got, logical[ex, positions, tok].reshape(len(ex), md.d_model))
+    return list(zip(ex.tolist(), lay.tolist(), tok.tolist(), strict=True))
+
+
+def live_loader_threads() -> list[threading.Thread]:
+    return [t for t in threading.enumerate() if t.name.startswith(("saev-read", "saev-assemble"))]
+
+
+small_sizes = st.fixed_dictionaries(
+    {
+        "batch_size": st.integers(1, 40),
+        "buffer_bytes": st.sampled_from([1, 100, 500, 4000, 1 << 30]),
+        "block_bytes": st.sampled_from([1, 64, 300, 1 << 22]),
+        "read_threads": st.integers(1, 3),
+        "prefetch": st.integers(1, 3),
+    }
+)
+
+
+# -- every token exactly once ---------------------------------------------------------
+
+
+@given(strategies.metadata(max_examples=30), small_sizes, st.data())
+def test_shuffled_every_token_once(md: ss.Metadata, sizes: dict[str, Any], data: st.DataObject) -> None:
+    layers = tuple(data.draw(st.sets(st.sampled_from(md.layers), min_size=1))) if data.draw(st.booleans()) else None
+    tokens = data.draw(st.sampled_from(["content", "all", "cls"] if md.cls_token else ["content", "all"]))
+    drop_last = data.draw(st.booleans())
+    with cache(md) as (shards, logical):
+        loader = ShuffledLoader(shards, layers=layers, tokens=tokens, seed=3, drop_last=drop_last, **sizes)
+        seen: list[tuple[int, int, int]] = []
+        batches = list(loader)
+        for batch in batches:
+            seen += check_batch(batch, md, logical)
+            assert batch.labels is None
+        want = expected_vectors(md, layers, tokens)
+        assert len(batches) == len(loader)
+        size = sizes["batch_size"]
+        assert all(len(b) == size for b in batches[:-1])
+        if drop_last:
+            assert len(seen) == len(want) // size * size
+            assert set(seen) <= set(want)
+        else:
+            assert sorted(seen) == sorted(want)  # exactly once: no duplicates, nothing missing
+        assert len(set(seen)) == len(seen)
+
+
+@given(strategies.metadata(max_examples=30), small_sizes, st.data())
+def test_ordered_is_strict_order(md: ss.Metadata, sizes: dict[str, Any], data: st.DataObject) -> None:
+    layers = tuple(data.draw(st.sets(st.sampled_from(md.layers), min_size=1))) if data.draw(st.booleans()) else None
+    tokens = data.draw(st.sampled_from(["content", "all"]))
+    with cache(md, labels=True) as (shards, logical):
+        loader = OrderedLoader(shards, layers=layers, tokens=tokens, **sizes)
+        seen: list[tuple[int, int, int]] = []
+        first_epoch = list(loader)
+        for batch in first_epoch:
+            seen += check_batch(batch, md, logical)
+        assert seen == expected_vectors(md, layers, tokens)
+        assert len(first_epoch) == len(loader)
+        second = list(loader)
+        assert len(second) == len(first_epoch)
+        for a, b in zip(first_epoch, second, strict=True):
+            assert torch.equal(a.examples, b.examples) and torch.equal(a.tokens, b.tokens)
+
+
+def test_ordered_batches_cross_shard_boundaries(make_cache: Any) -> None:
+    md = small_metadata(n_examples=23, patches_per_shard=50)  # 5 examples per shard, 5 shards
+    shards, logical = make_cache(md, labels=True)
+    loader = OrderedLoader(shards, batch_size=48, layers=11, block_bytes=1)
+    batches = list(loader)
+    crossing = [b for b in batches if len(set((b.examples // md.examples_per_shard).tolist())) > 1]
+    assert crossing, "with 12 examples per batch and 5 per shard, batches must span shards"
+    for b in batches:
+        check_batch(b, md, logical)
+    labels = labels_for(md)
+    for b in batches:
+        assert b.labels is not None
+        np.testing.assert_array_equal(b.labels.numpy(), labels[b.examples.numpy(), b.tokens.numpy() - 1])
+
+
+# -- order, determinism, resume -------------------------------------------------------
+
+
+def keys(batches: list[Batch]) -> list[tuple[int, ...]]:
+    return [tuple(b.examples.tolist()) + tuple(b.tokens.tolist()) + tuple(b.layers.tolist()) for b in batches]
+
+
+def test_new_order_each_epoch_same_for_same_seed(make_cache: Any) -> None:
+    shards, _ = make_cache(small_metadata(n_examples=40))
+    loader = ShuffledLoader(shards, batch_size=16, seed=7, buffer_bytes=400, block_bytes=100)
+    epoch0, epoch1 = keys(list(loader)), keys(list(loader))
+    assert epoch0 != epoch1
+    assert sorted(sum(epoch0, ())) == sorted(sum(epoch1, ()))
+    # Thread count, prefetch depth and timing do not change the batches.
+    other = ShuffledLoader(shards, batch_size=16, seed=7, buffer_bytes=400, block_bytes=100, read_threads=1, prefetch=1)
+    assert keys(list(other)) == epoch0
+    assert keys(list(other)) == epoch1
+    different_seed = ShuffledLoader(shards, batch_size=16, seed=8, buffer_bytes=400, block_bytes=100)
+    assert keys(list(different_seed)) != epoch0
+
+
+def test_shuffle_mixes_shards_within_a_batch(make_cache: Any) -> None:
+    md = small_metadata(n_examples=200, patches_per_shard=50)  # 40 shards of 5 examples
+    shards, _ = make_cache(md)
+    loader = ShuffledLoader(shards, batch_size=64, layers=6, buffer_bytes=4000, block_bytes=80)
+    for batch in loader:
+        if len(batch) == 64:
+            assert len(set((batch.examples // 5).tolist())) >= 4
+
+
+@given(
+    st.integers(0, 30),
+    st.sampled_from([1, 3]),
+    st.booleans(),
+    st.sampled_from([(0, 1), (1, 3)]),
+    st.sampled_from([0, 1]),
+)
+def test_resume_mid_epoch_exactly(
+    stop_after: int, read_threads: int, drop_last: bool, world: tuple[int, int], ignore: int
+) -> None:
+    md = small_metadata(n_examples=17)
+    lengths = np.arange(17) % (md.tokens_per_ex + 1)
+    rank, world_size = world
+    with cache(md, labels=True, lengths=lengths) as (shards, _):
+        kwargs: dict[str, Any] = dict(
+            batch_size=5,
+            seed=11,
+            buffer_bytes=300,
+            block_bytes=100,
+            drop_last=drop_last,
+            rank=rank,
+            world_size=world_size,
+            ignore_labels=range(ignore * 100),
+        )
+        reference = ShuffledLoader(shards, **kwargs)
+        stream = keys(list(reference)) + keys(list(reference))  # two epochs
+        loader = ShuffledLoader(shards, read_threads=read_threads, **kwargs)
+        it = iter(loader)
+        taken = [next(it) for _ in range(min(stop_after, len(loader)))]
+        state = loader.state_dict()
+        del it
+        resumed = ShuffledLoader(shards, **kwargs)
+        resumed.load_state_dict(state)
+        rest = keys(list(resumed))
+        if len(taken) == len(loader):  # stopped at the end of an epoch: the next one follows
+            assert state["epoch"] == 1 and state["batch"] == 0
+            assert rest == stream[len(loader) :]
+        else:
+            assert keys(taken) + rest == stream[: len(loader)]
+            assert keys(list(resumed)) == stream[len(loader) :]
+
+
+def test_state_dict_progresses_and_set_epoch(make_cache: Any) -> None:
+    shards, _ = make_cache(small_metadata(n_examples=10))
+    loader = ShuffledLoader(shards, batch_size=8, seed=1)
+    assert loader.state_dict()["epoch"] == 0 and loader.state_dict()["batch"] == 0
+    for i, _ in enumerate(loader, start=1):
+        assert loader.state_dict()["batch"] == i % len(loader)
+    assert loader.state_dict()["epoch"] == 1
+    epoch1 = keys(list(loader))
+    loader.set_epoch(1)
+    assert keys(list(loader)) == epoch1
+
+
+def test_load_state_dict_rejects_other_settings(make_cache: Any) -> None:
+    shards, _ = make_cache(small_metadata())
+    state = ShuffledLoader(shards, batch_size=8).state_dict()
+    with pytest.raises(LoaderError, match="different cache or settings"):
+        ShuffledLoader(shards, batch_size=9).load_state_dict(state)
+    with pytest.raises(LoaderError, match="expected keys"):
+        ShuffledLoader(shards, batch_size=8).load_state_dict({"epoch": 0})
+    with pytest.raises(LoaderError, match="batch in"):
+        ShuffledLoader(shards, batch_size=8).load_state_dict({**state, "batch": 10**6})
+
+
+# -- distributed ------------------------------------------------------------------------
+
+
+@given(
+    strategies.metadata(max_examples=25, min_examples=1),
+    st.integers(1, 5),
+    st.integers(1, 20),
+    st.booleans(),
+    st.sampled_from([1, 200, 1 << 30]),
+)
+def test_ranks_are_disjoint_and_cover_the_epoch(
+    md: ss.Metadata, world_size: int, batch_size: int, drop_last: bool, buffer_bytes: int
+) -> None:
+    with cache(md) as (shards, logical):
+        per_rank = []
+        for rank in range(world_size):
+            loader = ShuffledLoader(
+                shards,
+                batch_size=batch_size,
+                seed=5,
+                rank=rank,
+                world_size=world_size,
+                drop_last=drop_last,
+                buffer_bytes=buffer_bytes,
+                block_bytes=50,
+            )
+            seen: list[tuple[int, int, int]] = []
+            batches = list(loader)
+            assert len(batches) == len(loader)
+            for b in batches:
+                seen += check_batch(b, md, logical)
+            per_rank.append(seen)
+        everything = [v for seen in per_rank for v in seen]
+        assert len(set(everything)) == len(everything)  # disjoint
+        want = expected_vectors(md)
+        if drop_last:
+            assert len({len(s) for s in per_rank}) == 1  # every rank the same number of batches
+            assert set(everything) <= set(want)
+            assert len(everything) == world_size * ((len(want) // world_size) // batch_size * batch_size)
+        else:
+            assert sorted(everything) == sorted(want)
+
+
+def test_world_from_torch_distributed(make_cache: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    import torch.distributed as dist
+
+    shards, _ = make_cache(small_metadata())
+    monkeypatch.setattr(dist, "is_initialized", lambda: True)
+    monkeypatch.setattr(dist, "get_rank", lambda: 2)
+    monkeypatch.setattr(dist, "get_world_size", lambda: 3)
+    loader = ShuffledLoader(shards)
+    assert (loader.rank, loader.world_size) == (2, 3)
+    with pytest.raises(LoaderError, match="both or neither"):
+        ShuffledLoader(shards, rank=1)
+    with pytest.raises(LoaderError, match="0 <= rank < world_size"):
+        ShuffledLoader(shards, rank=3, world_size=3)
+
+
+# -- filters, labels, dtypes -----------------------------------------------------------
+
+
+@given(
+    strategies.metadata(max_examples=20, min_examples=1),
+    st.data(),
+    st.booleans(),
+    st.booleans(),
+)
+def test_filters_and_labels(md: ss.Metadata, data: st.DataObject, skip_padding: bool, per_slice: bool) -> None:
+    ignore = tuple(data.draw(st.sets(st.integers(0, 255), max_size=150)))
+    tokens = data.draw(st.sampled_from(["content", "all", "cls"] if md.cls_token else ["content", "all"]))
+    layers = (md.layers[-1],) if data.draw(st.booleans()) else None
+    lengths = np.array(
+        data.draw(st.lists(st.integers(0, md.tokens_per_ex), min_size=md.n_examples, max_size=md.n_examples)),
+        dtype=np.int32,
+    )
+    with cache(md, labels=True, lengths=lengths) as (shards, logical), pytest.MonkeyPatch.context() as mp:
+        if per_slice:  # read chosen layers slice by slice even for these tiny slices
+            mp.setattr(loaders, "MIN_SLICE_READ", 0)
+        labels = labels_for(md)
+        for cls in (ShuffledLoader, OrderedLoader):
+            loader = cls(
+                shards,
+                batch_size=13,
+                layers=layers,
+                tokens=tokens,
+                ignore_labels=ignore,
+                skip_padding=skip_padding,
+                buffer_bytes=300,
+                block_bytes=64,
+            )
+            seen = []
+            for b in loader:
+                seen += check_batch(b, md, logical)
+                assert b.labels is not None and b.labels.dtype == torch.uint8
+                ex, tok = b.examples.numpy(), b.tokens.numpy()
+                content = tok >= int(md.cls_token)
+                if md.patches_per_ex:
+                    want = labels[ex[content], tok[content] - int(md.cls_token)]
+                    np.testing.assert_array_equal(b.labels.numpy()[content], want)
+                assert (b.labels.numpy()[~content] == CLS_LABEL).all()
+            want_vectors = expected_vectors(md, layers, tokens, ignore, labels, lengths, skip_padding)
+            if cls is OrderedLoader:
+                assert seen == want_vectors
+            else:
+                assert sorted(seen) == sorted(want_vectors)
+
+
+@pytest.mark.parametrize("stored", ["float16", "bfloat16", "float32"])
+@pytest.mark.parametrize("out", [None, "float32", "bfloat16"])
+def test_out_dtype(root: Path, stored: str, out: str | None) -> None:
+    md = small_metadata(dtype=stored)
+    logical = write_cache(root, md)
+    shards = ss.open(root / md.hash)
+    loader = ShuffledLoader(shards, batch_size=32, out_dtype=out, layers=6)
+    want_dtype = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32}[out or stored]
+    for b in loader:
+        assert b.acts.dtype == want_dtype
+        values = ss.to_float32(logical[b.examples.numpy(), 0, b.tokens.numpy()], stored)
+        expected = torch.from_numpy(values).to(want_dtype)
+        assert torch.equal(b.acts, expected)
+
+
+def test_batches_are_independent_tensors(make_cache: Any) -> None:
+    """Output memory is recycled only once nothing refers to it: kept batches never change."""
+    md = small_metadata(n_examples=23)
+    shards, logical = make_cache(md)
+    loader = ShuffledLoader(shards, batch_size=8, prefetch=1, buffer_bytes=200, block_bytes=64)
+    kept = [(b.acts[:3], b.examples[:3].clone(), b.tokens[:3].clone(), b.layers[:3].clone()) for b in loader]
+    for acts, ex, tok, lay in kept:
+        positions = [md.layers.index(int(v)) for v in lay]
+        np.testing.assert_array_equal(acts.numpy(), logical[ex.numpy(), positions, tok.numpy()])
+
+
+def test_configuration_errors(make_cache: Any) -> None:
+    shards, _ = make_cache(small_metadata(cls_token=False))
+    with pytest.raises(LoaderError, match=r"expected recorded layer values \[6, 11\], found 7"):
+        ShuffledLoader(shards, layers=7)
+    with pytest.raises(LoaderError, match="found cls_token=false"):
+        ShuffledLoader(shards, tokens="cls")
+    with pytest.raises(LoaderError, match="expected one of"):
+        ShuffledLoader(shards, tokens="patches")
+    with pytest.raises(LoaderError, match=r"labels\.bin"):
+        ShuffledLoader(shards, ignore_labels=[0])
+    with pytest.raises(LoaderError, match="batch_size: expected an integer >= 1, found 0"):
+        ShuffledLoader(shards, batch_size=0)
+    with pytest.raises(LoaderError, match="out_dtype"):
+        ShuffledLoader(shards, out_dtype="int8")
+    with pytest.raises(LoaderError, match="distinct"):
+        OrderedLoader(shards, layers=[6, 6])
+    assert issubclass(LoaderError, ValueError)
+
+
+def test_empty_cache_and_everything_filtered(root: Path) -> None:
+    md = small_metadata(n_examples=0)
+    write_cache(root, md)
+    loader = ShuffledLoader(ss.open(root / md.hash))
+    assert len(loader) == 0 and list(loader) == []
+    md = small_metadata(n_examples=3)
+    write_cache(root, md, labels=True)
+    loader = ShuffledLoader(root / md.hash, ignore_labels=range(256))  # a path works too
+    assert len(loader) == 0 and list(loader) == []
+
+
+# -- threads stop -----------------------------------------------------------------------
+
+
+def test_early_break_and_gc_stop_threads(make_cache: Any) -> None:
+    shards, _ = make_cache(small_metadata(n_examples=23))
+    loader = ShuffledLoader(shards, batch_size=2, buffer_bytes=200, block_bytes=64, prefetch=1)
+    for _ in loader:
+        break
+    gc.collect()
+    assert live_loader_threads() == []
+    it = iter(loader)
+    next(it)
+    assert live_loader_threads()  # running, blocked on a full queue
+    del it
+    gc.collect()
+    assert live_loader_threads() == []
+    it = iter(loader)
+    next(it)
+    loader.close()
+    assert live_loader_threads() == []
+    with pytest.raises(StopIteration):
+        next(it)
+
+
+def test_read_errors_reach_the_consumer(make_cache: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    shards, _ = make_cache(small_metadata(n_examples=23))
+
+    def broken(*args: Any, **kwargs: Any) -> None:
+        raise OSError("disk on fire")
+
+    monkeypatch.setattr(shards, "read_range", broken)
+    with pytest.raises(OSError, match="disk on fire"):
+        list(ShuffledLoader(shards, batch_size=4))
+    gc.collect()
+    assert live_loader_threads() == []
+
+
+def test_import_without_torch() -> None:
+    code = """
+import sys
+class Block:
+    def find_spec(self, name, path=None, target=None):
+        if name == "torch" or name.startswith("torch."):
+            raise ImportError("torch is blocked in this test")
+sys.meta_path.insert(0, Block())
+import saev_shards, saev_shards.loaders, saev_shards.datasets
+assert "torch" not in sys.modules
+try:
+    saev_shards.loaders.ShuffledLoader("/nonexistent")
+except ImportError as err:
+    print("ok", err)
+"""
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=False)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.startswith("ok")
