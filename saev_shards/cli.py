@@ -45,6 +45,7 @@ EXIT_NOT_FOUND = 3
 EXIT_SYSTEM = 4
 EXIT_INTERNAL = 5
 EXIT_INTERRUPTED = 130
+EXIT_BROKEN_PIPE = 141  # 128 + SIGPIPE, what shells report for a C tool whose reader went away
 
 EXIT_CODES_HELP = """\
 exit codes:
@@ -55,6 +56,7 @@ exit codes:
   4    system error: permission denied, disk full, another process holds the cache
   5    internal error: a bug (rerun with --debug and report the traceback)
   130  interrupted (Ctrl-C); `stage` resumes where it stopped when run again
+  141  the reader of the output went away (e.g. `| head`); nothing is printed
 """
 
 ROOTS_HELP = """\
@@ -367,7 +369,7 @@ def cmd_stage(args: argparse.Namespace) -> int:
             done.append("repaired a damaged local copy")
         checked = "checksums verified" if not report.unverified else f"{len(report.unverified)} files had no checksum"
         err.write(f"{name}: " + "; ".join(done) + f"; {checked}\n")
-    open_cache(report.path)  # what the caller gets is a cache that opens
+    store.open_quietly(report.path)  # what the caller gets is a cache that opens
     sys.stdout.write(f"{report.path}\n")
     return EXIT_OK
 
@@ -760,6 +762,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         parser = build_parser(_invoked_command(args_list))
         args = parser.parse_args(args_list)
         code: int = args.func(args)
+        sys.stdout.flush()  # inside the try: a closed pipe is reported here, not at exit
         return code
     except _Failure as err:
         sys.stderr.write(f"{PROG}: error: {err}\n")
@@ -767,6 +770,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     except KeyboardInterrupt:
         sys.stderr.write(f"\n{PROG}: interrupted\n")
         return EXIT_INTERRUPTED
+    except BrokenPipeError:
+        # The reader of our output went away (`saev-shards info 3f2a | head`): not an error
+        # to report; send what is still buffered nowhere so the exit stays quiet.
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        return EXIT_BROKEN_PIPE
     except Exception as err:
         code = _exit_code(err)
         if debug:

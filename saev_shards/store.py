@@ -267,9 +267,7 @@ def list_caches(root: PathLike) -> list[CacheEntry]:
         path = base / name
         nbytes = sum(e.stat(follow_symlinks=False).st_size for e in _scan(path) if e.is_file(follow_symlinks=False))
         try:
-            with warnings.catch_warnings():
-                warnings.simplefilter("ignore", ProtocolWarning)  # listings show the protocol column
-                shards = reader.open(path)
+            shards = open_quietly(path)  # listings show the protocol column
         except ShardsError as err:
             out.append(CacheEntry(path, _read_metadata(path), None, nbytes, str(err)))
             continue
@@ -361,7 +359,14 @@ def stage(
     """Copy the cache ``ref`` names into ``dest`` (see `stage_root`) with every checksum
     verified, and open the local copy. See `copy_cache` for the details."""
     report = copy_cache(ref, dest, roots=roots, progress=progress, on_bytes=on_bytes, durable=durable)
-    return reader.open(report.path)
+    return open_quietly(report.path)
+
+
+def open_quietly(path: Path, check_hash: bool = True) -> reader.Shards:
+    """`open` without the protocol 2.1 warning: for copies of a source that already warned."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", ProtocolWarning)
+        return reader.open(path, check_hash=check_hash)
 
 
 def copy_cache(
@@ -397,7 +402,7 @@ def copy_cache(
     partial = base / f"{COPY_PREFIX}{name}"
     if final.exists():
         try:
-            reader.open(final)
+            open_quietly(final)
             report.already_staged = True
             return report
         except ShardsError:
@@ -570,7 +575,7 @@ def _pump(
 
 def _publish(source: reader.Shards, partial: Path, final: Path, durable: bool) -> None:
     """Check the copy opens as the same cache, freeze it and rename it into place."""
-    copy = reader.open(partial, check_hash=False)
+    copy = open_quietly(partial, check_hash=False)
     if copy.metadata.hash != final.name:
         raise HashMismatchError(f"{partial / METADATA_FILE}: expected hash {final.name}, found {copy.metadata.hash}")
     for e in _scan(partial):
@@ -826,9 +831,7 @@ def doctor(
                 continue
             target = link.resolve()
             try:
-                with warnings.catch_warnings():
-                    warnings.simplefilter("ignore", ProtocolWarning)
-                    cache = reader.open(target)
+                cache = open_quietly(target)
             except ShardsError as err:
                 add("error", subject, f"{shown}: not a valid cache: {_one_line(err, target)}")
                 continue

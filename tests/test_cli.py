@@ -557,3 +557,13 @@ def test_console_script_and_version(st: Store):
         pytest.skip("console script not installed in this environment")
     proc = subprocess.run([str(script), "--version"], check=False, capture_output=True, text=True, env=st.env)
     assert proc.returncode == 0 and proc.stdout == f"saev-shards {ss.__version__}\n"
+
+
+def test_a_reader_that_goes_away_is_not_an_error(st: Store):
+    args = [sys.executable, "-m", "saev_shards", "info", st.full.hash, "--json"]
+    proc = subprocess.Popen(args, env=st.env, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    assert proc.stdout is not None and proc.stderr is not None
+    proc.stdout.close()  # like `| head` exiting before we write
+    err = proc.stderr.read()
+    assert proc.wait(timeout=60) == cli.EXIT_BROKEN_PIPE
+    assert err == b""
