@@ -337,7 +337,8 @@ def cmd_verify(args: argparse.Namespace) -> int:
         nbytes = shards.verify(progress=_progress(args))
     for w in caught:
         _warn(str(w.message))
-    checked = "sizes only (no checksums recorded)" if caught else "sizes, xxh3_128 checksums"
+    unchecked = any(digest is None for _, _, digest in files)
+    checked = "sizes only (no checksums recorded)" if unchecked else "sizes, xxh3_128 checksums"
     sys.stdout.write(
         f"ok {shards.path}\n   {len(files)} files, {nbytes:,} bytes ({human_bytes(nbytes)}): "
         f"{checked} and the metadata hash match\n"

@@ -54,7 +54,15 @@ from .errors import (
     UnknownCacheError,
     WriterBusyError,
 )
-from .format import CHECKSUMS_FILE, HASH_RE, MANIFEST_FILE, METADATA_FILE, ProtocolWarning
+from .format import (
+    CHECKSUMS_FILE,
+    HASH_RE,
+    LEGACY_PROTOCOL,
+    MANIFEST_FILE,
+    METADATA_FILE,
+    SHARD_NAME_RE,
+    ProtocolWarning,
+)
 from .metadata import Metadata, parse_metadata
 from .progress import Progress
 from .writer import IO_CHUNK, STAGING_PREFIX, hash_file, write_file_atomic
@@ -439,7 +447,16 @@ def _copy_files(
     on_bytes: Callable[[int], None] | None,
     durable: bool,
 ) -> None:
-    files = source.manifest.files()
+    files: list[tuple[str, int, str | None]] = list(source.manifest.files())
+    if source.metadata.protocol == LEGACY_PROTOCOL:
+        # The reference writer's trailing empty shard: ignored when reading, but listed in
+        # its shards.json, and the reference memmaps every listed shard; so it is copied too.
+        listed = {f for f, _, _ in files}
+        files += [
+            (e.name, e.stat().st_size, None)
+            for e in sorted(_scan(source.path), key=lambda e: e.name)
+            if SHARD_NAME_RE.fullmatch(e.name) and e.name not in listed
+        ]
     total = sum(n for _, n, _ in files)
     with Progress(total, f"stage {source.path.name[:12]}", enabled=progress) as bar:
 
