@@ -19,6 +19,7 @@ docs/benchmarks.md.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import gzip
 import os
 import pickle
@@ -130,10 +131,25 @@ class Source:
         for k in range(self.spec.n_shards):
             yield self.spec.shard_range(k)[0], self.shard(k)
 
+    def slabs(self, min_nbytes: int = 64 << 20) -> Iterator[tuple[int, Array]]:
+        """Whole shards grouped into slabs of at least ``min_nbytes`` (views when a shard is that big):
+        fewer, larger writes for single-store formats when shards are tiny."""
+        group: list[Array] = []
+        first = 0
+        for start, batch in self.batches():
+            if not group:
+                first = start
+            group.append(batch)
+            if sum(b.nbytes for b in group) >= min_nbytes:
+                yield first, group[0] if len(group) == 1 else np.concatenate(group)
+                group = []
+        if group:
+            yield first, group[0] if len(group) == 1 else np.concatenate(group)
+
     def example(self, ex: int) -> Array:
         """``(L, T, D)`` values of example ``ex``."""
         k, local = divmod(ex, self.spec.examples_per_shard)
-        return self.shard(k)[local]
+        return np.asarray(self.shard(k)[local])
 
 
 # --------------------------------------------------------------------------------------
@@ -152,19 +168,25 @@ class Reader(Protocol):
 
 @dataclasses.dataclass(frozen=True)
 class Format:
-    """A cache format: how it writes the whole cache and opens it for reading."""
+    """A cache format: how it writes the whole cache and opens it for reading.
+
+    ``write(root, spec, source, durable)`` creates the store under the empty folder ``root``
+    and returns its path; with ``durable`` every file and folder is fsynced before it returns.
+    """
 
     key: str
     name: str
     note: str
-    write: Callable[[Path, CacheSpec, Source], Path]
+    write: Callable[[Path, CacheSpec, Source, bool], Path]
     open: Callable[[Path, CacheSpec], Reader]
     #: Rows that read the same files another way share the files (written once).
     files_of: str | None = None
 
 
-def fsync_tree(path: Path) -> None:
+def fsync_tree(path: Path, durable: bool = True) -> None:
     """fsync every file under ``path`` and every folder: what a durable write ends with."""
+    if not durable:
+        return
     items = [path] if path.is_file() else [*sorted(path.rglob("*")), path]
     for p in items:
         fd = os.open(p, os.O_RDONLY | (os.O_DIRECTORY if p.is_dir() else 0))
@@ -245,7 +267,7 @@ def _metadata(spec: CacheSpec) -> ss.Metadata:
     )
 
 
-def write_saev(root: Path, spec: CacheSpec, source: Source, *, durable: bool = True) -> Path:
+def write_saev(root: Path, spec: CacheSpec, source: Source, durable: bool = True) -> Path:
     md = _metadata(spec)
     with ss.ShardWriter(root, md, durable=durable) as w:  # checksums on, background thread
         for _, batch in source.batches():
@@ -327,14 +349,14 @@ class SaevViewReader:
 # -- numpy .npy ---------------------------------------------------------------------------
 
 
-def write_npy(root: Path, spec: CacheSpec, source: Source) -> Path:
+def write_npy(root: Path, spec: CacheSpec, source: Source, durable: bool = True) -> Path:
     path = root / "acts.npy"
     mm = np.lib.format.open_memmap(path, mode="w+", dtype=DTYPE, shape=spec.shape)
-    for start, batch in source.batches():
+    for start, batch in source.slabs():
         mm[start : start + len(batch)] = batch
     mm.flush()
     del mm
-    fsync_tree(path)
+    fsync_tree(path, durable)
     return path
 
 
@@ -371,7 +393,7 @@ def _zarr() -> Any:
     return zarr
 
 
-def write_zarr(root: Path, spec: CacheSpec, source: Source, *, sharded: bool) -> Path:
+def write_zarr(root: Path, spec: CacheSpec, source: Source, durable: bool = True, *, sharded: bool = False) -> Path:
     zarr = _zarr()
     path = root / "acts.zarr"
     group = zarr.open_group(path, mode="w", zarr_format=3 if sharded else 2)
@@ -386,10 +408,10 @@ def write_zarr(root: Path, spec: CacheSpec, source: Source, *, sharded: bool) ->
         filters=None,
         fill_value=0,
     )
-    for start, batch in source.batches():  # whole shards: no read-modify-write
+    for start, batch in source.slabs():  # whole shards: no read-modify-write
         arr[start : start + len(batch)] = batch
     zarr.consolidate_metadata(path)
-    fsync_tree(path)
+    fsync_tree(path, durable)
     return path
 
 
@@ -412,16 +434,16 @@ class ZarrReader(_LoopReader):
 # -- HDF5 ---------------------------------------------------------------------------------
 
 
-def write_h5(root: Path, spec: CacheSpec, source: Source) -> Path:
+def write_h5(root: Path, spec: CacheSpec, source: Source, durable: bool = True) -> Path:
     import h5py
 
     path = root / "acts.h5"
     _, _, tokens, d_model = spec.shape
     with h5py.File(path, "w", libver="latest") as f:
         dset = f.create_dataset("acts", shape=spec.shape, dtype=DTYPE, chunks=(1, 1, tokens, d_model))
-        for start, batch in source.batches():
+        for start, batch in source.slabs():
             dset.write_direct(np.ascontiguousarray(batch), dest_sel=np.s_[start : start + len(batch)])
-    fsync_tree(path)
+    fsync_tree(path, durable)
     return path
 
 
@@ -457,14 +479,14 @@ def _shard_file(k: int, suffix: str) -> str:
     return f"shard_{k:06d}{suffix}"
 
 
-def write_safetensors(root: Path, spec: CacheSpec, source: Source) -> Path:
+def write_safetensors(root: Path, spec: CacheSpec, source: Source, durable: bool = True) -> Path:
     from safetensors.numpy import save_file
 
     path = root / "acts.safetensors.d"
     path.mkdir()
     for k in range(spec.n_shards):
         save_file({"acts": np.ascontiguousarray(source.shard(k))}, str(path / _shard_file(k, ".safetensors")))
-    fsync_tree(path)
+    fsync_tree(path, durable)
     return path
 
 
@@ -501,7 +523,9 @@ class SafetensorsReader(_LoopReader):
 # -- pickle.gz (seed 001) ------------------------------------------------------------------
 
 
-def write_pickle_gz(root: Path, spec: CacheSpec, source: Source, *, compresslevel: int = 1) -> Path:
+def write_pickle_gz(
+    root: Path, spec: CacheSpec, source: Source, durable: bool = True, *, compresslevel: int = 1
+) -> Path:
     path = root / "acts.pkl.gz.d"
     path.mkdir()
     shards = []
@@ -542,7 +566,7 @@ def write_pickle_gz(root: Path, spec: CacheSpec, source: Source, *, compressleve
         "statistics": {"total_shards": spec.n_shards, "total_samples": spec.n_examples},
     }
     (path / "metadata.json").write_bytes(orjson.dumps(metadata))
-    fsync_tree(path)
+    fsync_tree(path, durable)
     return path
 
 
@@ -623,7 +647,7 @@ FORMATS: dict[str, Format] = {
             "zarr v2",
             "seed 000's layout: zarr v2 directory store, chunks (1, 1, T, D), no compressor or filters, "
             "consolidated metadata; `arr[ex, layer]` per slice, `arr[ex, layer, tok]` per vector",
-            lambda root, spec, src: write_zarr(root, spec, src, sharded=False),
+            functools.partial(write_zarr, sharded=False),
             ZarrReader,
         ),
         Format(
@@ -631,7 +655,7 @@ FORMATS: dict[str, Format] = {
             "zarr v3 sharded",
             "zarr v3 with the sharding codec: inner chunks (1, 1, T, D) inside shards of our shard's "
             "shape (one file per shard), no compressor, consolidated metadata; same read calls as zarr v2",
-            lambda root, spec, src: write_zarr(root, spec, src, sharded=True),
+            functools.partial(write_zarr, sharded=True),
             ZarrReader,
         ),
         Format(

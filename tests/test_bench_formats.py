@@ -38,14 +38,14 @@ def test_adapter_round_trips(key: str, source: F.Source, tmp_path: Path) -> None
     logical = np.concatenate([b for _, b in source.batches()])
     root = tmp_path / key
     root.mkdir()
-    path = fmt.write(root, SPEC, source)
+    path = fmt.write(root, SPEC, source, False)
     assert F.files(path)
     reader = fmt.open(path, SPEC)
     try:
         out = np.empty((SPEC.tokens, SPEC.d_model), np.float16)
-        for ex in range(SPEC.n_examples):
+        for e in range(SPEC.n_examples):
             for layer in range(SPEC.n_layers):
-                np.testing.assert_array_equal(reader.read(ex, layer, out), logical[ex, layer])
+                np.testing.assert_array_equal(reader.read(e, layer, out), logical[e, layer])
         ex = np.array([6, 0, 3, 3])
         layers = np.array([[2, 0], [1, 2], [0, 1], [2, 1]])
         pairs = reader.read_pairs(ex, layers, np.empty((4, 2, SPEC.tokens, SPEC.d_model), np.float16))
