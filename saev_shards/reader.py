@@ -372,6 +372,7 @@ class Shards:
         self.examples_per_shard = md.examples_per_shard
         self.n_shards = len(manifest.shards)
         self._layer_idx = {layer: i for i, layer in enumerate(md.layers)}
+        self._slice_nbytes = md.tokens_per_ex * md.d_model * md.itemsize  # one (example, layer) slice
         self._reset()
 
     # -- per-process handles -------------------------------------------------------------
@@ -380,6 +381,8 @@ class Shards:
         self._maps: dict[int, np.memmap[Any, Any]] = {}
         self._fds: dict[int, int] = {}
         self._aux: dict[str, Any] = {}
+        # The last `out` buffer given to read_example and its byte view (reused while it is).
+        self._out_cache: tuple[npt.NDArray[Any], memoryview] | None = None
 
     def _check_pid(self) -> None:
         if self._pid != os.getpid():  # forked: never use the parent's handles
@@ -387,7 +390,7 @@ class Shards:
 
     def __getstate__(self) -> dict[str, Any]:
         state = self.__dict__.copy()
-        for key in ("_maps", "_fds", "_aux", "_pid"):
+        for key in ("_maps", "_fds", "_aux", "_pid", "_out_cache"):
             state.pop(key, None)
         return state
 
@@ -507,25 +510,39 @@ class Shards:
     def read_example(self, example: int, layer_idx: int, out: npt.NDArray[Any] | None = None) -> npt.NDArray[Any]:
         """Copy ``[example, layer_idx]`` ``(T, D)`` into ``out`` with one ``pread``.
 
-        ``layer_idx`` is a position in ``metadata.layers``.
+        ``layer_idx`` is a position in ``metadata.layers``. Reusing one ``out`` buffer is
+        the fast path (its byte view is kept between calls).
         """
-        md = self.metadata
-        k, i = self._example(example)
-        if not 0 <= layer_idx < md.n_layers:
-            raise IndexError(f"layer index {layer_idx} out of range [0, {md.n_layers})")
+        n = self.n_examples
+        if not 0 <= example < n:
+            if not -n <= example < 0:
+                raise IndexError(f"example {example} out of range for a cache of {n} examples")
+            example += n
+        n_layers = self.shape[1]
+        if not 0 <= layer_idx < n_layers:
+            raise IndexError(f"layer index {layer_idx} out of range [0, {n_layers})")
         if out is None:
-            out = np.empty(md.shard_shape[2:], self.numpy_dtype)
-        nbytes = md.tokens_per_ex * md.d_model * md.itemsize
-        offset = (i * md.n_layers + layer_idx) * nbytes
-        if not out.flags.c_contiguous:
-            raise ValueError("out must be C-contiguous")
-        view = out.reshape(-1).view(np.uint8).data
-        if view.nbytes != nbytes:
-            raise ValueError(
-                f"out must hold {nbytes} bytes ({md.shard_shape[2:]} {self.numpy_dtype}), found {view.nbytes}"
-            )
-        _pread_into(self._fd(k), view, offset)
+            out = np.empty(self.shape[2:], self.numpy_dtype)
+        cached = self._out_cache  # one attribute read: threads never pair a buffer with another's view
+        view = cached[1] if cached is not None and cached[0] is out else self._byte_view_of(out)
+        k, i = divmod(example, self.examples_per_shard)
+        fd = self._fds.get(k) if self._pid == os.getpid() else None
+        if fd is None:
+            fd = self._fd(k)
+        nbytes = self._slice_nbytes
+        if os.preadv(fd, [view], (i * n_layers + layer_idx) * nbytes) != nbytes:
+            _pread_into(fd, view, (i * n_layers + layer_idx) * nbytes)  # a short read: finish it
         return out
+
+    def _byte_view_of(self, out: npt.NDArray[Any]) -> memoryview:
+        if not out.flags.c_contiguous or out.dtype != self.numpy_dtype or out.nbytes != self._slice_nbytes:
+            raise ValueError(
+                f"out must be a C-contiguous {self.numpy_dtype} array of {self._slice_nbytes} bytes "
+                f"(shape {self.shape[2:]}), found {out.dtype} {out.shape}"
+            )
+        view = out.reshape(-1).view(np.uint8).data
+        self._out_cache = (out, view)
+        return view
 
     def read_range(self, start: int, stop: int, out: npt.NDArray[Any] | None = None) -> npt.NDArray[Any]:
         """Copy examples ``[start, stop)`` ``(stop - start, L, T, D)`` into ``out``: one large

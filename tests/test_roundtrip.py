@@ -144,3 +144,25 @@ def test_stats_count_nonfinite_when_allowed(root: Path) -> None:
 def test_split_helper() -> None:
     assert split(5, [2]) == [(0, 2), (2, 4), (4, 5)]
     assert split(0, [3]) == []
+
+
+def test_read_example_buffers_and_errors(root: Path) -> None:
+    md = small_metadata()
+    logical = write_cache(root, md)
+    shards = ss.open(root / md.hash)
+    a = np.empty(md.shape[2:], md.numpy_dtype)
+    b = np.empty(md.shape[2:], md.numpy_dtype)
+    for ex in (0, 22, -1, 7):
+        assert shards.read_example(ex, 1, a) is a
+        np.testing.assert_array_equal(a, logical[ex, 1])
+        shards.read_example(ex - 1, 0, b)  # alternating buffers never share a cached view
+        np.testing.assert_array_equal(b, logical[ex - 1, 0])
+        np.testing.assert_array_equal(a, logical[ex, 1])
+    with pytest.raises(IndexError, match="example 23 out of range"):
+        shards.read_example(23, 0)
+    with pytest.raises(IndexError, match=r"layer index 2 out of range \[0, 2\)"):
+        shards.read_example(0, 2)
+    with pytest.raises(ValueError, match="out must be a C-contiguous float16 array of 80 bytes"):
+        shards.read_example(0, 0, np.empty((5, 8), np.float32))
+    with pytest.raises(ValueError, match="C-contiguous"):
+        shards.read_example(0, 0, np.empty((8, 5), np.float16).T)
