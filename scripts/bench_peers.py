@@ -75,7 +75,7 @@ class Config:
         return [
             f"cache: {self.spec.describe()}",
             f"workload 1: k={self.queries} random (example, layer) reads per measurement (cold: distinct "
-            f"slices, at most N x L = {self.spec.n_examples * self.spec.n_layers}); DataLoader workers "
+            f"slices, at most half of the N x L = {self.spec.n_examples * self.spec.n_layers}); DataLoader workers "
             f"{list(self.workers)}, batch_size={self.loader_batch}",
             f"workload 2: {self.pair_batches} batches of b={self.pair_examples} random examples x 2 random distinct "
             f"layers (cold: distinct examples)",
@@ -122,6 +122,12 @@ QUICK = Config(
 # --------------------------------------------------------------------------------------
 # measurements
 
+DISK_NOTE = (
+    "disk/read: bytes the kernel fetched from storage for this process (/proc/self/io read_bytes, readahead "
+    "included) per byte delivered; 1.00 is no waste, more is read amplification (n/a: DataLoader workers, whose "
+    "reads are not counted in the parent)."
+)
+
 
 @dataclasses.dataclass
 class Run:
@@ -131,6 +137,7 @@ class Run:
     nbytes: int
     seconds: float
     lat: Array  # seconds per item
+    disk: int = -1  # bytes fetched from storage meanwhile (-1: not known)
 
     @property
     def gbps(self) -> float:
@@ -147,6 +154,7 @@ class Summary:
     mean: float
     median: float
     p95: float
+    amplification: float  # bytes fetched from storage per byte delivered
 
     @classmethod
     def of(cls, runs: Sequence[Run]) -> Summary:
@@ -159,6 +167,11 @@ class Summary:
             mean=float(lat.mean()) if len(lat) else nan,
             median=float(np.median(lat)) if len(lat) else nan,
             p95=float(np.percentile(lat, 95)) if len(lat) else nan,
+            amplification=(
+                sum(r.disk for r in runs) / sum(r.nbytes for r in runs)
+                if runs and all(r.disk >= 0 for r in runs) and sum(r.nbytes for r in runs)
+                else nan
+            ),
         )
 
 
@@ -299,7 +312,11 @@ class Bench:
                 def fn(q: Any) -> object:
                     return reader.gather(q[0], q[1], q[2], out)
 
-            return timed(fn, items, item_nbytes, self.cfg.budget_s)
+            before = bl.disk_read_bytes()
+            run = timed(fn, items, item_nbytes, self.cfg.budget_s)
+            after = bl.disk_read_bytes()
+            run.disk = after - before if before >= 0 and after >= 0 else -1
+            return run
         finally:
             reader.close()
 
@@ -467,8 +484,8 @@ class Bench:
     def slice_queries(self, regime: str, seed: int) -> Array:
         spec, k = self.spec, self.cfg.queries
         rng = np.random.default_rng(seed)
-        if regime == "cold":  # every query a different slice, so nothing is read twice
-            pairs = rng.permutation(spec.n_examples * spec.n_layers)[:k]
+        if regime == "cold":  # distinct slices, at most half of them, so little is found already read ahead
+            pairs = rng.permutation(spec.n_examples * spec.n_layers)[: min(k, spec.n_examples * spec.n_layers // 2)]
             return np.stack(np.divmod(pairs, spec.n_layers), axis=1)
         return np.stack([rng.integers(0, spec.n_examples, k), rng.integers(0, spec.n_layers, k)], axis=1)
 
@@ -514,7 +531,10 @@ class Bench:
                 ds = SliceDataset(key, self.stores[key], spec, queries)
                 with warnings.catch_warnings():
                     warnings.simplefilter("ignore", UserWarning)  # torch: non-writable numpy arrays
+                    before = bl.disk_read_bytes()
                     run = loader_run(ds, w, cfg.loader_batch, cfg.budget_s)
+                    if w == 0 and before >= 0:  # workers' reads are not in our /proc/self/io
+                        run.disk = bl.disk_read_bytes() - before
                 rows.append((key, f"DataLoader w={w}", Summary.of([run]), w_limit))
         order = {k: i for i, k in enumerate(F.FORMATS)}
         rows.sort(key=lambda r: (r[1] != "loop", r[1], order[r[0]]))
@@ -522,7 +542,7 @@ class Bench:
         t = bl.Table(
             name,
             f"Workload 1: random (example, layer) slice reads, {regime}",
-            ["format", "mode", "n", "mean ms", "median ms", "p95 ms", "GB/s", "x limit", "x best peer"],
+            ["format", "mode", "n", "mean ms", "median ms", "p95 ms", "GB/s", "x limit", "x best peer", "disk/read"],
         )
         by_mode: dict[str, dict[str, float]] = {}
         for key, mode, s, _ in rows:
@@ -539,6 +559,7 @@ class Bench:
                 s.gbps,
                 ratio(s.gbps, lim),
                 ratio(s.gbps, best),
+                s.amplification,
             )
         slice_kib = f"{spec.slice_nbytes / 1024:.0f} KiB"
         if regime == "cold":
@@ -558,6 +579,12 @@ class Bench:
             f"and they include the default collate's copy into a batch of {cfg.loader_batch}). The loop is the "
             f"median of {cfg.rounds} interleaved rounds. Workers 4 and 8 share {os.cpu_count()} cores."
         )
+        t.note(DISK_NOTE)
+        if self.cfg.label == "quick" and regime == "cold":
+            t.note(
+                "Quick run: the files are a few MiB, no bigger than one readahead window, so opening a store or "
+                "the first read pulls in whole files: cold figures here mean little. Use the full run."
+            )
         if skipped:
             t.note("Not run through the DataLoader: " + "; ".join(skipped) + ".")
         for line in self.cfg.describe()[:2]:
@@ -574,7 +601,7 @@ class Bench:
         t = bl.Table(
             "peers_pairs",
             f"Workload 2: training batches of b={b} random examples x 2 random distinct layers",
-            ["regime", "format", "n", "mean ms", "p95 ms", "GB/s", "x limit", "x best peer"],
+            ["regime", "format", "n", "mean ms", "p95 ms", "GB/s", "x limit", "x best peer", "disk/read"],
         )
         self.results["pairs"] = {}
         for regime in REGIMES:
@@ -614,6 +641,7 @@ class Bench:
                     s.gbps,
                     ratio(s.gbps, limit),
                     ratio(s.gbps, best),
+                    s.amplification,
                 )
             self.results["pairs"][regime] = {"gbps": {k: s.gbps for k, s in sums.items()}, "limit": limit}
         lim = self.results["pairs"]
@@ -623,6 +651,7 @@ class Bench:
             f"({lim['page-cached']['limit']:.2f} GB/s); cold, one-thread random O_DIRECT reads of one slice "
             f"({lim['cold']['limit']:.2f} GB/s). Cold batches use distinct examples."
         )
+        t.note(DISK_NOTE)
         t.note(
             "Ours: `read_examples` (one pread per slice into the batch); numpy: fancy indexing "
             "`mm[ex[:, None], layers]`; the others: one read per slice into the batch."
@@ -637,7 +666,7 @@ class Bench:
         t = bl.Table(
             "peers_gather",
             f"Workload 3: random single-token gathers, batches of {n} (example, layer, token) vectors",
-            ["regime", "format", "n", "mean ms", "vectors/s", "GB/s", "x limit", "x best peer"],
+            ["regime", "format", "n", "mean ms", "vectors/s", "GB/s", "x limit", "x best peer", "disk/read"],
         )
         self.results["gather"] = {}
         for regime in REGIMES:
@@ -671,6 +700,7 @@ class Bench:
                     s.gbps,
                     ratio(s.gbps, limit),
                     ratio(s.gbps, best),
+                    s.amplification,
                 )
             self.results["gather"][regime] = {"gbps": {k: s.gbps for k, s in sums.items()}, "limit": limit}
         lim = self.results["gather"]
@@ -681,6 +711,7 @@ class Bench:
             f"random O_DIRECT reads of {block} B ({lim['cold']['limit']:.3f} GB/s, "
             f"{lim['cold']['limit'] * 1e9 / block:,.0f} reads/s)."
         )
+        t.note(DISK_NOTE)
         t.note(
             "Ours: `layout.locate_many` then one pread per vector (saev_shards), or numpy indexing "
             "`shards[ex, layer, tok]` on the memmaps (view); numpy: `mm[ex, layer, tok]`; zarr reads the whole "

@@ -161,6 +161,19 @@ def drop_cache(paths: Path | Sequence[Path]) -> None:
                 os.close(fd)
 
 
+def disk_read_bytes() -> int:
+    """Bytes this process has caused to be fetched from storage (``read_bytes`` of /proc/self/io),
+    readahead included; -1 where the kernel does not say. Differences measure read amplification."""
+    try:
+        with open("/proc/self/io") as f:
+            for line in f:
+                if line.startswith("read_bytes:"):
+                    return int(line.split()[1])
+    except OSError:
+        pass
+    return -1
+
+
 def warm_cache(paths: Path | Sequence[Path]) -> None:
     """Read files once so they sit in the page cache."""
     items = [paths] if isinstance(paths, Path) else list(paths)

@@ -1,0 +1,410 @@
+"""Loader benchmark (issue 3): the training loaders against the machine's own limits.
+
+Every speed is printed as a ratio to a limit measured in the same run: the shuffled and
+ordered loaders on a page-cached cache against large-buffer memcpy, on a cold cache (and,
+with ``--big``, a cache larger than RAM) against sequential O_DIRECT reads of the same
+files; the map-style datasets under DataLoader workers 0, 4, 8 beside Gemma Scope's 1 GB/s
+target; the shuffle quality against a perfect shuffle; host-to-GPU with pinned memory
+when a CUDA GPU is present.
+
+    .venv/bin/python scripts/bench_loaders.py [--quick] [--big] [--keep]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+import saev_shards as ss
+from saev_shards import loaders
+from saev_shards.manifest import Manifest, ShardEntry
+from scripts import benchlib as bl
+
+# A ViT-B/16-like cache: 2 layers x (CLS + 196 patches) x 768 dims, float16: 605 KB per
+# example, one token vector 1,536 bytes.
+LAYERS = (6, 11)
+PATCHES = 196
+D_MODEL = 768
+#: The throughput Gemma Scope's training pipeline aimed for (Lieberum et al., 2024).
+GEMMA_SCOPE_GBPS = 1.0
+BATCH = 4096
+
+
+def make_metadata(n_examples: int, tag: str, patches_per_shard: int = 2_400_000) -> ss.Metadata:
+    return ss.Metadata(
+        family="clip",
+        ckpt="bench/ViT-B-16",
+        layers=LAYERS,
+        patches_per_ex=PATCHES,
+        cls_token=True,
+        d_model=D_MODEL,
+        n_examples=n_examples,
+        patches_per_shard=patches_per_shard,
+        data={"bench": tag},
+        dataset="/bench",
+    )
+
+
+def build_cache(root: Path, md: ss.Metadata) -> ss.Shards:
+    """Write ``md`` (labels included) from a repeated random batch, unless it is already there."""
+    path = root / md.hash
+    if not path.exists():
+        rng = np.random.default_rng(0)
+        batch = rng.standard_normal((64, *md.shape[1:]), dtype=np.float32).astype(np.float16)
+        labels = rng.integers(0, 10, (64, md.patches_per_ex), dtype=np.uint8)
+        t = time.perf_counter()
+        with ss.ShardWriter(root, md, durable=False) as w:
+            for start in range(0, md.n_examples, len(batch)):
+                n = min(len(batch), md.n_examples - start)
+                w.write(batch[:n], labels=labels[:n])
+        print(f"(wrote {md.nbytes / 1e9:.1f} GB in {time.perf_counter() - t:.0f} s)", flush=True)
+    return ss.open(path)
+
+
+def epoch_rate(make: Callable[[], Any], max_bytes: float = float("inf")) -> tuple[float, float]:
+    """``(GB/s, tokens/s)`` of one epoch (or its first ``max_bytes``) of a fresh loader, startup included."""
+    loader = make()
+    nbytes = tokens = 0
+    t = time.perf_counter()
+    for batch in loader:
+        tokens += len(batch)
+        nbytes += batch.acts.numel() * batch.acts.element_size()
+        if nbytes >= max_bytes:
+            break
+    dt = time.perf_counter() - t
+    loader.close()
+    return nbytes / dt / 1e9, tokens / dt
+
+
+def odirect_files_gbps(shards: ss.Shards, limit: int) -> float:
+    """Sequential O_DIRECT read of the cache's own shard files (up to ``limit`` bytes)."""
+    done, elapsed = 0, 0.0
+    for k in range(shards.n_shards):
+        path = shards.shard_path(k)
+        size = min(os.stat(path).st_size, limit - done)
+        if size < bl.DIRECT_BLOCK:
+            break
+        gbps = bl.odirect_read_gbps(path, limit=size)
+        read = size - size % bl.DIRECT_BLOCK
+        elapsed += read / gbps / 1e9
+        done += read
+    return done / elapsed / 1e9
+
+
+# --------------------------------------------------------------------------------------
+# shuffled and ordered loaders
+
+
+def bench_page_cached(shards: ss.Shards, quick: bool) -> None:
+    buffer = (64 if quick else 512) << 20
+    rounds = 1 if quick else 3
+    rates_samples: dict[str, list[tuple[float, float]]] = {}
+
+    def run(name: str, make: Callable[[], Any]) -> Callable[[], float]:
+        def fn() -> float:
+            gbps, tps = epoch_rate(make)
+            rates_samples.setdefault(name, []).append((gbps, tps))
+            return gbps
+
+        return fn
+
+    contenders = {
+        "ShuffledLoader, all layers": lambda: loaders.ShuffledLoader(shards, BATCH, buffer_bytes=buffer),
+        "ShuffledLoader, layer 11": lambda: loaders.ShuffledLoader(shards, BATCH, layers=11, buffer_bytes=buffer),
+        "ShuffledLoader, all layers, out float32": lambda: loaders.ShuffledLoader(
+            shards, BATCH, buffer_bytes=buffer, out_dtype="float32"
+        ),
+        "ShuffledLoader, 2 gather threads": lambda: loaders.ShuffledLoader(
+            shards, BATCH, buffer_bytes=buffer, gather_threads=2
+        ),
+        "OrderedLoader, all layers": lambda: loaders.OrderedLoader(shards, BATCH),
+    }
+    fns: dict[str, Callable[[], float]] = {"memcpy (limit)": bl.memcpy_gbps}
+    fns.update({name: run(name, make) for name, make in contenders.items()})
+    bl.warm_cache(shards.path)
+    medians = bl.interleaved(fns, rounds=rounds)
+    limit = medians["memcpy (limit)"]
+    table = bl.Table(
+        "loaders_page_cached",
+        f"Training loaders, page-cached cache ({shards.metadata.nbytes / 1e9:.1f} GB): ratio to memcpy",
+        ["loader", "GB/s", "tokens/s", "ratio to memcpy", "ratio to Gemma Scope 1 GB/s"],
+    )
+    table.add("memcpy, 256 MiB buffers (limit)", limit, float("nan"), 1.0, limit / GEMMA_SCOPE_GBPS)
+    for name in contenders:
+        gbps = medians[name]
+        tps = float(np.median([t for _, t in rates_samples[name]]))
+        table.add(name, gbps, tps, gbps / limit, gbps / GEMMA_SCOPE_GBPS)
+    table.note(
+        f"Batches of {BATCH} token vectors (1,536 bytes each, float16 unless noted; GB/s counts the stored bytes "
+        f"delivered). Shuffle window {buffer >> 20} MiB (two held), 4 MiB read blocks, 4 read threads; "
+        f"gather threads default to {loaders.default_gather_threads()} on this machine. One whole epoch per "
+        f"sample, startup included; median of {rounds} interleaved rounds. Target: >= 0.4 of memcpy on 2 cores."
+    )
+    table.emit()
+
+
+def bench_cold(shards: ss.Shards, quick: bool, big: bool) -> None:
+    """From disk: the page cache is dropped before every sample (or the cache exceeds RAM)."""
+    md = shards.metadata
+    rounds = 1 if (quick or big) else 3
+    buffer = (64 if quick else 512) << 20
+    limit_bytes = md.nbytes
+    samples: dict[str, list[tuple[float, float]]] = {}
+
+    def cold(name: str, make: Callable[[], Any]) -> Callable[[], float]:
+        def fn() -> float:
+            if not big:
+                bl.drop_cache(shards.path)
+            gbps, tps = epoch_rate(make, max_bytes=limit_bytes)
+            samples.setdefault(name, []).append((gbps, tps))
+            return gbps
+
+        return fn
+
+    def direct() -> float:
+        if not big:
+            bl.drop_cache(shards.path)
+        return odirect_files_gbps(shards, limit=min(md.nbytes, 4 << 30))
+
+    contenders = {
+        "ShuffledLoader, all layers": lambda: loaders.ShuffledLoader(shards, BATCH, buffer_bytes=buffer),
+        "ShuffledLoader, layer 11": lambda: loaders.ShuffledLoader(shards, BATCH, layers=11, buffer_bytes=buffer),
+        "OrderedLoader, all layers": lambda: loaders.OrderedLoader(shards, BATCH),
+    }
+    fns: dict[str, Callable[[], float]] = {"O_DIRECT sequential read (limit)": direct}
+    fns.update({name: cold(name, make) for name, make in contenders.items()})
+    medians = bl.interleaved(fns, rounds=rounds)
+    limit = medians["O_DIRECT sequential read (limit)"]
+    where = f"cache larger than RAM ({md.nbytes / 2**30:.0f} GiB)" if big else f"cold cache ({md.nbytes / 1e9:.1f} GB)"
+    table = bl.Table(
+        "loaders_big" if big else "loaders_cold",
+        f"Training loaders from disk, {where}: ratio to sequential O_DIRECT reads of the same files",
+        ["loader", "GB/s", "tokens/s", "ratio to O_DIRECT", "ratio to Gemma Scope 1 GB/s"],
+    )
+    table.add("O_DIRECT sequential read, 8 MiB requests (limit)", limit, float("nan"), 1.0, limit / GEMMA_SCOPE_GBPS)
+    for name in contenders:
+        gbps = medians[name]
+        tps = float(np.median([t for _, t in samples[name]]))
+        table.add(name, gbps, tps, gbps / limit, gbps / GEMMA_SCOPE_GBPS)
+    table.note(
+        ("The cache does not fit in RAM; " if big else "The page cache is dropped (POSIX_FADV_DONTNEED) before each ")
+        + (
+            "each loader reads one whole epoch."
+            if big
+            else f"sample; each sample is a whole epoch. Median of {rounds} interleaved rounds."
+        )
+        + " GB/s counts the activation bytes delivered in batches (layer 11 alone: half the file's bytes, read "
+        "slice by slice). Target for the shuffled loader: >= 0.85 of O_DIRECT."
+    )
+    table.emit()
+
+
+# --------------------------------------------------------------------------------------
+# shuffle quality (no data needed: which vectors land in a batch is a function of the plan)
+
+
+def virtual_shards(n_examples: int, patches_per_shard: int = 2_400_000) -> ss.Shards:
+    """An ImageNet-sized cache description with no files behind it (the planner reads none)."""
+    md = make_metadata(n_examples, "quality", patches_per_shard)
+    entries = tuple(
+        ShardEntry(f"acts{k:06d}.bin", md.shard_n_examples(k), md.shard_n_examples(k) * md.example_nbytes, None)
+        for k in range(md.n_shards)
+    )
+    return ss.Shards(Path("/nonexistent") / md.hash, md, Manifest(shards=entries))
+
+
+def batch_examples(loader: loaders.ShuffledLoader, n_batches: int) -> list[np.ndarray[Any, Any]]:
+    """Example index of every vector of the first ``n_batches`` batches of epoch 0, from the plan."""
+    plan = loader.plan(0)
+    stream: list[np.ndarray[Any, Any]] = []
+    need = n_batches * loader.batch_size
+    got = 0
+    for window in plan.windows:
+        index = loaders._index_window(
+            loader.selection, loader._blocks, loader._config.slot_layer, window, loader._window_rng(0, window.index)
+        )
+        stream.append(index.examples)
+        got += len(index)
+        if got >= need:
+            break
+    examples = np.concatenate(stream)[:need]
+    return [examples[i * loader.batch_size : (i + 1) * loader.batch_size] for i in range(n_batches)]
+
+
+def bench_quality(quick: bool) -> None:
+    n_examples = 1_281_167  # ImageNet-1k train
+    shards = virtual_shards(n_examples)
+    md = shards.metadata
+    eps = md.examples_per_shard
+    n_batches = 20 if quick else 100
+    rng = np.random.default_rng(0)
+    per_layer = md.patches_per_ex
+    table = bl.Table(
+        "loaders_shuffle_quality",
+        f"Shuffle quality: ImageNet-1k-sized cache ({n_examples:,} examples, {md.n_shards} shards of {eps:,}), "
+        f"layer 11 content tokens, batches of {BATCH}",
+        ["shuffle", "distinct examples / batch", "distinct shards / batch", "max tokens of one example / batch"],
+    )
+    # A perfect shuffle: each batch a uniform sample without replacement of all tokens.
+    total = n_examples * per_layer
+    ex_perfect = [rng.choice(total, BATCH, replace=False) // per_layer for _ in range(n_batches)]
+    table.add("perfect (uniform, without replacement)", *_quality(ex_perfect, eps))
+    for buffer_mib in (256, 1024, 4096) if not quick else (256, 1024):
+        loader = loaders.ShuffledLoader(shards, BATCH, layers=11, buffer_bytes=buffer_mib << 20)
+        table.add(f"ShuffledLoader, window {buffer_mib} MiB", *_quality(batch_examples(loader, n_batches), eps))
+        loader.close()
+    ex_bytes = md.tokens_per_ex * md.d_model * md.itemsize
+    table.note(
+        f"Averages over the first {n_batches} batches of epoch 0, computed from the loader's plan (which vectors go "
+        f"in which batch depends only on the metadata and the seed, so no data is read). A window of W bytes holds "
+        f"W / {ex_bytes:,} examples of layer 11 (4 MiB read blocks of ~13 consecutive examples, drawn from random "
+        "shards); every batch is a uniform sample of its window's tokens, so the distinct examples per batch "
+        "approach the perfect figure as the window grows."
+    )
+    table.emit()
+
+
+def _quality(batches: list[np.ndarray[Any, Any]], eps: int) -> tuple[float, float, float]:
+    distinct = float(np.mean([len(np.unique(b)) for b in batches]))
+    shards = float(np.mean([len(np.unique(b // eps)) for b in batches]))
+    most = float(np.mean([np.unique(b, return_counts=True)[1].max() for b in batches]))
+    return distinct, shards, most
+
+
+# --------------------------------------------------------------------------------------
+# map-style datasets under DataLoader workers
+
+
+def bench_datasets(shards: ss.Shards, quick: bool) -> None:
+    from torch.utils.data import DataLoader, RandomSampler
+
+    k = 1_000 if quick else 10_000
+    workers_list = (0, 4, 8)
+    md = shards.metadata
+    slice_bytes = md.tokens_per_ex * md.d_model * md.itemsize
+    vector_bytes = md.d_model * md.itemsize
+    cases: dict[str, tuple[Any, int, int]] = {
+        # name: (dataset, batch size, bytes per item)
+        "ExampleDataset (example, layer) slices": (loaders.ExampleDataset(shards), 32, slice_bytes),
+        "LayerPairDataset (b, 2, T, D)": (loaders.LayerPairDataset(shards), 32, 2 * slice_bytes),
+        "TokenDataset single tokens": (loaders.TokenDataset(shards, layer=11), 1024, vector_bytes),
+    }
+    bl.warm_cache(shards.path)
+    limit = bl.memcpy_gbps()
+    table = bl.Table(
+        "loaders_datasets",
+        f"Map-style datasets under torch DataLoader, page-cached, k={k:,} random items",
+        ["dataset", "workers", "items/s", "GB/s", "ratio to memcpy", "ratio to Gemma Scope 1 GB/s"],
+    )
+    for name, (ds, batch_size, item_bytes) in cases.items():
+        n_items = k if item_bytes >= slice_bytes else k * 20
+        for workers in workers_list:
+            sampler = RandomSampler(ds, num_samples=n_items, generator=None)
+            loader = DataLoader(ds, batch_size=batch_size, sampler=sampler, num_workers=workers)
+            t = time.perf_counter()
+            items = 0
+            for batch in loader:
+                items += len(batch["acts"])
+            dt = time.perf_counter() - t
+            gbps = items * item_bytes / dt / 1e9
+            table.add(name, workers, items / dt, gbps, gbps / limit, gbps / GEMMA_SCOPE_GBPS)
+    table.add("memcpy, 256 MiB buffers (limit)", "", float("nan"), limit, 1.0, limit / GEMMA_SCOPE_GBPS)
+    table.note(
+        f"Default DataLoader collation, fork start, worker start-up included; {os.cpu_count()} cores, so 4 and 8 "
+        "workers oversubscribe them. Single-token items pay Python's per-item cost: for training, use ShuffledLoader."
+    )
+    table.emit()
+
+
+# --------------------------------------------------------------------------------------
+# host to GPU
+
+
+def bench_cuda(shards: ss.Shards, quick: bool) -> None:
+    import torch
+
+    if not torch.cuda.is_available():
+        print("Host-to-GPU with pin_memory: no CUDA GPU on this machine.\n", flush=True)
+        return
+    bl.warm_cache(shards.path)
+    nbytes = 256 << 20
+    host = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+    dev = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
+    dev.copy_(host, non_blocking=True)
+    torch.cuda.synchronize()
+    t = time.perf_counter()
+    for _ in range(10):
+        dev.copy_(host, non_blocking=True)
+    torch.cuda.synchronize()
+    limit = 10 * nbytes / (time.perf_counter() - t) / 1e9
+    table = bl.Table(
+        "loaders_cuda",
+        f"Host to GPU ({torch.cuda.get_device_name()}): ShuffledLoader batches moved with non_blocking copies",
+        ["path", "GB/s", "ratio to pinned H2D copy"],
+    )
+    table.add("pinned 256 MiB host-to-device copy (limit)", limit, 1.0)
+    for pin in (True, False):
+        loader = loaders.ShuffledLoader(shards, BATCH, pin_memory=pin, buffer_bytes=(64 if quick else 512) << 20)
+        moved = 0
+        t = time.perf_counter()
+        for batch in loader:
+            batch.acts.to("cuda", non_blocking=True)
+            moved += batch.acts.numel() * batch.acts.element_size()
+        torch.cuda.synchronize()
+        gbps = moved / (time.perf_counter() - t) / 1e9
+        table.add(f"ShuffledLoader pin_memory={pin}", gbps, gbps / limit)
+        loader.close()
+    table.emit()
+
+
+# --------------------------------------------------------------------------------------
+
+
+def main(quick: bool = False, scale: bool = False, keep: bool = False) -> None:
+    """Run every loader table; ``scale`` also builds a cache larger than RAM (minutes, ~30 GB of disk)."""
+    print(f"Machine: {bl.machine()}\n", flush=True)
+    work = bl.bench_dir() / "loaders"
+    work.mkdir(parents=True, exist_ok=True)
+    n_examples = 600 if quick else 6_000  # 0.36 GB / 3.6 GB, both well inside RAM
+    md = make_metadata(n_examples, "loaders", patches_per_shard=200_000)  # 507 examples (307 MB) per shard
+    shards = build_cache(work, md)
+    try:
+        bench_page_cached(shards, quick)
+        bench_cold(shards, quick, big=False)
+        bench_datasets(shards, quick)
+        bench_cuda(shards, quick)
+    finally:
+        shards.close()
+        if not keep:
+            shutil.rmtree(work / md.hash, ignore_errors=True)
+    bench_quality(quick)
+    if scale:
+        ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+        n_big = int(max(24 << 30, 1.1 * ram) // md.example_nbytes) + 1
+        md_big = make_metadata(n_big, "loaders-big")
+        big = build_cache(work, md_big)
+        try:
+            bench_cold(big, quick=False, big=True)
+        finally:
+            big.close()
+            if not keep:
+                shutil.rmtree(work / md_big.hash, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--quick", action="store_true", help="small sizes, one round (well under a minute)")
+    parser.add_argument("--big", "--scale", dest="big", action="store_true", help="also a cache larger than RAM")
+    parser.add_argument("--keep", action="store_true", help="keep the benchmark caches for the next run")
+    args = parser.parse_args()
+    main(args.quick, args.big, args.keep)
