@@ -567,3 +567,23 @@ def test_a_reader_that_goes_away_is_not_an_error(st: Store):
     err = proc.stderr.read()
     assert proc.wait(timeout=60) == cli.EXIT_BROKEN_PIPE
     assert err == b""
+
+
+@pytest.mark.slow
+def test_docs_walkthrough_is_the_real_output():
+    """docs/cli.md shows what docs/walkthrough.sh prints; rerun the script when this fails.
+
+    It runs in /tmp/demo, as documented: the caches' hashes depend on their dataset paths.
+    """
+    import fcntl
+
+    repo = Path(__file__).resolve().parent.parent
+    with open("/tmp/demo.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # one walk-through at a time in /tmp/demo
+        proc = subprocess.run(
+            ["bash", str(repo / "docs" / "walkthrough.sh"), "/tmp/demo"],
+            check=False, capture_output=True, text=True, env=clean_env(), timeout=300,
+        )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr
+    documented = (repo / "docs" / "cli.md").read_text().split("```console\n", 1)[1].rsplit("```", 1)[0]
+    assert proc.stdout.rstrip("\n") + "\n" == documented
