@@ -225,13 +225,18 @@ def _plan_epoch(
 
 @dataclasses.dataclass
 class _WindowIndex:
-    """Every vector of a loaded window, in the order the batches take them."""
+    """Every vector of a loaded window, in the order the batches take them.
+
+    Batches turn the compact int32 columns into their int64 and uint8 outputs with one small
+    gather each (which also gives them fresh arrays of their own).
+    """
 
     flat: npt.NDArray[np.int64]  # vector index into the buffer ``(rows * T, D)``
-    examples: npt.NDArray[np.int64]
-    tokens: npt.NDArray[np.int64]
-    layers: npt.NDArray[np.int64]
-    labels: npt.NDArray[np.uint8] | None
+    ex_local: npt.NDArray[np.int32]  # example slot in the window
+    tokens: npt.NDArray[np.int32]
+    slots: npt.NDArray[np.int32]  # layer slot of the example's rows
+    examples: npt.NDArray[np.int64]  # global example of each example slot
+    labels: npt.NDArray[np.uint8] | None  # (n_examples_in_window * T,): labels.bin rows, CLS_LABEL at CLS
 
     def __len__(self) -> int:
         return len(self.flat)
@@ -240,7 +245,6 @@ class _WindowIndex:
 def _index_window(
     selection: TokenSelection,
     blocks: _Blocks,
-    slot_layer: npt.NDArray[np.int64],
     window: _Window,
     rng: np.random.Generator | None,
 ) -> _WindowIndex:
@@ -255,50 +259,46 @@ def _index_window(
     np.cumsum(sizes[:-1], out=ex_first[1:])
     n_ex = int(sizes.sum())
     examples = np.repeat(starts - ex_first, sizes) + np.arange(n_ex, dtype=np.int64)
+    tokens = selection.tokens_per_ex
     labels = None
     if selection.has_labels:
-        labels = np.concatenate([selection.labels_of(np.arange(a, b)) for a, b in zip(starts, stops, strict=True)])
-    tokens = selection.tokens_per_ex
-    rows_per_ex = blocks.rows_per_ex
-    slots = blocks.slots
+        rows = [selection.labels_of(np.arange(a, b)) for a, b in zip(starts.tolist(), stops.tolist(), strict=True)]
+        labels = np.full((n_ex, tokens), CLS_LABEL, dtype=np.uint8)
+        labels[:, selection.cls :] = np.concatenate(rows)
+    slots = blocks.slots.astype(np.int32)
+    n_slots = len(slots)
     if not selection.varies:
-        ex_local = np.arange(n_ex, dtype=np.int64)
-        chosen = selection.base_tokens
-        flat = ((ex_local[:, None, None] * rows_per_ex + slots[None, :, None]) * tokens + chosen[None, None, :]).ravel()
+        chosen = selection.base_tokens.astype(np.int32)
+        per_ex = n_slots * len(chosen)
+        ex_c = np.repeat(np.arange(n_ex, dtype=np.int32), per_ex)
+        slot_c = np.tile(np.repeat(slots, len(chosen)), n_ex)
+        tok_c = np.tile(chosen, n_ex * n_slots)
     else:
-        mask = selection.mask(examples, labels)
+        mask = selection.mask(examples, None if labels is None else labels[:, selection.cls :])
         counts = mask.sum(axis=1).astype(np.int64)
         ex_j, tok_j = np.nonzero(mask)
         first_of_ex = np.zeros(n_ex, dtype=np.int64)
         np.cumsum(counts[:-1], out=first_of_ex[1:])
         rank_j = np.arange(len(ex_j), dtype=np.int64) - first_of_ex[ex_j]
-        n_layers = len(slots)
-        base = first_of_ex[ex_j] * n_layers + rank_j  # vectors before this one, at the first layer
-        flat = np.empty(len(ex_j) * n_layers, dtype=np.int64)
-        for s in range(n_layers):
-            flat[base + s * counts[ex_j]] = (ex_j * rows_per_ex + slots[s]) * tokens + tok_j
+        # Position in (example, layer, token) order of entry j at the s-th chosen layer.
+        position = (first_of_ex[ex_j] * n_slots + rank_j)[None, :] + (
+            np.arange(n_slots, dtype=np.int64)[:, None] * counts[ex_j][None, :]
+        )
+        position = position.ravel()
+        ex_c = np.empty(len(position), dtype=np.int32)
+        tok_c = np.empty(len(position), dtype=np.int32)
+        slot_c = np.empty(len(position), dtype=np.int32)
+        ex_c[position] = np.tile(ex_j.astype(np.int32), n_slots)
+        tok_c[position] = np.tile(tok_j.astype(np.int32), n_slots)
+        slot_c[position] = np.repeat(slots, len(ex_j))
     if window.trim_lo or window.trim_hi:
-        flat = flat[window.trim_lo : len(flat) - window.trim_hi]
+        keep = slice(window.trim_lo, len(ex_c) - window.trim_hi)
+        ex_c, slot_c, tok_c = ex_c[keep], slot_c[keep], tok_c[keep]
     if rng is not None:
-        flat = flat[rng.permutation(len(flat))]
-    row = flat // tokens
-    token = flat - row * tokens
-    ex_local = row // rows_per_ex
-    vector_labels = None
-    if labels is not None:
-        patches, cls = labels.shape[1], selection.cls
-        if patches == 0:
-            vector_labels = np.full(len(flat), CLS_LABEL, dtype=np.uint8)
-        else:
-            vector_labels = labels[ex_local, np.clip(token - cls, 0, patches - 1)]
-            vector_labels[token < cls] = CLS_LABEL
-    return _WindowIndex(
-        flat=flat,
-        examples=examples[ex_local],
-        tokens=token,
-        layers=slot_layer[row - ex_local * rows_per_ex],
-        labels=vector_labels,
-    )
+        order = rng.permutation(len(ex_c))
+        ex_c, slot_c, tok_c = ex_c[order], slot_c[order], tok_c[order]
+    flat = (ex_c.astype(np.int64) * blocks.rows_per_ex + slot_c) * tokens + tok_c
+    return _WindowIndex(flat, ex_c, tok_c, slot_c, examples, None if labels is None else labels.ravel())
 
 
 class _Recycler:
@@ -522,6 +522,23 @@ class _TokenLoader:
             blocks, order, self.rank, self.world_size, self._window_rows, self.batch_size, self.drop_last
         )
 
+    def epoch_examples(self, epoch: int, limit: int | None = None) -> npt.NDArray[np.int64]:
+        """Example of each of the first ``limit`` vectors this rank yields in epoch ``epoch``.
+
+        Computed from the plan alone (no activation is read), so the shuffle quality of any
+        cache can be measured from its metadata; batch ``i`` holds entries ``[i*B, (i+1)*B)``.
+        """
+        plan = self.plan(epoch)
+        need = plan.n_vectors if limit is None else min(limit, plan.n_vectors)
+        pieces, got = [], 0
+        for window in plan.windows:
+            if got >= need:
+                break
+            index = _index_window(self.selection, self._blocks, window, self._window_rng(epoch, window.index))
+            pieces.append(index.examples[index.ex_local])
+            got += len(index)
+        return np.concatenate(pieces)[:need] if pieces else np.zeros(0, dtype=np.int64)
+
     def _window_rng(self, epoch: int, window: int) -> np.random.Generator | None:
         if not self._shuffle:
             return None
@@ -580,8 +597,8 @@ class _TokenLoader:
 
 
 def default_gather_threads() -> int:
-    """Threads that gather one batch: a quarter of the cores, 1 to 4; the rest read and train."""
-    return max(1, min(4, (os.cpu_count() or 1) // 4))
+    """Threads that gather one batch: one per core, at most 4 (the gather is memory-latency bound)."""
+    return max(1, min(4, os.cpu_count() or 1))
 
 
 def _world(rank: int | None, world_size: int | None) -> tuple[int, int]:
@@ -838,12 +855,13 @@ class _Run:
         rows = cfg.blocks.rows[window.blocks]
         offsets = np.zeros(len(rows), dtype=np.int64)
         np.cumsum(rows[:-1], out=offsets[1:])
+        # The index first: it needs no data, so it is ready by the time the reads are.
+        rng = self.window_rng(self.epoch, w)
+        index = self.pool.submit(_index_window, cfg.selection, cfg.blocks, window, rng)
         reads = [
             self.pool.submit(self._read_block, int(b), buffer, int(o))
             for b, o in zip(window.blocks.tolist(), offsets.tolist(), strict=True)
         ]
-        rng = self.window_rng(self.epoch, w)
-        index = self.pool.submit(_index_window, cfg.selection, cfg.blocks, cfg.slot_layer, window, rng)
         return reads, index
 
     def _assemble(self) -> None:
@@ -947,14 +965,22 @@ class _Run:
                     acts = acts.view(out)
             acts.copy_(to_tensor(raw, cfg.stored, cfg.stored))
 
-        def cat(name: str) -> torch.Tensor:
-            pieces = [getattr(win, name)[lo:hi] for win, lo, hi in parts]
-            return torch.from_numpy(np.concatenate(pieces) if len(pieces) > 1 else pieces[0].copy())
+        examples, tokens, layers, labels = [], [], [], []
+        for win, lo, hi in parts:
+            ex_local, token, slot = win.ex_local[lo:hi], win.tokens[lo:hi], win.slots[lo:hi]
+            examples.append(win.examples[ex_local])
+            tokens.append(token.astype(np.int64))
+            layers.append(cfg.slot_layer[slot])
+            if win.labels is not None:
+                labels.append(win.labels[ex_local.astype(np.int64) * cfg.tokens + token])
+
+        def tensor(pieces: list[npt.NDArray[Any]]) -> torch.Tensor:
+            return torch.from_numpy(pieces[0] if len(pieces) == 1 else np.concatenate(pieces))
 
         return Batch(
             acts=acts,
-            examples=cat("examples"),
-            tokens=cat("tokens"),
-            layers=cat("layers"),
-            labels=cat("labels") if parts[0][0].labels is not None else None,
+            examples=tensor(examples),
+            tokens=tensor(tokens),
+            layers=tensor(layers),
+            labels=tensor(labels) if labels else None,
         )

@@ -225,19 +225,7 @@ def virtual_shards(n_examples: int, patches_per_shard: int = 2_400_000) -> ss.Sh
 
 def batch_examples(loader: loaders.ShuffledLoader, n_batches: int) -> list[np.ndarray[Any, Any]]:
     """Example index of every vector of the first ``n_batches`` batches of epoch 0, from the plan."""
-    plan = loader.plan(0)
-    stream: list[np.ndarray[Any, Any]] = []
-    need = n_batches * loader.batch_size
-    got = 0
-    for window in plan.windows:
-        index = loaders._index_window(
-            loader.selection, loader._blocks, loader._config.slot_layer, window, loader._window_rng(0, window.index)
-        )
-        stream.append(index.examples)
-        got += len(index)
-        if got >= need:
-            break
-    examples = np.concatenate(stream)[:need]
+    examples = loader.epoch_examples(0, n_batches * loader.batch_size)
     return [examples[i * loader.batch_size : (i + 1) * loader.batch_size] for i in range(n_batches)]
 
 

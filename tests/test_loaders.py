@@ -472,3 +472,25 @@ except ImportError as err:
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=False)
     assert result.returncode == 0, result.stderr
     assert result.stdout.startswith("ok")
+
+
+def test_epoch_examples_match_the_batches(make_cache: Any) -> None:
+    md = small_metadata(n_examples=23)
+    lengths = np.arange(23) % (md.tokens_per_ex + 1)
+    shards, _ = make_cache(md, labels=True, lengths=lengths)
+    loader = ShuffledLoader(
+        shards, batch_size=6, seed=2, rank=1, world_size=2, ignore_labels=range(50), buffer_bytes=300, block_bytes=90
+    )
+    for epoch in (0, 1):
+        got = torch.cat([b.examples for b in loader]).numpy()
+        np.testing.assert_array_equal(loader.epoch_examples(epoch), got)
+        np.testing.assert_array_equal(loader.epoch_examples(epoch, 7), got[:7])
+
+
+def test_gather_threads_split_large_batches(make_cache: Any) -> None:
+    md = small_metadata(n_examples=700, patches_per_shard=400)  # 5,600 vectors, 50 examples per shard
+    shards, logical = make_cache(md, batches=(100,))
+    seen: list[tuple[int, int, int]] = []
+    for b in ShuffledLoader(shards, batch_size=5000, gather_threads=3, buffer_bytes=20_000, block_bytes=2_000):
+        seen += check_batch(b, md, logical)
+    assert sorted(seen) == sorted(expected_vectors(md))
