@@ -30,9 +30,9 @@ test: lint typecheck
 test-all: lint typecheck
 	HYPOTHESIS_PROFILE=ci $(BIN)/pytest -q
 
-## make demo: write a synthetic cache, open it, print a summary and a few reads
+## make demo: dump MiniLM-L6 activations over Python's own docs (offline), open the cache, train a small SAE
 demo: $(STAMP)
-	$(BIN)/python -m saev_shards.demo
+	HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 $(BIN)/python -m saev_shards.demo
 
 ## make bench: the benchmark tables (ratios to the machine's limits and to the alternatives)
 bench: $(STAMP)

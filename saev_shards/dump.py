@@ -633,7 +633,7 @@ def batches(start: int, stop: int, examples_per_shard: int, batch_size: int) -> 
 
 
 def dump(
-    config: DumpConfig | Mapping[str, Any] | str | os.PathLike[str],
+    config: Plan | DumpConfig | Mapping[str, Any] | str | os.PathLike[str],
     *,
     root: str | os.PathLike[str] | None = None,
     rank: int | None = None,
@@ -646,13 +646,18 @@ def dump(
 ) -> Path | None:
     """Record the activations of ``config`` into ``root/<hash>``; return its path once published.
 
+    ``config``: a `Plan` (reused when its model is loaded), a `DumpConfig`, a dict, or a file.
+
     Resumes from sealed shards unless ``restart``. With several writers, each rank writes
     its shards and then tries to publish: the last one to finish succeeds and returns the
     path; the others return None. Already published: returns the path at once.
     """
     say = log or _print
-    cfg = as_config(config)
-    the_plan = plan(cfg)
+    if isinstance(config, Plan) and config.loaded.model is not None:
+        the_plan = config
+    else:
+        the_plan = plan(config.config if isinstance(config, Plan) else config)
+    cfg = the_plan.config
     md = the_plan.metadata
     out_root = Path(root) if root is not None else Path(cfg.root)
     final = out_root / md.hash
@@ -712,8 +717,8 @@ def dump(
                     text[name] = [ex.fields[name] for ex in chunk]
                 sink.submit(acts, columns=columns, text=text)
                 done += b - a
-                gbps = done * md.example_nbytes / max(time.perf_counter() - t0, 1e-9) / 1e9
-                bar.update(b - a, extra=f"{gbps:.2f} GB/s")
+                rate = done * md.example_nbytes / max(time.perf_counter() - t0, 1e-9)
+                bar.update(b - a, extra=f"{_gb(rate)}/s")
             sink.join()
     except BaseException:
         sink.abort()
@@ -723,7 +728,7 @@ def dump(
     dt = time.perf_counter() - t0
     say(
         f"{who}wrote {done} examples in {dt:.1f} s ({done / max(dt, 1e-9):.1f} examples/s, "
-        f"{done * md.example_nbytes / max(dt, 1e-9) / 1e9:.3f} GB/s)"
+        f"{_gb(done * md.example_nbytes / max(dt, 1e-9))}/s of activations)"
     )
     if path is None and finalize_when_done:
         path = try_finalize(out_root, md, say=say)

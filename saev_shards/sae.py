@@ -1,0 +1,98 @@
+"""A minimal top-k sparse autoencoder, enough to train from a cache in the demo.
+
+The top-k SAE (Gao et al., 2024, "Scaling and evaluating sparse autoencoders") keeps the
+``k`` largest latents per token, so sparsity needs no penalty to tune and the loss is
+plain reconstruction error. Inputs are normalised with the cache's own statistics
+(stats.json): ``(x - mean) / scale`` with ``scale = sqrt(mean(var))``, so the mean squared
+error per dimension is the fraction of variance left unexplained.
+
+torch is imported when this module is imported; ``import saev_shards`` never imports it.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterable, Iterator
+from typing import Any
+
+import numpy as np
+import torch
+
+
+class TopKSAE(torch.nn.Module):
+    """``x_hat = W_dec topk(relu(W_enc (x - b_dec) + b_enc)) + b_dec`` with unit-norm decoder rows."""
+
+    def __init__(self, d_model: int, n_latents: int, k: int, seed: int = 0) -> None:
+        super().__init__()
+        if not 0 < k <= n_latents:
+            raise ValueError(f"k must lie in [1, n_latents={n_latents}], found {k}")
+        gen = torch.Generator().manual_seed(seed)
+        w_dec = torch.randn(n_latents, d_model, generator=gen)
+        w_dec /= w_dec.norm(dim=1, keepdim=True)
+        self.w_dec = torch.nn.Parameter(w_dec)  # (n_latents, d_model)
+        self.w_enc = torch.nn.Parameter(w_dec.t().clone())  # (d_model, n_latents): tied at init
+        self.b_enc = torch.nn.Parameter(torch.zeros(n_latents))
+        self.b_dec = torch.nn.Parameter(torch.zeros(d_model))
+        self.k = k
+
+    def encode(self, x: torch.Tensor) -> torch.Tensor:
+        """Sparse codes ``(B, n_latents)``: at most ``k`` non-zeros per row."""
+        pre = torch.relu((x - self.b_dec) @ self.w_enc + self.b_enc)
+        top = pre.topk(self.k, dim=-1)
+        return torch.zeros_like(pre).scatter_(-1, top.indices, top.values)
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        z = self.encode(x)
+        return z @ self.w_dec + self.b_dec, z
+
+    @torch.no_grad()
+    def normalize_decoder(self) -> None:
+        """Rescale decoder rows to unit norm (keeps the latents' scale identifiable)."""
+        self.w_dec.div_(self.w_dec.norm(dim=1, keepdim=True).clamp(min=1e-8))
+
+
+def normaliser(stats: dict[str, Any], layer_index: int) -> tuple[torch.Tensor, float]:
+    """``(mean, scale)`` for one recorded layer from a cache's `Shards.stats`."""
+    mean = torch.as_tensor(np.asarray(stats["mean"][layer_index]), dtype=torch.float32)
+    scale = float(np.sqrt(np.mean(stats["var"][layer_index])))
+    return mean, scale
+
+
+def train(
+    sae: TopKSAE,
+    batches: Iterable[torch.Tensor],
+    *,
+    steps: int,
+    mean: torch.Tensor,
+    scale: float,
+    lr: float = 1e-3,
+    log_every: int = 25,
+    say: Callable[[str], None] = print,
+) -> list[tuple[int, float]]:
+    """Train on ``steps`` batches of raw activations; return ``(step, mean loss since last log)``."""
+    opt = torch.optim.Adam(sae.parameters(), lr=lr)
+    history: list[tuple[int, float]] = []
+    running, count = 0.0, 0
+    t0 = time.perf_counter()
+    seen = 0
+    it: Iterator[torch.Tensor] = iter(batches)
+    for step in range(1, steps + 1):
+        x = (next(it).float() - mean) / scale
+        x_hat, _ = sae(x)
+        loss = (x_hat - x).pow(2).mean()
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        opt.step()
+        sae.normalize_decoder()
+        running += float(loss.detach())
+        count += 1
+        seen += x.shape[0]
+        if step % log_every == 0 or step == steps:
+            history.append((step, running / count))
+            elapsed = time.perf_counter() - t0
+            say(
+                f"  step {step:4d}  reconstruction loss (fraction of variance unexplained) {running / count:.4f}"
+                f"  [{seen / elapsed:,.0f} tokens/s]"
+            )
+            running, count = 0.0, 0
+    return history
