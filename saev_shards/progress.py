@@ -49,6 +49,7 @@ class Progress:
         self.extra = extra
         self.start = time.perf_counter()
         self._last = 0.0
+        self._drawn = -1  # `done` as last drawn
 
     def update(self, n: int, extra: str | None = None) -> None:
         self.done += n
@@ -72,9 +73,15 @@ class Progress:
             line += f" {self.extra}"
         self.stream.write(line + end)
         self.stream.flush()
+        self._drawn = self.done
 
     def close(self) -> None:
-        if self.enabled:
+        if not self.enabled:
+            return
+        if self._drawn == self.done:
+            self.stream.write("\n")  # the final state is already on screen
+            self.stream.flush()
+        else:
             self._draw(time.perf_counter(), end="\n")
 
     def __enter__(self) -> Progress:
