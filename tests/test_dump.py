@@ -139,7 +139,7 @@ def test_dump_values_columns_stats_and_truncation(tmp_path: Path) -> None:
 def test_hash_follows_every_setting_that_changes_bytes(tmp_path: Path) -> None:
     base = plan(make_config(tmp_path)).metadata.hash
     model = make_config(tmp_path)["model"]
-    variants = [
+    variants: list[dict[str, Any]] = [
         {"T": T + 1, "model": {**model, "kwargs": {"d_model": 16, "n_blocks": 4, "max_len": T + 1}}},
         {"batch_size": 4},
         {"budget": 10},

@@ -51,7 +51,7 @@ def test_minilm_dump_equals_hidden_states(tmp_path: Path, monkeypatch: pytest.Mo
     enc = tok(texts, truncation=True, max_length=T, padding="max_length", return_tensors="pt")
     lengths = enc["attention_mask"].sum(1).numpy()
     true = np.array([len(x) for x in tok(texts)["input_ids"]])
-    assert np.array_equal(shards.lengths, lengths)
+    assert shards.lengths is not None and np.array_equal(shards.lengths, lengths)
     assert np.array_equal(shards.columns["true_lengths"], true)
     assert np.array_equal(shards.columns["token_ids"], enc["input_ids"].numpy())
     assert (true > T).any() and (true <= T).any()
