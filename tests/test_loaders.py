@@ -494,3 +494,27 @@ def test_gather_threads_split_large_batches(make_cache: Any) -> None:
     for b in ShuffledLoader(shards, batch_size=5000, gather_threads=3, buffer_bytes=20_000, block_bytes=2_000):
         seen += check_batch(b, md, logical)
     assert sorted(seen) == sorted(expected_vectors(md))
+
+
+def test_ordered_ranks_split_the_order(make_cache: Any) -> None:
+    md = small_metadata(n_examples=11)
+    shards, logical = make_cache(md)
+
+    def vectors(loader: OrderedLoader) -> list[tuple[int, int, int]]:
+        return [v for b in loader for v in check_batch(b, md, logical)]
+
+    whole = vectors(OrderedLoader(shards, batch_size=7))
+    parts = [vectors(OrderedLoader(shards, batch_size=7, rank=r, world_size=3)) for r in range(3)]
+    assert all(parts)
+    assert parts[0] + parts[1] + parts[2] == whole == expected_vectors(md)
+
+
+def test_pin_memory_and_batch_to(make_cache: Any) -> None:
+    md = small_metadata()
+    shards, logical = make_cache(md)
+    loader = ShuffledLoader(shards, batch_size=16, pin_memory=True, out_dtype="float32")
+    assert loader.pin_memory == torch.cuda.is_available()  # ignored without CUDA
+    for batch in loader:
+        moved = batch.to("cpu")
+        assert torch.equal(moved.acts, batch.acts) and moved.labels is None
+        assert batch.acts.is_pinned() == torch.cuda.is_available()
