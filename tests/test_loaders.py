@@ -511,7 +511,7 @@ def test_ordered_ranks_split_the_order(make_cache: Any) -> None:
 
 def test_pin_memory_and_batch_to(make_cache: Any) -> None:
     md = small_metadata()
-    shards, logical = make_cache(md)
+    shards, _ = make_cache(md)
     loader = ShuffledLoader(shards, batch_size=16, pin_memory=True, out_dtype="float32")
     assert loader.pin_memory == torch.cuda.is_available()  # ignored without CUDA
     for batch in loader:
