@@ -466,6 +466,8 @@ def _import_factory(spec: str) -> Callable[..., Any]:
     module, _, attr = spec.partition(":")
     if not module or not attr:
         raise ConfigError(f"model.factory: expected 'module:function', found {spec!r}")
+    if os.getcwd() not in sys.path:  # as `python -m` would: factories may live beside the config
+        sys.path.append(os.getcwd())
     try:
         fn = getattr(importlib.import_module(module), attr)
     except (ImportError, AttributeError) as err:
@@ -893,11 +895,15 @@ def run(args: argparse.Namespace) -> int:
         )
         return 0 if path is not None or world_size > 1 else 1
     except KeyboardInterrupt:
-        print("interrupted; re-run the same command to resume", file=sys.stderr)
+        print("interrupted; sealed shards are kept: re-run the same command to resume", file=sys.stderr)
         return 130
-    except ShardsError as err:
+    except (ShardsError, OSError) as err:
+        if getattr(args, "debug", False):
+            raise
+        # The exit codes of `saev-shards --help`: 2 usage, 4 system or busy, 1 any other problem.
+        code = 2 if isinstance(err, ConfigError) else 4 if isinstance(err, (OSError, WriterBusyError)) else 1
         print(f"saev-shards dump: error: {err}", file=sys.stderr)
-        return 2
+        return code
 
 
 def main(argv: Sequence[str] | None = None) -> int:
