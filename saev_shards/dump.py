@@ -96,6 +96,7 @@ class ModelConfig:
     its ``model/`` subfolder). ``factory``: ``"module:function"`` called with ``kwargs``,
     returning ``(model, tokenizer)``: a Hugging Face tokenizer, or a callable mapping a
     list of texts to lists of token ids (special tokens included, untruncated).
+    ``weights_dtype`` (``float32``, ``bfloat16``, ``float16``) casts the weights after loading.
     """
 
     path: str | None = None
@@ -107,6 +108,7 @@ class ModelConfig:
     blocks: str | None = None
     cls_token: bool | None = None
     pad_id: int = 0
+    weights_dtype: str | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -200,6 +202,10 @@ def parse_config(obj: object, *, base: str | os.PathLike[str] | None = None, whe
             problems.append("model.kwargs: expected a table")
         if model_obj.get("cls_token") is not None and not isinstance(model_obj["cls_token"], bool):
             problems.append(f"model.cls_token: expected true or false, found {model_obj['cls_token']!r}")
+        if model_obj.get("weights_dtype") not in (None, "float32", "bfloat16", "float16"):
+            problems.append(
+                f"model.weights_dtype: expected float32, bfloat16 or float16, found {model_obj['weights_dtype']!r}"
+            )
         if not _is_int(model_obj.get("pad_id", 0)):
             problems.append(f"model.pad_id: expected an integer, found {model_obj['pad_id']!r}")
         if not problems:
@@ -484,12 +490,14 @@ def load_model(cfg: DumpConfig, *, weights: bool = True) -> Loaded:
     does not depend on where the folder lives.
     """
     mc = cfg.model
+    cast = {"weights_dtype": mc.weights_dtype} if mc.weights_dtype is not None else {}
     if mc.factory is not None:
         model, tokenizer = _import_factory(mc.factory)(**mc.kwargs)
         encoder = TextEncoder(tokenizer, cfg.T, pad_id=mc.pad_id)
         cls = mc.cls_token if mc.cls_token is not None else encoder.starts_with_cls()
-        identity = {"factory": mc.factory, "kwargs": dict(mc.kwargs)}
-        return Loaded(model.eval(), encoder, mc.name or mc.factory, mc.family or "custom", identity, None, cls)
+        identity = {"factory": mc.factory, "kwargs": dict(mc.kwargs), **cast}
+        model = _cast_weights(model.eval(), mc.weights_dtype)
+        return Loaded(model, encoder, mc.name or mc.factory, mc.family or "custom", identity, None, cls)
     folder = model_dir(mc)
     assert folder is not None
     if not (folder / "config.json").is_file():
@@ -507,17 +515,29 @@ def load_model(cfg: DumpConfig, *, weights: bool = True) -> Loaded:
     model = None
     if weights:
         model = transformers.AutoModel.from_pretrained(str(folder), local_files_only=True).eval()
+        model = _cast_weights(model, mc.weights_dtype)
     ckpt = mc.name or (mc.package if mc.package is not None else folder.name)
     family = mc.family or str(hf_config.get("model_type", "hf"))
-    identity = {"files_xxh3_128": files_digest(folder)}
+    identity = {"files_xxh3_128": files_digest(folder), **cast}
     return Loaded(model, encoder, ckpt, family, identity, d_model, cls)
+
+
+def _cast_weights(model: Any, dtype: str | None) -> Any:
+    if dtype is None:
+        return model
+    import torch
+
+    return model.to({"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[dtype])
 
 
 def _device(cfg: DumpConfig) -> torch.device:
     import torch
 
     if cfg.device == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        if not torch.cuda.is_available():
+            return torch.device("cpu")
+        # torchrun starts one process per GPU and says which one in LOCAL_RANK.
+        return torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")) % torch.cuda.device_count())
     return torch.device(cfg.device)
 
 

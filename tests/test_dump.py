@@ -146,6 +146,7 @@ def test_hash_follows_every_setting_that_changes_bytes(tmp_path: Path) -> None:
         {"dtype": "bfloat16"},
         {"layers": [1, 3]},
         {"model": {**model, "kwargs": {"d_model": 16, "n_blocks": 4, "max_len": T, "seed": 1}}},
+        {"model": {**model, "weights_dtype": "bfloat16"}},
     ]
     hashes = {plan(make_config(tmp_path, **v)).metadata.hash for v in variants}
     assert base not in hashes and len(hashes) == len(variants)
@@ -166,6 +167,20 @@ def test_stdlib_corpus_dump(tmp_path: Path) -> None:
     assert shards.metadata.data["corpus"]["xxh3_128"] == corpus.digest
     assert list(shards.text("text")) == [ex.text for ex in corpus.examples]
     assert list(shards.text("id")) == [ex.id for ex in corpus.examples]
+
+
+def test_lines_dataset_and_bfloat16_weights(tmp_path: Path) -> None:
+    lines = tmp_path / "lines.txt"
+    lines.write_text("first example\n\n  \nsecond, longer example here\nx\n")
+    cfg = make_config(tmp_path, dataset={"kind": "lines", "path": str(lines), "min_chars": 2}, dtype="bfloat16")
+    cfg["model"]["weights_dtype"] = "bfloat16"
+    path = dump_mod.dump(cfg, durable=False, log=quiet)
+    assert path is not None
+    shards = ss.open(path)
+    assert list(shards.text("text")) == ["first example", "second, longer example here"]
+    assert list(shards.text("id")) == ["0", "3"]
+    assert shards.metadata.data["model"]["weights_dtype"] == "bfloat16"
+    assert shards.dtype == "bfloat16" and np.asarray(shards[:, 0]).any()
 
 
 def test_config_errors_list_every_problem(tmp_path: Path) -> None:
