@@ -231,3 +231,39 @@ def test_async_writer_reports_writer_errors(tmp_path: Path) -> None:
         aw.join()
     aw.abort()
     assert not (tmp_path / md.hash).exists()
+
+
+def test_async_writer_returns_while_the_writer_is_still_busy(tmp_path: Path) -> None:
+    """The caller's next forward pass runs while the previous batch is still being written."""
+    import threading
+
+    md = small_metadata()
+    writer = ss.ShardWriter(tmp_path, md, durable=False)
+    release = threading.Event()
+    entered = threading.Event()
+    real_write = writer.write
+
+    def slow_write(acts: Any, **kw: Any) -> None:
+        entered.set()
+        assert release.wait(30)
+        real_write(acts, **kw)
+
+    writer.write = slow_write  # type: ignore[method-assign]
+    data = torch.randn(md.shape, generator=torch.Generator().manual_seed(0)).to(torch.float16)
+    with AsyncWriter(writer, depth=2) as aw:
+        aw.submit(data[:10])
+        assert entered.wait(30)  # the thread is inside write() ...
+        aw.submit(data[10:20])  # ... and submit still returns: the queue holds the next batch
+        assert not release.is_set()
+        release.set()
+        aw.submit(data[20:])
+    assert np.array_equal(ss.open(tmp_path / md.hash)[:], data.numpy())
+
+
+def test_import_saev_shards_dump_needs_no_torch() -> None:
+    import subprocess
+    import sys
+
+    code = "import sys, saev_shards, saev_shards.dump, saev_shards.corpus; print('torch' in sys.modules)"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "False"
