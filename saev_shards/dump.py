@@ -675,10 +675,8 @@ def dump(
     path; the others return None. Already published: returns the path at once.
     """
     say = log or _print
-    if isinstance(config, Plan) and config.loaded.model is not None:
-        the_plan = config
-    else:
-        the_plan = plan(config.config if isinstance(config, Plan) else config)
+    # The hash first (no weights needed for Hugging Face folders): a published cache is done.
+    the_plan = config if isinstance(config, Plan) else plan(config, weights=False)
     cfg = the_plan.config
     md = the_plan.metadata
     out_root = Path(root) if root is not None else Path(cfg.root)
@@ -686,6 +684,8 @@ def dump(
     if final.exists():
         say(f"already published: {final}")
         return final
+    if the_plan.loaded.model is None:
+        the_plan = dataclasses.replace(the_plan, loaded=load_model(cfg))
     rank, world_size = world_from_env(rank, world_size)
     import torch
 
