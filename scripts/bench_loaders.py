@@ -78,6 +78,7 @@ def epoch_rate(make: Callable[[], Any], max_bytes: float = float("inf")) -> tupl
     overlap, is reported apart as the start-up time.
     """
     loader = make()
+    itemsize = loader.shards.metadata.itemsize  # count stored bytes, whatever the output dtype
     nbytes = tokens = 0
     start = time.perf_counter()
     it = iter(loader)
@@ -85,7 +86,7 @@ def epoch_rate(make: Callable[[], Any], max_bytes: float = float("inf")) -> tupl
     t = time.perf_counter()
     for batch in it:
         tokens += len(batch)
-        nbytes += batch.acts.numel() * batch.acts.element_size()
+        nbytes += batch.acts.numel() * itemsize
         if nbytes >= max_bytes:
             break
     dt = time.perf_counter() - t
@@ -185,7 +186,7 @@ def bench_page_cached(shards: ss.Shards, quick: bool) -> None:
     table.note(
         f"Batches of {BATCH} token vectors (1,536 bytes each, float16 unless noted; GB/s counts the stored bytes "
         f"delivered). Shuffle window {buffer >> 20} MiB (two held), 4 MiB read blocks, 4 read threads, "
-        f"{loaders.default_gather_threads()} gather threads unless noted. Each sample is one epoch, timed from its "
+        f"gather threads: {loaders.default_gather_threads()} unless noted. Each sample is one epoch, timed from its "
         f"first batch; median of {rounds} interleaved rounds. Target: >= 0.4 of memcpy on 2 cores."
     )
     table.emit()
