@@ -597,8 +597,8 @@ class _TokenLoader:
 
 
 def default_gather_threads() -> int:
-    """Threads that gather one batch: half the cores, 1 to 4 (the rest read, and train)."""
-    return max(1, min(4, (os.cpu_count() or 1) // 2))
+    """Threads that gather one batch: one per core, at most 4 (the gather waits on memory, not compute)."""
+    return max(1, min(4, os.cpu_count() or 1))
 
 
 def _world(rank: int | None, world_size: int | None) -> tuple[int, int]:

@@ -168,8 +168,8 @@ def bench_page_cached(shards: ss.Shards, quick: bool) -> None:
         "ShuffledLoader, all layers, out float32": lambda: loaders.ShuffledLoader(
             shards, BATCH, buffer_bytes=buffer, out_dtype="float32"
         ),
-        "ShuffledLoader, 2 gather threads": lambda: loaders.ShuffledLoader(
-            shards, BATCH, buffer_bytes=buffer, gather_threads=2
+        "ShuffledLoader, 1 gather thread": lambda: loaders.ShuffledLoader(
+            shards, BATCH, buffer_bytes=buffer, gather_threads=1
         ),
         "OrderedLoader, all layers": lambda: loaders.OrderedLoader(shards, BATCH),
     }
