@@ -58,17 +58,25 @@ def memcpy_gbps(nbytes: int = 256 << 20, repeats: int = 5) -> float:
     return nbytes / best / 1e9
 
 
-def memcpy_chunks_gbps(chunk: int, total: int = 512 << 20, pool: int = 1 << 30, seed: int = 0) -> float:
+def memcpy_chunks_gbps(
+    chunk: int, total: int = 512 << 20, pool: int = 1 << 30, seed: int = 0, dst_nbytes: int | None = None
+) -> float:
     """memcpy of ``chunk``-byte pieces from random offsets of a ``pool``-byte buffer into one
-    destination: the best any reader of ``chunk``-sized slices from page-cached memory can do."""
+    destination: the best any reader of ``chunk``-sized slices from page-cached memory can do.
+
+    By default every piece lands in the same ``chunk``-byte buffer (hot in the CPU cache, as
+    when a reader reuses one output buffer); ``dst_nbytes`` cycles the pieces through a
+    destination that big instead (a batch being assembled in memory).
+    """
     src = np.ones(pool, np.uint8)
-    dst = np.empty(chunk, np.uint8)
+    pieces = max(1, (dst_nbytes or chunk) // chunk)
+    dst = np.ones((pieces, chunk), np.uint8)  # ones, not empty: its pages are touched before timing
     n = max(1, total // chunk)
     rng = np.random.default_rng(seed)
     offsets = rng.integers(0, (pool - chunk) // 64, n) * 64
     t = time.perf_counter()
-    for o in offsets.tolist():
-        np.copyto(dst, src[o : o + chunk])
+    for i, o in enumerate(offsets.tolist()):
+        np.copyto(dst[i % pieces], src[o : o + chunk])
     return n * chunk / (time.perf_counter() - t) / 1e9
 
 
@@ -172,6 +180,19 @@ def disk_read_bytes() -> int:
     except OSError:
         pass
     return -1
+
+
+def readahead_nbytes(path: Path) -> int:
+    """The block device's readahead window for files at ``path`` (read_ahead_kb), else Linux's 128 KiB default.
+
+    Buffered reads, and page faults on memmaps, fetch up to this much around what was asked.
+    """
+    st = os.stat(path)
+    dev = Path(f"/sys/dev/block/{os.major(st.st_dev)}:{os.minor(st.st_dev)}").resolve()
+    for queue in (dev / "queue", dev.parent / "queue"):  # a partition's queue is its disk's
+        with contextlib.suppress(OSError, ValueError):
+            return int((queue / "read_ahead_kb").read_text()) * 1024
+    return 128 * 1024
 
 
 def warm_cache(paths: Path | Sequence[Path]) -> None:

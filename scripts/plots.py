@@ -9,6 +9,8 @@ from scripts import formats as F
 
 OURS_COLOUR = "#d62728"
 PEER_COLOUR = "#7f7f7f"
+#: Line colours for the peers: none of them red, which is ours.
+PEER_LINES = ["#1f77b4", "#ff7f0e", "#2ca02c", "#9467bd", "#8c564b", "#17becf", "#bcbd22"]
 
 
 def _pyplot() -> Any:
@@ -67,6 +69,7 @@ def peers(results: dict[str, Any], spec: F.CacheSpec, out_dir: Path) -> list[Pat
     ax = axes.flat[7]
     opens = results.get("open")
     if opens:
+        peer_colours = iter(PEER_LINES)
         for k, times in opens.items():
             counts = sorted(times)
             ax.plot(
@@ -74,7 +77,7 @@ def peers(results: dict[str, Any], spec: F.CacheSpec, out_dir: Path) -> list[Pat
                 [times[c] * 1e3 for c in counts],
                 marker="o",
                 label=F.FORMATS[k].name,
-                color=OURS_COLOUR if k.startswith("saev") else None,
+                color=OURS_COLOUR if k.startswith("saev") else next(peer_colours),
                 linewidth=2.5 if k.startswith("saev") else 1,
             )
         ax.axhline(50, color="black", linestyle="--", linewidth=1, label="target 50 ms")
@@ -87,7 +90,26 @@ def peers(results: dict[str, Any], spec: F.CacheSpec, out_dir: Path) -> list[Pat
         ax.tick_params(labelsize=7)
     else:
         ax.set_visible(False)
-    axes.flat[8].set_visible(False)
+    ax = axes.flat[8]
+    sizes = sorted(results.get("sizes", []), key=lambda r: r["kib"])
+    if sizes:
+        kib = [r["kib"] for r in sizes]
+        for key, label, colour in (
+            ("ours", "saev_shards", OURS_COLOUR),
+            ("best", "best peer", PEER_LINES[0]),
+            ("h5", "HDF5 (h5py)", PEER_LINES[3]),
+            ("zarr2", "zarr v2", PEER_LINES[1]),
+        ):
+            ax.plot(kib, [r[key] for r in sizes], marker="o", label=label, color=colour)
+        ax.set_xscale("log")
+        ax.set_yscale("log")
+        ax.set_xlabel("slice KiB", fontsize=8)
+        ax.set_ylabel("GB/s", fontsize=8)
+        ax.set_title("1 by slice size, page-cached", fontsize=9)
+        ax.legend(fontsize=6)
+        ax.tick_params(labelsize=7)
+    else:
+        ax.set_visible(False)
     fig.suptitle(f"saev_shards (red) against its peers: {spec.describe()}", fontsize=10)
     fig.tight_layout()
     path = out_dir / "peers.png"
