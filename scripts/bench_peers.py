@@ -747,6 +747,8 @@ class Bench:
                 rng = np.random.default_rng(300 + r)
                 if regime == "cold":
                     ex = self.sparse_examples(r)
+                    if len(ex) < b:  # a cache too small to space b examples out (the quick run)
+                        ex = rng.permutation(spec.n_examples)[:b]
                     n = max(1, min(cfg.pair_batches, len(ex) // b))
                     batches = [(ex[i * b : (i + 1) * b], self.pair_layers(rng, b)) for i in range(n)]
                 else:
