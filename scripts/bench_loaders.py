@@ -315,6 +315,7 @@ def bench_datasets(shards: ss.Shards, quick: bool) -> None:
     )
     for name, (ds, batch_size, item_bytes) in cases.items():
         n_items = k if item_bytes >= slice_bytes else k * 20
+        next(iter(DataLoader(ds, batch_size=batch_size)))  # one-time costs (torch's thread pools) off the clock
         for workers in workers_list:
             sampler = RandomSampler(ds, num_samples=n_items, generator=None)
             with warnings.catch_warnings():  # more workers than cores is the point of the 4 and 8 rows
@@ -330,7 +331,9 @@ def bench_datasets(shards: ss.Shards, quick: bool) -> None:
     table.add("memcpy, 256 MiB buffers (limit)", "", float("nan"), limit, 1.0, limit / GEMMA_SCOPE_GBPS)
     table.note(
         f"Default DataLoader collation, fork start, worker start-up included; {os.cpu_count()} cores, so 4 and 8 "
-        "workers oversubscribe them. Single-token items pay Python's per-item cost: for training, use ShuffledLoader."
+        "workers oversubscribe them. With 0 workers the default collation stacks in the main process with torch's "
+        "intra-op threads, which slow down by 3-20x whenever other work shares the cores. Single-token items pay "
+        "Python's per-item cost: for training, use ShuffledLoader."
     )
     table.emit()
 
