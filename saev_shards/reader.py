@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import os
 import stat
+import threading
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
@@ -381,6 +382,7 @@ class Shards:
         self._maps: dict[int, np.memmap[Any, Any]] = {}
         self._fds: dict[int, int] = {}
         self._aux: dict[str, Any] = {}
+        self._lock = threading.Lock()  # guards opening handles; a new one after fork or unpickling
         # The last `out` buffer given to read_example and its byte view (reused while it is).
         self._out_cache: tuple[npt.NDArray[Any], memoryview] | None = None
 
@@ -390,7 +392,7 @@ class Shards:
 
     def __getstate__(self) -> dict[str, Any]:
         state = self.__dict__.copy()
-        for key in ("_maps", "_fds", "_aux", "_pid", "_out_cache"):
+        for key in ("_maps", "_fds", "_aux", "_pid", "_out_cache", "_lock"):
             state.pop(key, None)
         return state
 
@@ -414,21 +416,29 @@ class Shards:
         self._check_pid()
         mm = self._maps.get(k)
         if mm is None:
-            entry = self.manifest.shards[k]
-            shape = (entry.n_examples, *self.metadata.shard_shape[1:])
-            if entry.n_examples == 0 or self.metadata.example_nbytes == 0:
-                mm = np.zeros(shape, self.numpy_dtype).view(np.memmap)  # mmap cannot map 0 bytes
-            else:
-                mm = np.memmap(self.path / entry.name, dtype=self.numpy_dtype, mode="r", shape=shape)
-            self._maps[k] = mm
+            with self._lock:
+                mm = self._maps.get(k)
+                if mm is None:
+                    mm = self._open_map(k)
+                    self._maps[k] = mm
         return mm
+
+    def _open_map(self, k: int) -> np.memmap[Any, Any]:
+        entry = self.manifest.shards[k]
+        shape = (entry.n_examples, *self.metadata.shard_shape[1:])
+        if entry.n_examples == 0 or self.metadata.example_nbytes == 0:
+            return np.zeros(shape, self.numpy_dtype).view(np.memmap)  # mmap cannot map 0 bytes
+        return np.memmap(self.path / entry.name, dtype=self.numpy_dtype, mode="r", shape=shape)
 
     def _fd(self, k: int) -> int:
         self._check_pid()
         fd = self._fds.get(k)
         if fd is None:
-            fd = os.open(self.path / self.manifest.shards[k].name, os.O_RDONLY)
-            self._fds[k] = fd
+            with self._lock:  # two threads opening one shard would leak a descriptor
+                fd = self._fds.get(k)
+                if fd is None:
+                    fd = os.open(self.path / self.manifest.shards[k].name, os.O_RDONLY)
+                    self._fds[k] = fd
         return fd
 
     # -- notebook API --------------------------------------------------------------------

@@ -94,3 +94,43 @@ def test_core_imports_without_torch() -> None:
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=False)
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == "ok"
+
+
+def test_threads_open_each_shard_once(root: Path) -> None:
+    """Many threads reading at once: one descriptor per shard, no leak."""
+    import threading
+
+    md = small_metadata(n_examples=200)
+    logical = write_cache(root, md, batches=[50])
+    shards = ss.open(root / md.hash)
+    before = len(os.listdir("/proc/self/fd"))
+    barrier = threading.Barrier(8)
+    errors: list[BaseException] = []
+
+    def work() -> None:
+        try:
+            barrier.wait()
+            for ex in range(md.n_examples):
+                np.testing.assert_array_equal(shards.read_example(ex, 1), logical[ex, 1])
+                shards.shard(ex // md.examples_per_shard)
+        except BaseException as err:
+            errors.append(err)
+
+    threads = [threading.Thread(target=work) for _ in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors
+    assert len(shards._fds) == md.n_shards
+    raced = len(os.listdir("/proc/self/fd")) - before
+    # The same reads from one thread open exactly as many descriptors (a pread one and the
+    # one Python's mmap duplicates, per shard).
+    alone = ss.open(root / md.hash)
+    before = len(os.listdir("/proc/self/fd"))
+    for ex in range(md.n_examples):
+        alone.read_example(ex, 1)
+        alone.shard(ex // md.examples_per_shard)
+    assert raced == len(os.listdir("/proc/self/fd")) - before == 2 * md.n_shards
+    shards.close()
+    alone.close()
