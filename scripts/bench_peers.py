@@ -935,13 +935,13 @@ class Bench:
                 "random slices, page-cached: >= 0.8 x memcpy (slice-sized pieces)",
                 ours / cached["limit"],
                 0.8,
-                "{:.2f} x",
+                "{:.3f} x",
             )
             add(
                 "  same, against large-buffer memcpy",
                 ours / res["limits"]["memcpy"],
                 0.8,
-                "{:.2f} x",
+                "{:.3f} x",
             )
             add(
                 "random slices, page-cached: >= 15 x zarr (v2, seed 000)",
@@ -956,10 +956,10 @@ class Bench:
                 "random slices, cold: >= 0.8 x random O_DIRECT reads of a slice",
                 cold["gbps"]["saev"] / cold["limit"],
                 0.8,
-                "{:.2f} x",
+                "{:.3f} x",
             )
         if "write" in res:
-            add("writes: >= 0.85 x sequential O_DIRECT write", res["write"]["x_limit"]["saev"], 0.85, "{:.2f} x")
+            add("writes: >= 0.85 x sequential O_DIRECT write", res["write"]["x_limit"]["saev"], 0.85, "{:.3f} x")
         if "open" in res:
             counts = sorted(res["open"]["saev"])
             last = counts[-1]
