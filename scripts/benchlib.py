@@ -143,6 +143,40 @@ def odirect_random_read(path: Path, block: int, n: int, threads: int = 1, seed: 
     return n * block / dt / 1e9, n / dt
 
 
+def odirect_random_read_files(
+    paths: Sequence[Path], block: int, n: int, threads: int = 1, seed: int = 0
+) -> tuple[float, float]:
+    """``n`` random aligned O_DIRECT reads of ``block`` bytes spread over several files (say a
+    cache's shards, so the limit covers the same stretch of disk as the reads it is compared
+    with, not a small file a host-side cache may hold): ``(GB/s, reads/s)``."""
+    sizes = [os.stat(p).st_size for p in paths]
+    usable = [(p, s) for p, s in zip(paths, sizes, strict=True) if s >= block]
+    if not usable:
+        raise ValueError(f"no file of at least {block} bytes among {len(paths)}")
+    rng = np.random.default_rng(seed)
+    picks = rng.integers(0, len(usable), n)
+    fds = [os.open(p, os.O_RDONLY | os.O_DIRECT) for p, _ in usable]
+    jobs = [(fds[i], int(rng.integers(0, (usable[i][1] - block) // ALIGN + 1)) * ALIGN) for i in picks.tolist()]
+
+    def work(part: list[tuple[int, int]]) -> None:
+        buf = _aligned(block)
+        for fd, off in part:
+            os.preadv(fd, [buf], off)
+
+    try:
+        t = time.perf_counter()
+        pool = [threading.Thread(target=work, args=(jobs[i::threads],)) for i in range(threads)]
+        for th in pool:
+            th.start()
+        for th in pool:
+            th.join()
+        dt = time.perf_counter() - t
+    finally:
+        for fd in fds:
+            os.close(fd)
+    return n * block / dt / 1e9, n / dt
+
+
 def fill_file(path: Path, nbytes: int) -> None:
     """Write ``nbytes`` of incompressible data (sequentially, then fsync)."""
     block = DIRECT_BLOCK
