@@ -71,6 +71,8 @@ IO_CHUNK = 8 << 20
 #: O_DIRECT write size for shard files, and the alignment O_DIRECT needs (offsets, sizes, memory).
 DIRECT_BLOCK = 16 << 20
 DIRECT_ALIGN = 4096
+#: O_DIRECT writes in flight per file: the next block is copied and hashed meanwhile.
+DIRECT_IN_FLIGHT = 2
 #: Examples per step of the statistics pass (bounds its float32 scratch memory).
 STATS_CHUNK = 8
 #: Batches that may wait for the statistics thread before the writer blocks.
@@ -303,12 +305,13 @@ class _StreamSpec:
 class _SequentialFile:
     """A file written front to back, through O_DIRECT where the filesystem allows it.
 
-    Whole aligned blocks go to the disk with O_DIRECT from an aligned staging buffer: on
+    Whole aligned blocks go to the disk with O_DIRECT from aligned staging buffers: on
     this kind of machine that runs at the disk's sequential rate, while page-cache writes
     flushed by a final fsync reach about half of it (memory copy and writeback end up
-    serialised) and evict what readers had cached. The unaligned tail goes through the
-    page cache. Where O_DIRECT is refused (tmpfs, some network filesystems) every write is
-    buffered.
+    serialised) and evict what readers had cached. The blocks are written by a small
+    thread pool, up to `DIRECT_IN_FLIGHT` at once, so copying and hashing the next block
+    overlaps the disk. The unaligned tail goes through the page cache. Where O_DIRECT is
+    refused (tmpfs, some network filesystems) every write is buffered and synchronous.
     """
 
     def __init__(self, path: Path, direct: bool) -> None:
@@ -319,54 +322,70 @@ class _SequentialFile:
                 self.direct_fd = os.open(path, os.O_WRONLY | os.O_DIRECT)
             except OSError:
                 self.direct_fd = None
-        self.buffer = mmap.mmap(-1, DIRECT_BLOCK) if self.direct_fd is not None else None
+        # One buffer being filled plus one per write in flight, rotated.
+        count = DIRECT_IN_FLIGHT + 1 if self.direct_fd is not None else 0
+        self.buffers = [mmap.mmap(-1, DIRECT_BLOCK) for _ in range(count)]
+        self.current = 0
+        self.in_flight: collections.deque[Future[None]] = collections.deque()
         self.fill = 0
-        self.offset = 0
+        self.offset = 0  # file offset of the current buffer's first byte
 
     def fileno(self) -> int:
         return self.fd
 
     def write(self, view: memoryview) -> None:
-        if self.buffer is None:
+        if not self.buffers:
             _pwrite_all(self.fd, view, self.offset)
             self.offset += view.nbytes
             return
         while view.nbytes:
             n = min(DIRECT_BLOCK - self.fill, view.nbytes)
-            self.buffer[self.fill : self.fill + n] = view[:n]
+            self.buffers[self.current][self.fill : self.fill + n] = view[:n]
             self.fill += n
             view = view[n:]
             if self.fill == DIRECT_BLOCK:
-                self._flush(DIRECT_BLOCK)
+                self._submit(DIRECT_BLOCK)
 
-    def _flush(self, nbytes: int) -> None:
-        assert self.buffer is not None and self.direct_fd is not None
-        with memoryview(self.buffer) as whole:
+    def _submit(self, nbytes: int) -> None:
+        """Hand the current buffer's first ``nbytes`` (a multiple of DIRECT_ALIGN) to the pool."""
+        while len(self.in_flight) >= DIRECT_IN_FLIGHT:
+            self.in_flight.popleft().result()  # frees the buffer we rotate to next
+        buffer = self.buffers[self.current]
+        self.in_flight.append(_direct_pool().submit(self._write_direct, buffer, nbytes, self.offset))
+        self.offset += nbytes
+        self.fill = 0
+        self.current = (self.current + 1) % len(self.buffers)
+
+    def _write_direct(self, buffer: mmap.mmap, nbytes: int, offset: int) -> None:
+        assert self.direct_fd is not None
+        with memoryview(buffer) as whole:
             done = 0
             while done < nbytes:
                 try:
-                    done += os.pwrite(self.direct_fd, whole[done:nbytes], self.offset + done)
+                    done += os.pwrite(self.direct_fd, whole[done:nbytes], offset + done)
                 except OSError as err:
                     if err.errno != errno.EINVAL:
                         raise
                     # An unaligned remainder after a short write: finish through the page cache.
-                    _pwrite_all(self.fd, whole[done:nbytes], self.offset + done)
+                    _pwrite_all(self.fd, whole[done:nbytes], offset + done)
                     done = nbytes
-            rest = self.fill - nbytes
-            if rest:
-                whole[:rest] = whole[nbytes : self.fill]
-        self.offset += nbytes
-        self.fill -= nbytes
 
     def close(self, durable: bool) -> None:
         try:
-            if self.buffer is not None and self.fill:
-                aligned = self.fill - self.fill % DIRECT_ALIGN
+            if self.buffers:
+                rest = self.fill
+                aligned = rest - rest % DIRECT_ALIGN
+                buffer = self.buffers[self.current]
                 if aligned:
-                    self._flush(aligned)
-                with memoryview(self.buffer) as whole:
-                    _pwrite_all(self.fd, whole[: self.fill], self.offset)
-                self.offset += self.fill
+                    tail = bytes(buffer[aligned:rest])
+                    self._submit(aligned)
+                    self.fill = rest = len(tail)
+                    self.buffers[self.current][:rest] = tail
+                while self.in_flight:
+                    self.in_flight.popleft().result()
+                with memoryview(self.buffers[self.current]) as whole:
+                    _pwrite_all(self.fd, whole[:rest], self.offset)
+                self.offset += rest
                 self.fill = 0
             if durable:
                 os.fsync(self.fd)
@@ -374,14 +393,32 @@ class _SequentialFile:
             self.abandon()
 
     def abandon(self) -> None:
+        while self.in_flight:  # never free a buffer a pool thread is still writing from
+            with contextlib.suppress(BaseException):
+                self.in_flight.popleft().result()
         for fd in (self.direct_fd, self.fd):
             if fd is not None and fd >= 0:
                 with contextlib.suppress(OSError):
                     os.close(fd)
         self.fd = self.direct_fd = -1
-        if self.buffer is not None:
-            self.buffer.close()
-            self.buffer = None
+        for buffer in self.buffers:
+            buffer.close()
+        self.buffers = []
+
+
+_DIRECT_POOLS: dict[int, ThreadPoolExecutor] = {}
+
+
+def _direct_pool() -> ThreadPoolExecutor:
+    """Threads that issue O_DIRECT writes, shared by the files written in this process.
+
+    Keyed by pid: a forked child must not use its parent's pool, whose threads it lacks.
+    """
+    pid = os.getpid()
+    pool = _DIRECT_POOLS.get(pid)
+    if pool is None:  # setdefault is atomic; a losing racer's pool never starts a thread
+        pool = _DIRECT_POOLS.setdefault(pid, ThreadPoolExecutor(DIRECT_IN_FLIGHT, "saev-shards-direct-io"))
+    return pool
 
 
 def _pwrite_all(fd: int, view: memoryview, offset: int) -> None:
