@@ -7,9 +7,10 @@ problem it finds; the rest of the library works on `Manifest`.
 from __future__ import annotations
 
 import dataclasses
+import operator
 import re
-from collections.abc import Mapping
-from typing import Any, NamedTuple
+from collections.abc import Iterable, Iterator, Mapping, Sequence
+from typing import Any, NamedTuple, overload
 
 from .errors import ManifestError, Problem
 from .format import (
@@ -37,6 +38,60 @@ class ShardEntry(NamedTuple):
     n_examples: int
     nbytes: int
     xxh3_128: str | None  # None only in a protocol 2.1 cache without checksums.json
+
+
+class ShardList(Sequence[ShardEntry]):
+    """The shards of a manifest, held as four columns; a `ShardEntry` is built when indexed.
+
+    Opening a cache of 10^4 shards then creates no per-shard object at all.
+    """
+
+    __slots__ = ("counts", "digests", "names", "sizes")
+
+    def __init__(self, names: list[str], counts: list[int], sizes: list[int], digests: Sequence[str | None]) -> None:
+        self.names = names
+        self.counts = counts
+        self.sizes = sizes
+        self.digests = list(digests)
+
+    @classmethod
+    def of(cls, entries: Iterable[ShardEntry]) -> ShardList:
+        rows = list(entries)
+        return cls(
+            [e.name for e in rows], [e.n_examples for e in rows], [e.nbytes for e in rows], [e.xxh3_128 for e in rows]
+        )
+
+    def __len__(self) -> int:
+        return len(self.names)
+
+    @overload
+    def __getitem__(self, i: int) -> ShardEntry: ...
+    @overload
+    def __getitem__(self, i: slice) -> list[ShardEntry]: ...
+    def __getitem__(self, i: int | slice) -> ShardEntry | list[ShardEntry]:
+        if isinstance(i, slice):
+            return [self[j] for j in range(*i.indices(len(self)))]
+        return ShardEntry(self.names[i], self.counts[i], self.sizes[i], self.digests[i])
+
+    def __iter__(self) -> Iterator[ShardEntry]:
+        return map(ShardEntry, self.names, self.counts, self.sizes, self.digests)
+
+    def __eq__(self, other: object) -> bool:
+        if isinstance(other, ShardList):
+            return (self.names, self.counts, self.sizes, self.digests) == (
+                other.names, other.counts, other.sizes, other.digests
+            )  # fmt: skip
+        if isinstance(other, (list, tuple)):
+            return len(other) == len(self) and all(a == b for a, b in zip(self, other, strict=True))
+        return NotImplemented
+
+    __hash__ = None  # type: ignore[assignment]
+
+    def __repr__(self) -> str:
+        return f"ShardList({len(self)} shards)"
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (ShardList, (self.names, self.counts, self.sizes, self.digests))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -73,16 +128,26 @@ class FileEntry:
 class Manifest:
     """Everything shards.json records."""
 
-    shards: tuple[ShardEntry, ...]
+    shards: ShardList
     labels: ArrayEntry | None = None
     # Plain dicts (picklable, for DataLoader workers); treat them as read-only.
     columns: Mapping[str, ArrayEntry] = dataclasses.field(default_factory=dict)
     text: Mapping[str, TextEntry] = dataclasses.field(default_factory=dict)
     stats: FileEntry | None = None
 
+    def __post_init__(self) -> None:
+        given: object = self.shards  # any sequence of ShardEntry is accepted
+        if not isinstance(given, ShardList):
+            object.__setattr__(self, "shards", ShardList.of(given))  # type: ignore[arg-type]
+
     def files(self) -> list[tuple[str, int, str | None]]:
         """``(name, nbytes, xxh3_128)`` of every data file, shards first."""
-        out: list[tuple[str, int, str | None]] = [(s.name, s.nbytes, s.xxh3_128) for s in self.shards]
+        shards = self.shards
+        return list(zip(shards.names, shards.sizes, shards.digests, strict=True)) + self.other_files()
+
+    def other_files(self) -> list[tuple[str, int, str | None]]:
+        """``(name, nbytes, xxh3_128)`` of the data files that are not shards."""
+        out: list[tuple[str, int, str | None]] = []
         if self.labels is not None:
             out.append((self.labels.name, self.labels.nbytes, self.labels.xxh3_128))
         out.extend((c.name, c.nbytes, c.xxh3_128) for c in self.columns.values())
@@ -174,7 +239,7 @@ def parse_manifest(obj: object, protocol: str, path: str) -> tuple[Manifest | No
         return None, c.problems
     shards = _fast_shards(shards_obj)
     if shards is None:
-        shards = _slow_shards(shards_obj, c)
+        shards = ShardList.of(_slow_shards(shards_obj, c))
     labels = None
     if obj["labels"] is not None:
         labels = _parse_array(c, "labels", obj["labels"], LABELS_FILE)
@@ -217,7 +282,7 @@ def parse_manifest(obj: object, protocol: str, path: str) -> tuple[Manifest | No
         if name is not None and nbytes is not None and digest is not None:
             stats = FileEntry(name, nbytes, digest)
     manifest = Manifest(
-        shards=tuple(shards),
+        shards=shards,
         labels=labels,
         columns=columns,
         text=text,
@@ -230,16 +295,17 @@ _SHARD_KEYSET = frozenset(SHARD_KEYS)
 _DIGESTS_RE = re.compile(r"(?:[0-9a-f]{32}\n)*")
 
 
-def _fast_shards(entries: list[Any]) -> list[ShardEntry] | None:
+def _fast_shards(entries: list[Any]) -> ShardList | None:
     """Validate the common, well-formed manifest in a few passes; None if anything is off."""
     try:
         # set(map(type, ...)) and min() run in C: a few ms for 10^4 entries.
         if set(map(type, entries)) - {dict} or set(map(len, entries)) - {len(SHARD_KEYS)}:
             return None
-        names = [e["name"] for e in entries]  # KeyError: some key is missing (the slow path says which)
-        counts = [e["n_examples"] for e in entries]
-        sizes = [e["nbytes"] for e in entries]
-        digests = [e["xxh3_128"] for e in entries]
+        # KeyError: some key is missing (the slow path says which).
+        rows = list(map(operator.itemgetter(*SHARD_KEYS), entries))
+        names, counts, sizes, digests = (
+            (list(column) for column in zip(*rows, strict=True)) if rows else ([], [], [], [])
+        )
         if (
             set(map(type, names)) - {str}
             or set(map(type, counts)) - {int}
@@ -252,7 +318,7 @@ def _fast_shards(entries: list[Any]) -> list[ShardEntry] | None:
             return None
     except (TypeError, KeyError):
         return None
-    return [ShardEntry(*fields) for fields in zip(names, counts, sizes, digests, strict=True)]
+    return ShardList(names, counts, sizes, digests)
 
 
 def _slow_shards(entries: list[Any], c: _Collector) -> list[ShardEntry]:
@@ -320,7 +386,7 @@ def _parse_legacy(obj: object, c: _Collector) -> Manifest | None:
             c.add(f"{where}.name: expected a string, found {type_name(e['name'])}")
         elif n_ex is not None:
             shards.append(ShardEntry(e["name"], n_ex, -1, None))
-    return Manifest(shards=tuple(shards))
+    return Manifest(shards=ShardList.of(shards))
 
 
 def parse_checksums(obj: object, path: str) -> tuple[dict[str, tuple[int, str]], list[Problem]]:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import functools
 import os
 import stat
 import threading
@@ -44,7 +45,7 @@ from .format import (
     strict_json_loads,
     warn_legacy,
 )
-from .manifest import ArrayEntry, Manifest, ShardEntry, parse_checksums, parse_manifest
+from .manifest import ArrayEntry, Manifest, ShardEntry, ShardList, parse_checksums, parse_manifest
 from .metadata import Metadata, parse_metadata
 from .progress import Progress
 from .writer import hash_file
@@ -164,7 +165,7 @@ def _legacy_fixups(root: Path, md: Metadata, manifest: Manifest) -> tuple[Manife
         nbytes = md.n_examples * md.patches_per_ex
         nbytes, digest = digests.get(LABELS_FILE, (nbytes, None))
         labels = ArrayEntry(LABELS_FILE, LABELS_DTYPE.str, (md.n_examples, md.patches_per_ex), nbytes, digest)
-    return Manifest(shards=tuple(entries), labels=labels), problems
+    return Manifest(shards=ShardList.of(entries), labels=labels), problems
 
 
 def _size(path: Path) -> int:
@@ -192,14 +193,12 @@ def _check_shards(root: Path, md: Metadata, manifest: Manifest) -> list[Problem]
     # One pass of list comparisons for the common, valid manifest (10^4 shards in a few ms);
     # entry-by-entry messages only for entries that differ.
     count = len(manifest.shards)
-    want_names = [f"acts{i:06d}.bin" for i in range(min(count, 1_000_000))]
+    want_names = _shard_names(min(count, 1_000_000))
     want_counts = ([eps] * (expected - 1) + [md.n_examples - (expected - 1) * eps] if expected else []) + [0] * max(
         0, count - expected
     )
     want_counts = want_counts[:count]
-    names = [s.name for s in manifest.shards]
-    counts = [s.n_examples for s in manifest.shards]
-    sizes = [s.nbytes for s in manifest.shards]
+    names, counts, sizes = manifest.shards.names, manifest.shards.counts, manifest.shards.sizes
     want_sizes = sizes if legacy else [n * example_nbytes for n in want_counts]
     to_stat: list[tuple[str, int]] = []
     if names == want_names and counts == want_counts and sizes == want_sizes:
@@ -228,21 +227,34 @@ def _check_shards(root: Path, md: Metadata, manifest: Manifest) -> list[Problem]
     return problems
 
 
+_SHARD_NAMES: list[str] = []
+
+
+def _shard_names(count: int) -> list[str]:
+    """``[acts000000.bin, ...]`` of length ``count``, built once per process and extended as needed."""
+    if len(_SHARD_NAMES) < count:
+        _SHARD_NAMES.extend(f"acts{i:06d}.bin" for i in range(len(_SHARD_NAMES), count))
+    return _SHARD_NAMES[:count]
+
+
 def _check_files(root: Path, files: Sequence[tuple[str, int]]) -> list[Problem]:
-    """Stat each ``(name, nbytes)`` in ``root`` (relative to a directory fd: no path parsing)."""
-    problems: list[Problem] = []
+    """Stat each ``(name, nbytes)`` in ``root``: relative to a directory fd (no path parsing),
+    driven by ``map`` (no Python loop) when every file is there."""
+    if not files:
+        return []
+    names, sizes = zip(*files, strict=True)
     dir_fd = os.open(root, os.O_RDONLY | os.O_DIRECTORY)
     try:
-        for name, nbytes in files:
-            try:
-                st = os.stat(name, dir_fd=dir_fd)
-            except OSError:
-                problems.extend(_check_file(root / name, nbytes))  # the slow path words the problem
-                continue
-            if st.st_size != nbytes or not stat.S_ISREG(st.st_mode):
-                problems.extend(_check_file(root / name, nbytes))
+        found = list(map(functools.partial(os.stat, dir_fd=dir_fd), names))
+    except OSError:
+        found = []  # a file is missing: the slow path below words each problem
     finally:
         os.close(dir_fd)
+    if found and [st.st_size for st in found] == list(sizes) and all(map(stat.S_ISREG, (st.st_mode for st in found))):
+        return []
+    problems: list[Problem] = []
+    for name, nbytes in files:
+        problems.extend(_check_file(root / name, nbytes))
     return problems
 
 
@@ -296,8 +308,8 @@ def _check_other_files(root: Path, md: Metadata, manifest: Manifest) -> list[Pro
     if manifest.stats is not None:
         problems.extend(_check_file(root / manifest.stats.name, manifest.stats.nbytes))
     present = set(os.listdir(root))
-    unlisted = present.difference(s.name for s in manifest.shards)  # set operations in C: 10^4 names
-    unlisted.difference_update(name for name, _, _ in manifest.files()[len(manifest.shards) :])
+    unlisted = present.difference(manifest.shards.names)  # set operations in C: 10^4 names
+    unlisted.difference_update(name for name, _, _ in manifest.other_files())
     if md.protocol == LEGACY_PROTOCOL:
         unlisted = {s for s in unlisted if not SHARD_NAME_RE.fullmatch(s)}  # trailing empty shards
     problems.extend(

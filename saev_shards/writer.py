@@ -61,7 +61,7 @@ from .format import (
     strict_json_loads,
     text_file,
 )
-from .manifest import ArrayEntry, FileEntry, Manifest, ShardEntry, TextEntry
+from .manifest import ArrayEntry, FileEntry, Manifest, ShardEntry, ShardList, TextEntry
 from .metadata import Metadata
 
 STAGING_PREFIX = ".staging-"
@@ -1095,7 +1095,7 @@ def _finalize_locked(root: Path, md: Metadata, staging: Path, final: Path, verif
     if problems:
         raise WriterError(f"{staging}: cannot finalize:\n  " + "\n  ".join(problems[:50]))
 
-    shards = tuple(
+    shards = ShardList.of(
         ShardEntry(shard_name(r["shard"]), r["n_examples"], r["acts"]["nbytes"], r["acts"]["xxh3_128"]) for r in records
     )
     labels = None
