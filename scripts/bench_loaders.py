@@ -29,7 +29,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import saev_shards as ss
 from saev_shards import loaders
-from saev_shards.manifest import Manifest, ShardEntry
+from saev_shards.manifest import Manifest, ShardEntry, ShardList
 from scripts import benchlib as bl
 
 # A ViT-B/16-like cache: 2 layers x (CLS + 196 patches) x 768 dims, float16: 605 KB per
@@ -235,7 +235,7 @@ def bench_cold(shards: ss.Shards, quick: bool, big: bool) -> None:
 def virtual_shards(n_examples: int, patches_per_shard: int = 2_400_000) -> ss.Shards:
     """An ImageNet-sized cache description with no files behind it (the planner reads none)."""
     md = make_metadata(n_examples, "quality", patches_per_shard)
-    entries = tuple(
+    entries = ShardList.of(
         ShardEntry(f"acts{k:06d}.bin", md.shard_n_examples(k), md.shard_n_examples(k) * md.example_nbytes, None)
         for k in range(md.n_shards)
     )
