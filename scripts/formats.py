@@ -281,9 +281,6 @@ class SaevReader:
     def __init__(self, path: Path, spec: CacheSpec) -> None:
         self.shards = ss.open(path)
         self.spec = spec
-        md = self.shards.metadata
-        self._vec = md.d_model * md.itemsize
-        self._fds: dict[int, int] = {}
 
     def read(self, ex: int, layer: int, out: Array) -> Array:
         return self.shards.read_example(ex, layer, out)
@@ -294,32 +291,9 @@ class SaevReader:
         return out
 
     def gather(self, ex: Array, layer: Array, tok: Array, out: Array) -> Array:
-        # The reader has no vector-gather call yet: locate_many's offsets, one pread each.
-        md = self.shards.metadata
-        shard, offset = ss.layout.locate_many(
-            ex,
-            layer,
-            tok,
-            eps=md.examples_per_shard,
-            n_layers=md.n_layers,
-            tokens=md.tokens_per_ex,
-            d_model=md.d_model,
-            itemsize=md.itemsize,
-        )
-        view = out.data.cast("B")
-        vec = self._vec
-        for j, (k, off) in enumerate(zip(shard.tolist(), offset.tolist(), strict=True)):
-            fd = self._fds.get(k)
-            if fd is None:
-                fd = self._fds[k] = os.open(self.shards.shard_path(k), os.O_RDONLY)
-            if os.preadv(fd, [view[j * vec : (j + 1) * vec]], off) != vec:
-                raise OSError(f"short read from shard {k} at {off}")
-        return out
+        return self.shards.read_vectors(ex, layer, tok, out)
 
     def close(self) -> None:
-        for fd in self._fds.values():
-            os.close(fd)
-        self._fds.clear()
         self.shards.close()
 
 
@@ -620,7 +594,8 @@ FORMATS: dict[str, Format] = {
             "saev",
             "saev_shards",
             "ours: `read_example` (one pread per slice into a reused buffer), `read_examples` for "
-            "batches, `layout.locate_many` + one pread per vector for gathers; written by `ShardWriter` "
+            "batches, `read_vectors` for gathers (file order, one preadv per run of adjacent vectors); "
+            "written by `ShardWriter` "
             "(xxh3 checksums, background thread, fsync)",
             write_saev,
             SaevReader,
