@@ -7,6 +7,7 @@ problem it finds; the rest of the library works on `Manifest`.
 from __future__ import annotations
 
 import dataclasses
+import json
 import operator
 import re
 from collections.abc import Iterable, Iterator, Mapping, Sequence
@@ -168,9 +169,30 @@ class Manifest:
             "stats": dataclasses.asdict(self.stats) if self.stats else None,
         }
 
+    def to_bytes(self, protocol: str) -> bytes:
+        """shards.json as written: sorted keys, 2-space indent, one compact line per shard.
+
+        Deterministic, and a 10^4-shard manifest stays 10^4 lines a person can read and diff.
+        """
+        obj = self.to_json(protocol)
+        if protocol == LEGACY_PROTOCOL:
+            return ("[\n" + _entry_lines(obj, "  ") + ("\n]\n" if obj else "]\n")).encode("utf-8")
+        parts = []
+        for key in sorted(obj):
+            if key == "shards":
+                body = ("[\n" + _entry_lines(obj[key], "    ") + "\n  ]") if obj[key] else "[]"
+            else:
+                body = json.dumps(obj[key], sort_keys=True, indent=2, ensure_ascii=False).replace("\n", "\n  ")
+            parts.append(f'  "{key}": {body}')
+        return ("{\n" + ",\n".join(parts) + "\n}\n").encode("utf-8")
+
     def checksums_json(self) -> Any:
         """Protocol 2.1 only: the checksums.json sidecar."""
         return {"files": {name: {"nbytes": n, "xxh3_128": h} for name, n, h in self.files()}}
+
+
+def _entry_lines(entries: list[dict[str, Any]], indent: str) -> str:
+    return ",\n".join(indent + json.dumps(e, sort_keys=True, separators=(", ", ": ")) for e in entries)
 
 
 def _array_json(a: ArrayEntry) -> dict[str, Any]:

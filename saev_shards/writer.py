@@ -1130,7 +1130,7 @@ def _finalize_locked(root: Path, md: Metadata, staging: Path, final: Path, verif
         write_file_atomic(staging / STATS_FILE, data, durable)
         stats_entry = FileEntry(STATS_FILE, len(data), xxhash.xxh3_128_hexdigest(data))
     manifest = Manifest(shards=shards, labels=labels, columns=columns, text=text, stats=stats_entry)
-    write_file_atomic(staging / MANIFEST_FILE, pretty_json(manifest.to_json(md.protocol)), durable)
+    write_file_atomic(staging / MANIFEST_FILE, manifest.to_bytes(md.protocol), durable)
     if md.protocol == LEGACY_PROTOCOL:
         write_file_atomic(staging / CHECKSUMS_FILE, pretty_json(manifest.checksums_json()), durable)
 
