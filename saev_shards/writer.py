@@ -901,7 +901,11 @@ class ShardWriter:
             while pad:
                 cur.write(zeros[: min(pad, IO_CHUNK)])
                 pad -= min(pad, IO_CHUNK)
-        cur.file.close(self.durable)
+        # Only shard files are published as written, so only they need an fsync here. Part
+        # files are joined into fresh files that finalize fsyncs, and a resumed writer
+        # re-verifies every sealed part against its record, so losing an unsynced part or
+        # record to a crash costs a rewrite, never a wrong cache.
+        cur.file.close(self.durable and key == "acts")
         del self._cursors[key]
         self._done.setdefault(cur.k, {})[key] = {"nbytes": cur.nbytes, "xxh3_128": cur.hasher.hexdigest(), **extra}
         self._maybe_seal(cur.k)
@@ -920,7 +924,7 @@ class ShardWriter:
             "streams": {key: done[key] for key in sorted(self._io_keys) if key != "acts"},
             "stats": stats.to_json() if stats is not None else None,
         }
-        write_file_atomic(self.staging / part_record(k), orjson.dumps(record), self.durable)
+        write_file_atomic(self.staging / part_record(k), orjson.dumps(record), durable=False)  # see _finish_part
 
     # -- closing ----------------------------------------------------------------------
     def close(self) -> Path | None:
