@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import contextlib
-import functools
 import os
 import stat
 import threading
@@ -200,30 +199,30 @@ def _check_shards(root: Path, md: Metadata, manifest: Manifest) -> list[Problem]
     want_counts = want_counts[:count]
     names, counts, sizes = manifest.shards.names, manifest.shards.counts, manifest.shards.sizes
     want_sizes = sizes if legacy else [n * example_nbytes for n in want_counts]
-    to_stat: list[tuple[str, int]] = []
     if names == want_names and counts == want_counts and sizes == want_sizes:
-        to_stat = list(zip(names, sizes, strict=True))
-    else:
-        for i, s in enumerate(manifest.shards):
-            if i >= len(want_names) or s.name != want_names[i]:
-                want = want_names[i] if i < len(want_names) else "(none: too many shards)"
-                hint = "" if SHARD_NAME_RE.fullmatch(s.name) else " (shard names are plain acts<06d>.bin, no paths)"
-                problems.append(
-                    Problem(ManifestError, f"{where}: shard {i}: expected name {want!r}, found {s.name!r}{hint}")
-                )
-            elif s.n_examples != want_counts[i]:
-                problems.append(
-                    Problem(
-                        ManifestError, f"{where}: {s.name}: expected n_examples={want_counts[i]}, found {s.n_examples}"
-                    )
-                )
-            elif s.nbytes != want_sizes[i]:
-                problems.append(
-                    Problem(ManifestError, f"{where}: {s.name}: expected nbytes={want_sizes[i]}, found {s.nbytes}")
-                )
-            else:
-                to_stat.append((s.name, s.nbytes))
-    problems.extend(_check_files(root, to_stat))
+        problems.extend(_check_files(root, names, sizes))
+        return problems
+    ok_names: list[str] = []
+    ok_sizes: list[int] = []
+    for i, s in enumerate(manifest.shards):
+        if i >= len(want_names) or s.name != want_names[i]:
+            want = want_names[i] if i < len(want_names) else "(none: too many shards)"
+            hint = "" if SHARD_NAME_RE.fullmatch(s.name) else " (shard names are plain acts<06d>.bin, no paths)"
+            problems.append(
+                Problem(ManifestError, f"{where}: shard {i}: expected name {want!r}, found {s.name!r}{hint}")
+            )
+        elif s.n_examples != want_counts[i]:
+            problems.append(
+                Problem(ManifestError, f"{where}: {s.name}: expected n_examples={want_counts[i]}, found {s.n_examples}")
+            )
+        elif s.nbytes != want_sizes[i]:
+            problems.append(
+                Problem(ManifestError, f"{where}: {s.name}: expected nbytes={want_sizes[i]}, found {s.nbytes}")
+            )
+        else:
+            ok_names.append(s.name)
+            ok_sizes.append(s.nbytes)
+    problems.extend(_check_files(root, ok_names, ok_sizes))
     return problems
 
 
@@ -237,24 +236,26 @@ def _shard_names(count: int) -> list[str]:
     return _SHARD_NAMES[:count]
 
 
-def _check_files(root: Path, files: Sequence[tuple[str, int]]) -> list[Problem]:
-    """Stat each ``(name, nbytes)`` in ``root``: relative to a directory fd (no path parsing),
-    driven by ``map`` (no Python loop) when every file is there."""
-    if not files:
+def _check_files(root: Path, names: Sequence[str], sizes: Sequence[int]) -> list[Problem]:
+    """Stat each file ``names[i]`` in ``root`` (relative to a directory fd: no path parsing) and
+    check it is a regular file of ``sizes[i]`` bytes; one pass, problems worded only on failure."""
+    if not names:
         return []
-    names, sizes = zip(*files, strict=True)
     dir_fd = os.open(root, os.O_RDONLY | os.O_DIRECTORY)
     try:
-        found = list(map(functools.partial(os.stat, dir_fd=dir_fd), names))
+        regular = stat.S_ISREG
+        bad = [
+            i
+            for i, (name, nbytes) in enumerate(zip(names, sizes, strict=True))
+            if (st := os.stat(name, dir_fd=dir_fd)).st_size != nbytes or not regular(st.st_mode)
+        ]
     except OSError:
-        found = []  # a file is missing: the slow path below words each problem
+        bad = list(range(len(names)))  # something is missing: the slow path words each problem
     finally:
         os.close(dir_fd)
-    if found and [st.st_size for st in found] == list(sizes) and all(map(stat.S_ISREG, (st.st_mode for st in found))):
-        return []
     problems: list[Problem] = []
-    for name, nbytes in files:
-        problems.extend(_check_file(root / name, nbytes))
+    for i in bad:
+        problems.extend(_check_file(root / names[i], sizes[i]))
     return problems
 
 
