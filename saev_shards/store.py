@@ -65,7 +65,7 @@ from .format import (
 )
 from .metadata import Metadata, parse_metadata
 from .progress import Progress
-from .writer import IO_CHUNK, STAGING_PREFIX, hash_file, write_file_atomic
+from .writer import IO_CHUNK, STAGING_PREFIX, fsync_dir, hash_file, write_file_atomic
 
 PathLike = str | os.PathLike[str]
 Roots = PathLike | Sequence[PathLike] | None
@@ -598,7 +598,7 @@ def _publish(source: reader.Shards, partial: Path, final: Path, durable: bool) -
     for e in _scan(partial):
         os.chmod(e.path, stat.S_IRUSR | stat.S_IRGRP | stat.S_IROTH)
     if durable:
-        _fsync_path(partial)
+        fsync_dir(partial)
     try:
         os.rename(partial, final)
     except OSError as err:
@@ -608,15 +608,7 @@ def _publish(source: reader.Shards, partial: Path, final: Path, durable: bool) -
         return
     os.chmod(final, 0o555)  # noqa: S103 - the same modes the writer gives a published cache
     if durable:
-        _fsync_path(final.parent)
-
-
-def _fsync_path(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
+        fsync_dir(final.parent)
 
 
 # --------------------------------------------------------------------------------------

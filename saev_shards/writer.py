@@ -124,7 +124,8 @@ def world_from_env(rank: int | None, world_size: int | None) -> tuple[int, int]:
 # small durable-file helpers
 
 
-def _fsync_dir(path: Path) -> None:
+def fsync_dir(path: Path) -> None:
+    """Make a folder's entries (creations, renames) durable."""
     fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
     try:
         os.fsync(fd)
@@ -143,7 +144,7 @@ def write_file_atomic(path: Path, data: bytes, durable: bool = True) -> None:
             os.fsync(f.fileno())
     os.replace(tmp, path)
     if durable:
-        _fsync_dir(path.parent)
+        fsync_dir(path.parent)
 
 
 def _write_all(f: Any, view: memoryview) -> None:
@@ -1145,7 +1146,7 @@ def _finalize_locked(root: Path, md: Metadata, staging: Path, final: Path, verif
     for name in os.listdir(staging):
         os.chmod(staging / name, stat.S_IRUSR | stat.S_IRGRP | stat.S_IROTH)
     if durable:
-        _fsync_dir(staging)
+        fsync_dir(staging)
     try:
         os.rename(staging, final)
     except OSError as err:
@@ -1154,7 +1155,7 @@ def _finalize_locked(root: Path, md: Metadata, staging: Path, final: Path, verif
         raise
     os.chmod(final, 0o555)  # noqa: S103 - published caches are world-readable and immutable
     if durable:
-        _fsync_dir(root)
+        fsync_dir(root)
     return final
 
 

@@ -26,7 +26,8 @@ PATCHES = 196
 D_MODEL = 768
 
 
-def make_metadata(n_examples: int, tag: str) -> ss.Metadata:
+def make_metadata(n_examples: int, tag: str, patches_per_shard: int = 2_400_000) -> ss.Metadata:
+    """The benchmarks' ViT-B/16-shaped cache; the default budget is the seed's (6091 examples, 3.7 GB, per shard)."""
     return ss.Metadata(
         family="clip",
         ckpt="bench/ViT-B-16",
@@ -35,7 +36,7 @@ def make_metadata(n_examples: int, tag: str) -> ss.Metadata:
         cls_token=True,
         d_model=D_MODEL,
         n_examples=n_examples,
-        patches_per_shard=2_400_000,  # the seed's default budget: 6091 examples (3.7 GB) per shard
+        patches_per_shard=patches_per_shard,
         data={"bench": tag},
         dataset="/bench",
     )

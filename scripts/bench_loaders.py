@@ -31,30 +31,13 @@ import saev_shards as ss
 from saev_shards import loaders
 from saev_shards.manifest import Manifest, ShardEntry, ShardList
 from scripts import benchlib as bl
+from scripts.bench_core import make_metadata
 
 # A ViT-B/16-like cache: 2 layers x (CLS + 196 patches) x 768 dims, float16: 605 KB per
 # example, one token vector 1,536 bytes.
-LAYERS = (6, 11)
-PATCHES = 196
-D_MODEL = 768
 #: The throughput Gemma Scope's training pipeline aimed for (Lieberum et al., 2024).
 GEMMA_SCOPE_GBPS = 1.0
 BATCH = 4096
-
-
-def make_metadata(n_examples: int, tag: str, patches_per_shard: int = 2_400_000) -> ss.Metadata:
-    return ss.Metadata(
-        family="clip",
-        ckpt="bench/ViT-B-16",
-        layers=LAYERS,
-        patches_per_ex=PATCHES,
-        cls_token=True,
-        d_model=D_MODEL,
-        n_examples=n_examples,
-        patches_per_shard=patches_per_shard,
-        data={"bench": tag},
-        dataset="/bench",
-    )
 
 
 def build_cache(root: Path, md: ss.Metadata) -> ss.Shards:

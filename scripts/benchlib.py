@@ -119,28 +119,8 @@ def odirect_read_gbps(path: Path, block: int = DIRECT_BLOCK, limit: int | None =
 
 
 def odirect_random_read(path: Path, block: int, n: int, threads: int = 1, seed: int = 0) -> tuple[float, float]:
-    """``n`` random aligned O_DIRECT reads of ``block`` bytes: ``(GB/s, reads/s)``."""
-    size = os.stat(path).st_size
-    rng = np.random.default_rng(seed)
-    offsets = (rng.integers(0, (size - block) // ALIGN, n) * ALIGN).tolist()
-    fd = os.open(path, os.O_RDONLY | os.O_DIRECT)
-
-    def work(part: list[int]) -> None:
-        buf = _aligned(block)
-        for off in part:
-            os.preadv(fd, [buf], off)
-
-    try:
-        t = time.perf_counter()
-        pool = [threading.Thread(target=work, args=(offsets[i::threads],)) for i in range(threads)]
-        for th in pool:
-            th.start()
-        for th in pool:
-            th.join()
-        dt = time.perf_counter() - t
-    finally:
-        os.close(fd)
-    return n * block / dt / 1e9, n / dt
+    """``n`` random aligned O_DIRECT reads of ``block`` bytes from one file: ``(GB/s, reads/s)``."""
+    return odirect_random_read_files([path], block, n, threads, seed)
 
 
 def odirect_random_read_files(
