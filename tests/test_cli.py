@@ -587,3 +587,8 @@ def test_docs_walkthrough_is_the_real_output():
     assert proc.returncode == 0, proc.stderr
     documented = (repo / "docs" / "cli.md").read_text().split("```console\n", 1)[1].rsplit("```", 1)[0]
     assert proc.stdout.rstrip("\n") + "\n" == documented
+    # README.md shows an excerpt: every command it shows, with its output, is in the real run.
+    section = (repo / "README.md").read_text().split("## Command line\n", 1)[1]
+    excerpt = section.split("```console\n", 1)[1].split("```", 1)[0]
+    for step in excerpt.strip("\n").split("\n\n"):
+        assert step + "\n" in proc.stdout, step
