@@ -733,6 +733,37 @@ class Bench:
         )
         t.emit()
 
+    def interleaved(
+        self,
+        regime: str,
+        workload: str,
+        make_batches: Callable[[int], list[Any]],
+        piece_nbytes: int,
+        item_nbytes: int,
+    ) -> tuple[dict[str, Summary], float, float]:
+        """Every format on round ``r``'s batches, interleaved with the limit for pieces of
+        ``piece_nbytes``; a format slower than the budget per batch sits out later rounds.
+        Returns each format's summary, the median limit and the best peer's GB/s."""
+        cfg = self.cfg
+        runs: dict[str, list[Run]] = {k: [] for k in F.FORMATS}
+        limits: list[float] = []
+        slow: set[str] = set()
+        for r in range(cfg.rounds):
+            batches = make_batches(r)
+            limits.append(
+                self.memcpy_limit(piece_nbytes, item_nbytes) if regime != "cold" else self.random_limit(piece_nbytes)
+            )
+            for key in self.keys(r):
+                if key in slow:
+                    continue
+                run = self.measure(key, regime, workload, batches, item_nbytes)
+                runs[key].append(run)
+                if run.lat.max() > cfg.budget_s:
+                    slow.add(key)
+        sums = {k: Summary.of(v) for k, v in runs.items()}
+        best = self.best_peer({k: s.gbps for k, s in sums.items()})
+        return sums, statistics.median(limits), best
+
     # -- workload 2: b examples x 2 layers -------------------------------------------------
     def pairs(self) -> None:
         spec, cfg = self.spec, self.cfg
@@ -745,36 +776,19 @@ class Bench:
         )
         self.results["pairs"] = {}
         for regime in REGIMES:
-            runs: dict[str, list[Run]] = {k: [] for k in F.FORMATS}
-            limits: list[float] = []
-            slow: set[str] = set()
-            for r in range(cfg.rounds):
+
+            def make_batches(r: int, regime: str = regime) -> list[Any]:
                 rng = np.random.default_rng(300 + r)
                 if regime == "cold":
                     ex = self.sparse_examples(r)
                     if len(ex) < b:  # a cache too small to space b examples out (the quick run)
                         ex = rng.permutation(spec.n_examples)[:b]
                     n = max(1, min(cfg.pair_batches, len(ex) // b))
-                    batches = [(ex[i * b : (i + 1) * b], self.pair_layers(rng, b)) for i in range(n)]
-                else:
-                    batches = [
-                        (rng.integers(0, spec.n_examples, b), self.pair_layers(rng, b)) for _ in range(cfg.pair_batches)
-                    ]
-                limits.append(
-                    self.memcpy_limit(spec.slice_nbytes, item_nbytes)
-                    if regime != "cold"
-                    else self.random_limit(spec.slice_nbytes)
-                )
-                for key in self.keys(r):
-                    if key in slow:
-                        continue
-                    run = self.measure(key, regime, "pairs", batches, item_nbytes)
-                    runs[key].append(run)
-                    if run.lat.max() > cfg.budget_s:
-                        slow.add(key)
-            sums = {k: Summary.of(v) for k, v in runs.items()}
-            limit = statistics.median(limits)
-            best = self.best_peer({k: s.gbps for k, s in sums.items()})
+                    return [(ex[i * b : (i + 1) * b], self.pair_layers(rng, b)) for i in range(n)]
+                examples = (rng.integers(0, spec.n_examples, b) for _ in range(cfg.pair_batches))
+                return [(ex, self.pair_layers(rng, b)) for ex in examples]
+
+            sums, limit, best = self.interleaved(regime, "pairs", make_batches, spec.slice_nbytes, item_nbytes)
             for key, s in sums.items():
                 t.add(
                     regime,
@@ -815,28 +829,13 @@ class Bench:
         )
         self.results["gather"] = {}
         for regime in REGIMES:
-            runs: dict[str, list[Run]] = {k: [] for k in F.FORMATS}
-            limits: list[float] = []
-            slow: set[str] = set()
             n_batches = cfg.gather_batches if regime != "cold" else 1  # one batch right after eviction
-            for r in range(cfg.rounds):
+
+            def make_batches(r: int, n_batches: int = n_batches) -> list[Any]:
                 rng = np.random.default_rng(400 + r)
-                batches = [tuple(rng.integers(0, m, n) for m in spec.shape[:3]) for _ in range(n_batches)]
-                limits.append(
-                    self.memcpy_limit(spec.vector_nbytes, item_nbytes)
-                    if regime != "cold"
-                    else self.random_limit(spec.vector_nbytes)
-                )
-                for key in self.keys(r):
-                    if key in slow:
-                        continue
-                    run = self.measure(key, regime, "gather", batches, item_nbytes)
-                    runs[key].append(run)
-                    if run.lat.max() > cfg.budget_s:
-                        slow.add(key)
-            sums = {k: Summary.of(v) for k, v in runs.items()}
-            limit = statistics.median(limits)
-            best = self.best_peer({k: s.gbps for k, s in sums.items()})
+                return [tuple(rng.integers(0, m, n) for m in spec.shape[:3]) for _ in range(n_batches)]
+
+            sums, limit, best = self.interleaved(regime, "gather", make_batches, spec.vector_nbytes, item_nbytes)
             for key, s in sums.items():
                 t.add(
                     regime,
