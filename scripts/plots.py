@@ -39,6 +39,17 @@ def _bars(ax: Any, rates: dict[str, float], limit: float | None, title: str, lim
     ax.tick_params(labelsize=7)
 
 
+def _loglog_panel(ax: Any, xlabel: str, ylabel: str, title: str) -> None:
+    """Log-log axes, labels and legend in the grid's small type."""
+    ax.set_xscale("log")
+    ax.set_yscale("log")
+    ax.set_xlabel(xlabel, fontsize=8)
+    ax.set_ylabel(ylabel, fontsize=8)
+    ax.set_title(title, fontsize=9)
+    ax.legend(fontsize=6)
+    ax.tick_params(labelsize=7)
+
+
 def peers(results: dict[str, Any], spec: F.CacheSpec, out_dir: Path) -> list[Path]:
     """One figure of every workload: results/peers.png."""
     plt = _pyplot()
@@ -81,13 +92,7 @@ def peers(results: dict[str, Any], spec: F.CacheSpec, out_dir: Path) -> list[Pat
                 linewidth=2.5 if k.startswith("saev") else 1,
             )
         ax.axhline(50, color="black", linestyle="--", linewidth=1, label="target 50 ms")
-        ax.set_xscale("log")
-        ax.set_yscale("log")
-        ax.set_xlabel("shards", fontsize=8)
-        ax.set_ylabel("open ms", fontsize=8)
-        ax.set_title("5: time to open", fontsize=9)
-        ax.legend(fontsize=6)
-        ax.tick_params(labelsize=7)
+        _loglog_panel(ax, "shards", "open ms", "5: time to open")
     else:
         ax.set_visible(False)
     ax = axes.flat[8]
@@ -101,13 +106,7 @@ def peers(results: dict[str, Any], spec: F.CacheSpec, out_dir: Path) -> list[Pat
             ("zarr2", "zarr v2", PEER_LINES[1]),
         ):
             ax.plot(kib, [r[key] for r in sizes], marker="o", label=label, color=colour)
-        ax.set_xscale("log")
-        ax.set_yscale("log")
-        ax.set_xlabel("slice KiB", fontsize=8)
-        ax.set_ylabel("GB/s", fontsize=8)
-        ax.set_title("1 by slice size, page-cached", fontsize=9)
-        ax.legend(fontsize=6)
-        ax.tick_params(labelsize=7)
+        _loglog_panel(ax, "slice KiB", "GB/s", "1 by slice size, page-cached")
     else:
         ax.set_visible(False)
     fig.suptitle(f"saev_shards (red) against its peers: {spec.describe()}", fontsize=10)
