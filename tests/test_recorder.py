@@ -209,15 +209,18 @@ def test_async_writer_equals_direct_writes(tmp_path: Path) -> None:
     lengths = np.arange(md.n_examples, dtype=np.int32) % 10 + 1
     rec = Recorder(model, list(md.layers)[:0] or [1, 3], dtype=md.dtype)
     md = md.replace(layers=(1, 3))
+    # Record once and feed the same tensors to both writers: torch's results for different
+    # batch shapes may differ in the last bits on some CPUs (AVX-512), and this test is about
+    # the writers, whose output depends only on the values written, never on the batching.
+    acts = rec.record(ids, attention_mask=mask, lengths=lengths)
     direct = tmp_path / "direct"
     with ss.ShardWriter(direct, md, stats=True, durable=False) as w:
-        w.write(rec.record(ids, attention_mask=mask, lengths=lengths), columns={"lengths": lengths})
+        w.write(acts, columns={"lengths": lengths})
     overlapped = tmp_path / "async"
     with AsyncWriter(ss.ShardWriter(overlapped, md, stats=True, durable=False)) as aw:
         for a in range(0, md.n_examples, 4):
             b = min(a + 4, md.n_examples)
-            acts = rec.record(ids[a:b], attention_mask=mask[a:b], lengths=lengths[a:b])
-            aw.submit(acts, columns={"lengths": lengths[a:b]})
+            aw.submit(acts[a:b].clone(), columns={"lengths": lengths[a:b]})
     assert tree_bytes(direct / md.hash) == tree_bytes(overlapped / md.hash)
 
 
