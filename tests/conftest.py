@@ -13,7 +13,7 @@ from hypothesis import HealthCheck, settings
 
 import saev_shards as ss
 
-from .helpers import write_cache
+from .support.caches import write_cache
 
 settings.register_profile(
     "ci", derandomize=True, max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow]
@@ -36,7 +36,7 @@ def make_cache(root: Path) -> Callable[..., tuple[ss.Shards, Any]]:
     """``make_cache(md=None, **writer_kwargs) -> (shards, logical)``: a published cache and its data."""
 
     def make(md: ss.Metadata | None = None, **kwargs: Any) -> tuple[ss.Shards, Any]:
-        from .helpers import small_metadata
+        from .support.caches import small_metadata
 
         md = md or small_metadata()
         logical = write_cache(root, md, **kwargs)

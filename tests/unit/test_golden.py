@@ -14,7 +14,7 @@ import xxhash
 
 import saev_shards as ss
 
-from .data.make_golden import (
+from ..data.make_golden import (
     GOLDEN_LENGTHS,
     GOLDEN_PROMPTS,
     SEED_KEYS,
@@ -23,9 +23,9 @@ from .data.make_golden import (
     golden_values,
     write_golden_3,
 )
-from .helpers import tree_bytes
+from ..support.caches import tree_bytes
 
-DATA = Path(__file__).resolve().parent / "data"
+DATA = Path(__file__).resolve().parents[1] / "data"
 GOLDEN = DATA / "golden-3.0" / "6a3eb6d07f6e3ebcd423f2620ccc9e17d4f43c478399e257a6eb75866f2fbfca"
 LEGACY_PADDED = DATA / "legacy-2.1-padded" / "fb84eba39764104ae9ba777948776a92b73ee6f3be6f93eb960d77c5c2633c17"
 LEGACY_DIVISIBLE = DATA / "legacy-2.1-divisible" / "e33b9113e4e58f3c1d9c2148df565e64317b9cf2679fc0c86e6d3c5ee0728061"

@@ -22,9 +22,8 @@ from torch.utils.data import DataLoader
 import saev_shards as ss
 from saev_shards.loaders import CLS_LABEL, ExampleDataset, LayerPairDataset, LoaderError, TokenDataset
 
-from . import strategies
-from .helpers import labels_for, small_metadata, write_cache
-from .test_loaders import expected_vectors
+from ..support import strategies
+from ..support.caches import expected_vectors, labels_for, small_metadata, write_cache
 
 
 @contextmanager

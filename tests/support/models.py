@@ -1,7 +1,7 @@
 """Small torch models for the recorder and dump tests (built here, nothing downloaded).
 
-No tests live here: the dump tests' subprocesses import this module as their model
-factory (``tests.test_dump_models:tiny_text_model``), so it stays light.
+The dump tests' subprocesses import this module as their model
+factory (``tests.support.models:tiny_text_model``), so it stays light.
 """
 
 from __future__ import annotations
@@ -89,5 +89,5 @@ def tiny_tokenize(texts: list[str]) -> list[list[int]]:
 
 
 def tiny_text_model(**kwargs: Any) -> tuple[TinyTextModel, Any]:
-    """The dump tests' model factory (``tests.test_dump_models:tiny_text_model``)."""
+    """The dump tests' model factory (``tests.support.models:tiny_text_model``)."""
     return TinyTextModel(**kwargs).eval(), tiny_tokenize

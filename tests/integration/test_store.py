@@ -15,7 +15,7 @@ import pytest
 import saev_shards as ss
 from saev_shards import store
 
-from .helpers import small_metadata, tree_bytes, write_cache
+from ..support.caches import colliding_metadata, small_metadata, tree_bytes, writable_copy, write_cache
 
 ENV_VARS = (
     store.SHARDS_ROOT_ENV,
@@ -30,27 +30,6 @@ ENV_VARS = (
 def clean_env(monkeypatch: pytest.MonkeyPatch) -> None:
     for name in ENV_VARS:
         monkeypatch.delenv(name, raising=False)
-
-
-def colliding_metadata(digits: int = 4) -> tuple[ss.Metadata, ss.Metadata]:
-    """Two small configurations whose hashes share their first ``digits`` hex digits."""
-    seen: dict[str, ss.Metadata] = {}
-    for i in range(100_000):
-        md = small_metadata(n_examples=3, data={"name": "synthetic", "i": i})
-        other = seen.setdefault(md.hash[:digits], md)
-        if other is not md:
-            return other, md
-    raise AssertionError("no collision found")
-
-
-def writable_copy(src: Path, dest_root: Path, name: str | None = None) -> Path:
-    """A writable copy of a published cache (to break it on purpose)."""
-    dest = dest_root / (name or src.name)
-    shutil.copytree(src, dest)
-    os.chmod(dest, 0o755)
-    for p in dest.iterdir():
-        os.chmod(p, 0o644)
-    return dest
 
 
 # --------------------------------------------------------------------------------------
@@ -146,7 +125,7 @@ def test_unpublished_folders_never_match_but_are_hinted(root: Path):
 
 
 def write_source(md: ss.Metadata) -> Any:
-    from .helpers import float_input, logical_tensor
+    from ..support.caches import float_input, logical_tensor
 
     return float_input(md, logical_tensor(md))
 

@@ -15,9 +15,9 @@ import numpy as np
 
 import saev_shards as ss
 
-from .helpers import small_metadata, write_cache
+from ..support.caches import small_metadata, write_cache
 
-REPO = str(Path(__file__).resolve().parent.parent)
+REPO = str(Path(__file__).resolve().parents[2])
 
 
 def test_pickle_is_small_and_handle_free(root: Path) -> None:
@@ -80,7 +80,7 @@ def test_core_imports_without_torch() -> None:
         sys.path.insert(0, {REPO!r})
         import tempfile, pathlib
         import saev_shards as ss
-        from tests.helpers import small_metadata, write_cache
+        from tests.support.caches import small_metadata, write_cache
         root = pathlib.Path(tempfile.mkdtemp())
         md = small_metadata()
         logical = write_cache(root, md, stats=True, labels=True)

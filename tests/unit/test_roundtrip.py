@@ -13,8 +13,8 @@ from hypothesis import strategies as st
 
 import saev_shards as ss
 
-from . import strategies
-from .helpers import labels_for, small_metadata, split, tree_bytes, write_cache
+from ..support import strategies
+from ..support.caches import labels_for, small_metadata, split, tree_bytes, write_cache
 
 
 @given(strategies.metadata(), strategies.batch_sizes(), st.data())

@@ -17,8 +17,7 @@ import pytest
 import saev_shards as ss
 from saev_shards import cli
 
-from .helpers import small_metadata, tree_bytes, write_cache
-from .test_store import colliding_metadata, writable_copy
+from ..support.caches import colliding_metadata, small_metadata, tree_bytes, writable_copy, write_cache
 
 
 @dataclass
@@ -577,7 +576,7 @@ def test_docs_walkthrough_is_the_real_output():
     """
     import fcntl
 
-    repo = Path(__file__).resolve().parent.parent
+    repo = Path(__file__).resolve().parents[2]
     with open("/tmp/demo.lock", "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)  # one walk-through at a time in /tmp/demo
         proc = subprocess.run(

@@ -13,8 +13,8 @@ import torch
 import saev_shards as ss
 from saev_shards.recorder import AsyncWriter, Recorder, RecorderError, find_blocks, resolve_modules
 
-from .helpers import small_metadata, tree_bytes
-from .test_dump_models import TinyTextModel, TinyViT
+from ..support.caches import small_metadata, tree_bytes
+from ..support.models import TinyTextModel, TinyViT
 
 
 def _ids(batch: int = 3, T: int = 10, seed: int = 0) -> tuple[Any, Any]:

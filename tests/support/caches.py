@@ -1,7 +1,9 @@
-"""Helpers shared by the tests: deterministic synthetic caches."""
+"""Helpers shared by the tests: deterministic synthetic caches and reference models of what readers yield."""
 
 from __future__ import annotations
 
+import os
+import shutil
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -96,3 +98,53 @@ def write_cache(
 def tree_bytes(path: Path) -> dict[str, bytes]:
     """Every file under ``path`` by relative name, for byte-identity checks."""
     return {str(p.relative_to(path)): p.read_bytes() for p in sorted(path.rglob("*")) if p.is_file()}
+
+
+def colliding_metadata(digits: int = 4) -> tuple[ss.Metadata, ss.Metadata]:
+    """Two small configurations whose hashes share their first ``digits`` hex digits."""
+    seen: dict[str, ss.Metadata] = {}
+    for i in range(100_000):
+        md = small_metadata(n_examples=3, data={"name": "synthetic", "i": i})
+        other = seen.setdefault(md.hash[:digits], md)
+        if other is not md:
+            return other, md
+    raise AssertionError("no collision found")
+
+
+def writable_copy(src: Path, dest_root: Path, name: str | None = None) -> Path:
+    """A writable copy of a published cache (to break it on purpose)."""
+    dest = dest_root / (name or src.name)
+    shutil.copytree(src, dest)
+    os.chmod(dest, 0o755)
+    for p in dest.iterdir():
+        os.chmod(p, 0o644)
+    return dest
+
+
+def expected_vectors(
+    md: ss.Metadata,
+    layers: tuple[int, ...] | None = None,
+    tokens: str = "content",
+    ignore: tuple[int, ...] = (),
+    labels: np.ndarray[Any, Any] | None = None,
+    lengths: np.ndarray[Any, Any] | None = None,
+    skip_padding: bool = True,
+) -> list[tuple[int, int, int]]:
+    """Every chosen ``(example, layer value, token)``, in ``(example, layer position, token)`` order."""
+    chosen = [v for v in md.layers if layers is None or v in layers]
+    out = []
+    cls = int(md.cls_token)
+    for e in range(md.n_examples):
+        for layer in chosen:
+            for t in range(md.tokens_per_ex):
+                is_cls = md.cls_token and t == 0
+                if tokens == "content" and is_cls:
+                    continue
+                if tokens == "cls" and not is_cls:
+                    continue
+                if not is_cls and ignore and labels is not None and labels[e, t - cls] in ignore:
+                    continue
+                if skip_padding and lengths is not None and t >= lengths[e]:
+                    continue
+                out.append((e, layer, t))
+    return out

@@ -21,10 +21,10 @@ import saev_shards as ss
 from saev_shards import dump as dump_mod
 from saev_shards.dump import ConfigError, batches, parse_config, plan, truncation
 
-from .helpers import tree_bytes
-from .test_dump_models import TinyTextModel, tiny_tokenize
+from ..support.caches import tree_bytes
+from ..support.models import TinyTextModel, tiny_tokenize
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 T = 12  # [CLS] + 11 content tokens
 LAYERS = [3, 1]  # deliberately not sorted: data lands in this order
 
@@ -54,7 +54,7 @@ def make_config(tmp_path: Path, n: int = 23, **changes: Any) -> dict[str, Any]:
         "patches_per_shard": 5 * T * len(LAYERS),
         "device": "cpu",
         "model": {
-            "factory": "tests.test_dump_models:tiny_text_model",
+            "factory": "tests.support.models:tiny_text_model",
             "kwargs": {"d_model": 16, "n_blocks": 4, "max_len": T},
             "cls_token": True,
         },

@@ -16,7 +16,7 @@ from hypothesis import strategies as st
 
 import saev_shards as ss
 
-from .helpers import small_metadata, write_cache
+from ..support.caches import small_metadata, write_cache
 
 
 def writable(path: Path) -> Path:

@@ -15,7 +15,7 @@ import saev_shards as ss
 from saev_shards.format import pretty_json
 from saev_shards.metadata import KEYS, parse_metadata
 
-from .helpers import small_metadata
+from ..support.caches import small_metadata
 
 
 def seed_hash(md: dict[str, Any]) -> str:

@@ -22,39 +22,10 @@ import saev_shards as ss
 from saev_shards import loaders
 from saev_shards.loaders import CLS_LABEL, Batch, LoaderError, OrderedLoader, ShuffledLoader
 
-from . import strategies
-from .helpers import labels_for, small_metadata, write_cache
+from ..support import strategies
+from ..support.caches import expected_vectors, labels_for, small_metadata, write_cache
 
 # -- a reference model of what a loader must yield -------------------------------------
-
-
-def expected_vectors(
-    md: ss.Metadata,
-    layers: tuple[int, ...] | None = None,
-    tokens: str = "content",
-    ignore: tuple[int, ...] = (),
-    labels: np.ndarray[Any, Any] | None = None,
-    lengths: np.ndarray[Any, Any] | None = None,
-    skip_padding: bool = True,
-) -> list[tuple[int, int, int]]:
-    """Every chosen ``(example, layer value, token)``, in ``(example, layer position, token)`` order."""
-    chosen = [v for v in md.layers if layers is None or v in layers]
-    out = []
-    cls = int(md.cls_token)
-    for e in range(md.n_examples):
-        for layer in chosen:
-            for t in range(md.tokens_per_ex):
-                is_cls = md.cls_token and t == 0
-                if tokens == "content" and is_cls:
-                    continue
-                if tokens == "cls" and not is_cls:
-                    continue
-                if not is_cls and ignore and labels is not None and labels[e, t - cls] in ignore:
-                    continue
-                if skip_padding and lengths is not None and t >= lengths[e]:
-                    continue
-                out.append((e, layer, t))
-    return out
 
 
 @contextmanager

@@ -14,8 +14,8 @@ from hypothesis import strategies as st
 
 import saev_shards as ss
 
-from . import strategies
-from .helpers import small_metadata, write_cache
+from ..support import strategies
+from ..support.caches import small_metadata, write_cache
 
 
 @pytest.fixture(scope="module")
