@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import numpy.typing as npt
 
-from .errors import ShardsError
+from .errors import LoaderError
 from .reader import Shards
 from .reader import open as open_shards
 
@@ -42,10 +42,6 @@ TOKEN_CHOICES = ("content", "cls", "all")
 OUT_DTYPES = ("float16", "bfloat16", "float32")
 #: Examples per step when counting selected tokens over the whole cache (bounds memory).
 _COUNT_CHUNK = 1 << 16
-
-
-class LoaderError(ShardsError):
-    """Raised when a loader or dataset is configured in a way the cache cannot serve."""
 
 
 def as_shards(shards: Shards | str | os.PathLike[str]) -> Shards:

@@ -59,7 +59,7 @@ import tomllib
 import xxhash
 
 from . import corpus as corpus_mod
-from .errors import AlreadyPublishedError, ShardsError, WriterBusyError, WriterError
+from .errors import AlreadyPublishedError, ConfigError, ShardsError, WriterBusyError, WriterError
 from .format import COLUMN_DTYPES, DTYPES_BY_PROTOCOL, FIELD_NAME_RE, PROTOCOL
 from .metadata import Metadata
 from .progress import Progress
@@ -77,10 +77,6 @@ _MODEL_FILE_SKIP = (".md", ".txt.lock")
 #: Column names the dump itself writes; a dataset's own columns may not reuse them.
 RESERVED_COLUMNS = ("lengths", "true_lengths", "token_ids")
 RESERVED_TEXT = ("id", "text")
-
-
-class ConfigError(ShardsError):
-    """Raised when a dump configuration is malformed; the message lists every problem."""
 
 
 # --------------------------------------------------------------------------------------

@@ -115,6 +115,18 @@ class UnexpectedFileError(InvalidCacheError):
     title = "unexpected file"
 
 
+class LoaderError(ShardsError):
+    """Raised when a loader or dataset is configured in a way the cache cannot serve."""
+
+
+class ConfigError(ShardsError):
+    """Raised when a dump configuration is malformed; the message lists every problem."""
+
+
+class RecorderError(ShardsError):
+    """Raised when blocks cannot be found or a hooked block's output cannot be recorded."""
+
+
 class RootNotSetError(ShardsError):
     """Raised when a shards or runs root is needed but neither given nor set in the environment."""
 

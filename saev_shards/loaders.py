@@ -42,7 +42,6 @@ from .datasets import (
     CLS_LABEL,
     ExampleDataset,
     LayerPairDataset,
-    LoaderError,
     TokenDataset,
     TokenSelection,
     as_shards,
@@ -50,6 +49,7 @@ from .datasets import (
     to_tensor,
     torch_dtype,
 )
+from .errors import LoaderError
 from .reader import Shards
 
 if TYPE_CHECKING:

@@ -31,15 +31,11 @@ from typing import Any
 import numpy as np
 import torch
 
-from .errors import WriterError
+from .errors import RecorderError, WriterError
 from .writer import ShardWriter
 
 #: Stored dtype names to torch dtypes.
 TORCH_DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32}
-
-
-class RecorderError(ValueError):
-    """Raised when blocks cannot be found or a hooked block's output cannot be recorded."""
 
 
 class _StopForward(Exception):

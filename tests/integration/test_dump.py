@@ -19,7 +19,8 @@ from hypothesis import strategies as st
 
 import saev_shards as ss
 from saev_shards import dump as dump_mod
-from saev_shards.dump import ConfigError, batches, parse_config, plan, truncation
+from saev_shards.dump import batches, parse_config, plan, truncation
+from saev_shards.errors import ConfigError
 
 from ..support.caches import tree_bytes
 from ..support.models import TinyTextModel, tiny_tokenize

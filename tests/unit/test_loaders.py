@@ -20,7 +20,8 @@ from hypothesis import strategies as st
 
 import saev_shards as ss
 from saev_shards import loaders
-from saev_shards.loaders import CLS_LABEL, Batch, LoaderError, OrderedLoader, ShuffledLoader
+from saev_shards.errors import LoaderError
+from saev_shards.loaders import CLS_LABEL, Batch, OrderedLoader, ShuffledLoader
 
 from ..support import strategies
 from ..support.caches import expected_vectors, labels_for, small_metadata, write_cache

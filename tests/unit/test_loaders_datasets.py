@@ -20,7 +20,8 @@ from hypothesis import strategies as st
 from torch.utils.data import DataLoader
 
 import saev_shards as ss
-from saev_shards.loaders import CLS_LABEL, ExampleDataset, LayerPairDataset, LoaderError, TokenDataset
+from saev_shards.errors import LoaderError
+from saev_shards.loaders import CLS_LABEL, ExampleDataset, LayerPairDataset, TokenDataset
 
 from ..support import strategies
 from ..support.caches import expected_vectors, labels_for, small_metadata, write_cache

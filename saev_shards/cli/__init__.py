@@ -1,0 +1,163 @@
+"""``saev-shards``: inspect, verify, find and stage caches; create and check runs; dump.
+
+Each command lives in a module of this package with a ``register(sub, invoked)`` that adds
+its sub-parser; the commands are small functions over `saev_shards.store` and
+`saev_shards.open`. This module builds the parser and owns the mapping from errors to
+one line and an exit code. It never imports torch: ``dump`` (which needs it) is imported
+only when it is invoked.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import traceback
+import warnings
+from collections.abc import Sequence
+
+from .. import __version__
+from ..errors import (
+    CacheRefError,
+    InvalidCacheError,
+    RootNotSetError,
+    RunExistsError,
+    RunNotFoundError,
+    ShardsError,
+    UnknownCacheError,
+    WriterBusyError,
+)
+from . import caches, dump, runs
+from ._common import (
+    EXIT_BROKEN_PIPE,
+    EXIT_CODES_HELP,
+    EXIT_INTERNAL,
+    EXIT_INTERRUPTED,
+    EXIT_NOT_FOUND,
+    EXIT_OK,
+    EXIT_PROBLEM,
+    EXIT_SYSTEM,
+    EXIT_USAGE,
+    PROG,
+    ROOTS_HELP,
+    Failure,
+    human_bytes,
+    warn,
+)
+
+__all__ = [
+    "EXIT_BROKEN_PIPE",
+    "EXIT_CODES_HELP",
+    "EXIT_INTERNAL",
+    "EXIT_INTERRUPTED",
+    "EXIT_NOT_FOUND",
+    "EXIT_OK",
+    "EXIT_PROBLEM",
+    "EXIT_SYSTEM",
+    "EXIT_USAGE",
+    "build_parser",
+    "human_bytes",
+    "main",
+]
+
+#: The modules whose commands make up the command line, in --help order.
+COMMANDS = (caches, runs, dump)
+
+
+def build_parser(invoked: str | None = None) -> argparse.ArgumentParser:
+    """The argument parser; ``invoked`` names the command about to run (dump loads lazily)."""
+    parser = argparse.ArgumentParser(
+        prog=PROG,
+        description="Inspect, verify, find and stage saev activation caches; create and check training runs.",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        epilog=(
+            "examples:\n"
+            "  saev-shards ls                          # caches in the shards root(s)\n"
+            "  saev-shards info 3f2a                   # a readable summary of one cache\n"
+            "  saev-shards verify 3f2a                 # sizes, checksums and hash\n"
+            "  saev-shards stage 3f2a                  # verified local copy in $TMPDIR\n"
+            "  saev-shards run init --train 3f2a --val 9c1d --id sae-16k\n"
+            "  saev-shards doctor --run sae-16k\n"
+            "  saev-shards <command> --help            # examples for each command\n\n"
+            + ROOTS_HELP
+            + "\n"
+            + EXIT_CODES_HELP
+        ),
+    )
+    parser.add_argument("--debug", action="store_true", default=False, help="print tracebacks of errors")
+    parser.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
+    sub = parser.add_subparsers(dest="command", metavar="<command>", required=True)
+
+    for module in COMMANDS:
+        module.register(sub, invoked)
+    return parser
+
+
+def _invokedcommand(argv: Sequence[str]) -> str | None:
+    # Global options take no values, so the first bare word is the command.
+    return next((a for a in argv if not a.startswith("-")), None)
+
+
+# --------------------------------------------------------------------------------------
+# errors and exit codes
+
+
+def _exit_code(err: BaseException) -> int:
+    if isinstance(err, (UnknownCacheError, CacheRefError, RunNotFoundError)):
+        return EXIT_NOT_FOUND
+    if isinstance(err, (RootNotSetError, RunExistsError)):
+        return EXIT_USAGE
+    if isinstance(err, WriterBusyError):
+        return EXIT_SYSTEM
+    if isinstance(err, (InvalidCacheError, ShardsError)):
+        return EXIT_PROBLEM
+    if isinstance(err, OSError):
+        return EXIT_SYSTEM
+    return EXIT_INTERNAL
+
+
+def _message(err: BaseException) -> str:
+    if isinstance(err, OSError) and not isinstance(err, ShardsError) and err.strerror:
+        where = f"{err.filename}: " if err.filename else ""
+        return f"{where}{err.strerror}"
+    return str(err) or type(err).__name__
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Run the command line; returns the exit code (the console script exits with it)."""
+    args_list = list(sys.argv[1:] if argv is None else argv)
+    debug = "--debug" in args_list
+    saved = warnings.showwarning
+    warnings.showwarning = lambda message, *a, **k: warn(str(message))  # one line, no source
+    try:
+        parser = build_parser(_invokedcommand(args_list))
+        args = parser.parse_args(args_list)
+        code: int = args.func(args)
+        sys.stdout.flush()  # inside the try: a closed pipe is reported here, not at exit
+        return code
+    except Failure as err:
+        sys.stderr.write(f"{PROG}: error: {err}\n")
+        return int(err.code)
+    except KeyboardInterrupt:
+        sys.stderr.write(f"\n{PROG}: interrupted\n")
+        return EXIT_INTERRUPTED
+    except BrokenPipeError:
+        # The reader of our output went away (`saev-shards info 3f2a | head`): not an error
+        # to report; send what is still buffered nowhere so the exit stays quiet.
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        return EXIT_BROKEN_PIPE
+    except Exception as err:
+        code = _exit_code(err)
+        if debug:
+            traceback.print_exc()
+        if code == EXIT_INTERNAL:
+            sys.stderr.write(
+                f"{PROG}: internal error: {type(err).__name__}: {_message(err)} "
+                "(rerun with --debug for the traceback, and please report it)\n"
+            )
+        else:
+            sys.stderr.write(f"{PROG}: error: {_message(err)}\n")
+        return code
+    finally:
+        warnings.showwarning = saved

@@ -1,0 +1,365 @@
+"""Commands over caches: ``info``, ``ls``, ``verify``, ``resolve``, ``stage``."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import warnings
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import orjson
+
+from .. import store
+from ..reader import Shards
+from ..reader import open as open_cache
+from ._common import (
+    EXIT_NOT_FOUND,
+    EXIT_OK,
+    EXIT_PROBLEM,
+    REF_HELP,
+    add_progress,
+    add_roots,
+    command,
+    human_bytes,
+    plural,
+    print_json,
+    progress_arg,
+    roots_arg,
+    table,
+    warn,
+)
+
+
+def _disk_bytes(path: Path) -> int:
+    return sum(p.stat().st_size for p in path.iterdir() if p.is_file())
+
+
+# --------------------------------------------------------------------------------------
+# info
+
+
+def _cache_summary(shards: Shards) -> dict[str, Any]:
+    md, man = shards.metadata, shards.manifest
+    stats = shards.stats
+    per_layer = None
+    if stats is not None:
+        per_layer = [
+            {
+                "layer": int(layer),
+                "count": int(stats["count"][i]),
+                "nonfinite": int(stats["nonfinite"][i]),
+                "norm_mean": float(stats["norm_mean"][i]),
+                "norm_sq_mean": float(stats["norm_sq_mean"][i]),
+                "var_mean": float(np.mean(stats["var"][i])) if md.d_model else 0.0,
+            }
+            for i, layer in enumerate(stats["layers"])
+        ]
+    return {
+        "hash": md.hash,
+        "path": str(shards.path),
+        "protocol": md.protocol,
+        "family": md.family,
+        "ckpt": md.ckpt,
+        "dataset": md.dataset,
+        "data": md.data,
+        "shape": list(md.shape),
+        "dtype": md.dtype,
+        "layers": list(md.layers),
+        "patches_per_ex": md.patches_per_ex,
+        "cls_token": md.cls_token,
+        "tokens_per_ex": md.tokens_per_ex,
+        "d_model": md.d_model,
+        "n_examples": md.n_examples,
+        "patches_per_shard": md.patches_per_shard,
+        "examples_per_shard": md.examples_per_shard,
+        "n_shards": shards.n_shards,
+        "nbytes": md.nbytes,
+        "disk_nbytes": _disk_bytes(shards.path),
+        "checksums": all(d is not None for _, _, d in man.files()),
+        "shards": [
+            {"name": s.name, "n_examples": s.n_examples, "nbytes": s.nbytes, "xxh3_128": s.xxh3_128} for s in man.shards
+        ],
+        "labels": None if man.labels is None else {"dtype": _dtype(man.labels.dtype), "shape": list(man.labels.shape)},
+        "columns": {k: {"dtype": _dtype(c.dtype), "shape": list(c.shape)} for k, c in sorted(man.columns.items())},
+        "text": {k: {"n_lines": t.n_lines} for k, t in sorted(man.text.items())},
+        "stats": per_layer,
+    }
+
+
+def _dtype(spelling: str) -> str:
+    return np.dtype(spelling).name  # "|u1" -> "uint8": the manifest's spelling is for machines
+
+
+def cmd_info(args: argparse.Namespace) -> int:
+    shards = open_cache(store.resolve(args.ref, roots_arg(args)))
+    info = _cache_summary(shards)
+    out = sys.stdout
+    if args.json:
+        print_json(info, out)
+        return EXIT_OK
+    n, layers, tokens, d = info["shape"]
+    itemsize = shards.metadata.itemsize
+    shard_list = shards.manifest.shards
+    partial_last = shard_list and shard_list[-1].n_examples != info["examples_per_shard"]
+    last = f" (last: {shard_list[-1].n_examples})" if partial_last else ""
+    cls = "CLS + " if info["cls_token"] else ""
+    data = orjson.dumps(info["data"]).decode()
+    rows = [
+        ("cache", info["hash"]),
+        ("path", info["path"]),
+        ("protocol", info["protocol"]),
+        ("model", f"{info['family']} {info['ckpt']}"),
+        ("dataset", info["dataset"] or "-"),
+        ("data", data if len(data) <= 100 else data[:97] + "..."),
+        ("shape", f"({n}, {layers}, {tokens}, {d})  examples x layers x tokens x d_model"),
+        ("dtype", f"{info['dtype']} ({itemsize} bytes per value)"),
+        ("layers", str(info["layers"])),
+        ("tokens", f"{tokens} per example ({cls}{info['patches_per_ex']})"),
+        ("shards", f"{info['n_shards']} x {info['examples_per_shard']} examples{last}"),
+        (
+            "bytes",
+            f"{info['nbytes']:,} bytes of activations ({human_bytes(info['nbytes'])}), "
+            f"{human_bytes(info['disk_nbytes'])} on disk",
+        ),
+        ("checksums", "xxh3_128 for every file" if info["checksums"] else "none recorded: sizes only (protocol 2.1)"),
+        ("labels", "-" if info["labels"] is None else f"{info['labels']['dtype']} {tuple(info['labels']['shape'])}"),
+        ("columns", ", ".join(f"{k} {c['dtype']} {tuple(c['shape'])}" for k, c in info["columns"].items()) or "-"),
+        ("text", ", ".join(f"{k} ({t['n_lines']:,} lines)" for k, t in info["text"].items()) or "-"),
+        ("stats", "-" if info["stats"] is None else "per layer, over stored tokens:"),
+    ]
+    table(rows, out)
+    if info["stats"] is not None:
+        per_layer = [("layer", "tokens", "mean |x|", "mean |x|^2", "mean var", "non-finite")]
+        per_layer += [
+            (
+                str(s["layer"]),
+                f"{s['count']:,}",
+                f"{s['norm_mean']:.4g}",
+                f"{s['norm_sq_mean']:.4g}",
+                f"{s['var_mean']:.4g}",
+                f"{s['nonfinite']:,}",
+            )
+            for s in info["stats"]
+        ]
+        table(per_layer, out, indent="  ", right=range(1, 6))
+    return EXIT_OK
+
+
+# --------------------------------------------------------------------------------------
+# ls
+
+
+def _short_problem(entry: store.CacheEntry) -> str:
+    """One line for a table cell: paths inside the cache are shown by file name."""
+    text = entry.problem or ""
+    text = text.replace(f"{entry.path}/", "").replace(f"{entry.path}: ", "")
+    lines = [line.strip(" -") for line in text.splitlines() if line.strip()]
+    if len(lines) > 1:  # "N problems" followed by grouped details: keep the count and the first
+        return f"{lines[0]}, first: {lines[2] if len(lines) > 2 else lines[1]}"
+    return lines[0] if lines else "?"
+
+
+def cmd_ls(args: argparse.Namespace) -> int:
+    roots = store.shards_roots(args.roots or None)
+    out = sys.stdout
+    listing = []
+    code = EXIT_OK
+    for root in roots:
+        exists = root.path.is_dir()
+        entries = store.list_caches(root.path) if exists else []
+        unpublished = store.list_unpublished(root.path) if exists else []
+        listing.append((root, exists, entries, unpublished))
+        if any(not e.ok for e in entries):
+            code = EXIT_PROBLEM
+        if not exists and root.source == "argument":
+            code = max(code, EXIT_NOT_FOUND)
+    if args.json:
+        print_json(
+            [
+                {
+                    "root": str(root.path),
+                    "source": root.source,
+                    "exists": exists,
+                    "caches": [_entry_json(e) for e in entries],
+                    "unpublished": [str(p) for p in unpublished],
+                }
+                for root, exists, entries, unpublished in listing
+            ],
+            out,
+        )
+        return code
+    for i, (root, exists, entries, unpublished) in enumerate(listing):
+        if i:
+            out.write("\n")
+        if not exists:
+            out.write(f"{root.path} ({root.source}): no such directory\n")
+            continue
+        total = sum(e.nbytes for e in entries)
+        broken = sum(not e.ok for e in entries)
+        out.write(
+            f"{root.path} ({root.source}): {plural(len(entries), 'cache')}, {human_bytes(total)}"
+            + (f", {broken} broken" if broken else "")
+            + "\n"
+        )
+        if entries:
+            rows = [("HASH", "MODEL", "DTYPE", "SHAPE", "SHARDS", "SIZE", "STATUS")]
+            for e in entries:
+                md = e.metadata
+                rows.append(
+                    (
+                        e.hash[:12],
+                        f"{md.family}:{md.ckpt}" if md else "?",
+                        md.dtype if md else "?",
+                        f"({', '.join(map(str, md.shape))})" if md else "?",
+                        str(e.n_shards if e.n_shards is not None else (md.n_shards if md else "?")),
+                        human_bytes(e.nbytes),
+                        "ok" if e.ok else "BROKEN: " + _short_problem(e),
+                    )
+                )
+            table(rows, out, indent="  ")
+        for p in unpublished:
+            out.write(f"  unpublished (being written, or interrupted): {p.name}\n")
+    return code
+
+
+def _entry_json(e: store.CacheEntry) -> dict[str, Any]:
+    md = e.metadata
+    return {
+        "hash": e.hash,
+        "path": str(e.path),
+        "ok": e.ok,
+        "problem": e.problem,
+        "nbytes": e.nbytes,
+        "n_shards": e.n_shards,
+        "protocol": md.protocol if md else None,
+        "family": md.family if md else None,
+        "ckpt": md.ckpt if md else None,
+        "dtype": md.dtype if md else None,
+        "shape": list(md.shape) if md else None,
+        "layers": list(md.layers) if md else None,
+    }
+
+
+# --------------------------------------------------------------------------------------
+# verify, resolve, stage
+
+
+def cmd_verify(args: argparse.Namespace) -> int:
+    shards = open_cache(store.resolve(args.ref, roots_arg(args)))
+    files = shards.manifest.files()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        nbytes = shards.verify(progress=progress_arg(args))
+    for w in caught:
+        warn(str(w.message))
+    unchecked = any(digest is None for _, _, digest in files)
+    checked = "sizes only (no checksums recorded)" if unchecked else "sizes, xxh3_128 checksums"
+    sys.stdout.write(
+        f"ok {shards.path}\n   {len(files)} files, {nbytes:,} bytes ({human_bytes(nbytes)}): "
+        f"{checked} and the metadata hash match\n"
+    )
+    return EXIT_OK
+
+
+def cmd_resolve(args: argparse.Namespace) -> int:
+    sys.stdout.write(f"{store.resolve(args.ref, roots_arg(args))}\n")
+    return EXIT_OK
+
+
+def cmd_stage(args: argparse.Namespace) -> int:
+    report = store.copy_cache(args.ref, args.to, roots=roots_arg(args), progress=progress_arg(args))
+    err = sys.stderr
+    name = report.path.name[:12]
+    if report.already_staged:
+        err.write(f"{name}: already staged, nothing copied\n")
+    else:
+        done = [f"copied {report.copied_files} files ({human_bytes(report.copied_bytes)})"]
+        if report.kept_files or report.resumed_files:
+            done.append(
+                f"resumed: kept {report.kept_files} complete and {report.resumed_files} half-written files "
+                f"({human_bytes(report.kept_bytes)}) after re-verifying them"
+            )
+        if report.recopied:
+            done.append(f"re-copied {len(report.recopied)} that failed verification ({', '.join(report.recopied)})")
+        if report.repaired:
+            done.append("repaired a damaged local copy")
+        checked = "checksums verified" if not report.unverified else f"{len(report.unverified)} files had no checksum"
+        err.write(f"{name}: " + "; ".join(done) + f"; {checked}\n")
+    store.open_quietly(report.path)  # what the caller gets is a cache that opens
+    sys.stdout.write(f"{report.path}\n")
+    return EXIT_OK
+
+
+def register(sub: argparse._SubParsersAction[argparse.ArgumentParser], invoked: str | None) -> None:
+    """Add this module's commands to the ``saev-shards`` parser."""
+    p = command(
+        sub,
+        "info",
+        "show a readable summary of a cache: shape, dtype, layers, tokens, shards, bytes, labels, columns, stats",
+        "  saev-shards info 3f2a\n"
+        "  saev-shards info /scratch/me/saev/shards/3f2a9c...   # a path works too\n"
+        "  saev-shards info 3f2a --json | jq .n_examples\n",
+        cmd_info,
+    )
+    p.add_argument("ref", help=REF_HELP)
+    p.add_argument("--json", action="store_true", help="print JSON instead of text")
+    add_roots(p)
+
+    p = command(
+        sub,
+        "ls",
+        "list the caches in the shards root(s) with key metadata and sizes (exit 1 if one is broken)",
+        "  saev-shards ls\n  saev-shards ls /scratch/me/saev/shards $TMPDIR/saev/shards\n  saev-shards ls --json\n",
+        cmd_ls,
+        description=(
+            "List the caches in the shards roots with key metadata and sizes. Each cache is opened, so "
+            "missing or truncated files show as BROKEN (checksums are `verify`'s job). Staging and "
+            "partial-copy folders are listed as unpublished, not as caches."
+        ),
+    )
+    p.add_argument("roots", nargs="*", metavar="ROOT", help="shards roots (default: as for --root of other commands)")
+    p.add_argument("--json", action="store_true", help="print JSON instead of text")
+
+    p = command(
+        sub,
+        "verify",
+        "check every file's size and xxh3_128 checksum and the metadata hash (exit 1 on any problem)",
+        "  saev-shards verify 3f2a\n  saev-shards verify /scratch/me/saev/shards/3f2a9c... --progress\n",
+        cmd_verify,
+    )
+    p.add_argument("ref", help=REF_HELP)
+    add_roots(p)
+    add_progress(p)
+
+    p = command(
+        sub,
+        "resolve",
+        "print the absolute path of the cache a path, hash or unique prefix names",
+        '  saev-shards resolve 3f2a\n  cd "$(saev-shards resolve 3f2a)"\n',
+        cmd_resolve,
+    )
+    p.add_argument("ref", help=REF_HELP)
+    add_roots(p)
+
+    p = command(
+        sub,
+        "stage",
+        "copy a cache to local disk with checksums verified, atomically and resumably; print the copy's path",
+        "  saev-shards stage 3f2a                      # to $SAEV_STAGE_ROOT or $TMPDIR/saev/shards\n"
+        "  saev-shards stage 3f2a --to /local/ssd/saev/shards\n"
+        "  SHARDS=$(saev-shards stage 3f2a)           # stdout is only the local path\n",
+        cmd_stage,
+        description=(
+            "Copy a cache to local disk: files go to <dest>/.copying-<hash>/ and are hashed while written; "
+            "only when every size and xxh3_128 checksum matches the source manifest is the copy made read-only "
+            "and renamed to <dest>/<hash>. Interrupted? Run the same command again: complete files are "
+            "re-verified and kept, a half-written one is completed. A local copy damaged since (a scratch "
+            "purge) is repaired. Prints the local path on stdout, a summary on stderr."
+        ),
+    )
+    p.add_argument("ref", help=REF_HELP)
+    p.add_argument("--to", metavar="DIR", help="destination root (default: $SAEV_STAGE_ROOT, else $TMPDIR/saev/shards)")
+    add_roots(p)
+    add_progress(p)
