@@ -30,6 +30,7 @@ from .errors import (
     UnexpectedFileError,
     raise_problems,
 )
+from .fileio import hash_file, pread_exact
 from .format import (
     CHECKSUMS_FILE,
     HASH_RE,
@@ -47,7 +48,6 @@ from .format import (
 from .manifest import ArrayEntry, Manifest, ShardEntry, ShardList, parse_checksums, parse_manifest
 from .metadata import Metadata, parse_metadata
 from .progress import Progress
-from .writer import hash_file
 
 PathLike = str | os.PathLike[str]
 
@@ -555,7 +555,7 @@ class Shards:
             fd = self._fd(k)
         nbytes = self._slice_nbytes
         if os.preadv(fd, [view], (i * n_layers + layer_idx) * nbytes) != nbytes:
-            _pread_into(fd, view, (i * n_layers + layer_idx) * nbytes)  # a short read: finish it
+            pread_exact(fd, view, (i * n_layers + layer_idx) * nbytes)  # a short read: finish it
         return out
 
     def _byte_view_of(self, out: npt.NDArray[Any]) -> memoryview:
@@ -588,7 +588,7 @@ class Shards:
             k, local = layout.shard_of(e, eps)
             count = min(stop, (k + 1) * eps) - e
             nbytes = count * example_nbytes
-            _pread_into(self._fd(k), view[pos : pos + nbytes], local * example_nbytes)
+            pread_exact(self._fd(k), view[pos : pos + nbytes], local * example_nbytes)
             pos += nbytes
             e += count
         return out
@@ -777,15 +777,6 @@ def _map(path: Path, dtype: np.dtype[Any], shape: tuple[int, ...]) -> np.memmap[
     if int(np.prod(shape, dtype=object)) * dtype.itemsize == 0:
         return np.zeros(shape, dtype).view(np.memmap)
     return np.memmap(path, dtype=dtype, mode="r", shape=shape)
-
-
-def _pread_into(fd: int, view: memoryview, offset: int) -> None:
-    while view.nbytes:
-        n = os.preadv(fd, [view], offset)
-        if n == 0:
-            raise FileSizeError(f"unexpected end of file at byte {offset} (file truncated after open?)")
-        view = view[n:]
-        offset += n
 
 
 def _bytes(n: int) -> str:

@@ -23,13 +23,9 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import errno
-import fcntl
-import io
 import os
 import re
 import shutil
-import stat
 import tempfile
 import time
 import warnings
@@ -54,6 +50,7 @@ from .errors import (
     UnknownCacheError,
     WriterBusyError,
 )
+from .fileio import IO_CHUNK, hash_file, make_writable, publish_dir, stream, try_flock, write_file_atomic
 from .format import (
     CHECKSUMS_FILE,
     HASH_RE,
@@ -65,7 +62,7 @@ from .format import (
 )
 from .metadata import Metadata, parse_metadata
 from .progress import Progress
-from .writer import IO_CHUNK, STAGING_PREFIX, fsync_dir, hash_file, write_file_atomic
+from .writer import STAGING_PREFIX
 
 PathLike = str | os.PathLike[str]
 Roots = PathLike | Sequence[PathLike] | None
@@ -296,14 +293,6 @@ def _read_metadata(path: Path) -> Metadata | None:
         return None
 
 
-def _make_writable(path: Path) -> None:
-    """Undo a published cache's read-only modes (directory 0555, files 0444) for the owner."""
-    os.chmod(path, stat.S_IMODE(os.lstat(path).st_mode) | stat.S_IRWXU)
-    for e in _scan(path):
-        if e.is_file(follow_symlinks=False):
-            os.chmod(e.path, stat.S_IMODE(e.stat(follow_symlinks=False).st_mode) | stat.S_IWUSR | stat.S_IRUSR)
-
-
 def remove(path: PathLike) -> None:
     """Delete a cache directory (or an unpublished ``.staging-``/``.copying-`` one), read-only or not.
 
@@ -322,7 +311,7 @@ def remove(path: PathLike) -> None:
         return
     if not p.is_dir():
         raise UnknownCacheError(f"no cache at {p}: no such directory")
-    _make_writable(p)
+    make_writable(p)
     shutil.rmtree(p)
 
 
@@ -415,7 +404,7 @@ def copy_cache(
             return report
         except ShardsError:
             # A damaged local copy: move it back to the partial name and resume over it.
-            _make_writable(final)
+            make_writable(final)
             if partial.exists():
                 remove(final)
             else:
@@ -424,10 +413,8 @@ def copy_cache(
     partial.mkdir(exist_ok=True)
     lock_fd = os.open(partial, os.O_RDONLY | os.O_DIRECTORY)
     try:
-        try:
-            fcntl.flock(lock_fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except OSError as err:
-            raise WriterBusyError(f"{partial}: another process is copying this cache") from err
+        if not try_flock(lock_fd):
+            raise WriterBusyError(f"{partial}: another process is copying this cache")
         if final.exists():  # another process finished while we waited for the folder
             remove(partial)
             report.already_staged = True
@@ -553,10 +540,10 @@ def _copy_file(
     with open(dst, "r+b" if start else "wb", buffering=0) as out:
         if start:
             out.truncate(start)
-            _pump(out, None, h, buf, tick)
+            stream(out, None, h, tick, buf)
         with open(src, "rb", buffering=0) as inp:
             inp.seek(start)
-            _pump(inp, out, h, buf, tick)
+            stream(inp, out, h, tick, buf)
         size = out.tell()
         if durable:
             os.fsync(out.fileno())
@@ -573,42 +560,13 @@ def _copy_file(
         )
 
 
-def _pump(
-    inp: io.FileIO, out: io.FileIO | None, h: xxhash.xxh3_128, buf: memoryview, tick: Callable[[int], None]
-) -> None:
-    """Read ``inp`` to its end, hashing every byte and writing it to ``out`` if given."""
-    while True:
-        n = inp.readinto(buf)
-        if not n:
-            return
-        chunk = buf[:n]
-        h.update(chunk)
-        if out is not None:
-            view = chunk
-            while view.nbytes:
-                view = view[out.write(view) or 0 :]
-        tick(n)
-
-
 def _publish(source: reader.Shards, partial: Path, final: Path, durable: bool) -> None:
     """Check the copy opens as the same cache, freeze it and rename it into place."""
     copy = open_quietly(partial, check_hash=False)
     if copy.metadata.hash != final.name:
         raise HashMismatchError(f"{partial / METADATA_FILE}: expected hash {final.name}, found {copy.metadata.hash}")
-    for e in _scan(partial):
-        os.chmod(e.path, stat.S_IRUSR | stat.S_IRGRP | stat.S_IROTH)
-    if durable:
-        fsync_dir(partial)
-    try:
-        os.rename(partial, final)
-    except OSError as err:
-        if err.errno not in (errno.EEXIST, errno.ENOTEMPTY):
-            raise
+    if not publish_dir(partial, final, durable):
         remove(partial)  # another process published the same verified copy meanwhile
-        return
-    os.chmod(final, 0o555)  # noqa: S103 - the same modes the writer gives a published cache
-    if durable:
-        fsync_dir(final.parent)
 
 
 # --------------------------------------------------------------------------------------

@@ -21,12 +21,9 @@ from __future__ import annotations
 import collections
 import contextlib
 import errno
-import fcntl
 import mmap
 import os
 import queue
-import shutil
-import stat
 import threading
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -44,6 +41,16 @@ from .errors import (
     NonFiniteError,
     WriterBusyError,
     WriterError,
+)
+from .fileio import (
+    IO_CHUNK,
+    hash_file,
+    publish_dir,
+    pwrite_all,
+    remove_path,
+    stream,
+    try_flock,
+    write_file_atomic,
 )
 from .format import (
     CHECKSUMS_FILE,
@@ -66,8 +73,6 @@ from .metadata import Metadata
 
 STAGING_PREFIX = ".staging-"
 LOCK_FILE = ".lock"
-#: Bytes per read when hashing or joining files: large sequential I/O.
-IO_CHUNK = 8 << 20
 #: O_DIRECT write size for shard files, and the alignment O_DIRECT needs (offsets, sizes, memory).
 DIRECT_BLOCK = 16 << 20
 DIRECT_ALIGN = 4096
@@ -120,62 +125,11 @@ def world_from_env(rank: int | None, world_size: int | None) -> tuple[int, int]:
     return 0, 1
 
 
-# --------------------------------------------------------------------------------------
-# small durable-file helpers
-
-
-def fsync_dir(path: Path) -> None:
-    """Make a folder's entries (creations, renames) durable."""
-    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def write_file_atomic(path: Path, data: bytes, durable: bool = True) -> None:
-    """Write ``data`` to ``path`` via a temporary name in the same folder and a rename."""
-    # A unique temporary name: several writers may race to create the same file.
-    tmp = path.with_name(f"{path.name}.{os.getpid()}.{threading.get_ident()}.tmp")
-    with open(tmp, "wb") as f:
-        f.write(data)
-        if durable:
-            f.flush()
-            os.fsync(f.fileno())
-    os.replace(tmp, path)
-    if durable:
-        fsync_dir(path.parent)
-
-
-def _write_all(f: Any, view: memoryview) -> None:
-    while view.nbytes:
-        n = f.write(view)
-        view = view[n:]
-
-
 def _byte_view(data: bytes | npt.NDArray[Any]) -> memoryview:
     """The raw bytes of ``data`` as a flat memoryview (also for empty and 0-d arrays)."""
     if isinstance(data, np.ndarray):
         return np.ascontiguousarray(data).reshape(-1).view(np.uint8).data
     return memoryview(data)
-
-
-def hash_file(path: Path, progress: Callable[[int], None] | None = None) -> tuple[int, str]:
-    """``(nbytes, xxh3_128 hex)`` of a file, read in large sequential chunks."""
-    h = xxhash.xxh3_128()
-    total = 0
-    buf = bytearray(IO_CHUNK)
-    view = memoryview(buf)
-    with open(path, "rb", buffering=0) as f:
-        while True:
-            n = f.readinto(view)
-            if not n:
-                break
-            h.update(view[:n])
-            total += n
-            if progress is not None:
-                progress(n)
-    return total, h.hexdigest()
 
 
 # --------------------------------------------------------------------------------------
@@ -336,7 +290,7 @@ class _SequentialFile:
 
     def write(self, view: memoryview) -> None:
         if not self.buffers:
-            _pwrite_all(self.fd, view, self.offset)
+            pwrite_all(self.fd, view, self.offset)
             self.offset += view.nbytes
             return
         while view.nbytes:
@@ -368,7 +322,7 @@ class _SequentialFile:
                     if err.errno != errno.EINVAL:
                         raise
                     # An unaligned remainder after a short write: finish through the page cache.
-                    _pwrite_all(self.fd, whole[done:nbytes], offset + done)
+                    pwrite_all(self.fd, whole[done:nbytes], offset + done)
                     done = nbytes
 
     def close(self, durable: bool) -> None:
@@ -385,7 +339,7 @@ class _SequentialFile:
                 while self.in_flight:
                     self.in_flight.popleft().result()
                 with memoryview(self.buffers[self.current]) as whole:
-                    _pwrite_all(self.fd, whole[:rest], self.offset)
+                    pwrite_all(self.fd, whole[:rest], self.offset)
                 self.offset += rest
                 self.fill = 0
             if durable:
@@ -452,13 +406,6 @@ def _direct_pool() -> ThreadPoolExecutor:
     return pool
 
 
-def _pwrite_all(fd: int, view: memoryview, offset: int) -> None:
-    while view.nbytes:
-        n = os.pwrite(fd, view, offset)
-        view = view[n:]
-        offset += n
-
-
 class _Cursor:
     """A stream's open part file: the shard it is in, examples written, digest so far."""
 
@@ -471,12 +418,9 @@ class _Cursor:
         is_shard = path.name.startswith("acts")
         # O_DIRECT only pays for files of at least one block; small files stay buffered.
         self.file = _SequentialFile(path, direct=is_shard and expected_nbytes >= DIRECT_BLOCK)
-        if is_shard:
-            try:
-                fcntl.flock(self.file.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
-            except OSError as err:
-                self.file.abandon()
-                raise WriterBusyError(f"{path} is being written by another process") from err
+        if is_shard and not try_flock(self.file.fileno()):
+            self.file.abandon()
+            raise WriterBusyError(f"{path} is being written by another process")
 
     def write(self, data: bytes | npt.NDArray[Any]) -> None:
         view = _byte_view(data)
@@ -642,25 +586,23 @@ class ShardWriter:
         self.staging.mkdir(exist_ok=True)
         self._lock_fd = os.open(self.staging / LOCK_FILE, os.O_RDWR | os.O_CREAT, 0o644)
         single = self.world_size == 1
-        try:
-            fcntl.flock(self._lock_fd, (fcntl.LOCK_EX if single else fcntl.LOCK_SH) | fcntl.LOCK_NB)
-        except OSError as err:
+        if not try_flock(self._lock_fd, shared=not single):
             os.close(self._lock_fd)
             self._lock_fd = None
             raise WriterBusyError(
                 f"{self.staging} is locked by another writer" + ("" if single else " that is finalizing")
-            ) from err
+            )
         expected = pretty_json(self.md.to_dict())
         md_path = self.staging / METADATA_FILE
         if single and not resume:
             for entry in os.scandir(self.staging):
                 if entry.name != LOCK_FILE:
-                    _remove(Path(entry.path))
+                    remove_path(Path(entry.path))
         elif not resume:
             for k in self.shards:
                 for name in os.listdir(self.staging):
                     if name.startswith((f"part{k:06d}.", shard_name(k))):
-                        _remove(self.staging / name)
+                        remove_path(self.staging / name)
         if md_path.exists():
             if md_path.read_bytes() != expected:
                 raise WriterError(f"{md_path} does not match this writer's metadata; remove {self.staging}")
@@ -1049,14 +991,6 @@ def _to_numpy(x: Any) -> npt.NDArray[Any]:
     return np.asarray(x)
 
 
-def _remove(path: Path) -> None:
-    if path.is_dir() and not path.is_symlink():
-        shutil.rmtree(path)
-    else:
-        with contextlib.suppress(FileNotFoundError):
-            path.unlink()
-
-
 # --------------------------------------------------------------------------------------
 # finalize and publish
 
@@ -1086,11 +1020,9 @@ def finalize(
     lock_fd = _lock_fd
     if own_lock:
         lock_fd = os.open(staging / LOCK_FILE, os.O_RDWR | os.O_CREAT, 0o644)
-        try:
-            fcntl.flock(lock_fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except OSError as err:
+        if not try_flock(lock_fd):
             os.close(lock_fd)
-            raise WriterBusyError(f"{staging}: writers are still running; finalize after they close") from err
+            raise WriterBusyError(f"{staging}: writers are still running; finalize after they close")
     try:
         return _finalize_locked(root, md, staging, final, verify, durable)
     finally:
@@ -1174,20 +1106,9 @@ def _finalize_locked(root: Path, md: Metadata, staging: Path, final: Path, verif
     # Remove the staging-only files, freeze, publish with one rename.
     for name in os.listdir(staging):
         if name.startswith("part") or name == LOCK_FILE or name.endswith(".tmp"):
-            _remove(staging / name)
-    for name in os.listdir(staging):
-        os.chmod(staging / name, stat.S_IRUSR | stat.S_IRGRP | stat.S_IROTH)
-    if durable:
-        fsync_dir(staging)
-    try:
-        os.rename(staging, final)
-    except OSError as err:
-        if err.errno in (errno.EEXIST, errno.ENOTEMPTY):
-            raise AlreadyPublishedError(f"{final} was published by someone else meanwhile") from err
-        raise
-    os.chmod(final, 0o555)  # noqa: S103 - published caches are world-readable and immutable
-    if durable:
-        fsync_dir(root)
+            remove_path(staging / name)
+    if not publish_dir(staging, final, durable):
+        raise AlreadyPublishedError(f"{final} was published by someone else meanwhile")
     return final
 
 
@@ -1196,16 +1117,11 @@ def _join(staging: Path, md: Metadata, key: str, name: str, durable: bool) -> tu
     h = xxhash.xxh3_128()
     total = 0
     out_path = staging / name
+    buffer = memoryview(bytearray(IO_CHUNK))
     with open(out_path, "wb", buffering=0) as out:
         for k in range(md.n_shards):
             with open(staging / part_file(k, key), "rb", buffering=0) as f:
-                while True:
-                    chunk = f.read(IO_CHUNK)
-                    if not chunk:
-                        break
-                    _write_all(out, memoryview(chunk))
-                    h.update(chunk)
-                    total += len(chunk)
+                total += stream(f, out, h, buffer=buffer)
         if durable:
             os.fsync(out.fileno())
     return total, h.hexdigest()
