@@ -60,7 +60,8 @@ import xxhash
 
 from . import corpus as corpus_mod
 from .errors import AlreadyPublishedError, ConfigError, ShardsError, WriterBusyError, WriterError
-from .format import COLUMN_DTYPES, DTYPES_BY_PROTOCOL, FIELD_NAME_RE, PROTOCOL
+from .fileio import check_free_space
+from .format import COLUMN_DTYPES, DTYPES_BY_PROTOCOL, FIELD_NAME_RE, MANIFEST_FILE, PROTOCOL
 from .metadata import Metadata
 from .progress import Progress
 from .reader import Shards
@@ -660,6 +661,7 @@ def dump(
     finalize_when_done: bool = True,
     progress: bool | None = None,
     durable: bool = True,
+    check_space: bool = True,
     log: Callable[[str], None] | None = None,
 ) -> Path | None:
     """Record the activations of ``config`` into ``root/<hash>``; return its path once published.
@@ -669,6 +671,10 @@ def dump(
     Resumes from sealed shards unless ``restart``. With several writers, each rank writes
     its shards and then tries to publish: the last one to finish succeeds and returns the
     path; the others return None. Already published: returns the path at once.
+
+    Before loading the model, ``check_space`` refuses with `DiskFullError` when this
+    writer's remaining bytes (`space_needed`) exceed the free space under ``root``; pass
+    ``check_space=False`` (``--no-space-check``) if you know better.
     """
     say = log or _print
     # The hash first (no weights needed for Hugging Face folders): a published cache is done.
@@ -680,9 +686,14 @@ def dump(
     if final.exists():
         say(f"already published: {final}")
         return final
+    rank, world_size = world_from_env(rank, world_size)
+    if check_space:
+        share = rank_shards(md.n_shards, rank, world_size)
+        what = f"dumping shards [{share.start}, {share.stop}) of {md.n_shards}"
+        needed = space_needed(the_plan, out_root, rank, world_size, restart=restart)
+        check_free_space(out_root, needed, what, "pass --no-space-check (check_space=False)")
     if the_plan.loaded.model is None:
         the_plan = dataclasses.replace(the_plan, loaded=load_model(cfg))
-    rank, world_size = world_from_env(rank, world_size)
     import torch
 
     from .recorder import AsyncWriter, Recorder
@@ -772,9 +783,39 @@ def try_finalize(root: Path, md: Metadata, *, say: Callable[[str], None] = print
 
 
 def sealed_shards(root: Path, md: Metadata) -> list[int]:
-    """Shards whose part record exists in staging (sealed, not re-verified)."""
+    """Shards whose part record exists in staging (sealed, not re-verified); all of them
+    once finalizing has written shards.json there (it then removes the part records)."""
     staging = staging_dir(root, md)
+    if (staging / MANIFEST_FILE).exists():
+        return list(range(md.n_shards))
     return [k for k in range(md.n_shards) if (staging / part_record(k)).exists()]
+
+
+def _column_bytes_per_example(the_plan: Plan) -> int:
+    return sum(np.dtype(dt).itemsize * math.prod(shape) for dt, shape in the_plan.columns.values())
+
+
+def _text_bytes(examples: Sequence[corpus_mod.Example]) -> int:
+    """A lower bound of the text stored for ``examples`` (their ids and texts)."""
+    return sum(len(ex.text) + len(ex.id) for ex in examples)
+
+
+def space_needed(the_plan: Plan, root: Path, rank: int, world_size: int, *, restart: bool = False) -> int:
+    """Bytes writer ``rank`` of ``world_size`` still has to write under ``root``: its shards
+    not yet sealed with their columns and text, plus the joined columns and text of the
+    whole cache (finalizing writes them while the parts still exist). Text counts as a
+    lower bound (ids and texts); the manifest and statistics are small and not counted."""
+    md = the_plan.metadata
+    eps = md.examples_per_shard
+    per_example = _column_bytes_per_example(the_plan)
+    examples = the_plan.corpus.examples
+    sealed = set() if restart else set(sealed_shards(root, md))
+    needed = md.n_examples * per_example + _text_bytes(examples)
+    for k in rank_shards(md.n_shards, rank, world_size):
+        if k not in sealed:
+            a, b = k * eps, min((k + 1) * eps, md.n_examples)
+            needed += md.shard_nbytes(k) + (b - a) * per_example + _text_bytes(examples[a:b])
+    return needed
 
 
 def truncation(shards: Shards) -> dict[str, Any]:
@@ -816,9 +857,8 @@ def truncation_line(shards: Shards) -> str:
 def describe(the_plan: Plan, root: Path, rank: int, world_size: int) -> str:
     """The ``--dry-run`` report: hash, shards, bytes, this writer's share, and the state on disk."""
     md = the_plan.metadata
-    cols = the_plan.columns
-    col_bytes = sum(md.n_examples * np.dtype(dt).itemsize * math.prod(shape) for dt, shape in cols.values())
-    text_bytes = sum(len(ex.text) + len(ex.id) for ex in the_plan.corpus.examples)  # a lower bound
+    col_bytes = md.n_examples * _column_bytes_per_example(the_plan)
+    text_bytes = _text_bytes(the_plan.corpus.examples)  # a lower bound
     share = rank_shards(md.n_shards, rank, world_size)
     eps = md.examples_per_shard
     final = root / md.hash
@@ -877,6 +917,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--finalize", action="store_true", help="only check every shard, write the manifest and publish"
     )
     parser.add_argument("--device", help="override the config's device (auto, cpu, cuda, cuda:1, ...)")
+    parser.add_argument(
+        "--no-space-check",
+        action="store_true",
+        help="start even if the free space under the root looks too small for this writer's share",
+    )
     bar = parser.add_mutually_exclusive_group()
     bar.add_argument("--progress", dest="progress", action="store_true", default=None, help="always show progress")
     bar.add_argument("--no-progress", dest="progress", action="store_false", help="never show progress")
@@ -908,6 +953,7 @@ def run(args: argparse.Namespace) -> int:
             restart=args.restart,
             finalize_when_done=not args.no_finalize,
             progress=args.progress,
+            check_space=not args.no_space_check,
         )
         return 0 if path is not None or world_size > 1 else 1
     except KeyboardInterrupt:

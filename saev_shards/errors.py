@@ -11,6 +11,9 @@ the message names every file involved by its absolute path.
 
 from __future__ import annotations
 
+import errno
+import functools
+import os
 from collections.abc import Iterable, Sequence
 
 
@@ -194,3 +197,36 @@ _KIND_ORDER: dict[type[InvalidCacheError], int] = {
     FileSizeError: 5,
     ChecksumMismatchError: 6,
 }
+
+
+class DiskFullError(ShardsError, OSError):
+    """Raised when a file cannot be written for lack of space (ENOSPC, EDQUOT), or when a
+    dump or a stage would not fit; names the file or folder and the bytes needed and free.
+
+    Also an `OSError` with ``errno`` ENOSPC (or EDQUOT) and ``filename`` set, so handlers of
+    the system error keep working.
+    """
+
+    def __init__(
+        self,
+        message: str,
+        *,
+        path: str | None = None,
+        needed: int | None = None,
+        free: int | None = None,
+        err_no: int = errno.ENOSPC,
+    ) -> None:
+        super().__init__(message)
+        self.message = message
+        self.errno = err_no
+        self.strerror = os.strerror(err_no)
+        self.filename = path
+        self.needed = needed
+        self.free = free
+
+    def __str__(self) -> str:
+        return self.message  # OSError's "[Errno 28] ..." form would hide the message
+
+    def __reduce__(self) -> tuple[object, tuple[str]]:  # errno and filename survive pickling
+        fields = {"path": self.filename, "needed": self.needed, "free": self.free, "err_no": self.errno}
+        return functools.partial(DiskFullError, **fields), (self.message,)

@@ -2,32 +2,54 @@
 
 Durable small files (`write_file_atomic`, `fsync_dir`), streaming copies and digests in
 large sequential chunks (`stream`, `hash_file`), exact positional reads and writes
-(`pread_exact`, `pwrite_all`), advisory locks (`try_flock`) and publishing a finished
-directory under its final name (`publish_dir`). Nothing here knows about caches: the
-protocol's rules live in the modules that call these.
+(`pread_exact`, `pwrite_all`), advisory locks (`try_flock`, `take_lock`), publishing a
+finished directory under its final name after checking exactly what it holds
+(`publish_dir`), disk-full errors that name the file (`naming_disk_full`,
+`check_free_space`) and the named points where tests stop or pause a process
+(`fault_point`). Nothing here knows about caches: the protocol's rules live in the
+modules that call these.
 """
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import fcntl
 import os
 import shutil
 import stat
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 from typing import Any, Protocol
 
 import xxhash
 
-from .errors import FileSizeError
+from .errors import DiskFullError, FileSizeError, WriterError
 
 #: Bytes per read when hashing or copying files: large sequential I/O.
 IO_CHUNK = 8 << 20
 #: Modes of a published cache: files read-only for everyone, the folder read-only and listable.
 READ_ONLY_FILE = stat.S_IRUSR | stat.S_IRGRP | stat.S_IROTH  # 0444
 READ_ONLY_DIR = 0o555
+#: Errors that mean "no room for these bytes": the filesystem is full, or the user's quota is.
+DISK_FULL_ERRNOS = frozenset({errno.ENOSPC, errno.EDQUOT})
+#: Set to 1 to skip the up-front free-space checks of dump and stage (`check_free_space`).
+NO_SPACE_CHECK_ENV = "SAEV_SHARDS_NO_SPACE_CHECK"
+
+#: Test-only: called as ``fault_hook(name, index)`` at every `fault_point`, to kill or
+#: pause the process there (the crash and race suites). None in normal use.
+fault_hook: Callable[[str, int], None] | None = None
+
+
+def fault_point(name: str, index: int = -1) -> None:
+    """A named step of writing or publishing (``index``: the shard or file it concerns).
+
+    Does nothing unless a test has set `fault_hook`; the points sit at shard granularity
+    or coarser, so they cost nothing measurable.
+    """
+    if fault_hook is not None:
+        fault_hook(name, index)
 
 
 class _Hasher(Protocol):
@@ -43,17 +65,22 @@ def fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
-def write_file_atomic(path: Path, data: bytes, durable: bool = True) -> None:
-    """Write ``data`` to ``path`` via a temporary name in the same folder and a rename."""
+def write_file_atomic(path: Path, data: bytes, durable: bool = True, *, note: str = "") -> None:
+    """Write ``data`` to ``path`` via a temporary name in the same folder and a rename.
+
+    A full disk raises `DiskFullError` naming ``path`` (``note`` appended: what to do about
+    it) and leaves no temporary file.
+    """
     # A unique temporary name: several writers may race to create the same file.
     tmp = path.with_name(f"{path.name}.{os.getpid()}.{threading.get_ident()}.tmp")
     try:
-        with open(tmp, "wb") as f:
-            f.write(data)
-            if durable:
-                f.flush()
-                os.fsync(f.fileno())
-        os.replace(tmp, path)
+        with naming_disk_full(path, len(data), note):
+            with open(tmp, "wb") as f:
+                f.write(data)
+                if durable:
+                    f.flush()
+                    os.fsync(f.fileno())
+            os.replace(tmp, path)
     except BaseException:
         with _suppress_os_errors():
             os.unlink(tmp)
@@ -135,36 +162,107 @@ def try_flock(fd: int, *, shared: bool = False) -> bool:
     return True
 
 
+def take_lock(path: Path, *, shared: bool = False, directory: bool = False) -> int | None:
+    """Lock ``path`` with ``flock`` without waiting: its open fd, or None if another process holds it.
+
+    ``path`` is a lock file (created if missing) or, with ``directory``, a folder (created if
+    missing). Whoever holds the lock exclusively may delete ``path`` before releasing it;
+    so after locking, this checks that ``path`` still names what was locked, and otherwise
+    starts over with whatever is there now. A lock returned here therefore belongs to the
+    file or folder at ``path``, which nobody else can delete until it is released.
+    """
+    while True:
+        if directory:
+            os.makedirs(path, exist_ok=True)
+            try:
+                fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
+            except FileNotFoundError:  # deleted by its holder between the two calls
+                continue
+        else:
+            fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            if not try_flock(fd, shared=shared):
+                os.close(fd)
+                return None
+            locked = os.fstat(fd)
+            try:
+                now = os.stat(path)
+            except FileNotFoundError:
+                now = None
+        except BaseException:
+            os.close(fd)
+            raise
+        if now is not None and (now.st_dev, now.st_ino) == (locked.st_dev, locked.st_ino):
+            return fd
+        os.close(fd)  # deleted or replaced while we waited: lock what is there now
+
+
 def freeze(folder: Path) -> None:
     """Make every entry of ``folder`` read-only (0444); the folder itself is left writable."""
     for entry in os.scandir(folder):
         os.chmod(entry.path, READ_ONLY_FILE, follow_symlinks=False)
 
 
-def publish_dir(staging: Path, final: Path, durable: bool = True) -> bool:
-    """Freeze ``staging``, rename it to ``final`` and make that read-only (0555).
+def check_listing(folder: Path, expected: Mapping[str, int]) -> list[str]:
+    """Problems with ``folder`` holding exactly ``expected`` (name -> size) as regular files."""
+    problems = []
+    found: dict[str, os.stat_result] = {}
+    for entry in os.scandir(folder):
+        found[entry.name] = entry.stat(follow_symlinks=False)
+    for name, size in sorted(expected.items()):
+        st = found.get(name)
+        if st is None:
+            problems.append(f"{folder / name}: missing")
+        elif not stat.S_ISREG(st.st_mode):
+            problems.append(f"{folder / name}: expected a regular file, found {stat.filemode(st.st_mode)}")
+        elif st.st_size != size:
+            problems.append(f"{folder / name}: expected {size} bytes, found {st.st_size}")
+    problems.extend(f"{folder / name}: not expected here" for name in sorted(found.keys() - expected.keys()))
+    return problems
 
+
+def publish_dir(staging: Path, final: Path, durable: bool = True, *, expected: Mapping[str, int]) -> bool:
+    """Check, freeze and rename ``staging`` to ``final``, read-only (files 0444, folder 0555).
+
+    ``staging`` must hold exactly the regular files ``expected`` lists (name -> size), and
+    nothing else; otherwise `WriterError` lists every difference and nothing is renamed.
+    The rename is the last step: whatever is at ``final`` is complete and read-only.
     Returns False, renaming nothing, when ``final`` already exists (someone else published
     the same name meanwhile); the caller decides whether that is an error.
     """
+    problems = check_listing(staging, expected)
+    if problems:
+        raise WriterError(f"{staging}: refusing to publish it as {final}:\n  " + "\n  ".join(problems[:50]))
+    fault_point("publish-checked")
     freeze(staging)
+    # Linux renames a read-only folder within one parent (only moving it to another
+    # parent needs write permission on it, to update ".."), so it is frozen beforehand.
+    os.chmod(staging, READ_ONLY_DIR)
     if durable:
         fsync_dir(staging)
+    fault_point("publish-frozen")
     try:
         os.rename(staging, final)
     except OSError as err:
         if err.errno in (errno.EEXIST, errno.ENOTEMPTY):
             return False
         raise
-    os.chmod(final, READ_ONLY_DIR)
+    fault_point("published")
     if durable:
         fsync_dir(final.parent)
     return True
 
 
+def make_owner_writable(folder: Path) -> None:
+    """Give ``folder`` itself back its owner's write permission (to add or delete entries)."""
+    mode = stat.S_IMODE(os.lstat(folder).st_mode)
+    if mode & stat.S_IRWXU != stat.S_IRWXU:
+        os.chmod(folder, mode | stat.S_IRWXU)
+
+
 def make_writable(folder: Path) -> None:
     """Undo a published folder's read-only modes (0555 folder, 0444 files) for its owner."""
-    os.chmod(folder, stat.S_IMODE(os.lstat(folder).st_mode) | stat.S_IRWXU)
+    make_owner_writable(folder)
     for entry in os.scandir(folder):
         if entry.is_file(follow_symlinks=False):
             mode = stat.S_IMODE(entry.stat(follow_symlinks=False).st_mode)
@@ -178,6 +276,71 @@ def remove_path(path: Path) -> None:
     else:
         with _suppress_os_errors(errno.ENOENT):
             path.unlink()
+
+
+def free_bytes(path: Path) -> int | None:
+    """Bytes an unprivileged user may still write on the filesystem holding ``path`` (or
+    its nearest existing parent); None if the filesystem does not say."""
+    path = Path(path).absolute()
+    while not path.exists() and path != path.parent:
+        path = path.parent
+    try:
+        st = os.statvfs(path)
+    except OSError:
+        return None
+    return st.f_bavail * st.f_frsize
+
+
+def disk_full_error(
+    path: Path, needed: int | None, err_no: int = errno.ENOSPC, note: str = "", *, at_least: bool = False
+) -> DiskFullError:
+    """The `DiskFullError` for ``path``: the bytes it needs in all (``at_least``: a lower
+    bound, for files whose size is known only at the end), what is free, and ``note``."""
+    free = free_bytes(path)
+    what = "disk quota exceeded" if err_no == errno.EDQUOT else "no space left on device"
+    if needed is None:
+        need = "its size is not known in advance"
+    else:
+        need = f"it needs at least {needed:,} bytes" if at_least else f"it needs {needed:,} bytes in all"
+    have = f"found {free:,} free on its filesystem" if free is not None else "free space unknown"
+    message = f"{path}: {what} while writing it: {need}, {have}{note}"
+    return DiskFullError(message, path=str(path), needed=needed, free=free, err_no=err_no)
+
+
+@contextlib.contextmanager
+def naming_disk_full(
+    path: Path, needed: int | None = None, note: str = "", *, at_least: bool = False
+) -> Iterator[None]:
+    """Turn a full disk (ENOSPC, EDQUOT) inside the block into `DiskFullError` naming ``path``
+    (arguments as for `disk_full_error`)."""
+    try:
+        yield
+    except DiskFullError:
+        raise
+    except OSError as err:
+        if err.errno not in DISK_FULL_ERRNOS:
+            raise
+        raise disk_full_error(path, needed, err.errno, note, at_least=at_least) from err
+
+
+def check_free_space(folder: Path, needed: int, what: str, override: str) -> None:
+    """Refuse, before anything is written, to write ``needed`` bytes into ``folder`` when
+    fewer are free: `DiskFullError` naming ``what``, both sizes and ``override`` (how to
+    skip the check). Skipped when the filesystem reports no sizes or when
+    ``$SAEV_SHARDS_NO_SPACE_CHECK`` is 1."""
+    if os.environ.get(NO_SPACE_CHECK_ENV, "") == "1":
+        return
+    free = free_bytes(folder)
+    if free is None or needed <= free:
+        return
+    raise DiskFullError(
+        f"{folder}: {what} needs {needed:,} bytes, found {free:,} free on its filesystem; nothing was "
+        f"written. Free some space or choose another folder; if you know it fits (e.g. the filesystem "
+        f"compresses), {override} or set {NO_SPACE_CHECK_ENV}=1",
+        path=str(folder),
+        needed=needed,
+        free=free,
+    )
 
 
 class _suppress_os_errors:

@@ -50,7 +50,18 @@ from .errors import (
     UnknownCacheError,
     WriterBusyError,
 )
-from .fileio import IO_CHUNK, hash_file, make_writable, publish_dir, stream, try_flock, write_file_atomic
+from .fileio import (
+    IO_CHUNK,
+    check_free_space,
+    fault_point,
+    hash_file,
+    make_writable,
+    naming_disk_full,
+    publish_dir,
+    stream,
+    take_lock,
+    write_file_atomic,
+)
 from .format import (
     CHECKSUMS_FILE,
     HASH_RE,
@@ -281,9 +292,15 @@ def list_caches(root: PathLike) -> list[CacheEntry]:
 
 
 def list_unpublished(root: PathLike) -> list[Path]:
-    """Staging directories and partial copies in ``root``: being written, or interrupted."""
+    """Staging directories and partial copies in ``root``: being written, or interrupted.
+
+    Their lock files (``.staging-<hash>.lock``, beside them) are not listed."""
     base = Path(root).absolute()
-    return sorted(base / e.name for e in _scan(base) if e.name.startswith((STAGING_PREFIX, COPY_PREFIX)))
+    return sorted(
+        base / e.name
+        for e in _scan(base)
+        if e.name.startswith((STAGING_PREFIX, COPY_PREFIX)) and e.is_dir(follow_symlinks=False)
+    )
 
 
 def _read_metadata(path: Path) -> Metadata | None:
@@ -352,10 +369,13 @@ def stage(
     progress: bool | None = False,
     on_bytes: Callable[[int], None] | None = None,
     durable: bool = True,
+    check_space: bool = True,
 ) -> reader.Shards:
     """Copy the cache ``ref`` names into ``dest`` (see `stage_root`) with every checksum
     verified, and open the local copy. See `copy_cache` for the details."""
-    report = copy_cache(ref, dest, roots=roots, progress=progress, on_bytes=on_bytes, durable=durable)
+    report = copy_cache(
+        ref, dest, roots=roots, progress=progress, on_bytes=on_bytes, durable=durable, check_space=check_space
+    )
     return open_quietly(report.path)
 
 
@@ -374,6 +394,7 @@ def copy_cache(
     progress: bool | None = False,
     on_bytes: Callable[[int], None] | None = None,
     durable: bool = True,
+    check_space: bool = True,
 ) -> StageReport:
     """Copy a cache to ``<dest>/<hash>``: verified, atomic and resumable.
 
@@ -386,6 +407,11 @@ def copy_cache(
     fails verification is copied again. A published local copy that no longer opens
     (a scratch purge deleted files) is repaired the same way. A source whose bytes do not
     match its own manifest raises `ChecksumMismatchError` naming the source file.
+
+    Before copying anything, ``check_space`` refuses with `DiskFullError` when the bytes
+    still to copy exceed the free space of ``dest``'s filesystem (skip the check with
+    ``check_space=False`` or ``SAEV_SHARDS_NO_SPACE_CHECK=1``); a disk that fills up anyway
+    raises `DiskFullError` naming the file, and running again after freeing space resumes.
     """
     source = reader.open(resolve(ref, roots))
     name = source.path.name
@@ -410,30 +436,28 @@ def copy_cache(
             else:
                 os.rename(final, partial)
             report.repaired = True
-    partial.mkdir(exist_ok=True)
-    lock_fd = os.open(partial, os.O_RDONLY | os.O_DIRECTORY)
+    files = _files_to_copy(source)
+    if check_space:  # before anything is written
+        check_free_space(base, _bytes_missing(partial, files), f"staging {source.path}", "pass check_space=False")
+    # The lock is the partial folder itself (local disk), which its holder removes or
+    # renames: take_lock makes sure we hold the folder that is at that name now.
+    lock_fd = take_lock(partial, directory=True)
+    if lock_fd is None:
+        raise WriterBusyError(f"{partial}: another process is copying this cache")
     try:
-        if not try_flock(lock_fd):
-            raise WriterBusyError(f"{partial}: another process is copying this cache")
         if final.exists():  # another process finished while we waited for the folder
             remove(partial)
             report.already_staged = True
             return report
-        _copy_files(source, partial, report, progress, on_bytes, durable)
-        _publish(source, partial, final, durable)
+        expected = _copy_files(source, files, partial, report, progress, on_bytes, durable)
+        _publish(source, partial, final, durable, expected)
     finally:
         os.close(lock_fd)
     return report
 
 
-def _copy_files(
-    source: reader.Shards,
-    partial: Path,
-    report: StageReport,
-    progress: bool | None,
-    on_bytes: Callable[[int], None] | None,
-    durable: bool,
-) -> None:
+def _files_to_copy(source: reader.Shards) -> list[tuple[str, int, str | None]]:
+    """``(name, nbytes, xxh3_128 or None)`` of every data file a copy of ``source`` holds."""
     files: list[tuple[str, int, str | None]] = list(source.manifest.files())
     if source.metadata.protocol == LEGACY_PROTOCOL:
         # The reference writer's trailing empty shard: ignored when reading, but listed in
@@ -444,6 +468,28 @@ def _copy_files(
             for e in sorted(_scan(source.path), key=lambda e: e.name)
             if SHARD_NAME_RE.fullmatch(e.name) and e.name not in listed
         ]
+    return files
+
+
+def _bytes_missing(partial: Path, files: list[tuple[str, int, str | None]]) -> int:
+    """Bytes a copy into ``partial`` still has to write (files there count as done so far)."""
+    missing = 0
+    for fname, nbytes, _ in files:
+        have = _size(partial / fname)
+        missing += nbytes - have if 0 <= have <= nbytes else nbytes
+    return missing
+
+
+def _copy_files(
+    source: reader.Shards,
+    files: list[tuple[str, int, str | None]],
+    partial: Path,
+    report: StageReport,
+    progress: bool | None,
+    on_bytes: Callable[[int], None] | None,
+    durable: bool,
+) -> dict[str, int]:
+    """Copy ``files`` and the JSON files into ``partial``; returns what it then holds (name -> size)."""
     total = sum(n for _, n, _ in files)
     with Progress(total, f"stage {source.path.name[:12]}", enabled=progress) as bar:
 
@@ -468,18 +514,21 @@ def _copy_files(
             _copy_file(src, dst, nbytes, digest, tick, 0, durable)
             report.copied_files += 1
             report.copied_bytes += nbytes
+    expected = {fname: nbytes for fname, nbytes, _ in files}
     # The small JSON files go last: their presence never suggests the data is complete.
     for fname in (METADATA_FILE, MANIFEST_FILE, CHECKSUMS_FILE):
         src = source.path / fname
         if src.exists() or fname != CHECKSUMS_FILE:
-            write_file_atomic(partial / fname, src.read_bytes(), durable)
-    keep = {f for f, _, _ in files} | {METADATA_FILE, MANIFEST_FILE, CHECKSUMS_FILE}
+            data = src.read_bytes()
+            write_file_atomic(partial / fname, data, durable)
+            expected[fname] = len(data)
     for e in _scan(partial):
-        if e.name not in keep:  # leftovers, e.g. a temporary file from an interrupted write
+        if e.name not in expected:  # leftovers, e.g. a temporary file from an interrupted write
             if e.is_dir(follow_symlinks=False):
                 shutil.rmtree(e.path)
             else:
                 os.unlink(e.path)
+    return expected
 
 
 def _resume_file(
@@ -537,7 +586,8 @@ def _copy_file(
     checking the size and, if given, the xxh3_128 digest of the whole file."""
     h = xxhash.xxh3_128()
     buf = memoryview(bytearray(IO_CHUNK))
-    with open(dst, "r+b" if start else "wb", buffering=0) as out:
+    note = "; what was copied is kept: free some space and stage again to resume"
+    with naming_disk_full(dst, nbytes, note), open(dst, "r+b" if start else "wb", buffering=0) as out:
         if start:
             out.truncate(start)
             stream(out, None, h, tick, buf)
@@ -547,6 +597,7 @@ def _copy_file(
         size = out.tell()
         if durable:
             os.fsync(out.fileno())
+    fault_point("stage-copied")
     if size != nbytes:
         raise FileSizeError(f"{src}: expected {nbytes} bytes, found {size} (the source changed while copying?)")
     found = h.hexdigest()
@@ -560,12 +611,13 @@ def _copy_file(
         )
 
 
-def _publish(source: reader.Shards, partial: Path, final: Path, durable: bool) -> None:
-    """Check the copy opens as the same cache, freeze it and rename it into place."""
+def _publish(source: reader.Shards, partial: Path, final: Path, durable: bool, expected: dict[str, int]) -> None:
+    """Check the copy opens as the same cache and holds exactly ``expected``, freeze it and
+    rename it into place."""
     copy = open_quietly(partial, check_hash=False)
     if copy.metadata.hash != final.name:
         raise HashMismatchError(f"{partial / METADATA_FILE}: expected hash {final.name}, found {copy.metadata.hash}")
-    if not publish_dir(partial, final, durable):
+    if not publish_dir(partial, final, durable, expected=expected):
         remove(partial)  # another process published the same verified copy meanwhile
 
 

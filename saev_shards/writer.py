@@ -12,6 +12,9 @@ How a cache is written (protocol.md section 6):
   last sealed shard. Several writers (``rank``/``world_size``) each write a disjoint,
   contiguous block of shards into the same staging directory; `finalize` checks every
   part record, joins the per-shard parts into the final files and publishes.
+* A lock file beside the staging directory, ``<root>/.staging-<HASH>.lock``, stays valid
+  until the rename is done: a single writer or `finalize` holds it exclusively, each of
+  several writers shares it. Every state a kill can leave resumes (protocol.md section 6).
 * The output is a pure function of the data: the same input gives byte-identical
   files, however it was batched and however many writers produced it.
 """
@@ -21,6 +24,7 @@ from __future__ import annotations
 import collections
 import contextlib
 import errno
+import math
 import mmap
 import os
 import queue
@@ -44,11 +48,16 @@ from .errors import (
 )
 from .fileio import (
     IO_CHUNK,
+    fault_point,
     hash_file,
+    make_owner_writable,
+    make_writable,
+    naming_disk_full,
     publish_dir,
     pwrite_all,
     remove_path,
     stream,
+    take_lock,
     try_flock,
     write_file_atomic,
 )
@@ -68,11 +77,14 @@ from .format import (
     strict_json_loads,
     text_file,
 )
-from .manifest import ArrayEntry, FileEntry, Manifest, ShardEntry, ShardList, TextEntry
+from .manifest import ArrayEntry, FileEntry, Manifest, ShardEntry, ShardList, TextEntry, parse_checksums, parse_manifest
 from .metadata import Metadata
 
 STAGING_PREFIX = ".staging-"
-LOCK_FILE = ".lock"
+#: The lock file of a staging directory sits beside it: ``<root>/.staging-<HASH>.lock``.
+LOCK_SUFFIX = ".lock"
+#: Where older versions kept the lock (inside the staging directory); removed when met.
+OLD_LOCK_FILE = ".lock"
 #: O_DIRECT write size for shard files, and the alignment O_DIRECT needs (offsets, sizes, memory).
 DIRECT_BLOCK = 16 << 20
 DIRECT_ALIGN = 4096
@@ -87,6 +99,16 @@ _STATS_BACKLOG = 2
 def staging_dir(root: Path, md: Metadata) -> Path:
     """Where ``md``'s cache is written before it is published."""
     return Path(root) / f"{STAGING_PREFIX}{md.hash}"
+
+
+def lock_path(root: Path, md: Metadata) -> Path:
+    """The lock file of ``md``'s staging directory (beside it, so a rename never moves it)."""
+    return Path(root) / f"{STAGING_PREFIX}{md.hash}{LOCK_SUFFIX}"
+
+
+def range_lock(shards: range) -> str:
+    """Name of the lock file (inside staging) held by the writer of ``shards`` among several."""
+    return f".shards-{shards.start:06d}-{shards.stop:06d}{LOCK_SUFFIX}"
 
 
 def part_record(k: int) -> str:
@@ -406,27 +428,46 @@ def _direct_pool() -> ThreadPoolExecutor:
     return pool
 
 
+_RESUME_NOTE = "; the shards sealed so far are kept: free some space and resume (ShardWriter(..., resume=True))"
+_FINALIZE_NOTE = "; every shard is sealed and kept: free some space and finalize again (or resume the writer)"
+
+
 class _Cursor:
     """A stream's open part file: the shard it is in, examples written, digest so far."""
 
-    def __init__(self, path: Path, k: int, expected_nbytes: int) -> None:
+    def __init__(self, path: Path, k: int, expected_nbytes: int | None) -> None:
         self.path = path
         self.k = k
         self.count = 0
         self.nbytes = 0
+        self.expected_nbytes = expected_nbytes  # None for text, whose size is known only at the end
         self.hasher = xxhash.xxh3_128()
         is_shard = path.name.startswith("acts")
         # O_DIRECT only pays for files of at least one block; small files stay buffered.
-        self.file = _SequentialFile(path, direct=is_shard and expected_nbytes >= DIRECT_BLOCK)
+        with naming_disk_full(path, expected_nbytes, _RESUME_NOTE):
+            self.file = _SequentialFile(path, direct=is_shard and (expected_nbytes or 0) >= DIRECT_BLOCK)
         if is_shard and not try_flock(self.file.fileno()):
             self.file.abandon()
             raise WriterBusyError(f"{path} is being written by another process")
 
     def write(self, data: bytes | npt.NDArray[Any]) -> None:
         view = _byte_view(data)
-        self.file.write(view)
+        needed, at_least = self._needed(view.nbytes)
+        with naming_disk_full(self.path, needed, _RESUME_NOTE, at_least=at_least):
+            self.file.write(view)
         self.hasher.update(view)
         self.nbytes += view.nbytes
+
+    def close(self, durable: bool) -> None:
+        needed, at_least = self._needed(0)
+        with naming_disk_full(self.path, needed, _RESUME_NOTE, at_least=at_least):
+            self.file.close(durable)
+
+    def _needed(self, pending: int) -> tuple[int, bool]:
+        """``(bytes, is_lower_bound)`` this file needs: its size, or (text) what it has so far."""
+        if self.expected_nbytes is not None:
+            return self.expected_nbytes, False
+        return self.nbytes + pending, True
 
 
 class _Pipeline:
@@ -533,6 +574,9 @@ class ShardWriter:
         self.staging = staging_dir(self.root, md)
         self._closed = False
         self._lock_fd: int | None = None
+        self._range_lock_fd: int | None = None
+        # True when staging already holds this cache finalized (killed before its rename).
+        self._committed = False
         if md.protocol == LEGACY_PROTOCOL and (stats or columns or tuple(text)):
             raise WriterError("protocol 2.1 caches hold activations and labels only; use protocol 3.0")
 
@@ -561,8 +605,6 @@ class ShardWriter:
         self._stats_pending: collections.deque[tuple[int, Future[None]]] = collections.deque()
 
         self.root.mkdir(parents=True, exist_ok=True)
-        if self.path.exists():
-            raise AlreadyPublishedError(f"{self.path} is already published; published caches are immutable")
         self._open_staging(resume)
         self.next_example = self._resume_point() if resume else self.start
         for key in self._specs:
@@ -583,34 +625,70 @@ class ShardWriter:
         return spec
 
     def _open_staging(self, resume: bool) -> None:
-        self.staging.mkdir(exist_ok=True)
-        self._lock_fd = os.open(self.staging / LOCK_FILE, os.O_RDWR | os.O_CREAT, 0o644)
         single = self.world_size == 1
-        if not try_flock(self._lock_fd, shared=not single):
-            os.close(self._lock_fd)
-            self._lock_fd = None
-            raise WriterBusyError(
-                f"{self.staging} is locked by another writer" + ("" if single else " that is finalizing")
-            )
-        expected = pretty_json(self.md.to_dict())
-        md_path = self.staging / METADATA_FILE
-        if single and not resume:
+        busy = f"{self.staging} is locked by another writer" + ("" if single else " that is finalizing")
+        self._lock_fd = _take_writer_lock(self.root, self.md, shared=not single, busy=busy)
+        try:
+            self.staging.mkdir(exist_ok=True)
+            make_owner_writable(self.staging)  # a killed finalize may have frozen it
+            if not single and self.shards:
+                self._range_lock_fd = take_lock(self.staging / range_lock(self.shards))
+                if self._range_lock_fd is None:
+                    raise WriterBusyError(
+                        f"{self.staging}: shards [{self.shards.start}, {self.shards.stop}) are being written by "
+                        "another process (this rank started twice?)"
+                    )
+            commit = _read_commit(self.staging, self.md)
+            if commit is not None:
+                if resume and commit.derived == self._derived_files():
+                    self._committed = True  # finalized but not renamed: nothing left to write
+                else:
+                    _unfinalize(self.staging)  # back to part records (restart, or other streams)
+            self._clear_staging(single, resume)
+            expected = pretty_json(self.md.to_dict())
+            md_path = self.staging / METADATA_FILE
+            if md_path.exists():
+                if md_path.read_bytes() != expected:
+                    raise WriterError(f"{md_path} does not match this writer's metadata; remove {self.staging}")
+            else:
+                write_file_atomic(md_path, expected, self.durable)
+            fault_point("writer-ready")
+        except BaseException:
+            self._release_lock()
+            raise
+
+    def _clear_staging(self, single: bool, resume: bool) -> None:
+        """Without ``resume``: remove what earlier runs left (a single writer: everything;
+        one of several: its own shards)."""
+        if resume:
+            return
+        if single:
             for entry in os.scandir(self.staging):
-                if entry.name != LOCK_FILE:
-                    remove_path(Path(entry.path))
-        elif not resume:
-            for k in self.shards:
-                for name in os.listdir(self.staging):
-                    if name.startswith((f"part{k:06d}.", shard_name(k))):
-                        remove_path(self.staging / name)
-        if md_path.exists():
-            if md_path.read_bytes() != expected:
-                raise WriterError(f"{md_path} does not match this writer's metadata; remove {self.staging}")
-        else:
-            write_file_atomic(md_path, expected, self.durable)
+                remove_path(Path(entry.path))
+            return
+        own = tuple(f"part{k:06d}." for k in self.shards) + tuple(shard_name(k) for k in self.shards)
+        for name in os.listdir(self.staging):
+            if name.startswith(own):
+                remove_path(self.staging / name)
+
+    def _derived_files(self) -> dict[str, str]:
+        """The files besides shards that finalizing this writer's streams makes: name -> how
+        (a dtype and shape, for comparison with a finalized staging directory's manifest)."""
+        out: dict[str, str] = {}
+        for key, spec in self._specs.items():
+            if key == "acts":
+                continue
+            kind, _, name = key.partition(".")
+            fname = LABELS_FILE if key == "labels" else column_file(name) if kind == "column" else text_file(name)
+            out[fname] = "" if spec.dtype is None else f"{spec.dtype.str} {list(spec.tail)}"
+        if self.stats_enabled:
+            out[STATS_FILE] = ""
+        return out
 
     def _resume_point(self) -> int:
         """First example of this rank's first shard without a valid part record."""
+        if self._committed:
+            return self.stop
         for k in self.shards:
             record = self._load_record(k)
             if record is None or set(record["streams"]) != set(self._specs) - {"acts"}:
@@ -814,11 +892,16 @@ class ShardWriter:
         self._pipeline.check()
 
     # -- I/O thread -------------------------------------------------------------------
-    def _cursor(self, key: str, example: int) -> _Cursor:
+    def _cursor(self, key: str, example: int, spec: _StreamSpec | None = None) -> _Cursor:
         k = example // self.md.examples_per_shard
         cur = self._cursors.get(key)
         if cur is None:
-            expected = self.md.shard_nbytes(k) if key == "acts" else 0
+            # Bytes of the complete part (for O_DIRECT and disk-full messages); None for text.
+            expected = None
+            if key == "acts":
+                expected = self.md.shard_nbytes(k)
+            elif spec is not None and spec.dtype is not None:
+                expected = self.md.shard_n_examples(k) * spec.dtype.itemsize * math.prod(spec.tail)
             cur = _Cursor(self.staging / part_file(k, key), k, expected)
             self._cursors[key] = cur
         return cur
@@ -845,7 +928,7 @@ class ShardWriter:
     def _io_array(self, spec: _StreamSpec, arr: npt.NDArray[Any], first: int) -> None:
         pos = 0
         while pos < arr.shape[0]:
-            cur = self._cursor(spec.key, first + pos)
+            cur = self._cursor(spec.key, first + pos, spec)
             room = self.md.shard_n_examples(cur.k) - cur.count
             piece = arr[pos : pos + room]
             cur.write(piece)
@@ -857,7 +940,7 @@ class ShardWriter:
     def _io_text(self, spec: _StreamSpec, lines: list[bytes], first: int) -> None:
         pos = 0
         while pos < len(lines):
-            cur = self._cursor(spec.key, first + pos)
+            cur = self._cursor(spec.key, first + pos, spec)
             room = self.md.shard_n_examples(cur.k) - cur.count
             piece = lines[pos : pos + room]
             cur.write(b"".join(piece))
@@ -878,8 +961,9 @@ class ShardWriter:
         # files are joined into fresh files that finalize fsyncs, and a resumed writer
         # re-verifies every sealed part against its record, so losing an unsynced part or
         # record to a crash costs a rewrite, never a wrong cache.
-        cur.file.close(self.durable and key == "acts")
+        cur.close(self.durable and key == "acts")
         del self._cursors[key]
+        fault_point("shard-written" if key == "acts" else "part-written", cur.k)
         self._done.setdefault(cur.k, {})[key] = {"nbytes": cur.nbytes, "xxh3_128": cur.hasher.hexdigest(), **extra}
         self._maybe_seal(cur.k)
 
@@ -897,7 +981,9 @@ class ShardWriter:
             "streams": {key: done[key] for key in sorted(self._io_keys) if key != "acts"},
             "stats": stats.to_json() if stats is not None else None,
         }
-        write_file_atomic(self.staging / part_record(k), orjson.dumps(record), durable=False)  # see _finish_part
+        record_path = self.staging / part_record(k)
+        write_file_atomic(record_path, orjson.dumps(record), durable=False, note=_RESUME_NOTE)  # see _finish_part
+        fault_point("record-written", k)
 
     # -- closing ----------------------------------------------------------------------
     def close(self) -> Path | None:
@@ -953,10 +1039,11 @@ class ShardWriter:
             self._release_lock()
 
     def _release_lock(self) -> None:
-        if getattr(self, "_lock_fd", None) is not None:
-            assert self._lock_fd is not None
-            os.close(self._lock_fd)
-            self._lock_fd = None
+        for attr in ("_range_lock_fd", "_lock_fd"):  # the range lock is only held under the other
+            fd = getattr(self, attr, None)
+            if fd is not None:
+                os.close(fd)
+                setattr(self, attr, None)
 
     def __enter__(self) -> ShardWriter:
         return self
@@ -993,6 +1080,132 @@ def _to_numpy(x: Any) -> npt.NDArray[Any]:
 
 # --------------------------------------------------------------------------------------
 # finalize and publish
+#
+# The steps, and what a kill after each leaves (a resumed writer or `finalize` alone
+# continues from every one of them; protocol.md section 6):
+#   1. part records checked          -> records and parts intact: finalize again
+#   2. streams joined, stats.json,   -> fresh files are rewritten from the parts
+#      checksums.json (2.1)
+#   3. shards.json written           -> the commit point: staging holds the finished cache
+#   4. part files and records removed -> finished cache (+ leftovers): re-check and publish
+#   5. listing re-checked, files 0444, folder 0555
+#   6. rename to <root>/<HASH>       -> published and complete
+#   7. lock file removed             -> a stray lock file, removed by the next writer
+
+
+def _take_writer_lock(root: Path, md: Metadata, *, shared: bool, busy: str) -> int:
+    """Lock ``md``'s staging directory for writing (``shared`` among several writers) or
+    finalizing; `AlreadyPublishedError` if the cache is published, `WriterBusyError` if held."""
+    final = root / md.hash
+    fault_point("writer-start")
+    if final.exists():
+        _forget_lock(root, md)
+        raise AlreadyPublishedError(f"{final} is already published; published caches are immutable")
+    fd = take_lock(lock_path(root, md), shared=shared)
+    if fd is None:
+        raise WriterBusyError(busy)
+    fault_point("writer-lock")
+    if final.exists():  # published while we waited for the lock: every holder sees it from now on
+        os.close(fd)
+        _forget_lock(root, md)
+        raise AlreadyPublishedError(f"{final} is already published; published caches are immutable")
+    return fd
+
+
+def _forget_lock(root: Path, md: Metadata) -> None:
+    """Remove the lock file a published cache no longer needs (left by a kill after the
+    rename), if nobody holds it; removing it while it is held would let two processes lock."""
+    path = lock_path(root, md)
+    if not path.exists():
+        return
+    with contextlib.suppress(OSError):
+        fd = take_lock(path)
+        if fd is not None:
+            try:
+                if not staging_dir(root, md).exists():
+                    path.unlink()
+            finally:
+                os.close(fd)
+
+
+class _Commit:
+    """What a finalized staging directory holds (its shards.json, and checksums.json for 2.1)."""
+
+    def __init__(self, files: dict[str, tuple[int, str | None]], derived: dict[str, str]) -> None:
+        #: Every file to publish: name -> (nbytes, xxh3_128 or None for the JSON files).
+        self.files = files
+        #: Files besides shards and JSON, as `ShardWriter._derived_files` describes them.
+        self.derived = derived
+
+
+def _read_commit(staging: Path, md: Metadata) -> _Commit | None:
+    """The finished cache in ``staging`` if finalizing reached its commit point (shards.json
+    written) and it lists exactly ``md``'s shards; else None (nothing committed)."""
+    try:
+        manifest_bytes = (staging / MANIFEST_FILE).read_bytes()
+        metadata_size = (staging / METADATA_FILE).stat().st_size
+        manifest, problems = parse_manifest(strict_json_loads(manifest_bytes), md.protocol, str(staging))
+        files: dict[str, tuple[int, str | None]] = {
+            METADATA_FILE: (metadata_size, None),
+            MANIFEST_FILE: (len(manifest_bytes), None),
+        }
+        derived: dict[str, str] = {}
+        if manifest is None or problems:
+            return None
+        if md.protocol == LEGACY_PROTOCOL:
+            checksums_bytes = (staging / CHECKSUMS_FILE).read_bytes()
+            listed, problems = parse_checksums(strict_json_loads(checksums_bytes), str(staging))
+            if problems:
+                return None
+            files[CHECKSUMS_FILE] = (len(checksums_bytes), None)
+            files.update(listed)
+            if LABELS_FILE in listed:
+                derived[LABELS_FILE] = f"{LABELS_DTYPE.str} {[md.patches_per_ex]}"
+            shards = [(e.name, e.n_examples, *listed.get(e.name, (-1, None))) for e in manifest.shards]
+        else:
+            files.update((name, (nbytes, digest)) for name, nbytes, digest in manifest.files())
+            shards = list(manifest.shards)
+            arrays = [*manifest.columns.values(), *([manifest.labels] if manifest.labels else [])]
+            derived.update((a.name, f"{a.dtype} {list(a.shape[1:])}") for a in arrays)
+            derived.update((t.name, "") for t in manifest.text.values())
+            if manifest.stats is not None:
+                derived[STATS_FILE] = ""
+    except (OSError, ValueError):
+        return None
+    expected = [(shard_name(k), md.shard_n_examples(k), md.shard_nbytes(k)) for k in range(md.n_shards)]
+    if [(name, n, nbytes) for name, n, nbytes, _ in shards] != expected or len(files) != len(
+        {*files, *(name for name, *_ in shards)}
+    ):
+        return None
+    return _Commit(files, derived)
+
+
+def _is_derived(name: str) -> bool:
+    """Files finalizing makes from the parts (and may make again): joins, stats, manifests."""
+    return (
+        name in (LABELS_FILE, STATS_FILE, CHECKSUMS_FILE, MANIFEST_FILE)
+        or (name.startswith("column.") and name.endswith(".bin"))
+        or (name.startswith("text.") and name.endswith(".jsonl"))
+    )
+
+
+def _is_staging_only(name: str) -> bool:
+    """Files that exist only while writing: parts, part records, temporary files, rank locks."""
+    return (
+        name.startswith("part")
+        or name.endswith(".tmp")
+        or name == OLD_LOCK_FILE
+        or (name.startswith(".shards-") and name.endswith(LOCK_SUFFIX))
+    )
+
+
+def _unfinalize(staging: Path) -> None:
+    """Take a finalized staging directory back to its shards and part records (restoring
+    write permission: a killed finalize may have frozen it)."""
+    make_writable(staging)
+    for name in os.listdir(staging):
+        if _is_derived(name):
+            remove_path(staging / name)
 
 
 def finalize(
@@ -1007,32 +1220,67 @@ def finalize(
 
     Called automatically when a single writer closes. With several writers, call it
     once after every rank has closed; ``verify`` re-reads every part to check its
-    digest. Raises `WriterError` naming every missing or broken shard.
+    digest. Raises `WriterError` naming every missing or broken shard, `WriterBusyError`
+    while writers run, `AlreadyPublishedError` once published. Finishes what a killed
+    finalize left, from any step.
     """
     root = Path(root)
     staging = staging_dir(root, md)
     final = root / md.hash
-    if final.exists():
-        raise AlreadyPublishedError(f"{final} is already published; published caches are immutable")
-    if not staging.is_dir():
-        raise WriterError(f"nothing to finalize: {staging} does not exist")
-    own_lock = _lock_fd is None
     lock_fd = _lock_fd
-    if own_lock:
-        lock_fd = os.open(staging / LOCK_FILE, os.O_RDWR | os.O_CREAT, 0o644)
-        if not try_flock(lock_fd):
-            os.close(lock_fd)
-            raise WriterBusyError(f"{staging}: writers are still running; finalize after they close")
+    if lock_fd is None:
+        busy = f"{staging}: writers are still running; finalize after they close"
+        lock_fd = _take_writer_lock(root, md, shared=False, busy=busy)
     try:
-        return _finalize_locked(root, md, staging, final, verify, durable)
+        if final.exists():
+            raise AlreadyPublishedError(f"{final} is already published; published caches are immutable")
+        if not staging.is_dir():
+            lock_path(root, md).unlink(missing_ok=True)  # we hold it exclusively (see take_lock)
+            raise WriterError(f"nothing to finalize: {staging} does not exist")
+        fault_point("finalize-start")
+        _finalize_locked(root, md, staging, final, verify, durable)
+        # Published: the lock file goes while we still hold it, so nobody can hold a stale one.
+        lock_path(root, md).unlink(missing_ok=True)
+        fault_point("lock-removed")
+        return final
     finally:
-        if own_lock and lock_fd is not None:
+        if _lock_fd is None:
             os.close(lock_fd)
 
 
-def _finalize_locked(root: Path, md: Metadata, staging: Path, final: Path, verify: bool, durable: bool) -> Path:
-    if (staging / METADATA_FILE).read_bytes() != pretty_json(md.to_dict()):
-        raise WriterError(f"{staging / METADATA_FILE} does not match the metadata being finalized")
+def _finalize_locked(root: Path, md: Metadata, staging: Path, final: Path, verify: bool, durable: bool) -> None:
+    md_path = staging / METADATA_FILE
+    if not md_path.is_file() or md_path.read_bytes() != pretty_json(md.to_dict()):
+        raise WriterError(f"{md_path} does not match the metadata being finalized")
+    make_owner_writable(staging)
+    commit = _read_commit(staging, md)
+    if commit is None:
+        files = _assemble(md, staging, verify, durable)
+    else:
+        files = commit.files
+        if verify:
+            bad = [
+                f"{staging / name}: xxh3_128 differs from {MANIFEST_FILE}"
+                for name, (_, digest) in sorted(files.items())
+                if digest is not None and (staging / name).is_file() and hash_file(staging / name)[1] != digest
+            ]
+            if bad:
+                raise WriterError(f"{staging}: cannot finalize:\n  " + "\n  ".join(bad[:50]))
+    for name in os.listdir(staging):
+        if _is_staging_only(name):
+            remove_path(staging / name)
+    fault_point("staging-cleaned")
+    if not publish_dir(staging, final, durable, expected={name: n for name, (n, _) in files.items()}):
+        raise AlreadyPublishedError(f"{final} was published by someone else meanwhile")
+
+
+def _assemble(md: Metadata, staging: Path, verify: bool, durable: bool) -> dict[str, tuple[int, str | None]]:
+    """Steps 1-3: check the part records, join the streams, write stats.json and the
+    manifest (shards.json last: its presence means every file is complete). Returns every
+    file to publish: name -> (nbytes, xxh3_128 or None)."""
+    for name in os.listdir(staging):
+        if _is_derived(name):  # from a finalize killed before its commit point
+            remove_path(staging / name)
     records: list[dict[str, Any]] = []
     problems: list[str] = []
     for k in range(md.n_shards):
@@ -1063,6 +1311,7 @@ def _finalize_locked(root: Path, md: Metadata, staging: Path, final: Path, verif
             problems.append(f"shard {k}: expected {md.shard_nbytes(k)} bytes, record says {r['acts']['nbytes']}")
     if problems:
         raise WriterError(f"{staging}: cannot finalize:\n  " + "\n  ".join(problems[:50]))
+    fault_point("finalize-checked")
 
     shards = ShardList.of(
         ShardEntry(shard_name(r["shard"]), r["n_examples"], r["acts"]["nbytes"], r["acts"]["xxh3_128"]) for r in records
@@ -1070,55 +1319,61 @@ def _finalize_locked(root: Path, md: Metadata, staging: Path, final: Path, verif
     labels = None
     columns: dict[str, ArrayEntry] = {}
     text: dict[str, TextEntry] = {}
-    for key in streams:
+    for i, key in enumerate(streams):
         info = records[0]["streams"][key]
         if any(
             r["streams"][key].get("dtype") != info.get("dtype") or r["streams"][key].get("shape") != info.get("shape")
             for r in records
         ):
             raise WriterError(f"{staging}: stream {key!r} has different dtypes or shapes across shards")
+        total = sum(r["streams"][key]["nbytes"] for r in records)
         if key == "labels":
-            nbytes, digest = _join(staging, md, key, LABELS_FILE, durable)
+            nbytes, digest = _join(staging, md, key, LABELS_FILE, durable, total)
             labels = ArrayEntry(LABELS_FILE, info["dtype"], (md.n_examples, *info["shape"]), nbytes, digest)
         elif key.startswith("column."):
             name = key.split(".", 1)[1]
-            nbytes, digest = _join(staging, md, key, column_file(name), durable)
+            nbytes, digest = _join(staging, md, key, column_file(name), durable, total)
             columns[name] = ArrayEntry(
                 column_file(name), info["dtype"], (md.n_examples, *info["shape"]), nbytes, digest
             )
         else:
             name = key.split(".", 1)[1]
-            nbytes, digest = _join(staging, md, key, text_file(name), durable)
+            nbytes, digest = _join(staging, md, key, text_file(name), durable, total)
             text[name] = TextEntry(text_file(name), md.n_examples, nbytes, digest)
+        fault_point("joined", i)
     stats_entry = None
     if records and all(r["stats"] is not None for r in records):
-        total = _Stats(md.n_layers, md.d_model)
+        total_stats = _Stats(md.n_layers, md.d_model)
         for r in records:  # shard order: the sums are the same for any number of writers
-            total.add(_Stats.from_json(r["stats"], md.n_layers, md.d_model))
-        data = pretty_json(total.summary(md.layers))
-        write_file_atomic(staging / STATS_FILE, data, durable)
+            total_stats.add(_Stats.from_json(r["stats"], md.n_layers, md.d_model))
+        data = pretty_json(total_stats.summary(md.layers))
+        write_file_atomic(staging / STATS_FILE, data, durable, note=_FINALIZE_NOTE)
         stats_entry = FileEntry(STATS_FILE, len(data), xxhash.xxh3_128_hexdigest(data))
+        fault_point("stats-written")
     manifest = Manifest(shards=shards, labels=labels, columns=columns, text=text, stats=stats_entry)
-    write_file_atomic(staging / MANIFEST_FILE, manifest.to_bytes(md.protocol), durable)
+    files: dict[str, tuple[int, str | None]] = dict(
+        (name, (nbytes, digest)) for name, nbytes, digest in manifest.files()
+    )
+    files[METADATA_FILE] = ((staging / METADATA_FILE).stat().st_size, None)
     if md.protocol == LEGACY_PROTOCOL:
-        write_file_atomic(staging / CHECKSUMS_FILE, pretty_json(manifest.checksums_json()), durable)
+        checksums = pretty_json(manifest.checksums_json())
+        write_file_atomic(staging / CHECKSUMS_FILE, checksums, durable, note=_FINALIZE_NOTE)
+        files[CHECKSUMS_FILE] = (len(checksums), None)
+        fault_point("checksums-written")
+    manifest_bytes = manifest.to_bytes(md.protocol)
+    write_file_atomic(staging / MANIFEST_FILE, manifest_bytes, durable, note=_FINALIZE_NOTE)  # the commit point
+    files[MANIFEST_FILE] = (len(manifest_bytes), None)
+    fault_point("manifest-written")
+    return files
 
-    # Remove the staging-only files, freeze, publish with one rename.
-    for name in os.listdir(staging):
-        if name.startswith("part") or name == LOCK_FILE or name.endswith(".tmp"):
-            remove_path(staging / name)
-    if not publish_dir(staging, final, durable):
-        raise AlreadyPublishedError(f"{final} was published by someone else meanwhile")
-    return final
 
-
-def _join(staging: Path, md: Metadata, key: str, name: str, durable: bool) -> tuple[int, str]:
+def _join(staging: Path, md: Metadata, key: str, name: str, durable: bool, expected: int) -> tuple[int, str]:
     """Concatenate stream ``key``'s per-shard parts, in shard order, into ``name``; ``(nbytes, digest)``."""
     h = xxhash.xxh3_128()
     total = 0
     out_path = staging / name
     buffer = memoryview(bytearray(IO_CHUNK))
-    with open(out_path, "wb", buffering=0) as out:
+    with naming_disk_full(out_path, expected, _FINALIZE_NOTE), open(out_path, "wb", buffering=0) as out:
         for k in range(md.n_shards):
             with open(staging / part_file(k, key), "rb", buffering=0) as f:
                 total += stream(f, out, h, buffer=buffer)

@@ -22,9 +22,10 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import saev_shards as ss
+from saev_shards import fileio
 from saev_shards import writer as writer_module
 from saev_shards.dtypes import float32_to_bf16
-from saev_shards.writer import staging_dir
+from saev_shards.writer import lock_path, staging_dir
 
 from ..support.caches import float_input, labels_for, logical_tensor, small_metadata, tree_bytes, write_cache
 
@@ -449,3 +450,109 @@ def test_falls_back_when_o_direct_is_refused(root: Path, monkeypatch: pytest.Mon
     monkeypatch.setattr(os, "open", refuse)
     logical = write_cache(root, md, batches=[64])
     np.testing.assert_array_equal(ss.open(root / md.hash)[:], logical)
+
+
+class _Stop(Exception):
+    """Raised by a test hook to stop a writer at a named point (a crash without the kill)."""
+
+
+def _stop_at(monkeypatch: pytest.MonkeyPatch, point: str, then: Any = None) -> None:
+    def hook(name: str, index: int) -> None:
+        if name == point:
+            if then is not None:
+                then()
+            raise _Stop(point)
+
+    monkeypatch.setattr(fileio, "fault_hook", hook)
+
+
+def test_publish_rechecks_what_it_renames(root: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A stray file, or a missing shard, in staging at the last moment: nothing is published,
+    and every difference is named."""
+    md = small_metadata()
+    staging = staging_dir(root, md)
+
+    def tamper() -> None:
+        (staging / "notes.txt").write_text("stray")
+        (staging / "acts000002.bin").unlink()
+
+    hooked = False
+
+    def hook(name: str, index: int) -> None:
+        nonlocal hooked
+        if name == "staging-cleaned" and not hooked:
+            hooked = True
+            tamper()
+
+    monkeypatch.setattr(fileio, "fault_hook", hook)
+    with pytest.raises(ss.WriterError, match="refusing to publish") as info:
+        write_cache(root, md)
+    assert f"{staging / 'acts000002.bin'}: missing" in str(info.value)
+    assert f"{staging / 'notes.txt'}: not expected here" in str(info.value)
+    assert not (root / md.hash).exists()
+    monkeypatch.setattr(fileio, "fault_hook", None)
+    (staging / "notes.txt").unlink()
+    with pytest.raises(ss.WriterError, match=r"acts000002\.bin: missing"):
+        ss.finalize(root, md)  # the manifest lists it: refused again, never published without it
+    assert not (root / md.hash).exists()
+
+
+def test_resume_of_a_finalized_staging_with_other_streams_starts_over(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Finalize stopped after freezing the files (shards.json written, part records gone);
+    a resumed writer that declares other streams (no labels) restarts cleanly."""
+    md = small_metadata()
+    root = tmp_path / "root"
+    _stop_at(monkeypatch, "publish-frozen")
+    with pytest.raises(_Stop):
+        write_cache(root, md, labels=True)
+    monkeypatch.setattr(fileio, "fault_hook", None)
+    staging = staging_dir(root, md)
+    assert (staging / "shards.json").exists() and not list(staging.glob("part*"))
+    w = ss.ShardWriter(root, md, resume=True, durable=False)
+    assert w.next_example == 0  # the finalized cache had labels: nothing reusable
+    w.write(logical_tensor(md))
+    w.close()
+    write_cache(tmp_path / "clean", md)
+    assert tree_bytes(root / md.hash) == tree_bytes(tmp_path / "clean" / md.hash)
+    assert sorted(os.listdir(root)) == [md.hash]
+
+
+def test_resume_of_a_finalized_staging_publishes_it_without_writing(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    md = small_metadata()
+    root = tmp_path / "root"
+    _stop_at(monkeypatch, "staging-cleaned")
+    with pytest.raises(_Stop):
+        write_cache(root, md, labels=True, stats=True)
+    monkeypatch.setattr(fileio, "fault_hook", None)
+    w = ss.ShardWriter(root, md, resume=True, labels=True, stats=True, durable=False)
+    assert w.next_example == md.n_examples
+    assert w.close() == root / md.hash
+    write_cache(tmp_path / "clean", md, labels=True, stats=True)
+    assert tree_bytes(root / md.hash) == tree_bytes(tmp_path / "clean" / md.hash)
+
+
+def test_same_rank_twice_is_busy_before_touching_the_first_ones_files(root: Path) -> None:
+    md = small_metadata()
+    first = ss.ShardWriter(root, md, rank=1, world_size=2, durable=False, background=False)
+    first.write(logical_tensor(md)[first.start : first.start + 5])  # shard 2 sealed
+    staging = staging_dir(root, md)
+    sealed = sorted(p.name for p in staging.iterdir())
+    with pytest.raises(ss.WriterBusyError, match=r"shards \[2, 5\) are being written by another process"):
+        ss.ShardWriter(root, md, rank=1, world_size=2, durable=False)
+    assert sorted(p.name for p in staging.iterdir()) == sealed
+    first.abort()
+
+
+def test_lock_file_sits_beside_staging_and_goes_with_publishing(root: Path) -> None:
+    md = small_metadata()
+    w = ss.ShardWriter(root, md, durable=False)
+    assert lock_path(root, md).exists() and lock_path(root, md).parent == root
+    assert not (staging_dir(root, md) / ".lock").exists()
+    assert ss.store.list_unpublished(root) == [staging_dir(root, md)]  # the lock file is not listed
+    w.write(logical_tensor(md))
+    w.close()
+    assert sorted(os.listdir(root)) == [md.hash]
