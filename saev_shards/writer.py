@@ -1173,9 +1173,9 @@ def _read_commit(staging: Path, md: Metadata) -> _Commit | None:
     except (OSError, ValueError):
         return None
     expected = [(shard_name(k), md.shard_n_examples(k), md.shard_nbytes(k)) for k in range(md.n_shards)]
-    if [(name, n, nbytes) for name, n, nbytes, _ in shards] != expected or len(files) != len(
-        {*files, *(name for name, *_ in shards)}
-    ):
+    if [(name, n, nbytes) for name, n, nbytes, _ in shards] != expected:
+        return None
+    if any(name not in files for name, *_ in shards):  # 2.1: checksums.json must list every shard
         return None
     return _Commit(files, derived)
 
