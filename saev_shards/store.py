@@ -449,6 +449,7 @@ def copy_cache(
             remove(partial)
             report.already_staged = True
             return report
+        make_writable(partial)  # a copy killed between freezing and its rename is read-only
         expected = _copy_files(source, files, partial, report, progress, on_bytes, durable)
         _publish(source, partial, final, durable, expected)
     finally:

@@ -18,8 +18,10 @@ import numpy as np
 import pytest
 
 import saev_shards as ss
+from saev_shards import store
 from saev_shards.writer import lock_path, staging_dir
 
+from ..support.caches import tree_bytes
 from ..support.faults import (
     Child,
     assert_nothing_partial,
@@ -200,3 +202,26 @@ def test_kill_one_of_several_writers_or_their_finalize(expected: dict[str, bytes
             except AssertionError as err:
                 failures.append(f"finalize killed at point {n}: {err}")
         assert not failures, "\n".join(failures)
+
+
+def stage_run(source: Path, dest: Path) -> str:
+    return str(store.copy_cache(source, dest, durable=False).path)
+
+
+def test_stage_killed_at_each_step_resumes(tmp_path: Path) -> None:
+    """`stage` killed after copying a file, between freezing the copy and its rename, and
+    after the rename; run again (as uid 65534), it completes a verified copy."""
+    with nobody_folder() as folder:
+        source = Path(write_run(folder / "source", MD, resume=False))
+        steps = record_points(lambda: stage_run(source, tmp_path / "points"))
+        chosen = [1, steps.index(("stage-copied", -1)) + 5, steps.index(("publish-frozen", -1)) + 1, len(steps)]
+        for n in chosen:
+            dest = folder / f"dest-{n}"
+            dest.mkdir()
+            os.chown(dest, folder.stat().st_uid, folder.stat().st_gid)
+            assert run_child(stage_run, source, dest, hook=kill_at(n), as_nobody=True).killed, steps[n - 1]
+            assert_nothing_partial(dest, MD)
+            again = run_child(stage_run, source, dest, as_nobody=True)
+            assert again.kind == "ok", f"stage after a kill at {steps[n - 1]}: {again}"
+            assert sorted(os.listdir(dest)) == [MD.hash]
+            assert tree_bytes(dest / MD.hash) == tree_bytes(source)

@@ -133,7 +133,7 @@ def test_disk_full_at_each_step_names_the_file_and_resumes(
 
 
 def test_dump_refuses_up_front_then_names_the_file_then_resumes(tmp_path: Path, capsys: Any) -> None:
-    cfg = make_config(tmp_path, n=60)
+    cfg = make_config(tmp_path, n=30)
     reference = dump_mod.dump(cfg, root=tmp_path / "reference", log=quiet, progress=False)
     assert reference is not None
     with small_filesystem(tmp_path / "fs", 8) as fs:
@@ -143,7 +143,7 @@ def test_dump_refuses_up_front_then_names_the_file_then_resumes(tmp_path: Path, 
         needed = dump_mod.space_needed(the_plan, root, 0, 1)
         assert needed > md.nbytes
         filler = fill(fs, leave=needed // 2)
-        with pytest.raises(ss.DiskFullError, match=r"dumping shards \[0, 12\) of 12 needs [\d,]+ bytes, found") as info:
+        with pytest.raises(ss.DiskFullError, match=r"dumping shards \[0, 6\) of 6 needs [\d,]+ bytes, found") as info:
             dump_mod.dump(cfg, root=root, log=quiet, progress=False)
         assert "--no-space-check" in str(info.value) and info.value.needed == needed
         assert not root.exists()  # refused before writing anything
