@@ -1081,16 +1081,17 @@ def _to_numpy(x: Any) -> npt.NDArray[Any]:
 # --------------------------------------------------------------------------------------
 # finalize and publish
 #
-# The steps, and what a kill after each leaves (a resumed writer or `finalize` alone
-# continues from every one of them; protocol.md section 6):
-#   1. part records checked          -> records and parts intact: finalize again
-#   2. streams joined, stats.json,   -> fresh files are rewritten from the parts
+# The steps (numbered as in protocol.md section 6), and what a kill after each leaves; a
+# resumed writer, or `finalize` alone, continues from every one of them:
+#   1. part records checked             -> records and parts intact: finalize again
+#   2. streams joined, stats.json,      -> removed and made again from the parts
 #      checksums.json (2.1)
-#   3. shards.json written           -> the commit point: staging holds the finished cache
-#   4. part files and records removed -> finished cache (+ leftovers): re-check and publish
-#   5. listing re-checked, files 0444, folder 0555
-#   6. rename to <root>/<HASH>       -> published and complete
-#   7. lock file removed             -> a stray lock file, removed by the next writer
+#   3. shards.json written              -> the commit point: staging holds the finished cache
+#   4. part files and records removed   -> the finished cache: re-check it and publish
+#   5. listing and sizes re-checked
+#   6. files 0444, folder 0555          -> the same (write permission restored if needed)
+#   7. renamed to <root>/<HASH>         -> published, complete and read-only
+#   8. lock file removed                -> (before it: a lock file, removed by the next writer)
 
 
 def _take_writer_lock(root: Path, md: Metadata, *, shared: bool, busy: str) -> int:
