@@ -60,7 +60,7 @@ import xxhash
 
 from . import corpus as corpus_mod
 from .errors import AlreadyPublishedError, ConfigError, ShardsError, WriterBusyError, WriterError
-from .fileio import check_free_space
+from .fileio import bytes_on_disk, check_free_space
 from .format import COLUMN_DTYPES, DTYPES_BY_PROTOCOL, FIELD_NAME_RE, MANIFEST_FILE, PROTOCOL
 from .metadata import Metadata
 from .progress import Progress
@@ -791,31 +791,35 @@ def sealed_shards(root: Path, md: Metadata) -> list[int]:
     return [k for k in range(md.n_shards) if (staging / part_record(k)).exists()]
 
 
-def _column_bytes_per_example(the_plan: Plan) -> int:
-    return sum(np.dtype(dt).itemsize * math.prod(shape) for dt, shape in the_plan.columns.values())
-
-
-def _text_bytes(examples: Sequence[corpus_mod.Example]) -> int:
-    """A lower bound of the text stored for ``examples`` (their ids and texts)."""
-    return sum(len(ex.text) + len(ex.id) for ex in examples)
+def _text_files(the_plan: Plan, examples: Sequence[corpus_mod.Example]) -> list[int]:
+    """Lower bounds of the text files (one per field) written for ``examples``: each line is
+    a JSON string and a newline, the ids and texts as long as they are, other fields empty."""
+    ids = sum(len(ex.id) + 3 for ex in examples)
+    texts = sum(len(ex.text) + 3 for ex in examples)
+    return [ids, texts] + [3 * len(examples)] * (len(the_plan.text_fields) - 2)
 
 
 def space_needed(the_plan: Plan, root: Path, rank: int, world_size: int, *, restart: bool = False) -> int:
-    """Bytes writer ``rank`` of ``world_size`` still has to write under ``root``: its shards
-    not yet sealed with their columns and text, plus the joined columns and text of the
-    whole cache (finalizing writes them while the parts still exist). Text counts as a
-    lower bound (ids and texts); the manifest and statistics are small and not counted."""
+    """Bytes writer ``rank`` of ``world_size`` still needs under ``root``: its shards not yet
+    sealed with their parts (columns, text) and part records (with per-shard statistics),
+    plus the joined columns and text of the whole cache (finalizing writes them while the
+    parts still exist); each file rounded up to the filesystem's allocation unit. Text
+    counts as a lower bound; the manifest and stats.json are not counted."""
     md = the_plan.metadata
     eps = md.examples_per_shard
-    per_example = _column_bytes_per_example(the_plan)
+    column_sizes = [np.dtype(dt).itemsize * math.prod(shape) for dt, shape in the_plan.columns.values()]
     examples = the_plan.corpus.examples
+    # A part record holds the shard's float64 sums per layer and dimension as JSON text,
+    # about 25 bytes a number.
+    record = 2 * md.n_layers * md.d_model * 25
     sealed = set() if restart else set(sealed_shards(root, md))
-    needed = md.n_examples * per_example + _text_bytes(examples)
+    files = [md.n_examples * size for size in column_sizes] + _text_files(the_plan, examples)
     for k in rank_shards(md.n_shards, rank, world_size):
         if k not in sealed:
             a, b = k * eps, min((k + 1) * eps, md.n_examples)
-            needed += md.shard_nbytes(k) + (b - a) * per_example + _text_bytes(examples[a:b])
-    return needed
+            files += [md.shard_nbytes(k), record, *((b - a) * size for size in column_sizes)]
+            files += _text_files(the_plan, examples[a:b])
+    return bytes_on_disk(files, root)
 
 
 def truncation(shards: Shards) -> dict[str, Any]:
@@ -857,8 +861,9 @@ def truncation_line(shards: Shards) -> str:
 def describe(the_plan: Plan, root: Path, rank: int, world_size: int) -> str:
     """The ``--dry-run`` report: hash, shards, bytes, this writer's share, and the state on disk."""
     md = the_plan.metadata
-    col_bytes = md.n_examples * _column_bytes_per_example(the_plan)
-    text_bytes = _text_bytes(the_plan.corpus.examples)  # a lower bound
+    cols = the_plan.columns
+    col_bytes = sum(md.n_examples * np.dtype(dt).itemsize * math.prod(shape) for dt, shape in cols.values())
+    text_bytes = sum(len(ex.text) + len(ex.id) for ex in the_plan.corpus.examples)  # a lower bound
     share = rank_shards(md.n_shards, rank, world_size)
     eps = md.examples_per_shard
     final = root / md.hash

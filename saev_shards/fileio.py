@@ -19,7 +19,7 @@ import os
 import shutil
 import stat
 import threading
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -278,17 +278,30 @@ def remove_path(path: Path) -> None:
             path.unlink()
 
 
-def free_bytes(path: Path) -> int | None:
-    """Bytes an unprivileged user may still write on the filesystem holding ``path`` (or
-    its nearest existing parent); None if the filesystem does not say."""
+def _statvfs(path: Path) -> os.statvfs_result | None:
+    """statvfs of the filesystem holding ``path`` (or its nearest existing parent)."""
     path = Path(path).absolute()
     while not path.exists() and path != path.parent:
         path = path.parent
     try:
-        st = os.statvfs(path)
+        return os.statvfs(path)
     except OSError:
         return None
-    return st.f_bavail * st.f_frsize
+
+
+def free_bytes(path: Path) -> int | None:
+    """Bytes an unprivileged user may still write on the filesystem holding ``path`` (or
+    its nearest existing parent); None if the filesystem does not say."""
+    st = _statvfs(path)
+    return None if st is None else st.f_bavail * st.f_frsize
+
+
+def bytes_on_disk(sizes: Iterable[int], folder: Path) -> int:
+    """What files of these sizes occupy on the filesystem holding ``folder``: each rounded
+    up to its allocation unit (a cache of many small parts takes more than its bytes)."""
+    st = _statvfs(folder)
+    unit = st.f_frsize if st is not None and st.f_frsize > 0 else 4096
+    return sum(-(-n // unit) * unit for n in sizes)
 
 
 def disk_full_error(

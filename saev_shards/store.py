@@ -52,6 +52,7 @@ from .errors import (
 )
 from .fileio import (
     IO_CHUNK,
+    bytes_on_disk,
     check_free_space,
     fault_point,
     hash_file,
@@ -473,12 +474,14 @@ def _files_to_copy(source: reader.Shards) -> list[tuple[str, int, str | None]]:
 
 
 def _bytes_missing(partial: Path, files: list[tuple[str, int, str | None]]) -> int:
-    """Bytes a copy into ``partial`` still has to write (files there count as done so far)."""
-    missing = 0
+    """Bytes a copy into ``partial`` still needs on its filesystem (what files there hold
+    counts as done), each file rounded up to the allocation unit."""
+    full, have = [], []
     for fname, nbytes, _ in files:
-        have = _size(partial / fname)
-        missing += nbytes - have if 0 <= have <= nbytes else nbytes
-    return missing
+        size = _size(partial / fname)
+        full.append(nbytes)
+        have.append(size if 0 <= size <= nbytes else 0)
+    return bytes_on_disk(full, partial.parent) - bytes_on_disk(have, partial.parent)
 
 
 def _copy_files(

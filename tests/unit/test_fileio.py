@@ -112,3 +112,9 @@ def test_check_free_space_refuses_and_can_be_skipped(tmp_path: Path, monkeypatch
         fileio.check_free_space(tmp_path, free * 4, "a huge write", "pass --force")
     monkeypatch.setenv(fileio.NO_SPACE_CHECK_ENV, "1")
     fileio.check_free_space(tmp_path, free * 4, "a huge write", "pass --force")
+
+
+def test_bytes_on_disk_rounds_each_file_up_to_the_allocation_unit(tmp_path: Path) -> None:
+    unit = os.statvfs(tmp_path).f_frsize
+    assert fileio.bytes_on_disk([], tmp_path) == 0
+    assert fileio.bytes_on_disk([0, 1, unit, unit + 1], tmp_path) == 0 + unit + unit + 2 * unit
