@@ -24,6 +24,7 @@ import dataclasses
 import hashlib
 import json
 import re
+import warnings
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -270,6 +271,13 @@ def _lines(path: Path | None, index: npt.NDArray[np.int64] | None, a: int, b: in
 
 def open_source(path: Path, options: Options, scan: Callable[[int, int], None] | None = None) -> ZarrSource:
     zarr = require("zarr", "convert", "converting zarr activation logs")
+    with warnings.catch_warnings():
+        # Seed 000 keeps text/ and meta/ folders (JSON Lines) inside the store, on purpose.
+        warnings.filterwarnings("ignore", message=".*not recognized as a component of a Zarr hierarchy")
+        return _open(zarr, path, options)
+
+
+def _open(zarr: Any, path: Path, options: Options) -> ZarrSource:
     layout, paths = _stores(path)
     if not paths:
         raise ConvertError(f"{path}: expected a zarr group, activations.zarr/ or shards/shard-XXXX.zarr")
@@ -352,7 +360,7 @@ def open_source(path: Path, options: Options, scan: Callable[[int, int], None] |
     manifest = path / "manifest.json"
     identity_files: list[Path] = []
     for s in stores:
-        for name in [*used, *columns.values(), *text_arrays.values()]:
+        for name in [*sorted(used), *columns.values(), *text_arrays.values()]:  # sorted: sets vary by process
             identity_files.append(s.path / ("arrays" if (s.path / "arrays").is_dir() else "") / name)
         identity_files += list(_text_files(s.path).values())
     identity_files = [p.resolve() if p.exists() else p for p in identity_files]
