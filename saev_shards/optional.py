@@ -16,7 +16,7 @@ def require(module: str, extra: str, purpose: str) -> ModuleType:
     try:
         return importlib.import_module(module)
     except ImportError as err:
-        package = module.split(".")[0]
+        package = module.split(".", maxsplit=1)[0]
         raise MissingDependencyError(
             f"{purpose} needs {package}, which is not installed ({err}); "
             f"install it with: pip install 'saev-shards[{extra}]'"

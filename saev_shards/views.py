@@ -124,7 +124,8 @@ def zarr_references(shards: Shards, *, absolute: bool = True) -> dict[str, Any]:
     md = shards.metadata
     if md.dtype == "bfloat16":
         raise ShardsError(
-            f"{shards.path}: bfloat16 has no zarr dtype; write the cache as float16 or float32 to reference it from zarr"
+            f"{shards.path}: bfloat16 has no zarr dtype; write the cache as float16 or float32 "
+            "to reference it from zarr"
         )
     base = Path(shards.path)
 
@@ -150,7 +151,11 @@ def zarr_references(shards: Shards, *, absolute: bool = True) -> dict[str, Any]:
         shape = tuple(col.shape)
         dt = np.dtype(col.dtype)
         refs[f"{name}/.zarray"] = _json(_zarray(shape, shape, dt))
-        dims = ["example", "token"] if shape[1:] == (tokens,) else ["example", *(f"{name}_{i}" for i in range(1, len(shape)))]
+        dims = (
+            ["example", "token"]
+            if shape[1:] == (tokens,)
+            else ["example", *(f"{name}_{i}" for i in range(1, len(shape)))]
+        )
         refs[f"{name}/.zattrs"] = _json({"_ARRAY_DIMENSIONS": dims})
         if col.nbytes:
             refs[f"{name}/{'.'.join('0' for _ in shape)}"] = [where(col.name), 0, col.nbytes]

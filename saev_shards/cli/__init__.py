@@ -20,13 +20,13 @@ from .. import __version__
 from ..errors import (
     CacheRefError,
     ConvertOptionError,
-    MissingDependencyError,
-    SourceNotFoundError,
     InvalidCacheError,
+    MissingDependencyError,
     RootNotSetError,
     RunExistsError,
     RunNotFoundError,
     ShardsError,
+    SourceNotFoundError,
     UnknownCacheError,
     WriterBusyError,
 )

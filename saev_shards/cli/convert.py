@@ -12,7 +12,7 @@ import sys
 
 from ..convert import SOURCES, TARGETS, Options, prepare, run
 from ..progress import Progress
-from ._common import EXIT_OK, add_progress, command, human_bytes, warn
+from ._common import EXIT_OK, add_progress, command, human_bytes, plural, warn
 
 EXAMPLES = """\
   saev-shards convert ./activations                 # seed 001 pickle shards (metadata.json + shard_0001.pkl.gz)
@@ -62,19 +62,43 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser], invoked: 
     )
     p.add_argument("src", help="the source: a folder or file")
     p.add_argument("--from", dest="kind", choices=list(SOURCES), help="source kind (default: detected)")
-    p.add_argument("--to", default="3.0", choices=list(TARGETS), help="what to write (default: 3.0, this library's caches)")
+    p.add_argument(
+        "--to", default="3.0", choices=list(TARGETS), help="what to write (default: 3.0, this library's caches)"
+    )
     p.add_argument("--dtype", choices=["float16", "bfloat16", "float32"], help="stored dtype (default: float16)")
-    p.add_argument("--root", metavar="DIR", help="shards root to publish in (default: $SAEV_SHARDS_ROOT, else $SAEV_SCRATCH/saev/shards)")
-    p.add_argument("--max-tokens", type=_positive, metavar="N", help="keep at most N token positions per example (longer ones are truncated and counted)")
-    p.add_argument("--layers", type=_layers, metavar="L1,L2", help="layer numbers of the stored layers, in order (npy, zarr, SAELens)")
+    p.add_argument(
+        "--root",
+        metavar="DIR",
+        help="shards root to publish in (default: $SAEV_SHARDS_ROOT, else $SAEV_SCRATCH/saev/shards)",
+    )
+    p.add_argument(
+        "--max-tokens",
+        type=_positive,
+        metavar="N",
+        help="keep at most N token positions per example (longer ones are truncated and counted)",
+    )
+    p.add_argument(
+        "--layers",
+        type=_layers,
+        metavar="L1,L2",
+        help="layer numbers of the stored layers, in order (npy, zarr, SAELens)",
+    )
     p.add_argument("--cls-token", action="store_true", help="token 0 of every example is a [CLS] token")
     p.add_argument("--family", help="model family to record (default: from the source, else 'unknown')")
     p.add_argument("--ckpt", help="model checkpoint to record (default: from the source, else 'unknown')")
-    p.add_argument("--patches-per-shard", type=_positive, metavar="N", help="shard budget in token vectors (default 2,400,000)")
-    p.add_argument("--allow-nonfinite", action="store_true", help="store values that are inf or NaN after the cast instead of failing")
+    p.add_argument(
+        "--patches-per-shard", type=_positive, metavar="N", help="shard budget in token vectors (default 2,400,000)"
+    )
+    p.add_argument(
+        "--allow-nonfinite",
+        action="store_true",
+        help="store values that are inf or NaN after the cast instead of failing",
+    )
     p.add_argument("--no-stats", dest="stats", action="store_false", help="skip per-layer statistics (stats.json)")
     p.add_argument("--restart", action="store_true", help="discard sealed shards of an interrupted run and start over")
-    p.add_argument("--dry-run", action="store_true", help="plan only: print the mapping, the shape and the hash; write nothing")
+    p.add_argument(
+        "--dry-run", action="store_true", help="plan only: print the mapping, the shape and the hash; write nothing"
+    )
     add_progress(p)
 
 
@@ -87,7 +111,11 @@ def cmd_convert(args: argparse.Namespace) -> int:
 
     def scan(k: int, total: int) -> None:
         if not bar:
-            bar.append(Progress(total - 1, "scan (longest sequence; --max-tokens skips this)", unit="shards", enabled=args.progress))
+            bar.append(
+                Progress(
+                    total - 1, "scan (longest sequence; --max-tokens skips this)", unit="shards", enabled=args.progress
+                )
+            )
         bar[0].update(1)
 
     try:
@@ -111,8 +139,11 @@ def cmd_convert(args: argparse.Namespace) -> int:
         ("model", f"{md.family} {md.ckpt}"),
         *(("mapping", line) for line in plan.layout),
         ("checksums", plan.checksums),
-        ("cache", f"{md.hash[:12]} ({n:,}, {n_layers}, {tokens}, {d_model}) {md.dtype}, {md.n_shards} shards, "
-                  f"{human_bytes(md.nbytes)} of activations, protocol {md.protocol}"),
+        (
+            "cache",
+            f"{md.hash[:12]} ({n:,}, {n_layers}, {tokens}, {d_model}) {md.dtype}, {plural(md.n_shards, 'shard')}, "
+            f"{human_bytes(md.nbytes)} of activations, protocol {md.protocol}",
+        ),
     ]
     width = max(len(k) for k, _ in lines)
     for key, value in lines:

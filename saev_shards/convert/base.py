@@ -183,7 +183,7 @@ def pick_layers(found: Sequence[int] | None, count: int, options: Options, what:
     if options.layers is not None:
         if len(options.layers) != count:
             raise ConvertOptionError(
-                f"--layers: expected {count} layer numbers (the {what} holds {count} layers), "
+                f"--layers: expected {count} layer numbers ({what} has {count} layers), "
                 f"found {len(options.layers)}: {list(options.layers)}"
             )
         return options.layers
@@ -257,6 +257,6 @@ def plain(value: Any) -> Any:
         return value.tolist()
     if isinstance(value, bytes):
         return value.decode("utf-8", "replace")
-    if isinstance(value, float) and value != value:
+    if isinstance(value, float) and np.isnan(value):
         return None  # NaN is not JSON
     return value

@@ -44,7 +44,9 @@ class NpySource:
             # A C-ordered copy of just this chunk: the memmap is read once, sequentially.
             block = np.ascontiguousarray(self.array[a:b, :, :tokens])
             if dropped > 0:
-                report.count(f"token positions beyond --max-tokens {tokens} dropped", dropped * (b - a) * block.shape[1])
+                report.count(
+                    f"token positions beyond --max-tokens {tokens} dropped", dropped * (b - a) * block.shape[1]
+                )
             yield Chunk(block, {}, {}, source_nbytes=(b - a) * per_example)
 
 
@@ -61,7 +63,7 @@ def open_source(path: Path, options: Options, scan: Callable[[int, int], None] |
     if array.dtype.kind != "f":
         raise ConvertError(f"{path}: expected floating-point activations, found dtype {array.dtype}")
     n, n_layers, tokens_src, d_model = (int(v) for v in array.shape)
-    layers = pick_layers(None, n_layers, options, f".npy's axis 1 ({path.name})")
+    layers = pick_layers(None, n_layers, options, f"axis 1 of {path.name}")
     tokens = min(tokens_src, options.max_tokens) if options.max_tokens is not None else tokens_src
     if tokens < 1:
         raise ConvertError(f"{path}: the token axis is empty (shape {array.shape})")

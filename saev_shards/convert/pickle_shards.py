@@ -20,13 +20,14 @@ from __future__ import annotations
 
 import dataclasses
 import gzip
+import itertools
 import hashlib
-import io
 import json
 import numbers
 import re
 import zlib
 from collections.abc import Callable, Iterator, Mapping
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -110,17 +111,36 @@ def _parse_index(path: Path) -> tuple[dict[str, Any], list[ShardInfo]]:
 def load_shard(info: ShardInfo) -> dict[str, Any]:
     """Shard ``info`` as a dict, after its size and checksum are verified; unpickled safely."""
     data = read_verified(info.path, info.checksum, info.size)
-    try:
-        if data[:2] == _GZIP_MAGIC:
-            with gzip.GzipFile(fileobj=io.BytesIO(data)) as f:
-                shard = safe_pickle.load(f, info.path)  # type: ignore[arg-type]
-        else:
-            shard = safe_pickle.load(data, info.path)
-    except (OSError, EOFError, zlib.error) as err:
-        raise ConvertError(f"{info.path}: not a readable gzip file ({err})") from None
+    if data[:2] == _GZIP_MAGIC:
+        # One call into zlib for the whole shard: it releases the GIL for all of it (a
+        # streaming GzipFile makes thousands of small calls), so the read-ahead thread
+        # decompresses while the main thread converts. Memory: one shard's pickle bytes.
+        try:
+            data = gzip.decompress(data)
+        except (OSError, EOFError, zlib.error) as err:
+            raise ConvertError(f"{info.path}: not a readable gzip file ({err})") from None
+    shard = safe_pickle.load(data, info.path)
     if not isinstance(shard, dict) or not shard:
         raise ConvertError(f"{info.path}: expected a dict of layer_<idx> -> records, found {type(shard).__name__}")
     return shard
+
+
+def loaded(shards: list[ShardInfo]) -> Iterator[tuple[ShardInfo, dict[str, Any]]]:
+    """``(info, shard)`` in order, the next shard verified and unpickled in a thread meanwhile.
+
+    zlib, hashlib and the copies in unpickling release the GIL for large buffers, so reading
+    shard k+1 overlaps converting and writing shard k (at most two shards in memory).
+    """
+    if not shards:
+        return
+    with ThreadPoolExecutor(1, "saev-shards-convert-read") as pool:
+        pending = pool.submit(load_shard, shards[0])
+        for k, info in enumerate(shards):
+            shard = pending.result()
+            if k + 1 < len(shards):
+                pending = pool.submit(load_shard, shards[k + 1])
+            yield info, shard
+            del shard
 
 
 def _layers_of(shard: Mapping[str, Any], where: Path) -> dict[int, list[Any]]:
@@ -174,6 +194,7 @@ def _fields(shard: Mapping[int, list[Any]], report: Report) -> Fields:
             report.note(f"metadata field {key!r} not carried over (no usable column name)")
             continue
         if len(values) == len(records) and all(_is_number(v) for v in values):
+            dt: np.dtype[Any]
             if all(isinstance(v, (bool, np.bool_)) for v in values):
                 dt = np.dtype("|b1")
             elif all(isinstance(v, (numbers.Integral, np.integer)) for v in values):
@@ -199,15 +220,26 @@ class PickleSource:
     plan: Plan
     shards: list[ShardInfo]
     fields: Fields
+    #: The first shard, loaded while planning, handed to the first `chunks` call (not read twice).
+    first: dict[str, Any] | None = None
 
     def chunks(self, start: int, report: Report) -> Iterator[Chunk]:
-        first = 0
         tokens = self.plan.tokens
+        first = 0
+        todo = []
         for info in self.shards:
             if info.num_samples is not None and first + info.num_samples <= start:
                 first += info.num_samples  # sealed in an earlier run: not read again
-                continue
-            layered = _layers_of(load_shard(info), info.path)
+            else:
+                todo.append(info)
+        head, self.first = self.first, None
+        if head is not None and todo[:1] == self.shards[:1]:
+            stream = itertools.chain([(todo[0], head)], loaded(todo[1:]))
+        else:
+            stream = loaded(todo)
+        del head
+        for info, shard in stream:
+            layered = _layers_of(shard, info.path)
             if tuple(layered) != self.plan.layers:
                 raise ConvertError(
                     f"{info.path}: expected layers {list(self.plan.layers)} as in the first shard, "
@@ -229,9 +261,7 @@ class PickleSource:
         if first != self.plan.n_examples:
             raise ConvertError(f"{self.plan.path}: expected {self.plan.n_examples} examples in all, found {first}")
 
-    def _chunk(
-        self, lists: list[list[Any]], a: int, b: int, info: ShardInfo, report: Report, tokens: int
-    ) -> Chunk:
+    def _chunk(self, lists: list[list[Any]], a: int, b: int, info: ShardInfo, report: Report, tokens: int) -> Chunk:
         n_layers, d_model = len(lists), self.plan.d_model
         acts = np.zeros((b - a, n_layers, tokens, d_model), np.float32)
         true_lengths = np.empty(b - a, np.int32)
@@ -261,7 +291,9 @@ class PickleSource:
                 if li == 0:
                     seq_len = act.shape[0]
                 elif act.shape[0] != seq_len:
-                    raise ConvertError(f"{at}: expected seq_len {seq_len} as under the first layer, found {act.shape[0]}")
+                    raise ConvertError(
+                        f"{at}: expected seq_len {seq_len} as under the first layer, found {act.shape[0]}"
+                    )
                 keep = min(seq_len, tokens)
                 acts[j - a, li, :keep] = act[:keep]
             true_lengths[j - a] = seq_len
@@ -271,7 +303,8 @@ class PickleSource:
                 value = meta.get(key)
                 if value is None or not _is_number(value):
                     raise ConvertError(
-                        f"{where}: expected a number for metadata field {key!r} (as in the first shard), found {value!r}"
+                        f"{where}: expected a number for metadata field {key!r} (as in the first shard), "
+                        f"found {value!r}"
                     )
                 numeric[name][j - a] = value if dt.kind != "b" else bool(value)
             for name, key in self.fields.text.items():
@@ -284,7 +317,12 @@ class PickleSource:
         if cut.any():
             report.count(f"examples longer than T={tokens} truncated", int(cut.sum()))
             report.count("token positions dropped by that truncation", int((true_lengths - lengths).sum()))
-        columns = {"lengths": lengths, "true_lengths": true_lengths, "sample_idx": sample_idx, **numeric}
+        columns: dict[str, npt.NDArray[Any]] = {
+            "lengths": lengths,
+            "true_lengths": true_lengths,
+            "sample_idx": sample_idx,
+            **numeric,
+        }
         return Chunk(acts, columns, text, source_nbytes=info.path.stat().st_size * (b - a) // max(1, len(lists[0])))
 
 
@@ -293,7 +331,8 @@ def open_source(path: Path, options: Options, scan: Callable[[int, int], None] |
     if options.layers is not None:
         raise ConvertOptionError("--layers: pickle shards name their layers (layer_15, ...); leave --layers out")
     index, shards = _parse_index(path)
-    first = _layers_of(load_shard(shards[0]), shards[0].path)
+    first_shard = load_shard(shards[0])
+    first = _layers_of(first_shard, shards[0].path)
     layers = tuple(first)
     first_records = next(iter(first.values()))
     if not first_records:
@@ -307,10 +346,10 @@ def open_source(path: Path, options: Options, scan: Callable[[int, int], None] |
     if options.max_tokens is None or any(s.num_samples is None for s in shards):
         # T is the longest sequence of all shards (and counts not in the index are needed
         # to resume): one pass over the rest, shard by shard, before anything is written.
-        for k, info in enumerate(shards[1:], start=1):
+        for k, (info, shard) in enumerate(loaded(shards[1:]), start=1):
             if scan is not None:
                 scan(k, len(shards))
-            layered = _layers_of(load_shard(info), info.path)
+            layered = _layers_of(shard, info.path)
             records = next(iter(layered.values()))
             longest = max([longest, *(_activation(r, str(info.path)).shape[0] for r in records)])
             counted.append(len(records))
@@ -324,7 +363,8 @@ def open_source(path: Path, options: Options, scan: Callable[[int, int], None] |
             )
         n_examples = sum(s.num_samples or 0 for s in shards)
     tokens = options.max_tokens if options.max_tokens is not None else longest
-    config = index.get("extraction_config") if isinstance(index.get("extraction_config"), dict) else {}
+    found = index.get("extraction_config")
+    config: dict[str, Any] = found if isinstance(found, dict) else {}
     verified = sum(s.checksum is not None for s in shards)
     identity: Any
     if verified == len(shards):
@@ -383,4 +423,4 @@ def open_source(path: Path, options: Options, scan: Callable[[int, int], None] |
         layout=tuple(layout),
         notes=tuple(report.notes),
     )
-    return PickleSource(plan, shards, fields)
+    return PickleSource(plan, shards, fields, first_shard)

@@ -103,6 +103,4 @@ def detect(path: Path) -> SourceKind:
         if kind.load().detect(path):
             return kind
     kinds = "; ".join(f"{k.name}: {k.summary}" for k in SOURCES.values())
-    raise ConvertOptionError(
-        f"{path}: not a source kind convert recognises; name one with --from ({kinds})"
-    )
+    raise ConvertOptionError(f"{path}: not a source kind convert recognises; name one with --from ({kinds})")

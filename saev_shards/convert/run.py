@@ -222,5 +222,6 @@ def convert(
     prepared = prepare(
         src, kind=kind, to=to, root=root, dtype=dtype, patches_per_shard=patches_per_shard, options=options
     )
-    return run(prepared, allow_nonfinite=allow_nonfinite, stats=stats, restart=restart, progress=progress, durable=durable)
-
+    return run(
+        prepared, allow_nonfinite=allow_nonfinite, stats=stats, restart=restart, progress=progress, durable=durable
+    )

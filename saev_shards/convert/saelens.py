@@ -48,9 +48,7 @@ def detect(path: Path) -> bool:
     if not (path.is_dir() and (path / _STATE).is_file()):
         return False
     features = _features(path)
-    return features is not None and any(
-        isinstance(f, dict) and f.get("_type") == "Array2D" for f in features.values()
-    )
+    return features is not None and any(isinstance(f, dict) and f.get("_type") == "Array2D" for f in features.values())
 
 
 def layer_of(hook: str) -> int | None:
@@ -90,12 +88,12 @@ class SaelensSource:
         for a in range(start, self.plan.n_examples, step):
             b = min(self.plan.n_examples, a + step)
             part = self.table.slice(a, b - a)
-            per_hook = [
-                _numpy(part.column(h), b - a, (self.context_size, d_model))[:, :tokens] for h in self.hooks
-            ]
+            per_hook = [_numpy(part.column(h), b - a, (self.context_size, d_model))[:, :tokens] for h in self.hooks]
             acts = np.stack(per_hook, axis=1)  # (B, L, T, D)
             if dropped > 0:
-                report.count(f"token positions beyond --max-tokens {tokens} dropped", dropped * (b - a) * len(self.hooks))
+                report.count(
+                    f"token positions beyond --max-tokens {tokens} dropped", dropped * (b - a) * len(self.hooks)
+                )
             columns: dict[str, npt.NDArray[Any]] = {}
             for name, (col, tail) in self.columns.items():
                 values = _numpy(part.column(col), b - a, tail)
@@ -140,7 +138,9 @@ def open_source(path: Path, options: Options, scan: Callable[[int, int], None] |
     context_size, d_model = (int(v) for v in shapes.pop())
     for h in hooks:
         if np.dtype(features[h].get("dtype", "float32")).kind != "f":
-            raise ConvertError(f"{path}: hook {h}: expected floating-point activations, found {features[h].get('dtype')}")
+            raise ConvertError(
+                f"{path}: hook {h}: expected floating-point activations, found {features[h].get('dtype')}"
+            )
     if options.layers is not None:
         if len(options.layers) != len(hooks):
             raise ConvertOptionError(
@@ -151,7 +151,8 @@ def open_source(path: Path, options: Options, scan: Callable[[int, int], None] |
         parsed = [layer_of(h) for h in hooks]
         if any(v is None for v in parsed) or len(set(parsed)) != len(parsed):
             raise ConvertOptionError(
-                f"{path}: cannot number the layers from the hook names {hooks} (found {parsed}); give them with --layers"
+                f"{path}: cannot number the layers from the hook names {hooks} (found {parsed}); "
+                "give them with --layers"
             )
         layers = tuple(int(v) for v in parsed if v is not None)
     tokens = min(context_size, options.max_tokens) if options.max_tokens is not None else context_size
@@ -174,7 +175,9 @@ def open_source(path: Path, options: Options, scan: Callable[[int, int], None] |
             except TypeError:
                 dt = None
         if name is None or shape is None or dt is None or name in col_types:
-            notes.append(f"column {col!r} ({feature.get('_type') if isinstance(feature, dict) else feature}) not carried over")
+            notes.append(
+                f"column {col!r} ({feature.get('_type') if isinstance(feature, dict) else feature}) not carried over"
+            )
             continue
         tail = shape[1]
         if name == "token_ids" and tail == (context_size,):
@@ -186,9 +189,14 @@ def open_source(path: Path, options: Options, scan: Callable[[int, int], None] |
     state = json.loads((path / _STATE).read_bytes())
     arrow = sorted(path.glob("*.arrow"))
     layout = [
-        f"hooks {hooks} -> layers {list(layers)}" + (" (--layers)" if options.layers is not None else " (from the hook names)"),
+        f"hooks {hooks} -> layers {list(layers)}"
+        + (" (--layers)" if options.layers is not None else " (from the hook names)"),
         f"rows -> examples of T={tokens} tokens"
-        + (f" (first {tokens} of context_size {context_size}, --max-tokens)" if tokens < context_size else " (context_size)"),
+        + (
+            f" (first {tokens} of context_size {context_size}, --max-tokens)"
+            if tokens < context_size
+            else " (context_size)"
+        ),
     ]
     if col_types:
         layout.append("columns: " + ", ".join(col_types))

@@ -25,7 +25,11 @@ ALLOWED_GLOBALS = frozenset(
     [
         ("numpy", "ndarray"),
         ("numpy", "dtype"),
-        *((core, name) for core in ("numpy.core.multiarray", "numpy._core.multiarray") for name in ("_reconstruct", "scalar")),
+        *(
+            (core, name)
+            for core in ("numpy.core.multiarray", "numpy._core.multiarray")
+            for name in ("_reconstruct", "scalar")
+        ),
         ("numpy.core.numeric", "_frombuffer"),
         ("numpy._core.numeric", "_frombuffer"),
         ("_codecs", "encode"),

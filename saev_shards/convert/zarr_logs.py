@@ -96,7 +96,7 @@ def _arrays(zarr: Any, store: Path) -> tuple[Any, Any]:
         group = zarr.open_group(store, mode="r")
     except Exception as err:  # zarr raises several kinds for a broken store
         raise ConvertError(f"{store}: not a readable zarr group ({type(err).__name__}: {err})") from None
-    return group["arrays"] if "arrays" in group else group, group
+    return group.get("arrays", group), group
 
 
 def _schema(arrays: Any, where: Path) -> list[Part]:
@@ -179,9 +179,7 @@ class ZarrSource:
         for k, store in enumerate(self.stores):
             if store.offset + store.n <= start:
                 continue
-            indexes = {
-                name: _line_index(p, store.n, store.offset) for name, p in self.text_files[k].items()
-            }
+            indexes = {name: _line_index(p, store.n, store.offset) for name, p in self.text_files[k].items()}
             for name, index in indexes.items():
                 report.count(f"samples without a line in {name}.jsonl (stored as null)", int((index < 0).sum()))
             for name in self.plan.text:
@@ -285,7 +283,7 @@ def _open(zarr: Any, path: Path, options: Options) -> ZarrSource:
     parts: list[Part] | None = None
     attrs: dict[str, Any] = {}
     offset = 0
-    for k, store_path in enumerate(paths):
+    for store_path in paths:
         arrays, group = _arrays(zarr, store_path)
         these = _schema(arrays, store_path)
         if parts is None:
@@ -298,7 +296,9 @@ def _open(zarr: Any, path: Path, options: Options) -> ZarrSource:
         n = int(arrays[these[0].activations].shape[0])
         for p in these:
             if int(arrays[p.activations].shape[0]) != n:
-                raise ConvertError(f"{store_path}: {p.activations} holds {arrays[p.activations].shape[0]} samples, expected {n}")
+                raise ConvertError(
+                    f"{store_path}: {p.activations} holds {arrays[p.activations].shape[0]} samples, expected {n}"
+                )
         stores.append(Store(store_path, arrays, n, offset))
         offset += n
     assert parts is not None
@@ -323,12 +323,11 @@ def _open(zarr: Any, path: Path, options: Options) -> ZarrSource:
     used = {p.activations for p in parts} | {p.lengths for p in parts if p.lengths}
     for p in parts:
         if p.lengths is not None:
-            dt = column_dtype(np.dtype(first[p.lengths].dtype)) or np.dtype("<i4")
-            col_types[p.lengths] = (dt, ())
+            col_types[p.lengths] = (column_dtype(np.dtype(first[p.lengths].dtype)) or np.dtype("<i4"), ())
     for array_name in sorted(set(first.array_keys()) - used):
         arr = first[array_name]
         name = field_name(array_name)
-        dt = np.dtype(arr.dtype) if isinstance(arr.dtype, np.dtype) else None
+        dt: np.dtype[Any] | None = np.dtype(arr.dtype) if isinstance(arr.dtype, np.dtype) else None
         if name is None or name in col_types or len(arr.shape) == 0 or int(arr.shape[0]) != stores[0].n:
             notes.append(f"array {array_name!r} {arr.shape} not carried over (not one value per sample)")
             continue
@@ -352,18 +351,22 @@ def _open(zarr: Any, path: Path, options: Options) -> ZarrSource:
     total = sum(p.max_len for p in parts)
     tokens = min(total, options.max_tokens) if options.max_tokens is not None else total
     found_layers = attrs.get("layers")
-    if not (isinstance(found_layers, list) and len(found_layers) == n_layers and all(isinstance(v, int) for v in found_layers)):
+    if not (
+        isinstance(found_layers, list)
+        and len(found_layers) == n_layers
+        and all(isinstance(v, int) for v in found_layers)
+    ):
         found_layers = None
-    layers = pick_layers(found_layers, n_layers, options, "store")
+    layers = pick_layers(found_layers, n_layers, options, "the store")
     config_file = paths[0] / "meta" / "config.json"
     config = plain(json.loads(config_file.read_bytes())) if config_file.is_file() else None
     manifest = path / "manifest.json"
     identity_files: list[Path] = []
     for s in stores:
-        for name in [*sorted(used), *columns.values(), *text_arrays.values()]:  # sorted: sets vary by process
-            identity_files.append(s.path / ("arrays" if (s.path / "arrays").is_dir() else "") / name)
+        folder = s.path / "arrays" if (s.path / "arrays").is_dir() else s.path
+        # sorted: the order of a set's strings varies from process to process, the hash must not
+        identity_files.extend(folder / name for name in [*sorted(used), *columns.values(), *text_arrays.values()])
         identity_files += list(_text_files(s.path).values())
-    identity_files = [p.resolve() if p.exists() else p for p in identity_files]
     source = {
         "path": str(path),
         "layout": layout,
@@ -387,11 +390,15 @@ def _open(zarr: Any, path: Path, options: Options) -> ZarrSource:
             f"tokens: {', '.join(p.activations for p in parts)} (T = {tokens})"
             + "".join(f"; valid positions from {p.lengths}" for p in parts if p.lengths)
         ]
-    for p in parts:
-        if p.lengths is None:
-            notes.append(f"no {p.name}_len array: every {p.name} position is taken as valid")
-    layout_lines.append(f"layers {list(layers)}" + (" (--layers)" if options.layers else " (attrs)" if found_layers else " (positions)"))
-    layout_lines.append(f"{layout}: {len(stores)} store(s), {offset:,} samples")
+    notes.extend(
+        f"no {p.name}_len array: every {p.name} position is taken as valid" for p in parts if p.lengths is None
+    )
+    layout_lines.append(
+        f"layers {list(layers)}" + (" (--layers)" if options.layers else " (attrs)" if found_layers else " (positions)")
+    )
+    layout_lines.append(
+        f"one store, {offset:,} samples" if layout == "store" else f"sharded: {len(stores)} stores, {offset:,} samples"
+    )
     cols_shown = [c for c in col_types if c not in ("lengths", "true_lengths")]
     if cols_shown:
         layout_lines.append("columns: " + ", ".join(cols_shown))
@@ -417,4 +424,3 @@ def _open(zarr: Any, path: Path, options: Options) -> ZarrSource:
         notes=tuple(notes),
     )
     return ZarrSource(plan, stores, parts, columns, text_arrays, text_files)
-

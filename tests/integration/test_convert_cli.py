@@ -213,3 +213,16 @@ def test_zarr_and_npy_killed_resume_byte_identical(tmp_path: Path) -> None:
     npy_source(tmp_path / "a.npy", (20, 2, 4, 8))
     extra = ["--patches-per-shard", str(2 * 4 * 3), "--dtype", "bfloat16"]
     _kill_and_resume(tmp_path / "n", tmp_path / "a.npy", extra, ["2", "6", "publish"], chunk_bytes=2 * 4 * 8 * 4)
+
+
+def test_missing_optional_package_names_the_extra(tmp_path: Path) -> None:
+    zarr_source(tmp_path / "run")
+    code = (
+        "import sys\nsys.modules['zarr'] = None  # as if not installed\n"
+        "from saev_shards.cli import main\n"
+        f"sys.exit(main(['convert', {str(tmp_path / 'run')!r}, '--root', {str(tmp_path / 'root')!r}]))\n"
+    )
+    proc = subprocess.run([sys.executable, "-c", code], check=False, capture_output=True, text=True, env=_env(), timeout=60)
+    assert proc.returncode == 2, proc.stderr
+    line = one_line(Result(proc.returncode, proc.stdout, proc.stderr))
+    assert "converting zarr activation logs needs zarr" in line and "pip install 'saev-shards[convert]'" in line

@@ -154,7 +154,14 @@ def _zarr() -> Any:
 
 
 def _zarr_store(
-    path: Path, prompt: npt.NDArray[Any], response: npt.NDArray[Any], plen: Any, rlen: Any, first_id: int, extra: bool
+    path: Path,
+    prompt: npt.NDArray[Any],
+    response: npt.NDArray[Any],
+    plen: Any,
+    rlen: Any,
+    first_id: int,
+    extra: bool,
+    prompt_chunk: int = 4,
 ) -> None:
     zarr = _zarr()
     n, n_layers, p_max, h = prompt.shape
@@ -170,9 +177,18 @@ def _zarr_store(
         }
     )
     arrays = root.create_group("arrays")
-    for name, data, t_chunk in (("prompt_activations", prompt, min(4, p_max)), ("response_activations", response, response.shape[2])):
+    for name, data, t_chunk in (
+        ("prompt_activations", prompt, min(prompt_chunk, p_max)),
+        ("response_activations", response, response.shape[2]),
+    ):
         arr = arrays.create_array(
-            name, shape=data.shape, chunks=(1, 1, t_chunk, h), dtype="float16", compressors=None, filters=None, fill_value=0
+            name,
+            shape=data.shape,
+            chunks=(1, 1, t_chunk, h),
+            dtype="float16",
+            compressors=None,
+            filters=None,
+            fill_value=0,
         )
         arr[:] = data
     for name, values, dtype in (
@@ -207,6 +223,7 @@ def zarr_source(
     d_model: int = 8,
     shards: tuple[int, ...] | None = None,
     seed: int = 0,
+    prompt_chunk: int = 4,
 ) -> Expected:
     """Seed 000's store (``folder/activations.zarr``), or its sharded layout when ``shards`` gives the counts."""
     rng = np.random.default_rng(seed)
@@ -216,10 +233,10 @@ def zarr_source(
     rlen = rng.integers(0, r_max + 1, n)
     plen[0], rlen[0] = p_max, r_max
     for i in range(n):
-        prompt[i, :, : plen[i]] = rng.standard_normal((n_layers, int(plen[i]), d_model))
-        response[i, :, : rlen[i]] = rng.standard_normal((n_layers, int(rlen[i]), d_model))
+        prompt[i, :, : plen[i]] = rng.standard_normal((n_layers, int(plen[i]), d_model), dtype=np.float32)
+        response[i, :, : rlen[i]] = rng.standard_normal((n_layers, int(rlen[i]), d_model), dtype=np.float32)
     if shards is None:
-        _zarr_store(folder / "activations.zarr", prompt, response, plen, rlen, 0, extra=True)
+        _zarr_store(folder / "activations.zarr", prompt, response, plen, rlen, 0, extra=True, prompt_chunk=prompt_chunk)
     else:
         (folder / "shards").mkdir(parents=True)
         first = 0
@@ -251,7 +268,14 @@ def zarr_source(
         },
         {
             "sample_key": keys,
-            "prompts": [{"i": int(i if shards is None else i - _first(shards, i)), "sample_key": keys[i], "prompt": f"question {i}?"} for i in ids],
+            "prompts": [
+                {
+                    "i": int(i if shards is None else i - _first(shards, int(i))),
+                    "sample_key": keys[i],
+                    "prompt": f"question {i}?",
+                }
+                for i in ids
+            ],
         },
     )
 
@@ -301,7 +325,9 @@ def saelens_source(
 # .npy
 
 
-def npy_source(path: Path, shape: tuple[int, int, int, int] = (11, 3, 5, 8), *, fortran: bool = False, seed: int = 0) -> Expected:
+def npy_source(
+    path: Path, shape: tuple[int, int, int, int] = (11, 3, 5, 8), *, fortran: bool = False, seed: int = 0
+) -> Expected:
     rng = np.random.default_rng(seed)
     acts = rng.standard_normal(shape, dtype=np.float32)
     np.save(path, np.asfortranarray(acts) if fortran else acts)
@@ -322,7 +348,7 @@ def assert_converted(shards: Any, expected: Expected, dtype: str = "float16") ->
     else:
         want = ss.bf16_to_float32(ss.dtypes.float32_to_bf16(expected.acts))
     np.testing.assert_array_equal(stored, want)
-    for name, values in expected.columns.items():
-        np.testing.assert_array_equal(shards.columns[name], values, err_msg=name)
-    for name, values in expected.text.items():
-        assert list(shards.text(name)) == values, name
+    for name, column in expected.columns.items():
+        np.testing.assert_array_equal(shards.columns[name], column, err_msg=name)
+    for name, text in expected.text.items():
+        assert list(shards.text(name)) == text, name

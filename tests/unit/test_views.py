@@ -20,7 +20,7 @@ xr = pytest.importorskip("xarray")
 warnings.filterwarnings("ignore", message="Consolidated metadata")
 
 
-def _cache(root: Path, **changes: object) -> tuple[ss.Shards, np.ndarray]:  # type: ignore[type-arg]
+def _cache(root: Path, **changes: object) -> tuple[ss.Shards, np.ndarray]:
     md = small_metadata(**changes)
     lengths = (1 + np.arange(md.n_examples) % md.tokens_per_ex).astype(np.int32)
     data = write_cache(root, md, lengths=lengths, text=True)
@@ -43,9 +43,9 @@ def test_dask_views_each_shard(root: Path, dtype: str) -> None:
 
 def test_dask_chunks_are_views_of_the_memmaps(root: Path) -> None:
     shards, _ = _cache(root)
-    seen: list[np.ndarray] = []  # type: ignore[type-arg]
+    seen: list[np.ndarray] = []
 
-    def probe(block: np.ndarray) -> np.ndarray:  # type: ignore[type-arg]
+    def probe(block: np.ndarray) -> np.ndarray:
         seen.append(block)
         return block
 

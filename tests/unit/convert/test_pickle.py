@@ -11,8 +11,7 @@ import numpy as np
 import pytest
 
 import saev_shards as ss
-from saev_shards.convert import Options, convert
-from saev_shards.convert import safe_pickle
+from saev_shards.convert import Options, convert, safe_pickle
 from saev_shards.errors import (
     ConvertError,
     ConvertOptionError,
@@ -86,7 +85,7 @@ def test_wrong_size_and_missing_shard(tmp_path: Path) -> None:
         convert(tmp_path / "src", root=tmp_path / "root", durable=False)
     pickle_source(tmp_path / "src2")
     (tmp_path / "src2" / "shard_0003.pkl.gz").unlink()
-    with pytest.raises(SourceNotFoundError, match="shard_0003.pkl.gz: listed in the source's index but missing"):
+    with pytest.raises(SourceNotFoundError, match=r"shard_0003\.pkl\.gz: listed in the source's index but missing"):
         convert(tmp_path / "src2", root=tmp_path / "root", durable=False)
 
 
@@ -112,7 +111,7 @@ def test_malicious_pickle_is_refused_and_runs_nothing(tmp_path: Path, protocol: 
     with pytest.raises(UnsafePickleError, match=r"refusing to load builtins\.open|refusing to load io\.open"):
         safe_pickle.load(payload, tmp_path / "x.pkl")
     assert not marker.exists()
-    with pytest.raises(UnsafePickleError, match="refusing to load (posix|os|nt).system"):
+    with pytest.raises(UnsafePickleError, match=r"refusing to load (posix|os|nt)\.system"):
         safe_pickle.load(pickle.dumps(_Shell(), protocol=protocol), tmp_path / "x.pkl")
 
 

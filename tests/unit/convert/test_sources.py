@@ -92,7 +92,7 @@ def test_zarr_without_activations_is_refused(tmp_path: Path) -> None:
 def test_saelens_rows_hooks_and_token_ids(tmp_path: Path) -> None:
     pytest.importorskip("datasets")
     expected = saelens_source(tmp_path / "cache")
-    shards, result = _convert(tmp_path / "cache", tmp_path / "root")
+    shards, _ = _convert(tmp_path / "cache", tmp_path / "root")
     assert_converted(shards, expected)
     assert shards.metadata.layers == (3, 1)  # column order, numbers from the hook names
     assert shards.lengths is None
@@ -125,7 +125,9 @@ def test_npy_is_memmapped_and_copied_exactly(tmp_path: Path, fortran: bool) -> N
     assert shards.n_shards == 3
     assert_converted(shards, expected, "float32")
     shards, _ = _convert(
-        tmp_path / "acts.npy", tmp_path / "named", options=Options(layers=(2, 4, 6), cls_token=True, family="clip", ckpt="x")
+        tmp_path / "acts.npy",
+        tmp_path / "named",
+        options=Options(layers=(2, 4, 6), cls_token=True, family="clip", ckpt="x"),
     )
     md = shards.metadata
     assert (md.layers, md.cls_token, md.patches_per_ex, md.family, md.ckpt) == ((2, 4, 6), True, 4, "clip", "x")
