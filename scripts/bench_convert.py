@@ -65,7 +65,7 @@ def _read_pickle(src: Path) -> int:
     total = 0
     for entry in index["shards"]:
         with gzip.open(src / entry["filename"], "rb") as f:
-            shard = pickle.load(f)  # noqa: S301 - our own benchmark data
+            shard = pickle.load(f)
         total += sum(r["activation"].nbytes for records in shard.values() for r in records)
     return total
 
@@ -73,7 +73,7 @@ def _read_pickle(src: Path) -> int:
 def _read_zarr(src: Path) -> int:
     import zarr
 
-    arrays = zarr.open_group(src / "activations.zarr", mode="r")["arrays"]
+    arrays: Any = zarr.open_group(src / "activations.zarr", mode="r")["arrays"]
     total = 0
     for name in ("prompt_activations", "response_activations"):
         arr = arrays[name]

@@ -20,8 +20,8 @@ from __future__ import annotations
 
 import dataclasses
 import gzip
-import itertools
 import hashlib
+import itertools
 import json
 import numbers
 import re
@@ -233,6 +233,7 @@ class PickleSource:
             else:
                 todo.append(info)
         head, self.first = self.first, None
+        stream: Iterator[tuple[ShardInfo, dict[str, Any]]]
         if head is not None and todo[:1] == self.shards[:1]:
             stream = itertools.chain([(todo[0], head)], loaded(todo[1:]))
         else:

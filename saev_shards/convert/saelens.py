@@ -88,8 +88,14 @@ class SaelensSource:
         for a in range(start, self.plan.n_examples, step):
             b = min(self.plan.n_examples, a + step)
             part = self.table.slice(a, b - a)
-            per_hook = [_numpy(part.column(h), b - a, (self.context_size, d_model))[:, :tokens] for h in self.hooks]
-            acts = np.stack(per_hook, axis=1)  # (B, L, T, D)
+            acts: npt.NDArray[Any] | None = None
+            for li, hook in enumerate(self.hooks):
+                # A zero-copy view of the memory-mapped Arrow buffer, copied once into place.
+                values = _numpy(part.column(hook), b - a, (self.context_size, d_model))[:, :tokens]
+                if acts is None:
+                    acts = np.empty((b - a, len(self.hooks), tokens, d_model), values.dtype)  # (B, L, T, D)
+                acts[:, li] = values
+            assert acts is not None
             if dropped > 0:
                 report.count(
                     f"token positions beyond --max-tokens {tokens} dropped", dropped * (b - a) * len(self.hooks)
@@ -101,7 +107,7 @@ class SaelensSource:
                     values = values[:, :tokens]
                 columns[name] = np.ascontiguousarray(values, dtype=self.plan.columns[name][0])
             text = {name: [plain(v) for v in part.column(col).to_pylist()] for name, col in self.text_columns.items()}
-            yield Chunk(acts, columns, text, source_nbytes=int(sum(x.nbytes for x in per_hook)))
+            yield Chunk(acts, columns, text, source_nbytes=int(acts.nbytes))
 
 
 def _shape_of(feature: Any) -> tuple[str, tuple[int, ...]] | None:

@@ -222,7 +222,9 @@ def test_missing_optional_package_names_the_extra(tmp_path: Path) -> None:
         "from saev_shards.cli import main\n"
         f"sys.exit(main(['convert', {str(tmp_path / 'run')!r}, '--root', {str(tmp_path / 'root')!r}]))\n"
     )
-    proc = subprocess.run([sys.executable, "-c", code], check=False, capture_output=True, text=True, env=_env(), timeout=60)
+    proc = subprocess.run(
+        [sys.executable, "-c", code], check=False, capture_output=True, text=True, env=_env(), timeout=60
+    )
     assert proc.returncode == 2, proc.stderr
     line = one_line(Result(proc.returncode, proc.stdout, proc.stderr))
     assert "converting zarr activation logs needs zarr" in line and "pip install 'saev-shards[convert]'" in line

@@ -57,11 +57,12 @@ def test_zarr_sharded_layout_and_max_tokens(tmp_path: Path) -> None:
     assert result.report.counts["samples longer than T=5 truncated"] == int((true > 5).sum())  # type: ignore[attr-defined]
 
 
-def test_zarr_single_activations_array_and_dirty_padding(tmp_path: Path) -> None:
+@pytest.mark.parametrize("zarr_format", [2, 3])
+def test_zarr_single_activations_array_and_dirty_padding(tmp_path: Path, zarr_format: int) -> None:
     import zarr
 
     store = tmp_path / "log.zarr"
-    g = zarr.open_group(store, mode="w", zarr_format=2)
+    g = zarr.open_group(store, mode="w", zarr_format=zarr_format)  # type: ignore[arg-type]
     acts = np.random.default_rng(0).standard_normal((5, 3, 4, 6)).astype(np.float16)
     a = g.create_array("activations", shape=acts.shape, chunks=(1, 1, 4, 6), dtype="float16", compressors=None)
     a[:] = acts  # padding positions are NOT zero: reported, and zeroed in the cache
