@@ -160,14 +160,18 @@ def cmd_convert(args: argparse.Namespace) -> int:
         out.write(message + "\n")
         out.flush()
 
-    result = run(
-        prepared,
-        allow_nonfinite=args.allow_nonfinite,
-        stats=args.stats,
-        restart=args.restart,
-        progress=args.progress,
-        log=say,
-    )
+    try:
+        result = run(
+            prepared,
+            allow_nonfinite=args.allow_nonfinite,
+            stats=args.stats,
+            restart=args.restart,
+            progress=args.progress,
+            log=say,
+        )
+    except KeyboardInterrupt:
+        warn("stopped; the sealed shards are kept: run the same command again to resume")
+        raise
     for line in result.report.lines():
         warn(f"not carried over: {line}")
     if result.already_published:
