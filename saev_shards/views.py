@@ -74,9 +74,9 @@ def to_dask(shards: Shards, examples_per_chunk: int | None = None) -> Any:
     da = require("dask.array", "views", "Shards.to_dask")
     _, n_layers, tokens, d_model = shards.shape
     chunks = (_chunks(shards, examples_per_chunk) or (0,), (n_layers,), (tokens,), (d_model,))
-    arr = da.from_array(
-        _Window(shards), chunks=chunks, asarray=False, lock=False, fancy=False, name=f"saev-{shards.metadata.hash}"
-    )
+    # The name is the dask key: it names the cache and its chunking, so two views never share keys.
+    name = f"saev-{shards.metadata.hash}-{examples_per_chunk or 'shard'}"
+    arr = da.from_array(_Window(shards), chunks=chunks, asarray=False, lock=False, fancy=False, name=name)
     if shards.dtype == "bfloat16":
         return arr.map_blocks(dtypes.bf16_to_float32, dtype=np.float32)
     return arr

@@ -135,8 +135,6 @@ def open_source(path: Path, options: Options, scan: Callable[[int, int], None] |
         raise ConvertError(f"{path}: not a readable datasets folder ({type(err).__name__}: {err})") from None
     if not isinstance(ds, datasets.Dataset):
         raise ConvertError(f"{path}: expected one Dataset (save_to_disk of a Dataset), found {type(ds).__name__}")
-    if getattr(ds, "_indices", None) is not None:
-        ds = ds.flatten_indices()
     hooks = [name for name, f in features.items() if isinstance(f, dict) and f.get("_type") == "Array2D"]
     shapes = {tuple(features[h]["shape"]) for h in hooks}
     if len(shapes) != 1:

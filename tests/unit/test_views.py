@@ -15,7 +15,7 @@ from saev_shards.views import write_zarr_references, zarr_references
 
 from ..support.caches import small_metadata, write_cache
 
-dask = pytest.importorskip("dask")
+dask_array = pytest.importorskip("dask.array")
 xr = pytest.importorskip("xarray")
 warnings.filterwarnings("ignore", message="Consolidated metadata")
 
@@ -39,6 +39,8 @@ def test_dask_views_each_shard(root: Path, dtype: str) -> None:
     assert finer.chunks[0] == (2, 2, 1) * 4 + (2, 1)  # never across a shard boundary
     np.testing.assert_array_equal(finer[4:13, 1, 2:].compute(), want[4:13, 1, 2:])
     assert len(pickle.dumps(arr)) < 64 * 1024  # the graph carries the Shards, not the data
+    both = dask_array.concatenate([arr, finer])  # distinct keys: each view keeps its own chunks
+    np.testing.assert_array_equal(both.compute(), np.concatenate([want, want]))
 
 
 def test_dask_chunks_are_views_of_the_memmaps(root: Path) -> None:

@@ -5,10 +5,13 @@ from __future__ import annotations
 import gzip
 import os
 import pickle
+import tempfile
 from pathlib import Path
 
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 import saev_shards as ss
 from saev_shards.convert import Options, convert, safe_pickle
@@ -159,3 +162,38 @@ def test_malformed_sources(tmp_path: Path) -> None:
     rewrite_index(bad, lambda m: m["shards"][0].pop("size_bytes"))
     with pytest.raises(ConvertError, match=r"layer_16\[1\]: expected sample_idx 1007 as under layer_15, found 99"):
         convert(bad, root=tmp_path / "root", durable=False)
+
+
+@settings(max_examples=15)
+@given(
+    per_shard=st.lists(st.integers(1, 4), min_size=1, max_size=3),
+    layers=st.lists(st.integers(-3, 40), min_size=1, max_size=3, unique=True),
+    max_len=st.integers(1, 6),
+    max_tokens=st.none() | st.integers(1, 6),
+    budget_examples=st.integers(1, 5),
+)
+def test_any_layout_converts_exactly(
+    per_shard: list[int], layers: list[int], max_len: int, max_tokens: int | None, budget_examples: int
+) -> None:
+    with tempfile.TemporaryDirectory() as tmp:
+        src, root = Path(tmp) / "src", Path(tmp) / "root"
+        expected = pickle_source(src, per_shard=tuple(per_shard), layers=tuple(layers), d_model=3, max_len=max_len)
+        tokens = max_tokens if max_tokens is not None else max_len
+        result = convert(
+            src,
+            root=root,
+            options=Options(max_tokens=max_tokens),
+            patches_per_shard=budget_examples * tokens * len(layers),
+            durable=False,
+        )
+        shards = ss.open(result.path)
+        assert shards.metadata.layers == tuple(sorted(layers))
+        order = [layers.index(v) for v in sorted(layers)]
+        want = np.zeros((sum(per_shard), len(layers), tokens, 3), np.float32)
+        keep = min(tokens, max_len)
+        want[:, :, :keep] = expected.acts[:, order, :keep]
+        np.testing.assert_array_equal(shards[:], want.astype(np.float16))
+        true = expected.columns["true_lengths"]
+        np.testing.assert_array_equal(shards.columns["lengths"], np.minimum(true, tokens))
+        np.testing.assert_array_equal(shards.columns["sample_idx"], expected.columns["sample_idx"])
+        assert list(shards.text("text_preview")) == expected.text["text_preview"]
