@@ -13,7 +13,7 @@ the same samples in the same order under every layer. How it maps (docs/convert.
   ``checksum`` (``sha256:...``) in ``metadata.json``, and it is unpickled by
   `safe_pickle.load`, which refuses everything but arrays and plain containers.
 
-Memory: one shard at a time (its compressed bytes and its records) plus one chunk.
+Memory: two shards (the one being converted and the next, read ahead) plus one chunk.
 """
 
 from __future__ import annotations
