@@ -102,3 +102,16 @@ def test_missing_extra_names_it(root: Path, monkeypatch: pytest.MonkeyPatch) -> 
     monkeypatch.setitem(sys.modules, "xarray", None)  # as if not installed
     with pytest.raises(MissingDependencyError, match=r"needs xarray.*pip install 'saev-shards\[views\]'"):
         shards.to_xarray()
+
+
+def test_views_of_the_reference_dialect_with_a_padded_last_shard() -> None:
+    zarr = pytest.importorskip("zarr")
+    pytest.importorskip("fsspec")
+    data = Path(__file__).resolve().parents[1] / "data" / "legacy-2.1-padded"
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", ss.ProtocolWarning)
+        shards = ss.open(next(data.iterdir()))
+    logical = np.asarray(shards[:])
+    np.testing.assert_array_equal(shards.to_dask().compute(), logical)
+    group = zarr.open_group("reference://", mode="r", storage_options={"fo": zarr_references(shards)})
+    np.testing.assert_array_equal(group["acts"][:], logical)  # the padding past n_examples is never referenced
