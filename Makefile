@@ -12,7 +12,7 @@ venv: $(STAMP)
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install --quiet --upgrade pip
-	$(BIN)/python -m pip install --quiet -e '.[dev,models,bench]'
+	$(BIN)/python -m pip install --quiet -e '.[dev,models,bench,convert,views]'
 	touch $(STAMP)
 
 lint: $(STAMP)

@@ -130,6 +130,30 @@ class RecorderError(ShardsError):
     """Raised when blocks cannot be found or a hooked block's output cannot be recorded."""
 
 
+class ConvertError(ShardsError):
+    """Raised when a source cannot be converted into a cache: malformed, inconsistent or unsupported."""
+
+
+class ConvertOptionError(ConvertError):
+    """Raised when convert's options do not fit the source (or its kind cannot be detected)."""
+
+
+class SourceNotFoundError(ConvertError, FileNotFoundError):
+    """Raised when a conversion source, or a file its index names, does not exist."""
+
+
+class SourceChecksumError(ConvertError):
+    """Raised when a source file's size or checksum differs from what the source's own index records."""
+
+
+class UnsafePickleError(ConvertError):
+    """Raised when a pickle asks for anything but numpy arrays, dtypes and plain containers."""
+
+
+class MissingDependencyError(ShardsError, ImportError):
+    """Raised when an optional dependency is needed but not installed; the message names the extra."""
+
+
 class RootNotSetError(ShardsError):
     """Raised when a shards or runs root is needed but neither given nor set in the environment."""
 

@@ -713,6 +713,21 @@ class Shards:
             self._aux["stats"] = {k: np.asarray(v) for k, v in raw.items()}
         return self._aux["stats"]  # type: ignore[no-any-return]
 
+    # -- views for other tools (saev_shards.views; dask and xarray are optional) -------------
+    def to_dask(self, examples_per_chunk: int | None = None) -> Any:
+        """A ``dask.array`` of the logical ``(N, L, T, D)`` tensor over the shard memmaps (no copy);
+        one chunk per shard, or ``examples_per_chunk`` examples (never across shards)."""
+        from .views import to_dask
+
+        return to_dask(self, examples_per_chunk)
+
+    def to_xarray(self, examples_per_chunk: int | None = None) -> Any:
+        """An ``xarray.DataArray`` (dims example, layer, token, dim) over `to_dask`, layer values and
+        columns as coordinates."""
+        from .views import to_xarray
+
+        return to_xarray(self, examples_per_chunk)
+
     # -- integrity -----------------------------------------------------------------------
     def verify(self, *, progress: bool | None = False, on_bytes: Callable[[int], None] | None = None) -> int:
         """Recompute every file's size and xxh3_128 digest, and the metadata hash.

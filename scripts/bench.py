@@ -24,6 +24,7 @@ SUITES = [
     ("loaders", "scripts.bench_loaders"),
     ("writers", "scripts.bench_writers"),
     ("peers", "scripts.bench_peers"),
+    ("convert", "scripts.bench_convert"),
 ]
 
 

@@ -19,15 +19,18 @@ from collections.abc import Sequence
 from .. import __version__
 from ..errors import (
     CacheRefError,
+    ConvertOptionError,
     InvalidCacheError,
+    MissingDependencyError,
     RootNotSetError,
     RunExistsError,
     RunNotFoundError,
     ShardsError,
+    SourceNotFoundError,
     UnknownCacheError,
     WriterBusyError,
 )
-from . import caches, dump, runs
+from . import caches, convert, dump, runs
 from ._common import (
     EXIT_BROKEN_PIPE,
     EXIT_CODES_HELP,
@@ -61,7 +64,7 @@ __all__ = [
 ]
 
 #: The modules whose commands make up the command line, in --help order.
-COMMANDS = (caches, runs, dump)
+COMMANDS = (caches, runs, dump, convert)
 
 
 def build_parser(invoked: str | None = None) -> argparse.ArgumentParser:
@@ -78,6 +81,7 @@ def build_parser(invoked: str | None = None) -> argparse.ArgumentParser:
             "  saev-shards stage 3f2a                  # verified local copy in $TMPDIR\n"
             "  saev-shards run init --train 3f2a --val 9c1d --id sae-16k\n"
             "  saev-shards doctor --run sae-16k\n"
+            "  saev-shards convert ./activations      # pickle shards, zarr logs, SAELens, .npy -> a cache\n"
             "  saev-shards <command> --help            # examples for each command\n\n"
             + ROOTS_HELP
             + "\n"
@@ -103,9 +107,9 @@ def _invokedcommand(argv: Sequence[str]) -> str | None:
 
 
 def _exit_code(err: BaseException) -> int:
-    if isinstance(err, (UnknownCacheError, CacheRefError, RunNotFoundError)):
+    if isinstance(err, (UnknownCacheError, CacheRefError, RunNotFoundError, SourceNotFoundError)):
         return EXIT_NOT_FOUND
-    if isinstance(err, (RootNotSetError, RunExistsError)):
+    if isinstance(err, (RootNotSetError, RunExistsError, ConvertOptionError, MissingDependencyError)):
         return EXIT_USAGE
     if isinstance(err, WriterBusyError):
         return EXIT_SYSTEM

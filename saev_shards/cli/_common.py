@@ -24,12 +24,13 @@ EXIT_BROKEN_PIPE = 141  # 128 + SIGPIPE, what shells report for a C tool whose r
 EXIT_CODES_HELP = """\
 exit codes:
   0    success
-  1    a problem was found: a cache is invalid or fails verification, a run has errors
+  1    a problem was found: a cache is invalid or fails verification, a run has errors,
+       a source to convert is broken
   2    usage error: bad arguments, no root configured, a command not installed
   3    not found: no cache or run matches, or a hash prefix is ambiguous or too short
   4    system error: permission denied, disk full, another process holds the cache
   5    internal error: a bug (rerun with --debug and report the traceback)
-  130  interrupted (Ctrl-C); `stage` resumes where it stopped when run again
+  130  interrupted (Ctrl-C); `stage` and `convert` resume where they stopped when run again
   141  the reader of the output went away (e.g. `| head`); nothing is printed
 """
 

@@ -1,0 +1,227 @@
+"""The conversion itself, the same for every source kind and target.
+
+Plan the source (`base.Plan`), derive the cache's `Metadata` from the plan and the target,
+then stream the source's chunks into a `ShardWriter` that publishes atomically. The
+writer's bytes depend only on the data, never on how it was chunked, and the plan only on
+the source, so a run killed at any point resumes (``resume=True``) after the last sealed
+shard and publishes exactly the bytes an uninterrupted run would have.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from ..errors import ConvertError, ConvertOptionError, NonFiniteError, ShardsError, SourceNotFoundError
+from ..metadata import Metadata
+from ..progress import Progress
+from ..store import shards_root
+from ..writer import ShardWriter
+from .base import CONVERT_VERSION, Options, Plan, Report, Source
+from .registry import SourceKind, Target, detect, source_kind, target
+
+#: The protocol's default shard budget in token vectors (protocol.md section 3).
+DEFAULT_PATCHES_PER_SHARD = 2_400_000
+
+
+@dataclasses.dataclass(frozen=True)
+class Prepared:
+    """A planned conversion: the source, its kind, the target and the cache's metadata."""
+
+    kind: SourceKind
+    source: Source
+    target: Target
+    metadata: Metadata
+    root: Path
+
+    @property
+    def plan(self) -> Plan:
+        return self.source.plan
+
+    @property
+    def path(self) -> Path:
+        """Where the cache is (or will be) published."""
+        return self.root / self.metadata.hash
+
+
+@dataclasses.dataclass(frozen=True)
+class Result:
+    """What `convert` did: the published cache, where it resumed, and what was not carried over."""
+
+    path: Path
+    metadata: Metadata
+    plan: Plan
+    report: Report
+    resumed_at: int
+    examples_written: int
+    seconds: float
+    already_published: bool
+
+
+def metadata_for(plan: Plan, to: Target, dtype: str, patches_per_shard: int | None) -> Metadata:
+    """The cache's metadata: the plan's shape and model, the source's description in ``data``."""
+    if dtype not in to.dtypes:
+        raise ConvertOptionError(f"--dtype: target {to.name} stores {', '.join(to.dtypes)}; found {dtype!r}")
+    tokens = plan.tokens
+    if plan.cls_token and tokens < 1:
+        raise ConvertOptionError("--cls-token: the examples have no token to be the [CLS] token")
+    budget = patches_per_shard if patches_per_shard is not None else DEFAULT_PATCHES_PER_SHARD
+    one_example = tokens * len(plan.layers)
+    if patches_per_shard is None:
+        budget = max(budget, one_example)  # very long examples: one per shard
+    elif budget < one_example:
+        raise ConvertOptionError(
+            f"--patches-per-shard: one example holds {one_example:,} token vectors ({len(plan.layers)} layers x "
+            f"{tokens} tokens), more than the budget {budget:,}"
+        )
+    try:
+        return Metadata(
+            family=plan.family,
+            ckpt=plan.ckpt,
+            layers=plan.layers,
+            patches_per_ex=tokens - int(plan.cls_token),
+            cls_token=plan.cls_token,
+            d_model=plan.d_model,
+            n_examples=plan.n_examples,
+            patches_per_shard=budget,
+            data={"converted_from": {"kind": plan.kind, "version": CONVERT_VERSION}, "source": dict(plan.source)},
+            dataset=plan.dataset,
+            dtype=dtype,
+            protocol=to.protocol,
+        )
+    except ShardsError as err:
+        raise ConvertError(f"{plan.path}: the source does not make a valid cache: {err}") from None
+
+
+def prepare(
+    src: str | os.PathLike[str],
+    *,
+    kind: str | None = None,
+    to: str = "3.0",
+    root: str | os.PathLike[str] | None = None,
+    dtype: str | None = None,
+    patches_per_shard: int | None = None,
+    options: Options | None = None,
+    scan: Callable[[int, int], None] | None = None,
+) -> Prepared:
+    """Detect the source's kind (or take ``kind``), plan it and derive the cache's metadata."""
+    path = Path(src).expanduser().absolute()
+    if not path.exists():
+        raise SourceNotFoundError(f"{path}: no such file or directory")
+    the_target = target(to)
+    the_kind = source_kind(kind) if kind is not None else detect(path)
+    module = the_kind.load()
+    if kind is not None and not module.detect(path):
+        raise ConvertOptionError(f"{path}: does not look like a {the_kind.name} source ({the_kind.summary})")
+    out_root = shards_root(root).path
+    opened: Source = module.open_source(path, options or Options(), scan=scan)
+    md = metadata_for(opened.plan, the_target, dtype or the_target.default_dtype, patches_per_shard)
+    return Prepared(the_kind, opened, the_target, md, out_root)
+
+
+def _nonfinite_message(err: NonFiniteError, dtype: str) -> str:
+    wider = "float32" if dtype != "float32" else None
+    hint = f"re-run with --dtype {wider} (or bfloat16), or " if wider else "re-run with "
+    return f"{err}; {hint}--allow-nonfinite to store them as they are (nothing was published)"
+
+
+def run(
+    prepared: Prepared,
+    *,
+    allow_nonfinite: bool = False,
+    stats: bool = True,
+    restart: bool = False,
+    progress: bool | None = None,
+    durable: bool = True,
+    log: Callable[[str], None] | None = None,
+) -> Result:
+    """Stream the prepared source into its cache and publish it; resumes unless ``restart``."""
+    say = log or (lambda _msg: None)
+    plan, md, to = prepared.plan, prepared.metadata, prepared.target
+    report = Report()
+    for note in plan.notes:
+        report.note(note)
+    t0 = time.perf_counter()
+    if prepared.path.exists():
+        return Result(prepared.path, md, plan, report, md.n_examples, 0, 0.0, True)
+    columns = dict(plan.columns) if to.extras else {}
+    text = plan.text if to.extras else ()
+    if not to.extras and (plan.columns or plan.text):
+        dropped = [*(f"column {c}" for c in plan.columns), *(f"text {t}" for t in plan.text)]
+        report.note(f"not carried over: {', '.join(dropped)} (protocol {to.protocol} holds activations only)")
+    with_lengths = "lengths" in columns
+    writer = ShardWriter(
+        prepared.root,
+        md,
+        resume=not restart,
+        allow_nonfinite=allow_nonfinite,
+        stats=stats and to.extras,
+        labels=plan.labels,
+        columns={name: (dt, tail) for name, (dt, tail) in columns.items()},
+        text=text,
+        durable=durable,
+    )
+    start = writer.next_example
+    if start > 0:
+        say(f"resuming at example {start:,} ({start:,} of {md.n_examples:,} already sealed)")
+    written = 0
+    try:
+        with Progress(
+            (md.n_examples - start) * md.example_nbytes, f"convert {plan.kind}", unit="B", enabled=progress
+        ) as bar:
+            for chunk in prepared.source.chunks(start, report):
+                n = chunk.acts.shape[0]
+                if n == 0:
+                    continue
+                cols: dict[str, Any] = {k: v for k, v in chunk.columns.items() if k in columns}
+                if with_lengths and "lengths" not in cols:
+                    raise ConvertError(f"{plan.path}: internal: a chunk came without its lengths")
+                writer.write(
+                    chunk.acts,
+                    labels=chunk.labels if plan.labels else None,
+                    columns=cols or None,
+                    text={k: v for k, v in chunk.text.items() if k in text} or None,
+                )
+                written += n
+                bar.update(n * md.example_nbytes, extra=f"{start + written:,}/{md.n_examples:,} examples")
+        path = writer.close()
+    except NonFiniteError as err:
+        writer.abort()
+        raise ConvertError(_nonfinite_message(err, md.dtype)) from None
+    except BaseException:
+        writer.abort()
+        raise
+    assert path is not None  # a single writer publishes on close
+    return Result(path, md, plan, report, start, written, time.perf_counter() - t0, False)
+
+
+def convert(
+    src: str | os.PathLike[str],
+    *,
+    kind: str | None = None,
+    to: str = "3.0",
+    root: str | os.PathLike[str] | None = None,
+    dtype: str | None = None,
+    patches_per_shard: int | None = None,
+    options: Options | None = None,
+    allow_nonfinite: bool = False,
+    stats: bool = True,
+    restart: bool = False,
+    progress: bool | None = False,
+    durable: bool = True,
+) -> Result:
+    """Convert ``src`` into a cache under ``root`` (default: the shards root); returns the `Result`.
+
+    >>> result = convert("activations/", root="shards")       # doctest: +SKIP
+    >>> ss.open(result.path)                                     # doctest: +SKIP
+    """
+    prepared = prepare(
+        src, kind=kind, to=to, root=root, dtype=dtype, patches_per_shard=patches_per_shard, options=options
+    )
+    return run(
+        prepared, allow_nonfinite=allow_nonfinite, stats=stats, restart=restart, progress=progress, durable=durable
+    )
