@@ -120,7 +120,7 @@ def test_data_is_copied() -> None:
         ({"dtype": "float16", "protocol": "2.1"}, "for protocol 2.1"),
         ({"protocol": "9.0"}, "protocol: expected one of"),
         ({"data": [1, 2]}, "data: expected an object"),
-        ({"data": {"x": float("nan")}}, "not JSON-serialisable"),
+        ({"data": {"x": float("nan")}}, "data: nan is not a JSON number"),
         ({"patches_per_shard": 9}, "patches_per_shard=9 is too small"),
         ({"family": 3}, "family: expected a string"),
     ],
