@@ -186,8 +186,14 @@ def _format(problems: Sequence[Problem], path: str | None) -> str:
     lines = [f"{head}{len(problems)} problems"]
     for title, messages in groups.items():
         lines.append(f"  {title} ({len(messages)}):")
-        lines.extend(f"    - {m}" for m in messages)
+        lines.extend(f"    - {m}" for m in messages[:MAX_LISTED])
+        if len(messages) > MAX_LISTED:
+            lines.append(f"    - ... and {len(messages) - MAX_LISTED} more (all of them in .problems)")
     return "\n".join(lines)
+
+
+#: Problems of one kind shown in a message (a damaged manifest of 10^6 shards has 10^6).
+MAX_LISTED = 20
 
 
 def raise_problems(problems: Iterable[Problem], path: str | None = None) -> None:

@@ -94,15 +94,20 @@ def stream(
 
 
 def hash_file(
-    path: Path, progress: Callable[[int], None] | None = None, *, regular_only: bool = False
+    path: Path,
+    progress: Callable[[int], None] | None = None,
+    *,
+    regular_only: bool = False,
+    buffer: memoryview | None = None,
 ) -> tuple[int, str]:
     """``(nbytes, xxh3_128 hex)`` of a file, read in large sequential chunks.
 
     ``regular_only``: open it with `open_regular` (`NotRegularFileError` for a link, a FIFO...).
+    ``buffer``: reuse one across files (a fresh `IO_CHUNK` buffer costs more than hashing a small file).
     """
     h = xxhash.xxh3_128()
     with open_regular(path) if regular_only else open(path, "rb", buffering=0) as f:
-        total = stream(f, hasher=h, progress=progress)
+        total = stream(f, hasher=h, progress=progress, buffer=buffer)
     return total, h.hexdigest()
 
 

@@ -14,8 +14,6 @@ from .format import (
     DEFAULT_DTYPE,
     DTYPES,
     DTYPES_BY_PROTOCOL,
-    JSON_INT_MAX,
-    JSON_INT_MIN,
     LEGACY_PROTOCOL,
     PROTOCOL,
     SUPPORTED_PROTOCOLS,
@@ -42,6 +40,11 @@ KEYS = (
     "dtype",
     "protocol",
 )
+
+
+#: Layer values are block indices, held as numpy int64 by the statistics and the loaders.
+LAYER_MIN = -(2**63)
+LAYER_MAX = 2**63 - 1
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True, eq=True)
@@ -211,8 +214,8 @@ def validate(d: dict[str, Any]) -> list[str]:
             problems.append("layers: expected at least one layer, found []")
         elif not all(is_int(x) for x in layers):
             problems.append(f"layers: expected integers, found {short_repr(layers, 60)}")
-        elif not all(JSON_INT_MIN <= x <= JSON_INT_MAX for x in layers):
-            problems.append(f"layers: expected integers within 64 bits, found {short_repr(layers, 60)}")
+        elif not all(LAYER_MIN <= x <= LAYER_MAX for x in layers):
+            problems.append(f"layers: expected integers within signed 64 bits, found {short_repr(layers, 60)}")
         elif len(set(layers)) != len(layers):
             problems.append(f"layers: expected distinct values, found {short_repr(list(layers), 60)}")
     for key, low in (("patches_per_ex", 0), ("d_model", 1), ("n_examples", 0), ("patches_per_shard", 1)):

@@ -34,7 +34,7 @@ from .errors import (
     UnexpectedFileError,
     raise_problems,
 )
-from .fileio import file_kind, hash_file, pread_exact
+from .fileio import IO_CHUNK, file_kind, hash_file, pread_exact
 from .format import (
     CHECKSUMS_FILE,
     HASH_RE,
@@ -788,6 +788,7 @@ class Shards:
         total = sum(n for _, n, _ in files)
         unchecked = [name for name, _, digest in files if digest is None]
         checked = 0
+        buffer = memoryview(bytearray(IO_CHUNK))
         with Progress(total, f"verify {self.path.name[:12]}", enabled=progress) as bar:
             for name, nbytes, digest in files:
                 path = self.path / name
@@ -798,7 +799,7 @@ class Shards:
                         on_bytes(n)
 
                 try:
-                    size, found = hash_file(path, tick, regular_only=True)
+                    size, found = hash_file(path, tick, regular_only=True, buffer=buffer)
                 except NotRegularFileError as err:
                     problems.append(Problem(ManifestError, str(err)))
                     continue
