@@ -14,7 +14,6 @@ import os
 import re
 import reprlib
 import warnings
-from collections.abc import Iterator
 from itertools import chain, compress, repeat
 from pathlib import Path
 from typing import Any
@@ -171,13 +170,14 @@ def stats_max_bytes(n_layers: int, d_model: int) -> int:
     return JSON_SLACK_BYTES + STATS_BYTES_PER_NUMBER * n_layers * (2 * d_model + 4)
 
 
-def read_json_file(path: Path, max_bytes: int) -> Any:
+def read_json_file(path: Path, max_bytes: int, *, every_number: bool = True) -> Any:
     """Read and parse one JSON file of a cache under the rules of `strict_json_loads`.
 
     The file must be a regular file, not a symbolic link (`NotRegularFileError`; a FIFO or a
     device is never opened), of at most ``max_bytes`` bytes (`JSONFileError`; at most
     ``max_bytes + 1`` bytes are ever read, so a file that grows cannot exhaust memory).
     `FileNotFoundError` when it does not exist; other `OSError`s (permissions) pass through.
+    ``every_number``: as for `strict_json_loads`.
     """
     with open_regular(path) as f:
         size = os.fstat(f.fileno()).st_size
@@ -195,12 +195,12 @@ def read_json_file(path: Path, max_bytes: int) -> Any:
     if len(data) > max_bytes:
         raise JSONFileError(f"{path}: expected at most {max_bytes:,} bytes, found more (the file grew while read)")
     try:
-        return strict_json_loads(data)
+        return strict_json_loads(data, every_number=every_number)
     except JSONFileError as err:
         raise JSONFileError(f"{path}: {err}") from None
 
 
-def strict_json_loads(data: bytes) -> Any:
+def strict_json_loads(data: bytes, *, every_number: bool = True) -> Any:
     """Parse ``data`` as one strict JSON document, or raise `JSONFileError` saying why.
 
     Strict: UTF-8 (no byte-order mark), RFC 8259 (no NaN or Infinity, no number that
@@ -210,21 +210,34 @@ def strict_json_loads(data: bytes) -> Any:
 
     The fast path is orjson (it refuses nesting beyond 1024 by itself, so no input can
     exhaust the stack) and one scan of the parsed value, level by level, whose work runs
-    in C (~3 ms for a 10^4-shard manifest). orjson keeps the last of repeated keys, so the
-    scan counts keys: a document has no repeated key when it has as many ``:`` bytes as
-    parsed keys (each key brings one ``:``; any other ``:`` is inside a string). Only
-    when the counts differ (a ``:`` in a string, as in ``"hf-hub:..."``) or a float of
-    magnitude >= 2**63 appears (orjson's reading of a larger integer) is the document parsed
-    again by Python's exact parser, which names the repeated key or the integer. The depth
-    is known to be bounded by then, so that parser cannot recurse too deep either.
+    in C. orjson keeps the last of repeated keys, so the scan counts keys: a document has
+    no repeated key when it has as many ``:`` bytes as parsed keys (each key brings one
+    ``:``; any other ``:`` is inside a string). Only when the counts differ (a ``:`` in a
+    string, as in ``"hf-hub:..."``) or a float of magnitude >= 2**63 appears (orjson's
+    reading of a larger integer) is the document parsed again by Python's exact parser,
+    which names the repeated key or the integer. The depth is known to be bounded by then,
+    so that parser cannot recurse too deep either.
+
+    ``every_number=False`` lets the scan stop as soon as it has met as many arrays and
+    objects as the text has ``[`` and ``{`` bytes (then no container is left unseen and no
+    bracket sits in a string), without looking at the scalars below: 1.5 ms instead of 4 for
+    a 10^4-shard manifest. An integer beyond 64 bits among those scalars then stays the
+    float orjson made of it, so this is only for files whose schema type-checks every
+    integer (shards.json, stats.json), where such a float is rejected as "expected an
+    integer".
     """
     try:
         value = orjson.loads(data)
     except orjson.JSONDecodeError as err:
         hint = "; NaN and Infinity are not JSON numbers" if data.startswith((b"NaN", b"Infinity"), err.pos) else ""
         raise JSONFileError(f"not valid JSON ({err}{hint})") from None
-    keys, huge_float = _scan_parsed(value)
-    if huge_float or keys != data.count(b":"):
+    # Byte counts by numpy compares: 0.4 ms for 1 MB where three bytes.count take 1.2.
+    text = np.frombuffer(data, np.uint8)
+    containers = (
+        None if every_number else int(np.count_nonzero(text == _OPEN_BRACE) + np.count_nonzero(text == _OPEN_BRACKET))
+    )
+    keys, huge_float = _scan_parsed(value, containers)
+    if huge_float or keys != np.count_nonzero(text == _COLON):
         try:
             value = json.loads(data.decode("utf-8"), object_pairs_hook=_no_duplicates)
         except JSONFileError:
@@ -235,6 +248,9 @@ def strict_json_loads(data: bytes) -> Any:
         if problem is not None:
             raise JSONFileError(problem)
     return value
+
+
+_COLON, _OPEN_BRACE, _OPEN_BRACKET = b":{["
 
 
 def _no_duplicates(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
@@ -248,14 +264,16 @@ def _no_duplicates(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
     return out
 
 
-def _scan_parsed(value: Any) -> tuple[int, bool]:
+def _scan_parsed(value: Any, containers: int | None = None) -> tuple[int, bool]:
     """``(number of object keys, whether a float of magnitude >= 2**63 occurs)`` of a value
-    orjson parsed; `JSONFileError` when nested deeper than `MAX_JSON_DEPTH`.
+    orjson parsed; `JSONFileError` when nested deeper than `MAX_JSON_DEPTH`. Given the
+    number of ``containers`` in the text, stop once that many were found.
 
     Level by level, never recursing: each level's containers are split from their children
     with map/compress/set, which run in C, instead of a Python loop per value.
     """
     keys = 0
+    found = 0
     huge_float = False
     dicts: list[dict[str, Any]] = [value] if type(value) is dict else []
     lists: list[list[Any]] = [value] if type(value) is list else []
@@ -265,21 +283,20 @@ def _scan_parsed(value: Any) -> tuple[int, bool]:
         if depth > MAX_JSON_DEPTH:
             raise JSONFileError(f"nested deeper than {MAX_JSON_DEPTH} levels of arrays and objects")
         keys += sum(map(len, dicts))
-        kinds = set(map(type, _children(dicts, lists)))
+        found += len(dicts) + len(lists)
+        if found == containers:
+            break
+        children = list(chain(chain.from_iterable(map(dict.values, dicts)), chain.from_iterable(lists)))
+        types = list(map(type, children))
+        kinds = set(types)
         if dict not in kinds and list not in kinds and float not in kinds:
             break
-        children = list(_children(dicts, lists))
-        types = list(map(type, children))
         dicts = list(compress(children, map(operator.is_, types, repeat(dict)))) if dict in kinds else []
         lists = list(compress(children, map(operator.is_, types, repeat(list)))) if list in kinds else []
         if float in kinds:
             floats = compress(children, map(operator.is_, types, repeat(float)))
             huge_float = huge_float or max(map(abs, floats)) >= 2.0**63
     return keys, huge_float
-
-
-def _children(dicts: list[dict[str, Any]], lists: list[list[Any]]) -> Iterator[Any]:
-    return chain(chain.from_iterable(map(dict.values, dicts)), chain.from_iterable(lists))
 
 
 def json_value_problem(value: object) -> str | None:

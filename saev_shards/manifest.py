@@ -329,11 +329,9 @@ def _fast_shards(entries: list[Any]) -> ShardList | None:
         # set(map(type, ...)) and min() run in C: a few ms for 10^4 entries.
         if set(map(type, entries)) - {dict} or set(map(len, entries)) - {len(SHARD_KEYS)}:
             return None
-        # KeyError: some key is missing (the slow path says which).
-        rows = list(map(operator.itemgetter(*SHARD_KEYS), entries))
-        names, counts, sizes, digests = (
-            (list(column) for column in zip(*rows, strict=True)) if rows else ([], [], [], [])
-        )
+        # KeyError: some key is missing (the slow path says which). One column at a time:
+        # faster than rows of tuples transposed by zip.
+        names, counts, sizes, digests = (list(map(operator.itemgetter(key), entries)) for key in SHARD_KEYS)
         if (
             set(map(type, names)) - {str}
             or set(map(type, counts)) - {int}

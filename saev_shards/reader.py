@@ -99,10 +99,12 @@ def open(path: PathLike, *, check_hash: bool = True, roots: PathLike | Sequence[
     return Shards(root, md, manifest)
 
 
-def _read_json(path: Path, max_bytes: int, kind: type[InvalidCacheError]) -> tuple[Any, list[Problem]]:
+def _read_json(
+    path: Path, max_bytes: int, kind: type[InvalidCacheError], every_number: bool = True
+) -> tuple[Any, list[Problem]]:
     """``(parsed value, [])``, or ``(None, [the problem])`` worded for a file of ``kind``."""
     try:
-        return read_json_file(path, max_bytes), []
+        return read_json_file(path, max_bytes, every_number=every_number), []
     except FileNotFoundError:
         return None, [Problem(CacheNotFoundError, f"{path}: missing")]
     except (JSONFileError, NotRegularFileError) as err:
@@ -137,7 +139,8 @@ def _load_metadata(root: Path, check_hash: bool) -> tuple[Metadata | None, list[
 
 def _load_manifest(root: Path, md: Metadata) -> tuple[Manifest | None, list[Problem]]:
     path = root / MANIFEST_FILE
-    obj, problems = _read_json(path, manifest_max_bytes(md.n_shards), ManifestError)
+    # Every integer of shards.json is type-checked by parse_manifest: the scan may skip scalars.
+    obj, problems = _read_json(path, manifest_max_bytes(md.n_shards), ManifestError, every_number=False)
     if problems:
         return None, problems
     manifest, problems = parse_manifest(obj, md.protocol, str(path))
@@ -216,12 +219,16 @@ def _check_shards(root: Path, md: Metadata, manifest: Manifest) -> list[Problem]
     # entry-by-entry messages only for entries that differ.
     count = len(manifest.shards)
     want_names = _shard_names(min(count, 1_000_000))
-    want_counts = ([eps] * (expected - 1) + [md.n_examples - (expected - 1) * eps] if expected else []) + [0] * max(
-        0, count - expected
-    )
-    want_counts = want_counts[:count]
+    last = md.n_examples - (expected - 1) * eps
+    extra = [0] * max(0, count - expected)
+    want_counts = (([eps] * (expected - 1) + [last] if expected else []) + extra)[:count]
     names, counts, sizes = manifest.shards.names, manifest.shards.counts, manifest.shards.sizes
-    want_sizes = sizes if legacy else [n * example_nbytes for n in want_counts]
+    if legacy:
+        want_sizes = sizes
+    else:  # list arithmetic, not a loop: 10^4 shards
+        want_sizes = (([eps * example_nbytes] * (expected - 1) + [last * example_nbytes] if expected else []) + extra)[
+            :count
+        ]
     if names == want_names and counts == want_counts and sizes == want_sizes:
         problems.extend(_check_files(root, names, sizes))
         return problems
@@ -749,7 +756,8 @@ class Shards:
         if "stats" not in self._aux:
             md = self.metadata
             path = self.path / entry.name
-            raw, problems = _read_json(path, stats_max_bytes(md.n_layers, md.d_model), StatsFileError)
+            # parse_stats type-checks every integer; a float is a float whatever its spelling.
+            raw, problems = _read_json(path, stats_max_bytes(md.n_layers, md.d_model), StatsFileError, False)
             raise_problems(problems, str(self.path))
             self._aux["stats"] = parse_stats(raw, md.layers, md.d_model, str(path))
         return self._aux["stats"]  # type: ignore[no-any-return]

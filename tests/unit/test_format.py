@@ -23,7 +23,8 @@ from saev_shards.format import (
     strict_json_loads,
 )
 
-from ..support.hostile import Raw, render
+from ..support.caches import small_metadata, write_cache
+from ..support.hostile import Raw, render, writable
 
 
 @pytest.mark.parametrize(
@@ -155,3 +156,28 @@ def test_short_repr_is_bounded_whatever_the_value() -> None:
     assert short_repr(10**5000) == "<integer of 16610 bits>"
     assert len(short_repr(deep(100_000))) <= 80
     assert short_repr("\x1b[2J\ud800") == repr("\x1b[2J\ud800")  # escaped, as repr writes them
+
+
+def test_the_fast_scan_still_finds_depth_and_repeated_keys() -> None:
+    """``every_number=False`` stops once every bracket is accounted for; brackets inside
+    strings only make it look further, and integers beyond 64 bits stay floats for the
+    schema to reject."""
+    fast = {"every_number": False}
+    for text in (b"[" * 65 + b"]" * 65, b'["{[", ' + b"[" * 65 + b"]" * 65 + b"]"):
+        with pytest.raises(ss.JSONFileError, match="nested deeper than 64 levels"):
+            strict_json_loads(text, **fast)
+    with pytest.raises(ss.JSONFileError, match="duplicate key 'n'"):
+        strict_json_loads(b'{"shards": [{"n": 1, "n": 1}], "x": "[{"}', **fast)
+    assert strict_json_loads(b'[{"nbytes": 18446744073709551616}]', **fast) == [{"nbytes": 2.0**64}]
+    with pytest.raises(ss.JSONFileError, match="does not fit 64 bits"):
+        strict_json_loads(b'[{"nbytes": 18446744073709551616}]')
+
+
+def test_a_manifest_integer_beyond_64_bits_is_rejected_by_the_schema(root: Path) -> None:
+    md = small_metadata(n_examples=3)
+    write_cache(root, md)
+    path = writable(root / md.hash) / "shards.json"
+    path.write_text(path.read_text().replace('"nbytes": 480', '"nbytes": 18446744073709551616', 1))
+    found = r"nbytes: expected an integer >= 0, found float 1\.8446744073709552e\+19"
+    with pytest.raises(ss.ManifestError, match=found):
+        ss.open(root / md.hash)
