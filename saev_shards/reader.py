@@ -394,12 +394,24 @@ class TextColumn(Sequence[Any]):
         offsets = self._index()
         with self.path.open("rb") as f:
             f.seek(int(offsets[i]))
-            return orjson.loads(f.read(int(offsets[i + 1] - offsets[i])))
+            return self._value(f.read(int(offsets[i + 1] - offsets[i])), i)
 
     def __iter__(self) -> Iterator[Any]:
+        count = 0
         with self.path.open("rb") as f:
-            for line in f:
-                yield orjson.loads(line)
+            for count, line in enumerate(f, 1):
+                if count > self.n_lines:
+                    break
+                yield self._value(line, count - 1)
+        if count != self.n_lines:
+            found = "more" if count > self.n_lines else str(count)
+            raise ManifestError(f"{self.path}: expected {self.n_lines} lines, found {found}")
+
+    def _value(self, line: bytes, i: int) -> Any:
+        try:
+            return orjson.loads(line)
+        except orjson.JSONDecodeError as err:  # damaged since written: `verify` names the file
+            raise InvalidCacheError(f"{self.path}: line {i + 1}: not valid JSON ({err})") from None
 
 
 class Shards:

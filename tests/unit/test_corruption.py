@@ -129,3 +129,29 @@ def test_one_byte_more_or_less_in_any_data_file_is_caught_by_open_without_readin
         assert result["error"] == "FileSizeError", (copy, name, result)
         assert f"{copy / name}: expected " in result["message"]
         assert set(result["opened"]) <= json_files | {copy.name}, (name, result["opened"])
+
+
+def test_damaged_text_reads_as_documented_errors(pristine: list[Pristine]) -> None:
+    """Reading a damaged text file (before any `verify`) gives values or a ShardsError."""
+    cache = pristine[0].path
+    path = cache / "text.prompt.jsonl"
+    original = path.read_bytes()
+    outcomes = set()
+    shards = ss.open(cache)
+    try:
+        for pos in range(0, len(original), 5):
+            for byte in (ord("\n"), ord('"'), 0xFF):
+                data = bytearray(original)
+                data[pos] = byte
+                path.write_bytes(bytes(data))
+                text = shards.text("prompt")  # a new reader of the file each time
+                try:
+                    list(text)
+                    text[len(text) - 1]
+                    outcomes.add("read")
+                except ss.ShardsError as err:
+                    outcomes.add(type(err).__name__)
+    finally:
+        path.write_bytes(original)
+    assert outcomes <= {"read", "InvalidCacheError", "ManifestError"}
+    assert len(outcomes) >= 2, outcomes
