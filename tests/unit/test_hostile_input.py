@@ -343,3 +343,16 @@ def test_a_fifo_is_never_opened(cache3: Path) -> None:
     assert stat.S_ISFIFO(os.lstat(cache3 / "metadata.json").st_mode)
     with time_bound(10, "open with a FIFO"), pytest.raises(ss.MetadataFileError, match="found a FIFO"):
         ss.open(cache3)
+
+
+def test_verify_after_a_file_is_swapped_never_follows_or_blocks(cache3: Path) -> None:
+    shards = ss.open(cache3)
+    (cache3 / "acts000001.bin").unlink()
+    os.mkfifo(cache3 / "acts000001.bin")
+    (cache3 / "labels.bin").rename(cache3 / "elsewhere.bin")
+    (cache3 / "labels.bin").symlink_to("elsewhere.bin")
+    with time_bound(10, "verify with a FIFO shard"), pytest.raises(ss.ManifestError) as info:
+        shards.verify()
+    message = str(info.value)
+    assert "acts000001.bin: expected a regular file, found a FIFO" in message
+    assert "labels.bin: expected a regular file, found a symbolic link" in message
