@@ -33,6 +33,15 @@ class DtypeError(MetadataError):
     """Raised when a dtype is not one the protocol allows."""
 
 
+class JSONFileError(ShardsError):
+    """Raised when a JSON file breaks the strict rules every JSON file of a cache follows (protocol.md 7):
+    not UTF-8, not JSON, NaN or Infinity, a repeated key, nested too deep, an integer beyond 64 bits, too large."""
+
+
+class NotRegularFileError(ShardsError):
+    """Raised when a file a cache must hold is a directory, a symbolic link, a FIFO, a device or a socket."""
+
+
 class WriterError(ShardsError):
     """Raised when a `ShardWriter` is used wrongly (shapes, counts, order, state)."""
 
@@ -110,6 +119,12 @@ class ChecksumMismatchError(InvalidCacheError):
     """Raised when a data file's xxh3_128 digest differs from the manifest."""
 
     title = "checksum"
+
+
+class StatsFileError(InvalidCacheError):
+    """Raised when `stats.json` does not follow its schema (protocol.md 2.6) or is not readable JSON."""
+
+    title = "stats.json"
 
 
 class UnexpectedFileError(InvalidCacheError):
@@ -198,8 +213,14 @@ def _format(problems: Sequence[Problem], path: str | None) -> str:
     lines = [f"{head}{len(problems)} problems"]
     for title, messages in groups.items():
         lines.append(f"  {title} ({len(messages)}):")
-        lines.extend(f"    - {m}" for m in messages)
+        lines.extend(f"    - {m}" for m in messages[:MAX_LISTED])
+        if len(messages) > MAX_LISTED:
+            lines.append(f"    - ... and {len(messages) - MAX_LISTED} more (all of them in .problems)")
     return "\n".join(lines)
+
+
+#: Problems of one kind shown in a message (a damaged manifest of 10^6 shards has 10^6).
+MAX_LISTED = 20
 
 
 def raise_problems(problems: Iterable[Problem], path: str | None = None) -> None:
@@ -220,6 +241,7 @@ _KIND_ORDER: dict[type[InvalidCacheError], int] = {
     UnexpectedFileError: 4,
     FileSizeError: 5,
     ChecksumMismatchError: 6,
+    StatsFileError: 7,
 }
 
 

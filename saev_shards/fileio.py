@@ -2,7 +2,8 @@
 
 Durable small files (`write_file_atomic`, `fsync_dir`), streaming copies and digests in
 large sequential chunks (`stream`, `hash_file`), exact positional reads and writes
-(`pread_exact`, `pwrite_all`), advisory locks (`try_flock`, `take_lock`), publishing a
+(`pread_exact`, `pwrite_all`), opening a file only if it is a regular one
+(`open_regular`), advisory locks (`try_flock`, `take_lock`), publishing a
 finished directory under its final name after checking exactly what it holds
 (`publish_dir`), disk-full errors that name the file (`naming_disk_full`,
 `check_free_space`) and the named points where tests stop or pause a process
@@ -15,6 +16,7 @@ from __future__ import annotations
 import contextlib
 import errno
 import fcntl
+import io
 import os
 import shutil
 import stat
@@ -25,7 +27,7 @@ from typing import Any, Protocol
 
 import xxhash
 
-from .errors import DiskFullError, FileSizeError, WriterError
+from .errors import DiskFullError, FileSizeError, NotRegularFileError, WriterError
 
 #: Bytes per read when hashing or copying files: large sequential I/O.
 IO_CHUNK = 8 << 20
@@ -118,12 +120,61 @@ def stream(
             progress(n)
 
 
-def hash_file(path: Path, progress: Callable[[int], None] | None = None) -> tuple[int, str]:
-    """``(nbytes, xxh3_128 hex)`` of a file, read in large sequential chunks."""
+def hash_file(
+    path: Path,
+    progress: Callable[[int], None] | None = None,
+    *,
+    regular_only: bool = False,
+    buffer: memoryview | None = None,
+) -> tuple[int, str]:
+    """``(nbytes, xxh3_128 hex)`` of a file, read in large sequential chunks.
+
+    ``regular_only``: open it with `open_regular` (`NotRegularFileError` for a link, a FIFO...).
+    ``buffer``: reuse one across files (a fresh `IO_CHUNK` buffer costs more than hashing a small file).
+    """
     h = xxhash.xxh3_128()
-    with open(path, "rb", buffering=0) as f:
-        total = stream(f, hasher=h, progress=progress)
+    with open_regular(path) if regular_only else open(path, "rb", buffering=0) as f:
+        total = stream(f, hasher=h, progress=progress, buffer=buffer)
     return total, h.hexdigest()
+
+
+def open_regular(path: Path) -> io.FileIO:
+    """Open ``path`` for unbuffered reading only if it is a regular file, never through a symlink.
+
+    Raises `NotRegularFileError` naming what was found instead. ``lstat`` first, so a FIFO
+    or a device is never opened at all (opening a FIFO blocks until a writer appears); the
+    open itself refuses links (``O_NOFOLLOW``), never blocks (``O_NONBLOCK``) and is checked
+    with ``fstat`` to be the file just inspected.
+    """
+    before = os.lstat(path)
+    if not stat.S_ISREG(before.st_mode):
+        raise NotRegularFileError(f"{path}: expected a regular file, found {file_kind(before.st_mode)}")
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+    except OSError as err:
+        if err.errno == errno.ELOOP:  # replaced by a link since the lstat
+            raise NotRegularFileError(f"{path}: expected a regular file, found a symbolic link") from None
+        raise
+    f = io.FileIO(fd, "rb", closefd=True)
+    after = os.fstat(fd)
+    if not stat.S_ISREG(after.st_mode) or (after.st_dev, after.st_ino) != (before.st_dev, before.st_ino):
+        f.close()
+        raise NotRegularFileError(f"{path}: replaced by {file_kind(after.st_mode)} while being opened")
+    return f
+
+
+def file_kind(mode: int) -> str:
+    """What an ``st_mode`` is, for messages: ``a directory``, ``a symbolic link``, ``a FIFO``..."""
+    kinds = (
+        (stat.S_ISREG, "a regular file"),
+        (stat.S_ISDIR, "a directory"),
+        (stat.S_ISLNK, "a symbolic link"),
+        (stat.S_ISFIFO, "a FIFO"),
+        (stat.S_ISCHR, "a character device"),
+        (stat.S_ISBLK, "a block device"),
+        (stat.S_ISSOCK, "a socket"),
+    )
+    return next((name for test, name in kinds if test(mode)), f"a file of mode {mode:o}")
 
 
 def write_all(f: Any, view: memoryview) -> None:

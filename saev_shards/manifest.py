@@ -11,9 +11,13 @@ import json
 import operator
 import re
 from collections.abc import Iterable, Iterator, Mapping, Sequence
+from itertools import chain
 from typing import Any, NamedTuple, overload
 
-from .errors import ManifestError, Problem
+import numpy as np
+import numpy.typing as npt
+
+from .errors import ManifestError, Problem, StatsFileError
 from .format import (
     COLUMN_DTYPES,
     FIELD_NAME_RE,
@@ -24,6 +28,8 @@ from .format import (
     XXH3_RE,
     column_file,
     is_int,
+    short_list,
+    short_repr,
     text_file,
     type_name,
 )
@@ -218,24 +224,24 @@ class _Collector:
         if missing:
             self.add(f"{where}: missing keys {missing}")
         if unknown:
-            self.add(f"{where}: unknown keys {unknown}")
+            self.add(f"{where}: unknown keys {short_list(unknown)}")
         return not missing
 
     def count(self, where: str, value: object) -> int | None:
         if not is_int(value) or value < 0:  # type: ignore[operator]
-            self.add(f"{where}: expected an integer >= 0, found {type_name(value)} {value!r}")
+            self.add(f"{where}: expected an integer >= 0, found {type_name(value)} {short_repr(value)}")
             return None
         return value  # type: ignore[return-value]
 
     def digest(self, where: str, value: object) -> str | None:
         if not isinstance(value, str) or not XXH3_RE.fullmatch(value):
-            self.add(f"{where}: expected 32 lower-case hex digits (xxh3_128), found {value!r}")
+            self.add(f"{where}: expected 32 lower-case hex digits (xxh3_128), found {short_repr(value)}")
             return None
         return value
 
     def name(self, where: str, value: object, expected: str) -> str | None:
         if value != expected:
-            self.add(f"{where}: expected name {expected!r}, found {value!r}")
+            self.add(f"{where}: expected name {expected!r}, found {short_repr(value)}")
             return None
         return expected
 
@@ -266,12 +272,12 @@ def parse_manifest(obj: object, protocol: str, path: str) -> tuple[Manifest | No
     if obj["labels"] is not None:
         labels = _parse_array(c, "labels", obj["labels"], LABELS_FILE)
         if labels is not None and labels.dtype != LABELS_DTYPE.str:
-            c.add(f"labels.dtype: expected {LABELS_DTYPE.str!r}, found {labels.dtype!r}")
+            c.add(f"labels.dtype: expected {LABELS_DTYPE.str!r}, found {short_repr(labels.dtype)}")
     columns: dict[str, ArrayEntry] = {}
     if isinstance(obj["columns"], dict):
         for key, e in obj["columns"].items():
             if not FIELD_NAME_RE.fullmatch(key):
-                c.add(f"columns: bad column name {key!r} (expected {FIELD_NAME_RE.pattern})")
+                c.add(f"columns: bad column name {short_repr(key)} (expected {FIELD_NAME_RE.pattern})")
                 continue
             entry = _parse_array(c, f"columns.{key}", e, column_file(key))
             if entry is not None:
@@ -283,7 +289,7 @@ def parse_manifest(obj: object, protocol: str, path: str) -> tuple[Manifest | No
         for key, e in obj["text"].items():
             where = f"text.{key}"
             if not FIELD_NAME_RE.fullmatch(key):
-                c.add(f"text: bad field name {key!r} (expected {FIELD_NAME_RE.pattern})")
+                c.add(f"text: bad field name {short_repr(key)} (expected {FIELD_NAME_RE.pattern})")
                 continue
             if not c.keys(where, e, TEXT_KEYS):
                 continue
@@ -323,11 +329,9 @@ def _fast_shards(entries: list[Any]) -> ShardList | None:
         # set(map(type, ...)) and min() run in C: a few ms for 10^4 entries.
         if set(map(type, entries)) - {dict} or set(map(len, entries)) - {len(SHARD_KEYS)}:
             return None
-        # KeyError: some key is missing (the slow path says which).
-        rows = list(map(operator.itemgetter(*SHARD_KEYS), entries))
-        names, counts, sizes, digests = (
-            (list(column) for column in zip(*rows, strict=True)) if rows else ([], [], [], [])
-        )
+        # KeyError: some key is missing (the slow path says which). One column at a time:
+        # faster than rows of tuples transposed by zip.
+        names, counts, sizes, digests = (list(map(operator.itemgetter(key), entries)) for key in SHARD_KEYS)
         if (
             set(map(type, names)) - {str}
             or set(map(type, counts)) - {int}
@@ -380,11 +384,11 @@ def _parse_array(c: _Collector, where: str, e: object, expected_name: str) -> Ar
     name = c.name(f"{where}.name", e["name"], expected_name)
     dtype = e["dtype"]
     if dtype not in COLUMN_DTYPES:
-        c.add(f"{where}.dtype: expected one of {list(COLUMN_DTYPES)}, found {dtype!r}")
+        c.add(f"{where}.dtype: expected one of {list(COLUMN_DTYPES)}, found {short_repr(dtype)}")
         dtype = None
     shape = e["shape"]
     if not (isinstance(shape, list) and shape and all(is_int(x) and x >= 0 for x in shape)):
-        c.add(f"{where}.shape: expected a non-empty array of integers >= 0, found {shape!r}")
+        c.add(f"{where}.shape: expected a non-empty array of integers >= 0, found {short_repr(shape)}")
         shape = None
     nbytes = c.count(f"{where}.nbytes", e["nbytes"])
     digest = c.digest(f"{where}.xxh3_128", e["xxh3_128"])
@@ -423,10 +427,77 @@ def parse_checksums(obj: object, path: str) -> tuple[dict[str, tuple[int, str]],
         c.add(f"files: expected an object, found {type_name(files)}")
         return out, c.problems
     for name, e in files.items():
-        if not c.keys(f"files.{name}", e, ("nbytes", "xxh3_128")):
+        where = f"files[{short_repr(name)}]"
+        if not c.keys(where, e, ("nbytes", "xxh3_128")):
             continue
-        nbytes = c.count(f"files.{name}.nbytes", e["nbytes"])
-        digest = c.digest(f"files.{name}.xxh3_128", e["xxh3_128"])
+        nbytes = c.count(f"{where}.nbytes", e["nbytes"])
+        digest = c.digest(f"{where}.xxh3_128", e["xxh3_128"])
         if nbytes is not None and digest is not None:
             out[name] = (nbytes, digest)
     return out, c.problems
+
+
+STATS_KEYS = ("layers", "count", "nonfinite", "mean", "var", "norm_mean", "norm_sq_mean")
+_INT64_MAX = 2**63 - 1
+
+
+def parse_stats(obj: object, layers: Sequence[int], d_model: int, path: str) -> dict[str, npt.NDArray[Any]]:
+    """Check parsed stats.json against protocol.md 2.6 and return its arrays (integer counts
+    as int64, the rest as float64); `StatsFileError` listing every problem."""
+    problems: list[str] = []
+    if not isinstance(obj, dict):
+        raise StatsFileError(f"{path}: expected an object, found {type_name(obj)}")
+    missing = [k for k in STATS_KEYS if k not in obj]
+    unknown = sorted(set(obj) - set(STATS_KEYS))
+    if missing:
+        problems.append(f"missing keys {missing}")
+    if unknown:
+        problems.append(f"unknown keys {short_list(unknown)}")
+    n_layers = len(layers)
+    out: dict[str, npt.NDArray[Any]] = {}
+    given_layers = obj.get("layers")
+    if "layers" in obj and not (
+        isinstance(given_layers, list) and all(map(is_int, given_layers)) and given_layers == list(layers)
+    ):
+        problems.append(f"layers: expected {list(layers)} (metadata.json's layers), found {short_repr(given_layers)}")
+    elif "layers" in obj:
+        out["layers"] = np.asarray(layers, dtype=np.int64)
+    for key in ("count", "nonfinite"):
+        value = obj.get(key)
+        if key not in obj:
+            continue
+        if not (
+            isinstance(value, list)
+            and len(value) == n_layers
+            and all(is_int(x) and 0 <= x <= _INT64_MAX for x in value)
+        ):
+            problems.append(f"{key}: expected {n_layers} integers >= 0 (one per layer), found {short_repr(value)}")
+        else:
+            out[key] = np.asarray(value, dtype=np.int64)
+    for key, shape in (("norm_mean", (n_layers,)), ("norm_sq_mean", (n_layers,)), ("mean", (n_layers, d_model)),
+                       ("var", (n_layers, d_model))):  # fmt: skip
+        if key not in obj:
+            continue
+        array = _numbers(obj[key], shape)
+        if array is None:
+            what = f"{n_layers} numbers" if len(shape) == 1 else f"{n_layers} arrays of {d_model} numbers"
+            problems.append(f"{key}: expected {what} (shape {list(shape)}), found {short_repr(obj[key])}")
+        else:
+            out[key] = array
+    if problems:
+        raise StatsFileError(f"{path}: " + "; ".join(problems))
+    return out
+
+
+def _numbers(value: object, shape: tuple[int, ...]) -> npt.NDArray[np.float64] | None:
+    """``value`` as a float64 array of ``shape`` if it is nested lists of JSON numbers of that shape."""
+    rows = [value] if len(shape) == 1 else value
+    if not isinstance(rows, list) or len(rows) != (1 if len(shape) == 1 else shape[0]):
+        return None
+    width = shape[-1]
+    if not all(isinstance(row, list) and len(row) == width for row in rows):
+        return None
+    # Type checks in C: numpy would turn strings and bools into numbers without a word.
+    if not set(map(type, chain.from_iterable(rows))) <= {int, float}:
+        return None
+    return np.asarray(value, dtype=np.float64).reshape(shape)

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import copy
 import dataclasses
-import json
 from typing import Any
 
 import numpy as np
@@ -20,6 +19,9 @@ from .format import (
     SUPPORTED_PROTOCOLS,
     content_hash,
     is_int,
+    json_value_problem,
+    short_list,
+    short_repr,
     type_name,
 )
 
@@ -38,6 +40,11 @@ KEYS = (
     "dtype",
     "protocol",
 )
+
+
+#: Layer values are block indices, held as numpy int64 by the statistics and the loaders.
+LAYER_MIN = -(2**63)
+LAYER_MAX = 2**63 - 1
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True, eq=True)
@@ -173,53 +180,68 @@ class Metadata:
 
 
 def validate(d: dict[str, Any]) -> list[str]:
-    """Every problem with a metadata object, as messages naming the field (empty if valid)."""
+    """Every problem with a metadata object, as messages naming the field (empty if valid).
+
+    Values follow the rules of every JSON file of a cache (`format.json_value_problem`):
+    strings of valid Unicode, integers within 64 bits, finite numbers, at most
+    `format.MAX_JSON_DEPTH` levels of nesting, checked before anything recursive (the hash,
+    the deep copy, a message) touches a value.
+    """
     problems: list[str] = []
     keys = set(d)
     missing = [k for k in KEYS if k not in keys]
-    unknown = sorted(keys - set(KEYS))
+    unknown = sorted(keys - set(KEYS), key=str)
     if missing:
         problems.append(f"missing keys {missing}")
     if unknown:
-        problems.append(f"unknown keys {unknown} (allowed: {list(KEYS)})")
+        problems.append(f"unknown keys {short_list(unknown)} (allowed: {list(KEYS)})")
 
     def want(key: str, ok: bool, expected: str) -> bool:
         if key in d and not ok:
             v = d[key]
-            problems.append(f"{key}: expected {expected}, found {type_name(v)} {_short(v)}")
+            problems.append(f"{key}: expected {expected}, found {type_name(v)} {short_repr(v, 60)}")
             return False
         return key in d
 
     for key in ("family", "ckpt", "dataset"):
-        want(key, isinstance(d.get(key), str), "a string")
+        if want(key, isinstance(d.get(key), str), "a string"):
+            problem = json_value_problem(d[key])
+            if problem:
+                problems.append(f"{key}: {problem}")
     if want("layers", isinstance(d.get("layers"), (list, tuple)), "an array of integers"):
         layers = d["layers"]
         if not layers:
             problems.append("layers: expected at least one layer, found []")
         elif not all(is_int(x) for x in layers):
-            problems.append(f"layers: expected integers, found {_short(layers)}")
+            problems.append(f"layers: expected integers, found {short_repr(layers, 60)}")
+        elif not all(LAYER_MIN <= x <= LAYER_MAX for x in layers):
+            problems.append(f"layers: expected integers within signed 64 bits, found {short_repr(layers, 60)}")
         elif len(set(layers)) != len(layers):
-            problems.append(f"layers: expected distinct values, found {list(layers)}")
+            problems.append(f"layers: expected distinct values, found {short_repr(list(layers), 60)}")
     for key, low in (("patches_per_ex", 0), ("d_model", 1), ("n_examples", 0), ("patches_per_shard", 1)):
         if want(key, is_int(d.get(key)), "an integer") and d[key] < low:
-            problems.append(f"{key}: expected an integer >= {low}, found {d[key]}")
+            problems.append(f"{key}: expected an integer >= {low}, found {short_repr(d[key])}")
     want("cls_token", isinstance(d.get("cls_token"), bool), "true or false")
-    protocol = str(d.get("protocol"))
+    protocol = d.get("protocol")
     if want(
-        "protocol", isinstance(protocol, str) and protocol in SUPPORTED_PROTOCOLS, f"one of {list(SUPPORTED_PROTOCOLS)}"
+        "protocol",
+        isinstance(protocol, str) and protocol in SUPPORTED_PROTOCOLS,
+        f"one of {list(SUPPORTED_PROTOCOLS)}",
     ):
+        assert isinstance(protocol, str)
         allowed = DTYPES_BY_PROTOCOL[protocol]
-        want("dtype", d.get("dtype") in allowed, f"one of {list(allowed)} for protocol {protocol}")
+        dtype = d.get("dtype")
+        want("dtype", isinstance(dtype, str) and dtype in allowed, f"one of {list(allowed)} for protocol {protocol}")
     if "data" in d:
         data = d["data"]
         if protocol == LEGACY_PROTOCOL:
             want("data", isinstance(data, (dict, str)), "an object or a string (protocol 2.1)")
         else:
             want("data", isinstance(data, dict), "an object")
-        try:
-            json.dumps(data, allow_nan=False)
-        except (TypeError, ValueError) as err:
-            problems.append(f"data: not JSON-serialisable ({err})")
+        # One level less than the file's limit: data sits inside the metadata object.
+        problem = json_value_problem([data])
+        if problem:
+            problems.append(f"data: {problem}")
 
     if not problems:
         tokens = layout.tokens_per_ex(d["patches_per_ex"], d["cls_token"])
@@ -251,8 +273,3 @@ def parse_metadata(obj: object) -> Metadata:
     fields = dict(obj)
     fields["layers"] = tuple(fields["layers"])
     return Metadata(**fields)
-
-
-def _short(value: object, limit: int = 60) -> str:
-    text = repr(value)
-    return text if len(text) <= limit else text[: limit - 3] + "..."

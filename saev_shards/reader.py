@@ -22,15 +22,19 @@ from .errors import (
     ChecksumMismatchError,
     FileSizeError,
     HashMismatchError,
+    InvalidCacheError,
+    JSONFileError,
     ManifestError,
     MetadataError,
     MetadataFileError,
+    NotRegularFileError,
     Problem,
     ProtocolVersionError,
+    StatsFileError,
     UnexpectedFileError,
     raise_problems,
 )
-from .fileio import hash_file, pread_exact
+from .fileio import IO_CHUNK, file_kind, hash_file, pread_exact
 from .format import (
     CHECKSUMS_FILE,
     HASH_RE,
@@ -38,14 +42,19 @@ from .format import (
     LABELS_FILE,
     LEGACY_PROTOCOL,
     MANIFEST_FILE,
+    MAX_METADATA_BYTES,
     METADATA_FILE,
     SHARD_NAME_RE,
     STATS_FILE,
     check_version,
-    strict_json_loads,
+    manifest_max_bytes,
+    read_json_file,
+    shard_name,
+    short_repr,
+    stats_max_bytes,
     warn_legacy,
 )
-from .manifest import ArrayEntry, Manifest, ShardEntry, ShardList, parse_checksums, parse_manifest
+from .manifest import ArrayEntry, Manifest, ShardEntry, ShardList, parse_checksums, parse_manifest, parse_stats
 from .metadata import Metadata, parse_metadata
 from .progress import Progress
 
@@ -58,18 +67,22 @@ def open(path: PathLike, *, check_hash: bool = True, roots: PathLike | Sequence[
     ``path`` may also be a full hash or a unique hash prefix (at least 4 hex digits) of a
     cache in the shards roots (``roots``, else ``$SAEV_SHARDS_ROOT``, else
     ``$SAEV_SCRATCH/saev/shards``; see `saev_shards.store.resolve`). An existing path
-    always wins.
+    always wins. A path through symbolic links (a run's ``links/train-shards``) is resolved
+    once; `Shards.path` is the real directory, and its name is what must equal the hash.
 
-    Checks: exact key sets and types of both JSON files, a known protocol version, the
-    directory name equals the metadata hash (unless ``check_hash=False``), shard names
-    and counts, and that every listed file exists, is a regular file and has exactly
-    the expected size. Every problem is collected and raised at once (see `errors`).
+    Checks (protocol.md section 7): both JSON files are strict JSON (`format.strict_json_loads`)
+    of bounded size with exact key sets and types, a known protocol version, the directory
+    name equals the metadata hash (unless ``check_hash=False``), shard names and counts,
+    every listed file exists, is a regular file (not a symbolic link) and has exactly the
+    expected size, and no unlisted data file exists. Every problem is collected and raised
+    at once (see `errors`).
     """
     root = Path(path).absolute()
     if not root.exists():
         from . import store  # only when `path` is not a path: a hash, a prefix, or a mistake
 
         root = store.resolve(path, roots)
+    root = Path(os.path.realpath(root))
     where = str(root)
     if not root.is_dir():
         raise CacheNotFoundError(f"{where} is not a directory")
@@ -86,16 +99,23 @@ def open(path: PathLike, *, check_hash: bool = True, roots: PathLike | Sequence[
     return Shards(root, md, manifest)
 
 
-def _load_metadata(root: Path, check_hash: bool) -> tuple[Metadata | None, list[Problem]]:
-    path = root / METADATA_FILE
+def _read_json(
+    path: Path, max_bytes: int, kind: type[InvalidCacheError], every_number: bool = True
+) -> tuple[Any, list[Problem]]:
+    """``(parsed value, [])``, or ``(None, [the problem])`` worded for a file of ``kind``."""
     try:
-        raw = path.read_bytes()
+        return read_json_file(path, max_bytes, every_number=every_number), []
     except FileNotFoundError:
         return None, [Problem(CacheNotFoundError, f"{path}: missing")]
-    try:
-        obj = strict_json_loads(raw)
-    except (ValueError, UnicodeDecodeError) as err:
-        return None, [Problem(MetadataFileError, f"{path}: not valid UTF-8 JSON ({err})")]
+    except (JSONFileError, NotRegularFileError) as err:
+        return None, [Problem(kind, str(err))]
+
+
+def _load_metadata(root: Path, check_hash: bool) -> tuple[Metadata | None, list[Problem]]:
+    path = root / METADATA_FILE
+    obj, problems = _read_json(path, MAX_METADATA_BYTES, MetadataFileError)
+    if problems:
+        return None, problems
     if isinstance(obj, dict) and "protocol" in obj:
         try:
             check_version(obj["protocol"])
@@ -105,14 +125,13 @@ def _load_metadata(root: Path, check_hash: bool) -> tuple[Metadata | None, list[
         md = parse_metadata(obj)
     except MetadataError as err:
         return None, [Problem(MetadataFileError, f"{path}: {err}")]
-    problems = []
     if check_hash and root.name != md.hash:
         detail = "" if HASH_RE.fullmatch(root.name) else " (the directory name is not a 64-digit hash)"
         problems.append(
             Problem(
                 HashMismatchError,
                 f"{root}: directory name is not the hash of its metadata.json{detail}; "
-                f"expected {md.hash}, found {root.name}",
+                f"expected {md.hash}, found {short_repr(root.name)}",
             )
         )
     return md, problems
@@ -120,56 +139,63 @@ def _load_metadata(root: Path, check_hash: bool) -> tuple[Metadata | None, list[
 
 def _load_manifest(root: Path, md: Metadata) -> tuple[Manifest | None, list[Problem]]:
     path = root / MANIFEST_FILE
-    try:
-        obj = orjson.loads(path.read_bytes())
-    except FileNotFoundError:
-        return None, [Problem(CacheNotFoundError, f"{path}: missing")]
-    except orjson.JSONDecodeError as err:
-        return None, [Problem(ManifestError, f"{path}: not valid JSON ({err})")]
+    # Every integer of shards.json is type-checked by parse_manifest: the scan may skip scalars.
+    obj, problems = _read_json(path, manifest_max_bytes(md.n_shards), ManifestError, every_number=False)
+    if problems:
+        return None, problems
     manifest, problems = parse_manifest(obj, md.protocol, str(path))
     if manifest is None or problems:
         return manifest, problems
-    legacy = md.protocol == LEGACY_PROTOCOL
-    if legacy:
-        manifest, more = _legacy_fixups(root, md, manifest)
+    listed_extra: list[str] = []
+    if md.protocol == LEGACY_PROTOCOL:
+        manifest, listed_extra, more = _legacy_fixups(root, md, manifest)
         problems.extend(more)
     problems.extend(_check_shards(root, md, manifest))
-    problems.extend(_check_other_files(root, md, manifest))
+    problems.extend(_check_other_files(root, md, manifest, listed_extra))
     return manifest, problems
 
 
-def _legacy_fixups(root: Path, md: Metadata, manifest: Manifest) -> tuple[Manifest, list[Problem]]:
-    """Protocol 2.1: drop the reference writer's trailing empty shard, attach sizes and digests."""
+def _legacy_fixups(root: Path, md: Metadata, manifest: Manifest) -> tuple[Manifest, list[str], list[Problem]]:
+    """Protocol 2.1: set aside the reference writer's trailing empty shards, attach sizes and digests.
+
+    Returns the manifest, the names of the trailing empty shards it listed (their files are
+    ignored, not unexpected) and the problems found. Only names of the expected form
+    ``acts<06d>.bin`` ever reach a system call.
+    """
     problems: list[Problem] = []
     shards = list(manifest.shards)
+    trailing: list[str] = []
     while len(shards) > md.n_shards and shards[-1].n_examples == 0:
-        shards.pop()
+        index = len(shards) - 1
+        if shards[-1].name == shard_name(index):
+            trailing.append(shards.pop().name)
+        else:
+            break  # named wrongly: kept, so _check_shards reports it
     digests: dict[str, tuple[int, str]] = {}
     sidecar = root / CHECKSUMS_FILE
-    if sidecar.exists():
-        try:
-            digests, problems = parse_checksums(orjson.loads(sidecar.read_bytes()), str(sidecar))
-        except orjson.JSONDecodeError as err:
-            problems = [Problem(ManifestError, f"{sidecar}: not valid JSON ({err})")]
+    if os.path.lexists(sidecar):  # absent: no checksums; present but a link or broken: an error
+        obj, problems = _read_json(sidecar, manifest_max_bytes(md.n_shards), ManifestError)
+        if not problems:
+            digests, problems = parse_checksums(obj, str(sidecar))
     entries = []
+    full = md.examples_per_shard * md.example_nbytes
     for i, s in enumerate(shards):
-        # The reference writer pads the last shard to a full shard; accept both lengths.
-        size = _size(root / s.name)
-        full = md.examples_per_shard * md.example_nbytes
-        nbytes = full if (i == md.n_shards - 1 and size == full) else s.n_examples * md.example_nbytes
+        nbytes = s.n_examples * md.example_nbytes
+        if i == md.n_shards - 1 and s.name == shard_name(i) and _size(root / s.name) == full:
+            nbytes = full  # the reference writer pads the last shard to a full shard; accept both lengths
         nbytes, digest = digests.get(s.name, (nbytes, None))
         entries.append(ShardEntry(s.name, s.n_examples, nbytes, digest))
     labels = None
-    if (root / LABELS_FILE).exists():
+    if os.path.lexists(root / LABELS_FILE):
         nbytes = md.n_examples * md.patches_per_ex
         nbytes, digest = digests.get(LABELS_FILE, (nbytes, None))
         labels = ArrayEntry(LABELS_FILE, LABELS_DTYPE.str, (md.n_examples, md.patches_per_ex), nbytes, digest)
-    return Manifest(shards=ShardList.of(entries), labels=labels), problems
+    return Manifest(shards=ShardList.of(entries), labels=labels), trailing, problems
 
 
 def _size(path: Path) -> int:
     try:
-        return os.stat(path).st_size
+        return os.lstat(path).st_size
     except OSError:
         return -1
 
@@ -193,12 +219,16 @@ def _check_shards(root: Path, md: Metadata, manifest: Manifest) -> list[Problem]
     # entry-by-entry messages only for entries that differ.
     count = len(manifest.shards)
     want_names = _shard_names(min(count, 1_000_000))
-    want_counts = ([eps] * (expected - 1) + [md.n_examples - (expected - 1) * eps] if expected else []) + [0] * max(
-        0, count - expected
-    )
-    want_counts = want_counts[:count]
+    last = md.n_examples - (expected - 1) * eps
+    extra = [0] * max(0, count - expected)
+    want_counts = (([eps] * (expected - 1) + [last] if expected else []) + extra)[:count]
     names, counts, sizes = manifest.shards.names, manifest.shards.counts, manifest.shards.sizes
-    want_sizes = sizes if legacy else [n * example_nbytes for n in want_counts]
+    if legacy:
+        want_sizes = sizes
+    else:  # list arithmetic, not a loop: 10^4 shards
+        want_sizes = (([eps * example_nbytes] * (expected - 1) + [last * example_nbytes] if expected else []) + extra)[
+            :count
+        ]
     if names == want_names and counts == want_counts and sizes == want_sizes:
         problems.extend(_check_files(root, names, sizes))
         return problems
@@ -209,7 +239,7 @@ def _check_shards(root: Path, md: Metadata, manifest: Manifest) -> list[Problem]
             want = want_names[i] if i < len(want_names) else "(none: too many shards)"
             hint = "" if SHARD_NAME_RE.fullmatch(s.name) else " (shard names are plain acts<06d>.bin, no paths)"
             problems.append(
-                Problem(ManifestError, f"{where}: shard {i}: expected name {want!r}, found {s.name!r}{hint}")
+                Problem(ManifestError, f"{where}: shard {i}: expected name {want!r}, found {short_repr(s.name)}{hint}")
             )
         elif s.n_examples != want_counts[i]:
             problems.append(
@@ -237,8 +267,9 @@ def _shard_names(count: int) -> list[str]:
 
 
 def _check_files(root: Path, names: Sequence[str], sizes: Sequence[int]) -> list[Problem]:
-    """Stat each file ``names[i]`` in ``root`` (relative to a directory fd: no path parsing) and
-    check it is a regular file of ``sizes[i]`` bytes; one pass, problems worded only on failure."""
+    """``lstat`` each file ``names[i]`` in ``root`` (relative to a directory fd: no path parsing)
+    and check it is a regular file (a symbolic link is not) of ``sizes[i]`` bytes; one pass,
+    problems worded only on failure. ``names`` are validated names: plain ``acts<06d>.bin``."""
     if not names:
         return []
     dir_fd = os.open(root, os.O_RDONLY | os.O_DIRECTORY)
@@ -247,7 +278,7 @@ def _check_files(root: Path, names: Sequence[str], sizes: Sequence[int]) -> list
         bad = [
             i
             for i, (name, nbytes) in enumerate(zip(names, sizes, strict=True))
-            if (st := os.stat(name, dir_fd=dir_fd)).st_size != nbytes or not regular(st.st_mode)
+            if (st := os.stat(name, dir_fd=dir_fd, follow_symlinks=False)).st_size != nbytes or not regular(st.st_mode)
         ]
     except OSError:
         bad = list(range(len(names)))  # something is missing: the slow path words each problem
@@ -261,20 +292,20 @@ def _check_files(root: Path, names: Sequence[str], sizes: Sequence[int]) -> list
 
 def _check_file(path: Path, nbytes: int) -> list[Problem]:
     try:
-        st = os.stat(path)
+        st = os.lstat(path)
     except FileNotFoundError:
         return [Problem(CacheNotFoundError, f"{path}: missing")]
     except OSError as err:
         return [Problem(CacheNotFoundError, f"{path}: cannot stat ({err.strerror})")]
     if not stat.S_ISREG(st.st_mode):
-        return [Problem(ManifestError, f"{path}: not a regular file")]
+        return [Problem(ManifestError, f"{path}: expected a regular file, found {file_kind(st.st_mode)}")]
     if st.st_size != nbytes:
         hint = " (file seems not fully written?)" if st.st_size < nbytes else ""
         return [Problem(FileSizeError, f"{path}: expected {nbytes} bytes, found {st.st_size}{hint}")]
     return []
 
 
-def _check_other_files(root: Path, md: Metadata, manifest: Manifest) -> list[Problem]:
+def _check_other_files(root: Path, md: Metadata, manifest: Manifest, listed_extra: Sequence[str]) -> list[Problem]:
     problems: list[Problem] = []
     where = root / MANIFEST_FILE
     if manifest.labels is not None:
@@ -307,12 +338,21 @@ def _check_other_files(root: Path, md: Metadata, manifest: Manifest) -> list[Pro
         else:
             problems.extend(_check_file(root / txt.name, txt.nbytes))
     if manifest.stats is not None:
-        problems.extend(_check_file(root / manifest.stats.name, manifest.stats.nbytes))
+        cap = stats_max_bytes(md.n_layers, md.d_model)
+        if manifest.stats.nbytes > cap:
+            problems.append(
+                Problem(
+                    ManifestError,
+                    f"{where}: stats.nbytes: expected at most {cap:,} bytes for {md.n_layers} layers of "
+                    f"{md.d_model} dimensions, found {manifest.stats.nbytes:,}",
+                )
+            )
+        else:
+            problems.extend(_check_file(root / manifest.stats.name, manifest.stats.nbytes))
     present = set(os.listdir(root))
     unlisted = present.difference(manifest.shards.names)  # set operations in C: 10^4 names
     unlisted.difference_update(name for name, _, _ in manifest.other_files())
-    if md.protocol == LEGACY_PROTOCOL:
-        unlisted = {s for s in unlisted if not SHARD_NAME_RE.fullmatch(s)}  # trailing empty shards
+    unlisted.difference_update(listed_extra)  # 2.1: the trailing empty shards shards.json lists
     problems.extend(
         Problem(UnexpectedFileError, f"{root / name}: data file not listed in {MANIFEST_FILE}")
         for name in sorted(unlisted)
@@ -354,12 +394,24 @@ class TextColumn(Sequence[Any]):
         offsets = self._index()
         with self.path.open("rb") as f:
             f.seek(int(offsets[i]))
-            return orjson.loads(f.read(int(offsets[i + 1] - offsets[i])))
+            return self._value(f.read(int(offsets[i + 1] - offsets[i])), i)
 
     def __iter__(self) -> Iterator[Any]:
+        count = 0
         with self.path.open("rb") as f:
-            for line in f:
-                yield orjson.loads(line)
+            for count, line in enumerate(f, 1):
+                if count > self.n_lines:
+                    break
+                yield self._value(line, count - 1)
+        if count != self.n_lines:
+            found = "more" if count > self.n_lines else str(count)
+            raise ManifestError(f"{self.path}: expected {self.n_lines} lines, found {found}")
+
+    def _value(self, line: bytes, i: int) -> Any:
+        try:
+            return orjson.loads(line)
+        except orjson.JSONDecodeError as err:  # damaged since written: `verify` names the file
+            raise InvalidCacheError(f"{self.path}: line {i + 1}: not valid JSON ({err})") from None
 
 
 class Shards:
@@ -704,14 +756,31 @@ class Shards:
 
     @property
     def stats(self) -> dict[str, Any] | None:
-        """Per-layer statistics gathered while writing (numpy arrays), or None."""
+        """Per-layer statistics gathered while writing (numpy arrays), or None.
+
+        stats.json is read, and checked against its schema (protocol.md 2.6: exact keys,
+        one entry per layer, ``mean`` and ``var`` of shape ``(L, D)``), on first use, not
+        by `open` (it can be tens of MB for a large model); `StatsFileError` if it fails.
+        """
         entry = self.manifest.stats
         if entry is None:
             return None
         if "stats" not in self._aux:
-            raw = orjson.loads((self.path / entry.name).read_bytes())
-            self._aux["stats"] = {k: np.asarray(v) for k, v in raw.items()}
+            md = self.metadata
+            path = self.path / entry.name
+            # parse_stats type-checks every integer; a float is a float whatever its spelling.
+            raw, problems = _read_json(path, stats_max_bytes(md.n_layers, md.d_model), StatsFileError, False)
+            raise_problems(problems, str(self.path))
+            self._aux["stats"] = parse_stats(raw, md.layers, md.d_model, str(path))
         return self._aux["stats"]  # type: ignore[no-any-return]
+
+    def _stats_problems(self) -> list[Problem]:
+        self._aux.pop("stats", None)
+        try:
+            self.stats  # noqa: B018 - read and checked against the schema
+        except InvalidCacheError as err:
+            return err.problems
+        return []
 
     # -- views for other tools (saev_shards.views; dask and xarray are optional) -------------
     def to_dask(self, examples_per_chunk: int | None = None) -> Any:
@@ -730,27 +799,31 @@ class Shards:
 
     # -- integrity -----------------------------------------------------------------------
     def verify(self, *, progress: bool | None = False, on_bytes: Callable[[int], None] | None = None) -> int:
-        """Recompute every file's size and xxh3_128 digest, and the metadata hash.
+        """Recompute every file's size and xxh3_128 digest, and the metadata hash; check
+        stats.json against its schema.
 
         Returns the number of bytes checked. Raises `ChecksumMismatchError` (or
         `InvalidCacheError` for several kinds) listing every problem.
         """
-        problems: list[Problem] = []
         md_path = self.path / METADATA_FILE
-        try:
-            current = parse_metadata(strict_json_loads(md_path.read_bytes()))
-            if current != self.metadata:
-                problems.append(Problem(HashMismatchError, f"{md_path}: changed since the cache was opened"))
-            elif self.path.name != current.hash:
-                problems.append(
-                    Problem(HashMismatchError, f"{self.path}: directory name is not the hash {current.hash}")
-                )
-        except (OSError, ValueError) as err:
-            problems.append(Problem(MetadataFileError, f"{md_path}: {err}"))
+        obj, problems = _read_json(md_path, MAX_METADATA_BYTES, MetadataFileError)
+        if not problems:
+            try:
+                current = parse_metadata(obj)
+            except MetadataError as err:
+                problems.append(Problem(MetadataFileError, f"{md_path}: {err}"))
+            else:
+                if current != self.metadata:
+                    problems.append(Problem(HashMismatchError, f"{md_path}: changed since the cache was opened"))
+                elif self.path.name != current.hash:
+                    problems.append(
+                        Problem(HashMismatchError, f"{self.path}: directory name is not the hash {current.hash}")
+                    )
         files = self.manifest.files()
         total = sum(n for _, n, _ in files)
         unchecked = [name for name, _, digest in files if digest is None]
         checked = 0
+        buffer = memoryview(bytearray(IO_CHUNK))
         with Progress(total, f"verify {self.path.name[:12]}", enabled=progress) as bar:
             for name, nbytes, digest in files:
                 path = self.path / name
@@ -761,17 +834,24 @@ class Shards:
                         on_bytes(n)
 
                 try:
-                    size, found = hash_file(path, tick)
+                    size, found = hash_file(path, tick, regular_only=True, buffer=buffer)
+                except NotRegularFileError as err:
+                    problems.append(Problem(ManifestError, str(err)))
+                    continue
                 except OSError as err:
                     problems.append(Problem(CacheNotFoundError, f"{path}: {err.strerror}"))
                     continue
                 checked += size
                 if size != nbytes:
                     problems.append(Problem(FileSizeError, f"{path}: expected {nbytes} bytes, found {size}"))
-                elif digest is not None and found != digest:
+                    continue
+                if digest is not None and found != digest:
                     problems.append(
                         Problem(ChecksumMismatchError, f"{path}: xxh3_128 expected {digest}, found {found}")
                     )
+                    continue
+                if name == STATS_FILE:  # its bytes are intact: check what they say
+                    problems.extend(self._stats_problems())
         raise_problems(problems, str(self.path))
         if unchecked:
             import warnings

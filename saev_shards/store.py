@@ -32,7 +32,6 @@ import warnings
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 
-import orjson
 import xxhash
 
 from . import reader
@@ -68,9 +67,11 @@ from .format import (
     HASH_RE,
     LEGACY_PROTOCOL,
     MANIFEST_FILE,
+    MAX_METADATA_BYTES,
     METADATA_FILE,
     SHARD_NAME_RE,
     ProtocolWarning,
+    read_json_file,
 )
 from .metadata import Metadata, parse_metadata
 from .progress import Progress
@@ -285,7 +286,7 @@ def list_caches(root: PathLike) -> list[CacheEntry]:
         nbytes = sum(e.stat(follow_symlinks=False).st_size for e in _scan(path) if e.is_file(follow_symlinks=False))
         try:
             shards = open_quietly(path)  # listings show the protocol column
-        except ShardsError as err:
+        except (ShardsError, OSError) as err:  # OSError: e.g. an unreadable cache among readable ones
             out.append(CacheEntry(path, _read_metadata(path), None, nbytes, str(err)))
             continue
         out.append(CacheEntry(path, shards.metadata, shards.n_shards, nbytes, None))
@@ -306,8 +307,8 @@ def list_unpublished(root: PathLike) -> list[Path]:
 
 def _read_metadata(path: Path) -> Metadata | None:
     try:
-        return parse_metadata(orjson.loads((path / METADATA_FILE).read_bytes()))
-    except (OSError, ValueError):
+        return parse_metadata(read_json_file(path / METADATA_FILE, MAX_METADATA_BYTES))
+    except (OSError, ValueError):  # ShardsError is a ValueError
         return None
 
 

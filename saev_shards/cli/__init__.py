@@ -20,6 +20,7 @@ from .. import __version__
 from ..errors import (
     CacheRefError,
     ConvertOptionError,
+    DiskFullError,
     InvalidCacheError,
     MissingDependencyError,
     RootNotSetError,
@@ -43,6 +44,7 @@ from ._common import (
     EXIT_USAGE,
     PROG,
     ROOTS_HELP,
+    EscapingWriter,
     Failure,
     human_bytes,
     warn,
@@ -111,8 +113,8 @@ def _exit_code(err: BaseException) -> int:
         return EXIT_NOT_FOUND
     if isinstance(err, (RootNotSetError, RunExistsError, ConvertOptionError, MissingDependencyError)):
         return EXIT_USAGE
-    if isinstance(err, WriterBusyError):
-        return EXIT_SYSTEM
+    if isinstance(err, (WriterBusyError, DiskFullError)):
+        return EXIT_SYSTEM  # another process holds it, or the disk is full: the system, not the cache
     if isinstance(err, (InvalidCacheError, ShardsError)):
         return EXIT_PROBLEM
     if isinstance(err, OSError):
@@ -131,8 +133,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     """Run the command line; returns the exit code (the console script exits with it)."""
     args_list = list(sys.argv[1:] if argv is None else argv)
     debug = "--debug" in args_list
-    saved = warnings.showwarning
+    saved = warnings.showwarning, sys.stdout, sys.stderr
     warnings.showwarning = lambda message, *a, **k: warn(str(message))  # one line, no source
+    # Everything printed passes `printable`: caches are data from elsewhere, and a family, a
+    # ckpt or a file name holding ESC sequences must not drive the user's terminal.
+    sys.stdout, sys.stderr = EscapingWriter(sys.stdout), EscapingWriter(sys.stderr)
     try:
         parser = build_parser(_invokedcommand(args_list))
         args = parser.parse_args(args_list)
@@ -164,4 +169,4 @@ def main(argv: Sequence[str] | None = None) -> int:
             sys.stderr.write(f"{PROG}: error: {_message(err)}\n")
         return code
     finally:
-        warnings.showwarning = saved
+        warnings.showwarning, sys.stdout, sys.stderr = saved

@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import argparse
+import io
+import json
+import re
 import sys
 from collections.abc import Callable, Sequence
 from typing import Any, TextIO
@@ -55,6 +58,59 @@ class Failure(Exception):
 # formatting
 
 
+# What a terminal may act on rather than show: C0 controls (ESC starts colour, title and
+# cursor sequences), DEL, C1 controls (U+009B is a one-character CSI), line and paragraph
+# separators, bidirectional overrides (they reorder what is shown), and lone surrogates
+# (file names that are not UTF-8; they cannot even be encoded for output).
+_UNPRINTABLE = re.compile("[\x00-\x1f\x7f-\x9f\u2028\u2029\u202a-\u202e\u2066-\u2069\ud800-\udfff]")
+_LINE_BREAKS = frozenset("\n\r\t")
+# The same, less C0: JSON text holds those only as its own line breaks (strings escape them).
+_UNPRINTABLE_IN_JSON = re.compile("[\x7f-\x9f\u2028\u2029\u202a-\u202e\u2066-\u2069\ud800-\udfff]")
+
+
+def _escape(match: re.Match[str]) -> str:
+    code = ord(match.group())
+    return f"\\x{code:02x}" if code < 0x100 else f"\\u{code:04x}"
+
+
+def printable(text: str, *, keep_line_breaks: bool = False) -> str:
+    """``text`` with every character a terminal would act on escaped as ``\\x1b`` or ``\\u202e``.
+
+    ``keep_line_breaks`` leaves newlines, carriage returns and tabs alone (for whole output
+    streams, whose lines are ours; table cells escape them, so a value stays on its line).
+    """
+    if keep_line_breaks:
+        return _UNPRINTABLE.sub(lambda m: m.group() if m.group() in _LINE_BREAKS else _escape(m), text)
+    return _UNPRINTABLE.sub(_escape, text)
+
+
+class EscapingWriter(io.TextIOBase):
+    """A text stream that writes `printable` text (line breaks kept) to another one.
+
+    `main` puts one in front of stdout and stderr, so no command can send a raw control
+    character from a cache (metadata, file names, error messages) to the terminal.
+    """
+
+    def __init__(self, raw: TextIO) -> None:
+        self.raw = raw
+
+    def write(self, text: str) -> int:
+        self.raw.write(printable(text, keep_line_breaks=True))
+        return len(text)
+
+    def flush(self) -> None:
+        self.raw.flush()
+
+    def fileno(self) -> int:
+        return self.raw.fileno()
+
+    def isatty(self) -> bool:
+        return self.raw.isatty()
+
+    def writable(self) -> bool:
+        return True
+
+
 def human_bytes(n: float) -> str:
     """Decimal units, as `Shards.__repr__` and the progress bar print them: ``3.7 KB``."""
     for unit in ("B", "KB", "MB", "GB", "TB"):
@@ -65,7 +121,11 @@ def human_bytes(n: float) -> str:
 
 
 def table(rows: Sequence[Sequence[str]], out: TextIO, indent: str = "", right: Sequence[int] = ()) -> None:
-    """Columns padded to their widest cell; the columns numbered in ``right`` (numbers) right-aligned."""
+    """Columns padded to their widest cell; the columns numbered in ``right`` (numbers) right-aligned.
+
+    Cells are `printable` with line breaks escaped too: a value never leaves its cell.
+    """
+    rows = [[printable(c) for c in r] for r in rows]
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
     for r in rows:
         cells = [c.rjust(w) if i in right else c.ljust(w) for i, (c, w) in enumerate(zip(r, widths, strict=True))]
@@ -77,7 +137,17 @@ def plural(n: int, word: str) -> str:
 
 
 def print_json(obj: Any, out: TextIO) -> None:
-    out.write(orjson.dumps(obj, option=orjson.OPT_INDENT_2 | orjson.OPT_SERIALIZE_NUMPY).decode() + "\n")
+    """``obj`` as indented JSON, with the characters `printable` escapes written as ``\\u`` escapes.
+
+    orjson escapes C0 controls itself; DEL, C1 and the rest can only sit inside strings,
+    where ``\\uXXXX`` means the same character. A string orjson cannot encode (a file name
+    that is not UTF-8) falls back to Python's json, escaping all non-ASCII text.
+    """
+    try:
+        text = orjson.dumps(obj, option=orjson.OPT_INDENT_2 | orjson.OPT_SERIALIZE_NUMPY).decode()
+    except orjson.JSONEncodeError:
+        text = json.dumps(obj, indent=2, ensure_ascii=True, default=str)
+    out.write(_UNPRINTABLE_IN_JSON.sub(lambda m: f"\\u{ord(m.group()):04x}", text) + "\n")
 
 
 def progress_arg(args: argparse.Namespace) -> bool | None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 import warnings
 from pathlib import Path
@@ -33,7 +34,9 @@ from ._common import (
 
 
 def _disk_bytes(path: Path) -> int:
-    return sum(p.stat().st_size for p in path.iterdir() if p.is_file())
+    """Bytes of the regular files in ``path`` (links are not followed: a cache holds none)."""
+    with os.scandir(path) as entries:
+        return sum(e.stat(follow_symlinks=False).st_size for e in entries if e.is_file(follow_symlinks=False))
 
 
 # --------------------------------------------------------------------------------------

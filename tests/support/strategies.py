@@ -64,3 +64,40 @@ def index_component(draw: st.DrawFn, size: int, allow_arrays: bool = True) -> An
     if size == 0:
         return []
     return draw(st.lists(st.integers(-size, size - 1), min_size=0, max_size=6))
+
+
+# --------------------------------------------------------------------------------------
+# hostile input (the catalogue and the mutation engine are in hostile.py)
+
+
+def json_scalars() -> st.SearchStrategy[Any]:
+    """Any JSON scalar Python's json writes, NaN and infinities (as NaN/Infinity) included."""
+    return st.none() | st.booleans() | st.integers() | st.floats() | st.text(max_size=30)
+
+
+def hostile_values() -> st.SearchStrategy[Any]:
+    """Values to put in a cache's JSON: the catalogue of `hostile.HOSTILE_VALUES`, arbitrary
+    scalars, and small structures of both."""
+    from .hostile import HOSTILE_VALUES
+
+    leaf = st.sampled_from(HOSTILE_VALUES) | json_scalars()
+    return st.recursive(
+        leaf, lambda inner: st.lists(inner, max_size=3) | st.dictionaries(st.text(max_size=8), inner, max_size=3),
+        max_leaves=5,
+    )  # fmt: skip
+
+
+@st.composite
+def hostile_cases(draw: st.DrawFn, n_caches: int, n_files: int) -> tuple[int, int, str, int, Any, int]:
+    """``(cache index, JSON file index, mutation kind, node number, value, seed)``: one damage
+    for `hostile.mutate` to apply (indices are taken modulo what the cache has)."""
+    from .hostile import MUTATIONS
+
+    return (
+        draw(st.integers(0, n_caches - 1)),
+        draw(st.integers(0, n_files - 1)),
+        draw(st.sampled_from(MUTATIONS)),
+        draw(st.integers(0, 1 << 30)),
+        draw(hostile_values()),
+        draw(st.integers(0, 2**32 - 1)),
+    )

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -15,7 +16,7 @@ import saev_shards as ss
 from saev_shards.format import pretty_json
 from saev_shards.metadata import KEYS, parse_metadata
 
-from ..support.caches import small_metadata
+from ..support.caches import small_metadata, write_cache
 
 
 def seed_hash(md: dict[str, Any]) -> str:
@@ -120,9 +121,19 @@ def test_data_is_copied() -> None:
         ({"dtype": "float16", "protocol": "2.1"}, "for protocol 2.1"),
         ({"protocol": "9.0"}, "protocol: expected one of"),
         ({"data": [1, 2]}, "data: expected an object"),
-        ({"data": {"x": float("nan")}}, "not JSON-serialisable"),
+        ({"data": {"x": float("nan")}}, "data: nan is not a JSON number"),
         ({"patches_per_shard": 9}, "patches_per_shard=9 is too small"),
         ({"family": 3}, "family: expected a string"),
+        # Values the writer or a JSON tool could not hold are rejected here, not later (issue 10).
+        ({"family": "\ud800"}, r"family: string '\\ud800' is not valid Unicode"),
+        ({"ckpt": "a\udcffb"}, "ckpt: string .* is not valid Unicode"),
+        ({"data": {"x\ud800": 1}}, "data: string .* is not valid Unicode"),
+        ({"data": {"n": 2**64}}, "data: integer 18446744073709551616 does not fit 64 bits"),
+        ({"data": {"n": 1 << 20_000}}, "data: integer <integer of 20001 bits> does not fit 64 bits"),
+        ({"data": {1: 2}}, "data: object keys must be strings"),
+        ({"layers": (2**63,)}, "layers: expected integers within signed 64 bits"),
+        ({"protocol": 3.0}, "protocol: expected one of"),
+        ({"d_model": 10**5000}, "sizes: a shard or the whole cache would exceed"),
     ],
 )
 def test_invalid_metadata(changes: dict[str, Any], message: str) -> None:
@@ -154,3 +165,23 @@ def test_legacy_last_shard_is_padded() -> None:
 def test_too_many_shards_for_six_digit_names() -> None:
     with pytest.raises(ss.MetadataError, match="1,000,000 shards"):
         small_metadata(n_examples=2_000_000, patches_per_shard=10)
+
+
+def test_deep_values_are_reported_not_a_recursion_error() -> None:
+    data: Any = {}
+    for _ in range(100_000):
+        data = {"k": data}
+    with pytest.raises(ss.MetadataError, match="data: nested deeper than 64 levels"):
+        small_metadata(data=data)
+    with pytest.raises(ss.MetadataError, match=r"family: expected a string, found array \[\[\[\[\.\.\.\]\]\]\]"):
+        small_metadata(family=[[[[[[[[1]]]]]]]])
+
+
+def test_values_real_caches_hold_are_accepted(root: Path) -> None:
+    """NUL and control characters in strings, 64-bit integers, long base64 data: all stored as given."""
+    md = small_metadata(
+        ckpt="hf-hub:timm/vit\x00\x1b[0m", family="clip é", n_examples=3,
+        data={"seed": 2**64 - 1, "offset": -(2**63), "scale": 1e-300, "pickle": "gASV" * 10_000},
+    )  # fmt: skip
+    write_cache(root, md)
+    assert ss.open(root / md.hash).metadata == md
