@@ -141,6 +141,10 @@ class ConfigError(ShardsError):
     """Raised when a dump configuration is malformed; the message lists every problem."""
 
 
+class DumpError(ShardsError):
+    """Raised when a dump fails after its checks passed: the model or its tokenizer raised on a batch."""
+
+
 class RecorderError(ShardsError):
     """Raised when blocks cannot be found or a hooked block's output cannot be recorded."""
 

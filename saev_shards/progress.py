@@ -6,14 +6,11 @@ import sys
 import time
 from typing import TextIO
 
+from .units import human_bytes
+
 
 def _human(n: float, unit: str) -> str:
-    if unit == "B":
-        for suffix in ("B", "KB", "MB", "GB", "TB"):
-            if abs(n) < 1000 or suffix == "TB":
-                return f"{n:.1f} {suffix}" if suffix != "B" else f"{n:.0f} B"
-            n /= 1000
-    return f"{n:,.0f} {unit}"
+    return human_bytes(n) if unit == "B" else f"{n:,.0f} {unit}"
 
 
 def _duration(seconds: float) -> str:

@@ -19,6 +19,7 @@ from collections.abc import Sequence
 from .. import __version__
 from ..errors import (
     CacheRefError,
+    ConfigError,
     ConvertOptionError,
     DiskFullError,
     InvalidCacheError,
@@ -111,7 +112,7 @@ def _invokedcommand(argv: Sequence[str]) -> str | None:
 def _exit_code(err: BaseException) -> int:
     if isinstance(err, (UnknownCacheError, CacheRefError, RunNotFoundError, SourceNotFoundError)):
         return EXIT_NOT_FOUND
-    if isinstance(err, (RootNotSetError, RunExistsError, ConvertOptionError, MissingDependencyError)):
+    if isinstance(err, (ConfigError, RootNotSetError, RunExistsError, ConvertOptionError, MissingDependencyError)):
         return EXIT_USAGE
     if isinstance(err, (WriterBusyError, DiskFullError)):
         return EXIT_SYSTEM  # another process holds it, or the disk is full: the system, not the cache
@@ -138,6 +139,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     # Everything printed passes `printable`: caches are data from elsewhere, and a family, a
     # ckpt or a file name holding ESC sequences must not drive the user's terminal.
     sys.stdout, sys.stderr = EscapingWriter(sys.stdout), EscapingWriter(sys.stderr)
+    args: argparse.Namespace | None = None
     try:
         parser = build_parser(_invokedcommand(args_list))
         args = parser.parse_args(args_list)
@@ -148,7 +150,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         sys.stderr.write(f"{PROG}: error: {err}\n")
         return int(err.code)
     except KeyboardInterrupt:
-        sys.stderr.write(f"\n{PROG}: interrupted\n")
+        hint = getattr(args, "interrupted_hint", None)  # what a command keeps, said once
+        sys.stderr.write(f"\n{PROG}: interrupted" + (f"; {hint}" if hint else "") + "\n")
         return EXIT_INTERRUPTED
     except BrokenPipeError:
         # The reader of our output went away (`saev-shards info 3f2a | head`): not an error

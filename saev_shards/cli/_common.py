@@ -12,7 +12,13 @@ from typing import Any, TextIO
 
 import orjson
 
+from .. import units
+
 PROG = "saev-shards"
+
+#: Sizes and ages print one way in every command, and in the library's own reports.
+human_bytes = units.human_bytes
+human_age = units.human_age
 
 # Exit codes: documented in --help (EXIT_CODES_HELP) and docs/cli.md.
 EXIT_OK = 0
@@ -33,7 +39,7 @@ exit codes:
   3    not found: no cache or run matches, or a hash prefix is ambiguous or too short
   4    system error: permission denied, disk full, another process holds the cache
   5    internal error: a bug (rerun with --debug and report the traceback)
-  130  interrupted (Ctrl-C); `stage` and `convert` resume where they stopped when run again
+  130  interrupted (Ctrl-C); `stage`, `convert` and `dump` resume where they stopped when run again
   141  the reader of the output went away (e.g. `| head`); nothing is printed
 """
 
@@ -109,15 +115,6 @@ class EscapingWriter(io.TextIOBase):
 
     def writable(self) -> bool:
         return True
-
-
-def human_bytes(n: float) -> str:
-    """Decimal units, as `Shards.__repr__` and the progress bar print them: ``3.7 KB``."""
-    for unit in ("B", "KB", "MB", "GB", "TB"):
-        if n < 1000 or unit == "TB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1000
-    return f"{n} B"
 
 
 def table(rows: Sequence[Sequence[str]], out: TextIO, indent: str = "", right: Sequence[int] = ()) -> None:

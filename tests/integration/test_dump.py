@@ -21,6 +21,7 @@ import saev_shards as ss
 from saev_shards import dump as dump_mod
 from saev_shards.dump import batches, parse_config, plan, truncation
 from saev_shards.errors import ConfigError
+from saev_shards.units import human_bytes
 
 from ..support.caches import tree_bytes
 from ..support.dumps import LAYERS, T, make_config
@@ -218,7 +219,7 @@ def test_dry_run_prints_hash_shards_and_bytes_and_writes_nothing(tmp_path: Path,
     out = capsys.readouterr().out
     assert f"hash      {md.hash}" in out
     assert "shards    5 x 5 examples (last 3)" in out
-    assert f"{dump_mod._gb(md.nbytes)} activations" in out
+    assert f"{human_bytes(md.nbytes)} activations" in out
     assert "rank 1 of 2: shards [2, 5), examples [10, 23)" in out
     assert "state     not started" in out
     assert not (tmp_path / "shards").exists()

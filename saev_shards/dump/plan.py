@@ -1,0 +1,256 @@
+"""Everything a dump decides before any model runs: the corpus, the metadata (and so the
+hash), where the cache goes, how the work is cut into batches, and how many bytes it needs.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import os
+from collections.abc import Iterator, Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from .. import corpus as corpus_mod
+from ..errors import ConfigError, RecorderError, RootNotSetError, ShardsError
+from ..fileio import bytes_on_disk
+from ..format import MANIFEST_FILE
+from ..metadata import Metadata
+from ..store import Root, shards_root
+from ..units import human_bytes
+from ..writer import part_record, rank_shards, staging_dir
+from .config import RESERVED_TEXT, DumpConfig, as_config
+from .model import Loaded, check_limits, load_model, what_failed
+
+
+def load_corpus(cfg: DumpConfig) -> corpus_mod.Corpus:
+    """The examples the dump records, in order (at most ``cfg.budget``)."""
+    ds = cfg.dataset
+    if ds.kind == "stdlib":
+        return corpus_mod.stdlib_corpus(cfg.budget, min_chars=ds.min_chars)
+    assert ds.path is not None
+    try:
+        if ds.kind == "jsonl":
+            fields = (*ds.columns, *ds.text_fields)
+            return corpus_mod.jsonl_corpus(
+                ds.path, text_field=ds.text_field, id_field=ds.id_field, fields=fields, limit=cfg.budget
+            )
+        return corpus_mod.lines_corpus(ds.path, limit=cfg.budget, min_chars=ds.min_chars)
+    except (OSError, ValueError) as err:
+        raise ConfigError(f"dataset: {err}") from None
+
+
+def output_root(cfg: DumpConfig, root: str | os.PathLike[str] | None = None) -> Root:
+    """Where the cache goes: ``root`` (``--root``) > the config's ``root`` > the shards root
+    (``$SAEV_SHARDS_ROOT``, else ``$SAEV_SCRATCH/saev/shards``), where ``ls``, ``info`` and
+    ``ss.open(prefix)`` look. `RootNotSetError` when none of them is set."""
+    if root is not None:
+        return Root(Path(root).expanduser().absolute(), "--root")
+    if cfg.root is not None:
+        return Root(Path(cfg.root).expanduser().absolute(), "the config's root")
+    try:
+        return shards_root()
+    except RootNotSetError:
+        raise RootNotSetError(
+            "no folder for the cache: set root in the config, pass --root DIR, or set SAEV_SHARDS_ROOT "
+            "or SAEV_SCRATCH (the cache then goes to the shards root, where ls, info and ss.open look)"
+        ) from None
+
+
+@dataclasses.dataclass
+class Plan:
+    """Everything decided before any model runs: the metadata (and so the hash) and the work."""
+
+    config: DumpConfig
+    corpus: corpus_mod.Corpus
+    loaded: Loaded
+    metadata: Metadata
+    blocks: dict[int, str]
+
+    @property
+    def columns(self) -> dict[str, tuple[Any, tuple[int, ...]]]:
+        """The per-example columns this dump writes: name -> (dtype, per-example shape)."""
+        return _columns_for(self.config)
+
+    @property
+    def text_fields(self) -> tuple[str, ...]:
+        return (*RESERVED_TEXT, *self.config.dataset.text_fields)
+
+
+def plan(config: DumpConfig | Mapping[str, Any] | str | os.PathLike[str], *, weights: bool = True) -> Plan:
+    """Read the corpus, load the model (weights only with ``weights``) and build the metadata.
+
+    What the model's config.json declares (its blocks, its maximum positions) is checked
+    against ``layers`` and ``T`` here, so ``--dry-run`` reports those mistakes too.
+    """
+    cfg = as_config(config)
+    corpus = load_corpus(cfg)
+    loaded = load_model(cfg, weights=weights)
+    problems = check_limits(cfg, loaded.limits)
+    if problems:
+        raise ConfigError("; ".join(problems))
+    blocks: dict[int, str] = {}
+    d_model = loaded.d_model
+    if loaded.model is not None:
+        from ..recorder import resolve_modules
+
+        try:
+            resolved = resolve_modules(loaded.model, cfg.layers, cfg.model.blocks)
+        except RecorderError as err:
+            raise ConfigError(f"layers: {err}") from None
+        blocks = {k: name for k, (name, _) in resolved.items()}
+        d_model = _probe_d_model(cfg, loaded) if d_model is None or cfg.model.factory is not None else d_model
+    if d_model is None:
+        raise ConfigError("model: cannot tell d_model from config.json (hidden_size, n_embd or d_model)")
+    patches = cfg.T - (1 if loaded.cls_token else 0)
+    data = {
+        "corpus": dict(corpus.description),
+        "model": {"ckpt": loaded.ckpt, **loaded.identity},
+        "dump": {
+            "T": cfg.T,
+            "budget": cfg.budget,
+            "batch_size": cfg.batch_size,
+            "blocks": cfg.model.blocks,
+            "record": "block outputs (residual stream), padding positions zeroed",
+            "truncation": "tokenizer" if loaded.encoder.hf else "prefix",
+            "columns": {k: [np.dtype(v[0]).str, list(v[1])] for k, v in _columns_for(cfg).items()},
+            "text": [*RESERVED_TEXT, *cfg.dataset.text_fields],
+        },
+    }
+    try:
+        md = Metadata(
+            family=loaded.family,
+            ckpt=loaded.ckpt,
+            layers=cfg.layers,
+            patches_per_ex=patches,
+            cls_token=loaded.cls_token,
+            d_model=d_model,
+            n_examples=len(corpus),
+            patches_per_shard=cfg.patches_per_shard,
+            data=data,
+            dataset=corpus.name,
+            dtype=cfg.dtype,
+        )
+    except ShardsError as err:
+        raise ConfigError(str(err)) from None
+    return Plan(cfg, corpus, loaded, md, blocks)
+
+
+def _columns_for(cfg: DumpConfig) -> dict[str, tuple[Any, tuple[int, ...]]]:
+    cols: dict[str, tuple[Any, tuple[int, ...]]] = {
+        "lengths": (np.int32, ()),
+        "true_lengths": (np.int32, ()),
+        "token_ids": (np.int32, (cfg.T,)),
+    }
+    for name, dt in cfg.dataset.columns.items():
+        cols[name] = (np.dtype(dt), ())
+    return cols
+
+
+def _probe_d_model(cfg: DumpConfig, loaded: Loaded) -> int:
+    """Run one short example to see the recorded width (factory models declare nothing)."""
+    from ..recorder import Recorder
+
+    enc = loaded.encoder.encode(["probe"])
+    try:
+        acts = Recorder(loaded.model, cfg.layers, blocks=cfg.model.blocks, dtype="float32").record(**enc.inputs)
+    except Exception as err:  # the model's own code
+        raise ConfigError(f"model: a trial forward pass of one short example failed ({what_failed(err)})") from None
+    return int(acts.shape[-1])
+
+
+def batches(start: int, stop: int, examples_per_shard: int, batch_size: int) -> Iterator[tuple[int, int]]:
+    """``(first, stop)`` batches covering ``[start, stop)`` on a fixed grid inside each shard.
+
+    The grid depends only on the shard and the batch size, so every example is computed in
+    the same batch however the work is split between writers or resumed runs (the bytes
+    of a batched forward pass may depend on the batch's other members).
+    """
+    e = start
+    while e < stop:
+        shard_start = (e // examples_per_shard) * examples_per_shard
+        offset = e - shard_start
+        first_of_batch = shard_start + (offset // batch_size) * batch_size
+        end = min(first_of_batch + batch_size, shard_start + examples_per_shard, stop)
+        yield e, end
+        e = end
+
+
+def sealed_shards(root: Path, md: Metadata) -> list[int]:
+    """Shards whose part record exists in staging (sealed, not re-verified); all of them
+    once finalizing has written shards.json there (it then removes the part records)."""
+    staging = staging_dir(root, md)
+    if (staging / MANIFEST_FILE).exists():
+        return list(range(md.n_shards))
+    return [k for k in range(md.n_shards) if (staging / part_record(k)).exists()]
+
+
+def _text_files(the_plan: Plan, examples: Sequence[corpus_mod.Example]) -> list[int]:
+    """Lower bounds of the text files (one per field) written for ``examples``: each line is
+    a JSON string and a newline, the ids and texts as long as they are, other fields empty."""
+    ids = sum(len(ex.id) + 3 for ex in examples)
+    texts = sum(len(ex.text) + 3 for ex in examples)
+    return [ids, texts] + [3 * len(examples)] * (len(the_plan.text_fields) - 2)
+
+
+def space_needed(the_plan: Plan, root: Path, rank: int, world_size: int, *, restart: bool = False) -> int:
+    """Bytes writer ``rank`` of ``world_size`` still needs under ``root``: its shards not yet
+    sealed with their parts (columns, text) and part records (with per-shard statistics),
+    plus the joined columns and text of the whole cache (finalizing writes them while the
+    parts still exist); each file rounded up to the filesystem's allocation unit. Text
+    counts as a lower bound; the manifest and stats.json are not counted."""
+    md = the_plan.metadata
+    eps = md.examples_per_shard
+    column_sizes = [np.dtype(dt).itemsize * math.prod(shape) for dt, shape in the_plan.columns.values()]
+    examples = the_plan.corpus.examples
+    # A part record holds the shard's float64 sums per layer and dimension as JSON text,
+    # about 25 bytes a number.
+    record = 2 * md.n_layers * md.d_model * 25
+    sealed = set() if restart else set(sealed_shards(root, md))
+    files = [md.n_examples * size for size in column_sizes] + _text_files(the_plan, examples)
+    for k in rank_shards(md.n_shards, rank, world_size):
+        if k not in sealed:
+            a, b = k * eps, min((k + 1) * eps, md.n_examples)
+            files += [md.shard_nbytes(k), record, *((b - a) * size for size in column_sizes)]
+            files += _text_files(the_plan, examples[a:b])
+    return bytes_on_disk(files, root)
+
+
+def describe(the_plan: Plan, root: Path | Root, rank: int, world_size: int) -> str:
+    """The ``--dry-run`` report: hash, where the cache goes, shards, bytes, this writer's
+    share, and the state on disk."""
+    where = root if isinstance(root, Root) else Root(Path(root).absolute(), "")
+    root = where.path
+    md = the_plan.metadata
+    cols = the_plan.columns
+    col_bytes = sum(md.n_examples * np.dtype(dt).itemsize * math.prod(shape) for dt, shape in cols.values())
+    text_bytes = sum(len(ex.text) + len(ex.id) for ex in the_plan.corpus.examples)  # a lower bound
+    share = rank_shards(md.n_shards, rank, world_size)
+    eps = md.examples_per_shard
+    final = root / md.hash
+    if final.exists():
+        state = "published"
+    elif staging_dir(root, md).exists():
+        state = f"in staging, {len(sealed_shards(root, md))} of {md.n_shards} shards sealed (a run resumes there)"
+    else:
+        state = "not started"
+    last = md.shard_n_examples(md.n_shards - 1) if md.n_shards else 0
+    lines = [
+        f"hash      {md.hash}",
+        f"path      {final}" + (f"  (root from {where.source})" if where.source else ""),
+        f"model     {md.family} {md.ckpt} layers {list(md.layers)} "
+        f"(blocks {the_plan.blocks or 'resolved when the model loads'})",
+        f"dataset   {md.dataset}: {md.n_examples} examples",
+        f"shape     ({md.n_examples}, {md.n_layers}, {md.tokens_per_ex}, {md.d_model}) {md.dtype}, "
+        f"cls_token={str(md.cls_token).lower()}",
+        f"shards    {md.n_shards} x {eps} examples (last {last}), "
+        f"{human_bytes(md.shard_nbytes(0) if md.n_shards else 0)} each",
+        f"bytes     {human_bytes(md.nbytes)} activations + {human_bytes(col_bytes)} columns "
+        f"+ >= {human_bytes(text_bytes)} text",
+        f"writer    rank {rank} of {world_size}: shards [{share.start}, {share.stop}), "
+        f"examples [{share.start * eps}, {min(share.stop * eps, md.n_examples)})",
+        f"state     {state}",
+    ]
+    return "\n".join(lines)

@@ -1,0 +1,210 @@
+"""Running a dump: the forward passes, the writer, publishing, and the truncation report."""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import time
+from collections.abc import Callable, Mapping
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from ..errors import AlreadyPublishedError, DumpError, ShardsError, WriterBusyError, WriterError
+from ..fileio import check_free_space
+from ..metadata import Metadata
+from ..progress import Progress
+from ..reader import Shards
+from ..reader import open as open_shards
+from ..units import human_bytes
+from ..writer import ShardWriter, finalize, rank_shards, world_from_env
+from .config import DumpConfig
+from .model import check_model, device_of, load_model
+from .plan import Plan, batches, output_root, plan, sealed_shards, space_needed
+
+
+def dump(
+    config: Plan | DumpConfig | Mapping[str, Any] | str | os.PathLike[str],
+    *,
+    root: str | os.PathLike[str] | None = None,
+    rank: int | None = None,
+    world_size: int | None = None,
+    restart: bool = False,
+    finalize_when_done: bool = True,
+    progress: bool | None = None,
+    durable: bool = True,
+    check_space: bool = True,
+    log: Callable[[str], None] | None = None,
+) -> Path | None:
+    """Record the activations of ``config`` into ``<root>/<hash>``; return its path once published.
+
+    ``config``: a `Plan` (reused when its model is loaded), a `DumpConfig`, a dict, or a file.
+    ``root``: the folder of caches; default the config's ``root``, else the shards root
+    (`output_root`).
+
+    Before anything is written: the configuration is checked against the loaded model
+    (`check_model`: blocks, positions, width, device and dtype; `ConfigError` naming the
+    field), and ``check_space`` refuses with `DiskFullError` when this writer's remaining
+    bytes (`space_needed`) exceed the free space under the root (``check_space=False``, or
+    ``--no-space-check``, if you know better).
+
+    Resumes from sealed shards unless ``restart``: after any interruption, run it again.
+    With several writers, each rank writes its shards and then tries to publish: the last
+    one to finish succeeds and returns the path; the others return None. Already
+    published: returns the path at once.
+    """
+    say = log or _print
+    # The hash first (no weights needed for Hugging Face folders): a published cache is done.
+    the_plan = config if isinstance(config, Plan) else plan(config, weights=False)
+    cfg = the_plan.config
+    md = the_plan.metadata
+    out_root = output_root(cfg, root).path
+    final = out_root / md.hash
+    if final.exists():
+        say(f"already published: {final}")
+        return final
+    rank, world_size = world_from_env(rank, world_size)
+    if check_space:
+        share = rank_shards(md.n_shards, rank, world_size)
+        what = f"dumping shards [{share.start}, {share.stop}) of {md.n_shards}"
+        needed = space_needed(the_plan, out_root, rank, world_size, restart=restart)
+        check_free_space(out_root, needed, what, "pass --no-space-check (check_space=False)")
+    device = device_of(cfg)
+    if the_plan.loaded.model is None:
+        the_plan = dataclasses.replace(the_plan, loaded=load_model(cfg))
+    check_model(cfg, the_plan.loaded, device, md.d_model)  # before the writer makes its staging folder
+    import torch
+
+    from ..recorder import AsyncWriter, Recorder
+
+    model = the_plan.loaded.model.to(device)
+    recorder = Recorder(model, cfg.layers, blocks=cfg.model.blocks, dtype=cfg.dtype)
+    writer = ShardWriter(
+        out_root,
+        md,
+        rank=rank,
+        world_size=world_size,
+        resume=not restart,
+        allow_nonfinite=cfg.allow_nonfinite,
+        stats=True,
+        columns=the_plan.columns,
+        text=the_plan.text_fields,
+        durable=durable,
+    )
+    start, stop, resume_at = writer.start, writer.stop, writer.next_example
+    who = f"rank {rank} of {world_size}: " if world_size > 1 else ""
+    if resume_at > start:
+        say(f"{who}resuming at example {resume_at} ({resume_at - start} of {stop - start} already sealed)")
+    say(
+        f"{who}dumping examples [{resume_at}, {stop}) of {md.n_examples} on {device}: {md.n_layers} layers "
+        f"{list(md.layers)} x {md.tokens_per_ex} tokens x {md.d_model} ({md.dtype}) -> {writer.staging}"
+    )
+    encoder = the_plan.loaded.encoder
+    examples = the_plan.corpus.examples
+    ds = cfg.dataset
+    t0 = time.perf_counter()
+    done = 0
+    sink = AsyncWriter(writer)
+    try:
+        with Progress(stop - resume_at, "dump", unit="ex", enabled=progress) as bar:
+            for a, b in batches(resume_at, stop, md.examples_per_shard, cfg.batch_size):
+                chunk = examples[a:b]
+                try:
+                    enc = encoder.encode([ex.text for ex in chunk])
+                    inputs = {k: v.to(device) for k, v in enc.inputs.items()}
+                    acts = recorder.record(**inputs, lengths=torch.as_tensor(enc.lengths))
+                except ShardsError:
+                    raise
+                except Exception as err:  # the model's or the tokenizer's own code
+                    raise DumpError(
+                        f"the model failed on examples [{a}, {b}) of {md.n_examples} ({type(err).__name__}: {err}); "
+                        f"the shards sealed before them are kept in {writer.staging}"
+                    ) from err
+                columns: dict[str, Any] = {
+                    "lengths": enc.lengths,
+                    "true_lengths": enc.true_lengths,
+                    "token_ids": enc.token_ids,
+                }
+                for name, col_dtype in ds.columns.items():
+                    columns[name] = np.array([ex.fields[name] for ex in chunk], dtype=np.dtype(col_dtype))
+                text: dict[str, list[Any]] = {"id": [ex.id for ex in chunk], "text": [ex.text for ex in chunk]}
+                for name in ds.text_fields:
+                    text[name] = [ex.fields[name] for ex in chunk]
+                sink.submit(acts, columns=columns, text=text)
+                done += b - a
+                rate = done * md.example_nbytes / max(time.perf_counter() - t0, 1e-9)
+                bar.update(b - a, extra=f"{human_bytes(rate)}/s")
+            sink.join()
+    except BaseException:
+        # Sealed shards stay in staging for the next run; the caller reports the reason once
+        # (the command line: one line, with the resume hint for an interruption).
+        sink.abort()
+        raise
+    path = writer.close()
+    dt = time.perf_counter() - t0
+    say(
+        f"{who}wrote {done} examples in {dt:.1f} s ({done / max(dt, 1e-9):.1f} examples/s, "
+        f"{human_bytes(done * md.example_nbytes / max(dt, 1e-9))}/s of activations)"
+    )
+    if path is None and finalize_when_done:
+        path = try_finalize(out_root, md, say=say)
+    if path is not None:
+        say(f"published {path}")
+        say(truncation_line(open_shards(path)))
+    return path
+
+
+def try_finalize(root: Path, md: Metadata, *, say: Callable[[str], None] = print) -> Path | None:
+    """Publish a multi-writer cache if every shard is sealed and no writer is running; else None."""
+    try:
+        return finalize(root, md)
+    except AlreadyPublishedError:
+        return root / md.hash
+    except WriterBusyError:
+        say("other writers are still running; the last one to finish publishes")
+        return None
+    except WriterError as err:
+        missing = sealed_shards(root, md)
+        say(f"not published yet: {md.n_shards - len(missing)} of {md.n_shards} shards sealed ({str(err)[:200]})")
+        return None
+
+
+def truncation(shards: Shards) -> dict[str, Any]:
+    """Truncation statistics of a dumped cache, from its ``true_lengths`` and ``lengths`` columns.
+
+    ``truncated_count``: examples with more tokens than fit (``true_lengths > T``);
+    ``truncated_fraction``: that over ``n_examples``; ``dropped_tokens`` and
+    ``dropped_token_fraction``: tokens cut off, and their share of all tokens.
+    """
+    cols = shards.columns
+    if "true_lengths" not in cols or "lengths" not in cols:
+        raise KeyError(f"{shards.path}: no true_lengths/lengths columns (not written by dump)")
+    true = np.asarray(cols["true_lengths"], np.int64)
+    kept = np.asarray(cols["lengths"], np.int64)
+    n = len(true)
+    count = int((true > kept).sum())
+    dropped = int((true - kept).sum())
+    total = int(true.sum())
+    return {
+        "T": shards.metadata.tokens_per_ex,
+        "n_examples": n,
+        "truncated_count": count,
+        "truncated_fraction": count / n if n else 0.0,
+        "dropped_tokens": dropped,
+        "dropped_token_fraction": dropped / total if total else 0.0,
+        "mean_true_length": float(true.mean()) if n else 0.0,
+    }
+
+
+def truncation_line(shards: Shards) -> str:
+    t = truncation(shards)
+    return (
+        f"truncation to T={t['T']}: {t['truncated_count']} of {t['n_examples']} examples "
+        f"({100 * t['truncated_fraction']:.1f}%), {100 * t['dropped_token_fraction']:.1f}% of tokens dropped "
+        f"(mean true length {t['mean_true_length']:.1f})"
+    )
+
+
+def _print(msg: str) -> None:
+    print(msg, flush=True)
