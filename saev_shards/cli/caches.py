@@ -3,17 +3,13 @@
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 import warnings
-from pathlib import Path
 from typing import Any
 
-import numpy as np
 import orjson
 
 from .. import store
-from ..reader import Shards
 from ..reader import open as open_cache
 from ._common import (
     EXIT_NOT_FOUND,
@@ -33,71 +29,9 @@ from ._common import (
 )
 
 
-def _disk_bytes(path: Path) -> int:
-    """Bytes of the regular files in ``path`` (links are not followed: a cache holds none)."""
-    with os.scandir(path) as entries:
-        return sum(e.stat(follow_symlinks=False).st_size for e in entries if e.is_file(follow_symlinks=False))
-
-
-# --------------------------------------------------------------------------------------
-# info
-
-
-def _cache_summary(shards: Shards) -> dict[str, Any]:
-    md, man = shards.metadata, shards.manifest
-    stats = shards.stats
-    per_layer = None
-    if stats is not None:
-        per_layer = [
-            {
-                "layer": int(layer),
-                "count": int(stats["count"][i]),
-                "nonfinite": int(stats["nonfinite"][i]),
-                "norm_mean": float(stats["norm_mean"][i]),
-                "norm_sq_mean": float(stats["norm_sq_mean"][i]),
-                "var_mean": float(np.mean(stats["var"][i])) if md.d_model else 0.0,
-            }
-            for i, layer in enumerate(stats["layers"])
-        ]
-    return {
-        "hash": md.hash,
-        "path": str(shards.path),
-        "protocol": md.protocol,
-        "family": md.family,
-        "ckpt": md.ckpt,
-        "dataset": md.dataset,
-        "data": md.data,
-        "shape": list(md.shape),
-        "dtype": md.dtype,
-        "layers": list(md.layers),
-        "patches_per_ex": md.patches_per_ex,
-        "cls_token": md.cls_token,
-        "tokens_per_ex": md.tokens_per_ex,
-        "d_model": md.d_model,
-        "n_examples": md.n_examples,
-        "patches_per_shard": md.patches_per_shard,
-        "examples_per_shard": md.examples_per_shard,
-        "n_shards": shards.n_shards,
-        "nbytes": md.nbytes,
-        "disk_nbytes": _disk_bytes(shards.path),
-        "checksums": all(d is not None for _, _, d in man.files()),
-        "shards": [
-            {"name": s.name, "n_examples": s.n_examples, "nbytes": s.nbytes, "xxh3_128": s.xxh3_128} for s in man.shards
-        ],
-        "labels": None if man.labels is None else {"dtype": _dtype(man.labels.dtype), "shape": list(man.labels.shape)},
-        "columns": {k: {"dtype": _dtype(c.dtype), "shape": list(c.shape)} for k, c in sorted(man.columns.items())},
-        "text": {k: {"n_lines": t.n_lines} for k, t in sorted(man.text.items())},
-        "stats": per_layer,
-    }
-
-
-def _dtype(spelling: str) -> str:
-    return np.dtype(spelling).name  # "|u1" -> "uint8": the manifest's spelling is for machines
-
-
 def cmd_info(args: argparse.Namespace) -> int:
     shards = open_cache(store.resolve(args.ref, roots_arg(args)))
-    info = _cache_summary(shards)
+    info = store.summary(shards)
     out = sys.stdout
     if args.json:
         print_json(info, out)
@@ -272,7 +206,9 @@ def cmd_resolve(args: argparse.Namespace) -> int:
 
 
 def cmd_stage(args: argparse.Namespace) -> int:
-    report = store.copy_cache(args.ref, args.to, roots=roots_arg(args), progress=progress_arg(args))
+    report = store.copy_cache(
+        args.ref, args.to, roots=roots_arg(args), progress=progress_arg(args), check_space=not args.no_space_check
+    )
     err = sys.stderr
     name = report.path.name[:12]
     if report.already_staged:
@@ -364,5 +300,11 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser], invoked: 
     )
     p.add_argument("ref", help=REF_HELP)
     p.add_argument("--to", metavar="DIR", help="destination root (default: $SAEV_STAGE_ROOT, else $TMPDIR/saev/shards)")
+    p.add_argument(
+        "--no-space-check",
+        action="store_true",
+        help="copy even if the free space at the destination looks too small (also SAEV_SHARDS_NO_SPACE_CHECK=1)",
+    )
+    p.set_defaults(interrupted_hint="what was copied is kept: run the same command again to resume")
     add_roots(p)
     add_progress(p)

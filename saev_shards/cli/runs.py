@@ -5,10 +5,9 @@ from __future__ import annotations
 import argparse
 import os
 import sys
-from collections.abc import Callable
 
 from .. import store
-from ..errors import RootNotSetError, RunError
+from ..errors import RunError
 from ._common import (
     EXIT_CODES_HELP,
     EXIT_OK,
@@ -74,7 +73,7 @@ _MARK = {"ok": "ok", "note": "note", "warning": "WARNING", "error": "ERROR"}
 
 def cmd_doctor(args: argparse.Namespace) -> int:
     if args.run is None:
-        findings = _doctor_environment(args)
+        findings = store.doctor_environment(roots_arg(args), args.runs_root)
         title = "environment"
     else:
         run = store.open_run(args.run, args.runs_root)
@@ -98,32 +97,6 @@ def cmd_doctor(args: argparse.Namespace) -> int:
         table([(_MARK[f.level], f.subject, f.message) for f in findings], out, indent="  ")
         out.write(f"{plural(errors, 'error')}, {plural(warnings_, 'warning')}\n")
     return EXIT_PROBLEM if errors else EXIT_OK
-
-
-def _doctor_environment(args: argparse.Namespace) -> list[store.Finding]:
-    findings: list[store.Finding] = []
-
-    def check(kind: str, get: Callable[[], list[store.Root]]) -> None:
-        try:
-            roots = get()
-        except RootNotSetError as err:
-            findings.append(store.Finding("error", kind, str(err)))
-            return
-        for root in roots:
-            if not root.path.is_dir():
-                findings.append(store.Finding("warning", kind, f"{root} does not exist yet"))
-                continue
-            findings.append(store.Finding("ok", kind, str(root)))
-            if kind == "shards root":
-                findings.extend(
-                    store.Finding("note", kind, f"unpublished (being written, or interrupted): {p}")
-                    for p in store.list_unpublished(root.path)
-                )
-
-    check("shards root", lambda: store.shards_roots(roots_arg(args)))
-    check("runs root", lambda: [store.runs_root(args.runs_root)])
-    check("stage root", lambda: [store.stage_root(None)])
-    return findings
 
 
 def register(sub: argparse._SubParsersAction[argparse.ArgumentParser], invoked: str | None) -> None:

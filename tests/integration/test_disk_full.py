@@ -151,7 +151,7 @@ def test_dump_refuses_up_front_then_names_the_file_then_resumes(tmp_path: Path, 
         cfg_file.write_text(json.dumps(cfg))
         assert dump_mod.main([str(cfg_file), "--root", str(root), "--no-progress"]) == 4
         err = capsys.readouterr().err
-        assert err.startswith("saev-shards dump: error: ") and "needs" in err and "--no-space-check" in err
+        assert err.startswith("saev-shards: error: ") and "needs" in err and "--no-space-check" in err
         assert not root.exists()
 
         with pytest.raises(ss.DiskFullError) as info:

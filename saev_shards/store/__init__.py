@@ -1,0 +1,76 @@
+"""The shard store: where caches and runs live, how a hash names a cache, local copies, runs.
+
+* `roots`: the shards, runs and stage roots, and `resolve` (a path, a full hash or a
+  unique prefix -> one cache);
+* `caches`: what a root holds: `list_caches`, `list_unpublished` (staging and copying
+  folders, live or stale), `remove`, `clean`, `summary`;
+* `staging`: `stage` / `copy_cache`, a verified, atomic, resumable local copy;
+* `runs`: run folders (`create_run`, `open_run`, `Run`);
+* `doctor`: what is wrong with a run (`doctor`) or with the configured roots
+  (`doctor_environment`).
+
+>>> path = resolve("3f2a")              # doctest: +SKIP  (a unique prefix, like git)
+>>> shards = stage("3f2a")              # doctest: +SKIP  (verified local copy, opened)
+>>> run = create_run("3f2a", "9c1d", run_id="sae-16k")   # doctest: +SKIP
+>>> run.train_shards, run.sae_checkpoint                 # doctest: +SKIP
+"""
+
+from __future__ import annotations
+
+from .caches import CacheEntry, list_caches, list_unpublished, open_quietly, remove, summary
+from .doctor import Finding, doctor, doctor_environment
+from .roots import (
+    COPY_PREFIX,
+    MIN_PREFIX,
+    NFS_ENV,
+    RUNS_ROOT_ENV,
+    SCRATCH_ENV,
+    SHARDS_ROOT_ENV,
+    STAGE_ROOT_ENV,
+    PathLike,
+    Root,
+    Roots,
+    resolve,
+    runs_root,
+    shards_root,
+    shards_roots,
+    stage_root,
+)
+from .runs import CHECKPOINT_FILES, LINK_ALIASES, LINK_NAMES, Run, create_run, open_run
+from .staging import StageReport, copy_cache, stage
+
+__all__ = [
+    "CHECKPOINT_FILES",
+    "COPY_PREFIX",
+    "LINK_ALIASES",
+    "LINK_NAMES",
+    "MIN_PREFIX",
+    "NFS_ENV",
+    "RUNS_ROOT_ENV",
+    "SCRATCH_ENV",
+    "SHARDS_ROOT_ENV",
+    "STAGE_ROOT_ENV",
+    "CacheEntry",
+    "Finding",
+    "PathLike",
+    "Root",
+    "Roots",
+    "Run",
+    "StageReport",
+    "copy_cache",
+    "create_run",
+    "doctor",
+    "doctor_environment",
+    "list_caches",
+    "list_unpublished",
+    "open_quietly",
+    "open_run",
+    "remove",
+    "resolve",
+    "runs_root",
+    "shards_root",
+    "shards_roots",
+    "stage",
+    "stage_root",
+    "summary",
+]

@@ -1,0 +1,186 @@
+"""What a shards root holds: published caches (listed, summarised, removed) and
+unpublished folders (staging and partial copies: live, or stale and removable)."""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import shutil
+import warnings
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from .. import reader
+from ..errors import (
+    CacheRefError,
+    ShardsError,
+    UnknownCacheError,
+)
+from ..fileio import (
+    make_writable,
+)
+from ..format import (
+    HASH_RE,
+    MAX_METADATA_BYTES,
+    METADATA_FILE,
+    ProtocolWarning,
+    read_json_file,
+)
+from ..metadata import Metadata, parse_metadata
+from ..writer import STAGING_PREFIX
+from .roots import COPY_PREFIX, PathLike, _cache_names, _scan
+
+# --------------------------------------------------------------------------------------
+# listing and removing
+
+
+@dataclasses.dataclass(frozen=True)
+class CacheEntry:
+    """One cache directory in a root, as `list_caches` found it (no checksums read)."""
+
+    path: Path
+    #: Parsed metadata.json when it is readable, else None.
+    metadata: Metadata | None
+    #: Shard files listed in the manifest, when the cache opened.
+    n_shards: int | None
+    #: Sum of the sizes of the regular files in the directory.
+    nbytes: int
+    #: `open`'s error message when the cache does not open, else None.
+    problem: str | None
+
+    @property
+    def hash(self) -> str:
+        return self.path.name
+
+    @property
+    def ok(self) -> bool:
+        return self.problem is None
+
+
+def list_caches(root: PathLike) -> list[CacheEntry]:
+    """Every published cache in ``root``, sorted by hash, each opened (sizes checked, no checksums).
+
+    Staging (``.staging-*``), partial copies (``.copying-*``) and folders not named by a
+    hash are not caches and are skipped; `list_unpublished` lists the first two.
+    """
+    out = []
+    base = Path(root).absolute()
+    for name in _cache_names(base):
+        path = base / name
+        nbytes = sum(e.stat(follow_symlinks=False).st_size for e in _scan(path) if e.is_file(follow_symlinks=False))
+        try:
+            shards = open_quietly(path)  # listings show the protocol column
+        except (ShardsError, OSError) as err:  # OSError: e.g. an unreadable cache among readable ones
+            out.append(CacheEntry(path, _read_metadata(path), None, nbytes, str(err)))
+            continue
+        out.append(CacheEntry(path, shards.metadata, shards.n_shards, nbytes, None))
+    return out
+
+
+def list_unpublished(root: PathLike) -> list[Path]:
+    """Staging directories and partial copies in ``root``: being written, or interrupted.
+
+    Their lock files (``.staging-<hash>.lock``, beside them) are not listed."""
+    base = Path(root).absolute()
+    return sorted(
+        base / e.name
+        for e in _scan(base)
+        if e.name.startswith((STAGING_PREFIX, COPY_PREFIX)) and e.is_dir(follow_symlinks=False)
+    )
+
+
+def _read_metadata(path: Path) -> Metadata | None:
+    try:
+        return parse_metadata(read_json_file(path / METADATA_FILE, MAX_METADATA_BYTES))
+    except (OSError, ValueError):  # ShardsError is a ValueError
+        return None
+
+
+def remove(path: PathLike) -> None:
+    """Delete a cache directory (or an unpublished ``.staging-``/``.copying-`` one), read-only or not.
+
+    Refuses anything not named like a cache, so a mistyped path cannot delete other data.
+    A symlink to a cache is unlinked; the cache it points to stays.
+    """
+    p = Path(path).expanduser().absolute()
+    name = p.name
+    if not (HASH_RE.fullmatch(name) or name.startswith((STAGING_PREFIX, COPY_PREFIX))):
+        raise CacheRefError(
+            f"refusing to remove {p}: expected a cache directory named by its 64-digit hash "
+            f"(or a {STAGING_PREFIX}/{COPY_PREFIX} directory), found the name {name!r}"
+        )
+    if p.is_symlink():
+        p.unlink()
+        return
+    if not p.is_dir():
+        raise UnknownCacheError(f"no cache at {p}: no such directory")
+    make_writable(p)
+    shutil.rmtree(p)
+
+
+def open_quietly(path: Path, check_hash: bool = True) -> reader.Shards:
+    """`open` without the protocol 2.1 warning: for copies of a source that already warned."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", ProtocolWarning)
+        return reader.open(path, check_hash=check_hash)
+
+
+def _disk_bytes(path: Path) -> int:
+    """Bytes of the regular files in ``path`` (links are not followed: a cache holds none)."""
+    with os.scandir(path) as entries:
+        return sum(e.stat(follow_symlinks=False).st_size for e in entries if e.is_file(follow_symlinks=False))
+
+
+def summary(shards: reader.Shards) -> dict[str, Any]:
+    """Everything `saev-shards info` shows about a cache, as plain JSON values (no checksums read)."""
+    md, man = shards.metadata, shards.manifest
+    stats = shards.stats
+    per_layer = None
+    if stats is not None:
+        per_layer = [
+            {
+                "layer": int(layer),
+                "count": int(stats["count"][i]),
+                "nonfinite": int(stats["nonfinite"][i]),
+                "norm_mean": float(stats["norm_mean"][i]),
+                "norm_sq_mean": float(stats["norm_sq_mean"][i]),
+                "var_mean": float(np.mean(stats["var"][i])) if md.d_model else 0.0,
+            }
+            for i, layer in enumerate(stats["layers"])
+        ]
+    return {
+        "hash": md.hash,
+        "path": str(shards.path),
+        "protocol": md.protocol,
+        "family": md.family,
+        "ckpt": md.ckpt,
+        "dataset": md.dataset,
+        "data": md.data,
+        "shape": list(md.shape),
+        "dtype": md.dtype,
+        "layers": list(md.layers),
+        "patches_per_ex": md.patches_per_ex,
+        "cls_token": md.cls_token,
+        "tokens_per_ex": md.tokens_per_ex,
+        "d_model": md.d_model,
+        "n_examples": md.n_examples,
+        "patches_per_shard": md.patches_per_shard,
+        "examples_per_shard": md.examples_per_shard,
+        "n_shards": shards.n_shards,
+        "nbytes": md.nbytes,
+        "disk_nbytes": _disk_bytes(shards.path),
+        "checksums": all(d is not None for _, _, d in man.files()),
+        "shards": [
+            {"name": s.name, "n_examples": s.n_examples, "nbytes": s.nbytes, "xxh3_128": s.xxh3_128} for s in man.shards
+        ],
+        "labels": None if man.labels is None else {"dtype": _dtype(man.labels.dtype), "shape": list(man.labels.shape)},
+        "columns": {k: {"dtype": _dtype(c.dtype), "shape": list(c.shape)} for k, c in sorted(man.columns.items())},
+        "text": {k: {"n_lines": t.n_lines} for k, t in sorted(man.text.items())},
+        "stats": per_layer,
+    }
+
+
+def _dtype(spelling: str) -> str:
+    return np.dtype(spelling).name  # "|u1" -> "uint8": the manifest's spelling is for machines

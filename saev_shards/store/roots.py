@@ -1,0 +1,204 @@
+"""Roots and resolution: where caches and runs live, and which cache a path, hash or prefix names.
+
+Roots (seed 004, documented in docs/cli.md), each resolved as *argument > own variable >
+shared variable*:
+
+* shards roots: ``roots=`` > ``$SAEV_SHARDS_ROOT`` (several roots separated by ``:``,
+  searched in order) > ``$SAEV_SCRATCH/saev/shards``;
+* runs root: ``runs_root=`` > ``$SAEV_RUNS_ROOT`` > ``$SAEV_NFS/saev/runs``;
+* stage root (local copies): ``dest=`` > ``$SAEV_STAGE_ROOT`` > ``$TMPDIR/saev/shards``
+  (``tempfile.gettempdir()``, so ``/tmp`` when ``TMPDIR`` is unset).
+
+When neither the argument nor a variable gives the shards or runs root, the functions that
+need it raise `RootNotSetError` naming the variables; nothing falls back to the working
+directory, so nothing is looked up or written somewhere unexpected.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import re
+import tempfile
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+
+from ..errors import (
+    AmbiguousPrefixError,
+    CacheRefError,
+    RootNotSetError,
+    UnknownCacheError,
+)
+from ..format import (
+    HASH_RE,
+)
+from ..writer import STAGING_PREFIX
+
+PathLike = str | os.PathLike[str]
+Roots = PathLike | Sequence[PathLike] | None
+
+
+SHARDS_ROOT_ENV = "SAEV_SHARDS_ROOT"
+RUNS_ROOT_ENV = "SAEV_RUNS_ROOT"
+STAGE_ROOT_ENV = "SAEV_STAGE_ROOT"
+SCRATCH_ENV = "SAEV_SCRATCH"
+NFS_ENV = "SAEV_NFS"
+
+#: Fewest hex digits accepted as a hash prefix: shorter ones match too much, as in git.
+MIN_PREFIX = 4
+#: Local copies in progress live here until verified and renamed (ignored by listings).
+COPY_PREFIX = ".copying-"
+_HEX_RE = re.compile(r"[0-9a-fA-F]+")
+#: Candidates listed in an ambiguous-prefix error before "and N more".
+_MAX_CANDIDATES = 20
+
+
+# --------------------------------------------------------------------------------------
+# roots
+
+
+@dataclasses.dataclass(frozen=True)
+class Root:
+    """A root folder and where its value came from (``"argument"`` or a variable's name)."""
+
+    path: Path
+    source: str
+
+    def __str__(self) -> str:
+        return f"{self.path} ({self.source})"
+
+
+def _env(name: str) -> str | None:
+    value = os.environ.get(name, "")
+    return value or None
+
+
+def shards_roots(roots: Roots = None) -> list[Root]:
+    """The shards roots, searched in order: ``roots`` > ``$SAEV_SHARDS_ROOT`` > ``$SAEV_SCRATCH/saev/shards``."""
+    if roots is not None:
+        given = [roots] if isinstance(roots, (str, os.PathLike)) else list(roots)
+        if given:
+            return [Root(Path(p).expanduser().absolute(), "argument") for p in given]
+    env = _env(SHARDS_ROOT_ENV)
+    if env is not None:
+        parts = [p for p in env.split(os.pathsep) if p]
+        return [Root(Path(p).expanduser().absolute(), SHARDS_ROOT_ENV) for p in parts]
+    scratch = _env(SCRATCH_ENV)
+    if scratch is not None:
+        return [Root(Path(scratch).expanduser().absolute() / "saev" / "shards", SCRATCH_ENV)]
+    raise RootNotSetError(
+        f"no shards root: pass one explicitly (--root), or set {SHARDS_ROOT_ENV} "
+        f"(e.g. /scratch/me/saev/shards) or {SCRATCH_ENV} (shards then live in $SAEV_SCRATCH/saev/shards)"
+    )
+
+
+def shards_root(root: PathLike | None = None) -> Root:
+    """The first shards root: where `ls` looks by default and caches are written."""
+    return shards_roots(root)[0]
+
+
+def runs_root(root: PathLike | None = None) -> Root:
+    """The runs root: ``root`` > ``$SAEV_RUNS_ROOT`` > ``$SAEV_NFS/saev/runs``."""
+    if root is not None:
+        return Root(Path(root).expanduser().absolute(), "argument")
+    env = _env(RUNS_ROOT_ENV)
+    if env is not None:
+        return Root(Path(env).expanduser().absolute(), RUNS_ROOT_ENV)
+    nfs = _env(NFS_ENV)
+    if nfs is not None:
+        return Root(Path(nfs).expanduser().absolute() / "saev" / "runs", NFS_ENV)
+    raise RootNotSetError(
+        f"no runs root: pass one explicitly (--runs-root), or set {RUNS_ROOT_ENV} "
+        f"or {NFS_ENV} (runs then live in $SAEV_NFS/saev/runs)"
+    )
+
+
+def stage_root(root: PathLike | None = None) -> Root:
+    """Where local copies go: ``root`` > ``$SAEV_STAGE_ROOT`` > ``$TMPDIR/saev/shards``."""
+    if root is not None:
+        return Root(Path(root).expanduser().absolute(), "argument")
+    env = _env(STAGE_ROOT_ENV)
+    if env is not None:
+        return Root(Path(env).expanduser().absolute(), STAGE_ROOT_ENV)
+    return Root(Path(tempfile.gettempdir()).absolute() / "saev" / "shards", "TMPDIR")
+
+
+# --------------------------------------------------------------------------------------
+# resolving a reference to one cache
+
+
+def _scan(root: Path) -> Iterator[os.DirEntry[str]]:
+    try:
+        with os.scandir(root) as it:
+            yield from it
+    except (FileNotFoundError, NotADirectoryError):
+        return
+
+
+def _cache_names(root: Path) -> list[str]:
+    """Names of published cache directories in ``root`` (64-digit hashes; staging names excluded)."""
+    return sorted(e.name for e in _scan(root) if HASH_RE.fullmatch(e.name) and e.is_dir())
+
+
+def _kind_of_ref(key: str) -> str:
+    return "hash" if len(key) == 64 else "hash prefix"
+
+
+def resolve(ref: PathLike, roots: Roots = None) -> Path:
+    """The absolute path of the cache ``ref`` names: an existing path, a full hash, or a
+    unique hash prefix of at least 4 hex digits, looked up in the shards roots in order.
+
+    An existing path always wins (so ``open(path)`` never changes meaning). The same hash
+    in several roots is the same content; the first root's copy is returned.
+
+    Raises `UnknownCacheError` (a `FileNotFoundError`) naming the roots searched,
+    `AmbiguousPrefixError` listing the candidates, or `CacheRefError` for a short prefix.
+    """
+    text = os.fspath(ref)
+    path = Path(text).expanduser()
+    if path.exists():
+        return path.absolute()
+    if not _HEX_RE.fullmatch(text) or len(text) > 64:
+        hint = "" if os.sep in text else " (and it is not a hash or hash prefix: expected 4 to 64 hex digits)"
+        raise UnknownCacheError(f"no cache at {path.absolute()}: no such file or directory{hint}")
+    if len(text) < MIN_PREFIX:
+        raise CacheRefError(
+            f"hash prefix {text!r} is too short: expected at least {MIN_PREFIX} hex digits, found {len(text)}"
+        )
+    key = text.lower()
+    try:
+        search = shards_roots(roots)
+    except RootNotSetError as err:
+        # Still a "not found" error, so `open(missing_path)` raises what it always raised.
+        raise UnknownCacheError(
+            f"no cache at {path.absolute()}, and no shards root to look up the {_kind_of_ref(key)} {text!r} in: {err}"
+        ) from None
+    matches: dict[str, Path] = {}
+    for root in search:
+        if len(key) == 64:  # a full hash needs no listing (roots can hold thousands of caches)
+            names = [key] if (root.path / key).is_dir() else []
+        else:
+            names = [n for n in _cache_names(root.path) if n.startswith(key)]
+        for name in names:
+            matches.setdefault(name, root.path / name)
+    if len(matches) == 1:
+        return next(iter(matches.values()))
+    if not matches:
+        where = ", ".join(f"{r}" + ("" if r.path.is_dir() else " [does not exist]") for r in search)
+        unpublished = [
+            str(r.path / e.name)
+            for r in search
+            for e in _scan(r.path)
+            if e.name.startswith((STAGING_PREFIX, COPY_PREFIX)) and e.name.split("-", 1)[1].startswith(key)
+        ]
+        hint = f"; unpublished (being written, or interrupted): {', '.join(unpublished)}" if unpublished else ""
+        raise UnknownCacheError(f"no cache matches {_kind_of_ref(key)} {text!r} in {where}{hint}")
+    ordered = sorted(matches.items())
+    lines = [f"  {name} in {path.parent}" for name, path in ordered[:_MAX_CANDIDATES]]
+    if len(ordered) > _MAX_CANDIDATES:
+        lines.append(f"  ... and {len(ordered) - _MAX_CANDIDATES} more")
+    raise AmbiguousPrefixError(
+        f"{_kind_of_ref(key)} {text!r} is ambiguous: {len(ordered)} caches match; give more digits:\n"
+        + "\n".join(lines),
+        [str(p) for _, p in ordered],
+    )
