@@ -407,7 +407,7 @@ def test_stage_killed_by_ctrl_c_resumes(tmp_path: Path):
     proc.send_signal(signal.SIGINT)
     out, err = proc.communicate(timeout=60)
     assert proc.returncode == 130, err
-    assert err.endswith("saev-shards: interrupted\n") and out == ""
+    assert err.endswith("saev-shards: interrupted; what was copied is kept: run the same command again to resume\n") and out == ""
     assert partial.is_dir() and not (local / md.hash).exists()
     done = subprocess.run(args, check=False, env=env, capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr
