@@ -205,6 +205,11 @@ class RunExistsError(RunError, FileExistsError):
     """Raised when creating a run whose folder already exists."""
 
 
+class RunWarning(UserWarning):
+    """Issued when a run is created from caches training may not expect: a val cache that is the
+    train cache, or differs from it in model, layers, width, tokens or dtype."""
+
+
 def _format(problems: Sequence[Problem], path: str | None) -> str:
     if not problems:
         return "no problems"

@@ -37,13 +37,18 @@ def cmd_run_init(args: argparse.Namespace) -> int:
     )
     out = sys.stdout
     out.write(f"created run {run.path}\n")
+    caches = {"train": run.open_train(), "val": run.open_val() if os.path.lexists(run.link("val-shards")) else None}
     rows = []
     for name in store.LINK_NAMES:
         link = run.link(name)
         if os.path.lexists(link):
             target = os.readlink(link)
             rows.append((f"links/{name}", f"-> {target}" + ("" if link.exists() else "  (does not exist here)")))
+        elif name.endswith("-dataset") and (cache := caches[name.split("-")[0]]) is not None:
+            _, why = store.dataset_target(cache.metadata)
+            rows.append((f"links/{name}", f"not linked: {why} (pass --{name} PATH to link one)"))
     rows.append(("checkpoint/", "(empty: training writes sae.pt and config.json here)"))
+    rows.append(("inference/", "(empty: outputs of the trained SAE, one folder per cache)"))
     table(rows, out, indent="  ")
     return EXIT_OK
 
@@ -114,21 +119,27 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser], invoked: 
     p = command(
         run_sub,
         "init",
-        "create <runs root>/<id>/ with links/{train,val}-{shards,dataset} and checkpoint/",
+        "create <runs root>/<id>/ with links/{train,val}-{shards,dataset}, checkpoint/ and inference/",
         "  saev-shards run init --train 3f2a --val 9c1d --id sae-16k\n"
         "  saev-shards run init --train 3f2a --train-dataset /data/imagenet/train --runs-root ./runs\n",
         cmd_run_init,
         description=(
-            "Create <runs root>/<id>/ with checkpoint/ and links/train-shards, links/val-shards (the caches, "
-            "resolved from paths, hashes or prefixes) and links/train-dataset, links/val-dataset (default: "
-            "the dataset path recorded in each cache's metadata)."
+            "Create <runs root>/<id>/ with checkpoint/, inference/ and links/train-shards, links/val-shards (the "
+            "caches, resolved from paths, hashes or prefixes) and links/train-dataset, links/val-dataset (default: "
+            "the dataset recorded in each cache's metadata, when it is a path that exists here; a dataset recorded "
+            "as a name, such as python-stdlib-3.11.7, gets no link). A val cache that is the train cache, or "
+            "differs from it in model, layers, width, tokens or dtype, is a warning."
         ),
     )
     p.add_argument("--train", required=True, metavar="REF", help="training cache: " + REF_HELP)
     p.add_argument("--val", metavar="REF", help="validation cache (optional)")
     p.add_argument("--id", metavar="RUN_ID", help="run id (default: <date>-<time>-<train hash[:8]>)")
-    p.add_argument("--train-dataset", metavar="DIR", help="dataset root (default: the train cache's metadata)")
-    p.add_argument("--val-dataset", metavar="DIR", help="dataset root (default: the val cache's metadata)")
+    p.add_argument(
+        "--train-dataset", metavar="PATH", help="the dataset (default: the train cache's, if a path that exists here)"
+    )
+    p.add_argument(
+        "--val-dataset", metavar="PATH", help="the dataset (default: the val cache's, if a path that exists here)"
+    )
     p.add_argument("--runs-root", metavar="DIR", help="runs root (default: $SAEV_RUNS_ROOT, else $SAEV_NFS/saev/runs)")
     add_roots(p)
 

@@ -36,7 +36,18 @@ from .roots import (
     shards_roots,
     stage_root,
 )
-from .runs import CHECKPOINT_FILES, LINK_ALIASES, LINK_NAMES, Run, create_run, open_run
+from .runs import (
+    CHECKPOINT_FILES,
+    LINK_ALIASES,
+    LINK_NAMES,
+    MUST_AGREE,
+    RUN_DIRS,
+    Run,
+    compare_caches,
+    create_run,
+    dataset_target,
+    open_run,
+)
 from .staging import StageReport, copy_cache, stage
 
 __all__ = [
@@ -45,8 +56,10 @@ __all__ = [
     "LINK_ALIASES",
     "LINK_NAMES",
     "MIN_PREFIX",
+    "MUST_AGREE",
     "NFS_ENV",
     "RUNS_ROOT_ENV",
+    "RUN_DIRS",
     "SCRATCH_ENV",
     "SHARDS_ROOT_ENV",
     "STAGE_ROOT_ENV",
@@ -57,8 +70,10 @@ __all__ = [
     "Roots",
     "Run",
     "StageReport",
+    "compare_caches",
     "copy_cache",
     "create_run",
+    "dataset_target",
     "doctor",
     "doctor_environment",
     "list_caches",

@@ -15,7 +15,7 @@ from ..errors import (
 )
 from .caches import list_unpublished, open_quietly
 from .roots import PathLike, Root, Roots, _scan, runs_root, shards_roots, stage_root
-from .runs import CHECKPOINT_FILES, LINK_NAMES, Run, open_run
+from .runs import CHECKPOINT_FILES, LINK_NAMES, Run, compare_caches, dataset_target, open_run
 
 
 def _one_line(err: Exception, cache: Path) -> str:
@@ -43,8 +43,10 @@ def doctor(
     runs_root: PathLike | None = None,
 ) -> list[Finding]:
     """Check a run folder: its links (missing, dangling, not symlinks, caches that do not
-    open or, with ``verify``, fail their checksums), its checkpoint folder and files, and
-    that the train and val caches are compatible. Errors make the run unusable.
+    open or, with ``verify``, fail their checksums), its checkpoint and inference folders
+    and files, and that the train and val caches are compatible. Errors make the run
+    unusable; a dataset link is never required (training reads only the shards), and a
+    cache whose dataset is a name rather than a path has none (`dataset_target`).
     """
     r = run if isinstance(run, Run) else open_run(run, runs_root)
     findings: list[Finding] = []
@@ -59,10 +61,16 @@ def doctor(
         for name in LINK_NAMES:
             link = r.link(name)
             subject = f"links/{link.name}"
-            required = name.startswith("train-")
             if not os.path.lexists(link):
-                if required:
+                cache_of = opened.get(name.replace("-dataset", "-shards"))
+                if name == "train-shards":
                     add("error", subject, "missing")
+                elif name.endswith("-dataset") and cache_of is not None:
+                    target, why = dataset_target(cache_of.metadata)
+                    if target is None:
+                        add("note", subject, f"not linked: {why} (training needs only the shards)")
+                    else:
+                        add("warning", subject, f"missing, though the cache's dataset {target} exists here")
                 else:
                     add("note", subject, "not linked (optional)")
                 continue
@@ -72,11 +80,11 @@ def doctor(
             shown = f"-> {os.readlink(link)}" if link.is_symlink() else "(a real folder, not a symlink)"
             if not link.is_symlink():
                 add("warning", subject, "not a symlink; runs should link to the one shared copy")
-            if name.endswith("-dataset"):
-                if link.is_dir():
+            if name.endswith("-dataset"):  # a folder of images, or the one file a text dump read
+                if link.is_dir() or link.is_file():
                     add("ok", subject, shown)
                 else:
-                    add("error", subject, f"{shown}: not a directory")
+                    add("error", subject, f"{shown}: not a folder or a regular file")
                 continue
             target = link.resolve()
             try:
@@ -105,6 +113,8 @@ def doctor(
                 continue
             if p.is_symlink() and not p.exists():
                 add("error", f"links/{e.name}", f"dangling: points to {os.readlink(p)}, which does not exist")
+    if not r.inference_root.is_dir():
+        add("warning", "inference/", f"missing; saev's own Run refuses a run without it (mkdir {r.inference_root})")
     if not r.checkpoint_dir.is_dir():
         add("error", "checkpoint/", "missing; expected the folder training writes into")
     else:
@@ -126,17 +136,8 @@ def doctor(
                 add("ok", subject, f"{p.stat().st_size:,} bytes")
     train, val = opened.get("train-shards"), opened.get("val-shards")
     if train is not None and val is not None:
-        if train.path.name == val.path.name:
-            add("warning", "links/val-shards", "the same cache as train-shards")
-        else:
-            a, b = train.metadata, val.metadata
-            differ = [
-                f"{k} {getattr(a, k)!r} vs {getattr(b, k)!r}"
-                for k in ("family", "ckpt", "layers", "d_model", "tokens_per_ex", "dtype")
-                if getattr(a, k) != getattr(b, k)
-            ]
-            if differ:
-                add("warning", "links/val-shards", "train and val caches differ: " + "; ".join(differ))
+        for problem in compare_caches(train.metadata, val.metadata):
+            add("warning", "links/val-shards", problem)
     return findings
 
 

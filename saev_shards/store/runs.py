@@ -7,6 +7,7 @@ import dataclasses
 import os
 import re
 import time
+import warnings
 from pathlib import Path
 
 from .. import reader
@@ -15,11 +16,12 @@ from ..errors import (
     RunError,
     RunExistsError,
     RunNotFoundError,
+    RunWarning,
+    ShardsError,
 )
+from ..format import MAX_METADATA_BYTES, METADATA_FILE, read_json_file
+from ..metadata import Metadata, parse_metadata
 from .roots import PathLike, Roots, resolve, runs_root
-
-# --------------------------------------------------------------------------------------
-# runs
 
 #: The links a run folder holds (seed 004): the caches and the datasets they came from.
 LINK_NAMES = ("train-shards", "train-dataset", "val-shards", "val-dataset")
@@ -27,6 +29,10 @@ LINK_NAMES = ("train-shards", "train-dataset", "val-shards", "val-dataset")
 LINK_ALIASES = {"train-shards": "shards", "train-dataset": "dataset"}
 #: What training writes into ``checkpoint/``.
 CHECKPOINT_FILES = ("sae.pt", "config.json")
+#: The folders of a run; saev's own ``Run`` refuses a run folder without every one of them.
+RUN_DIRS = ("links", "checkpoint", "inference")
+#: What a training run relies on being the same in its train and val caches.
+MUST_AGREE = ("family", "ckpt", "layers", "d_model", "tokens_per_ex", "dtype")
 _RUN_ID_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._+=@-]{0,199}")
 
 
@@ -63,9 +69,14 @@ class Run:
         """``checkpoint/config.json``."""
         return self.checkpoint_dir / "config.json"
 
+    @property
+    def inference_root(self) -> Path:
+        """``inference/``: where outputs of the trained SAE go (one folder per cache)."""
+        return self.path / "inference"
+
     def inference_dir(self, shard_hash: str) -> Path:
         """``inference/<shard_hash>/``: outputs of running the trained SAE over a cache."""
-        return self.path / "inference" / shard_hash
+        return self.inference_root / shard_hash
 
     def link(self, name: str) -> Path:
         """The link ``links/<name>`` itself (the seed's older alias when only that exists)."""
@@ -81,7 +92,14 @@ class Run:
         """Where ``links/<name>`` points, fully resolved; `RunError` if missing or dangling."""
         link = self.link(name)
         if not os.path.lexists(link):
-            raise RunError(f"{link}: missing; expected a symlink (create runs with: saev-shards run init)")
+            why = ""
+            if name.endswith("-dataset"):
+                with contextlib.suppress(RunError, ShardsError, OSError):
+                    md = self.target(name.replace("-dataset", "-shards")).joinpath(METADATA_FILE)
+                    _, reason = dataset_target(parse_metadata(read_json_file(md, MAX_METADATA_BYTES)))
+                    why = f" ({reason}; training needs only the shards)" if reason else ""
+            hint = f"run init --{name} PATH" if name.endswith("-dataset") else "run init"
+            raise RunError(f"{link}: missing{why}; expected a symlink (create it with: saev-shards {hint})")
         if not link.exists():
             raise RunError(f"{link}: dangling link to {os.readlink(link)} (the target does not exist)")
         return link.resolve()
@@ -134,6 +152,36 @@ def _runs_root_path(root: PathLike | None) -> Path:
     return runs_root(root).path
 
 
+def dataset_target(md: Metadata) -> tuple[Path | None, str]:
+    """Where a run's dataset link points by default for a cache with metadata ``md``.
+
+    ``metadata.dataset`` is "an absolute path, or a name" (protocol.md 2.1): an absolute
+    path that exists here is linked; a name (``python-stdlib-3.11.7``, ``imagenet-1k``), an
+    empty value or a path absent from this machine is not. Returns ``(path, "")``, or
+    ``(None, why)`` saying why nothing is linked.
+    """
+    value = md.dataset
+    if not value:
+        return None, "the cache records no dataset"
+    path = Path(value)
+    if not path.is_absolute():
+        return None, f"the cache's dataset {value!r} is a name, not a path"
+    if not path.exists():
+        return None, f"the cache's dataset {value} does not exist here"
+    return path, ""
+
+
+def compare_caches(train: Metadata, val: Metadata) -> list[str]:
+    """What a training run relies on that ``val`` does not share with ``train`` (empty when
+    they agree): the same cache twice, another model, layers, width, tokens or dtype."""
+    if train.hash == val.hash:
+        return ["the val cache is the train cache"]
+    differ = [
+        f"{k} {getattr(train, k)!r} vs {getattr(val, k)!r}" for k in MUST_AGREE if getattr(train, k) != getattr(val, k)
+    ]
+    return ["train and val caches differ: " + "; ".join(differ)] if differ else []
+
+
 def create_run(
     train: PathLike,
     val: PathLike | None = None,
@@ -144,12 +192,16 @@ def create_run(
     train_dataset: PathLike | None = None,
     val_dataset: PathLike | None = None,
 ) -> Run:
-    """Create ``<runs root>/<run_id>/`` with ``checkpoint/`` and the ``links/`` of seed 004.
+    """Create ``<runs root>/<run_id>/`` with ``links/``, ``checkpoint/`` and ``inference/`` (seed 004;
+    saev's own ``Run`` opens it).
 
     ``train`` and ``val`` are cache references (paths, hashes or prefixes); each must open.
-    The dataset links default to the ``dataset`` recorded in each cache's metadata and
-    are created even when that path does not exist here (`doctor` reports them).
-    ``run_id`` defaults to ``<YYYYmmdd-HHMMSS>-<train hash[:8]>``.
+    A val cache that is the train cache, or differs in what training relies on
+    (`compare_caches`), is a `RunWarning` here, not only at `doctor`. The dataset links
+    point where ``train_dataset`` / ``val_dataset`` say (even if absent here), else where
+    the cache's metadata says when that is a path that exists here (`dataset_target`); a
+    cache whose dataset is a name gets no dataset link. ``run_id`` defaults to
+    ``<YYYYmmdd-HHMMSS>-<train hash[:8]>``.
     """
     train_cache = reader.open(resolve(train, roots))
     val_cache = reader.open(resolve(val, roots)) if val is not None else None
@@ -159,24 +211,25 @@ def create_run(
     if not _RUN_ID_RE.fullmatch(run_id):
         raise RunError(f"bad run id {run_id!r}: expected letters, digits and ._+=@- (no '/', not starting with '.')")
     targets: dict[str, Path] = {"train-shards": train_cache.path}
-    dataset = train_dataset if train_dataset is not None else train_cache.metadata.dataset or None
-    if dataset is not None:
-        targets["train-dataset"] = Path(dataset).expanduser().absolute()
+    for split, cache, given in (("train", train_cache, train_dataset), ("val", val_cache, val_dataset)):
+        if cache is not None and split == "val":
+            targets["val-shards"] = cache.path
+        target = Path(given).expanduser().absolute() if given is not None else None
+        if target is None and cache is not None:
+            target = dataset_target(cache.metadata)[0]
+        if target is not None:
+            targets[f"{split}-dataset"] = target
     if val_cache is not None:
-        targets["val-shards"] = val_cache.path
-        dataset = val_dataset if val_dataset is not None else val_cache.metadata.dataset or None
-        if dataset is not None:
-            targets["val-dataset"] = Path(dataset).expanduser().absolute()
-    elif val_dataset is not None:
-        targets["val-dataset"] = Path(val_dataset).expanduser().absolute()
+        for problem in compare_caches(train_cache.metadata, val_cache.metadata):
+            warnings.warn(RunWarning(f"--val {val_cache.path.name[:12]}: {problem}"), stacklevel=2)
     base.mkdir(parents=True, exist_ok=True)
     path = base / run_id
     try:
         os.mkdir(path)  # claims the id atomically: two creators cannot share a run
     except FileExistsError:
         raise RunExistsError(f"{path}: a run with this id already exists") from None
-    (path / "links").mkdir()
-    (path / "checkpoint").mkdir()
+    for folder in RUN_DIRS:
+        (path / folder).mkdir()
     for name, target in targets.items():
         os.symlink(target, path / "links" / name)
     return Run(path)

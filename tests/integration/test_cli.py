@@ -407,7 +407,8 @@ def test_stage_killed_by_ctrl_c_resumes(tmp_path: Path):
     proc.send_signal(signal.SIGINT)
     out, err = proc.communicate(timeout=60)
     assert proc.returncode == 130, err
-    assert err.endswith("saev-shards: interrupted; what was copied is kept: run the same command again to resume\n") and out == ""
+    assert out == ""
+    assert err.endswith("saev-shards: interrupted; what was copied is kept: run the same command again to resume\n")
     assert partial.is_dir() and not (local / md.hash).exists()
     done = subprocess.run(args, check=False, env=env, capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr
@@ -422,9 +423,10 @@ def test_stage_killed_by_ctrl_c_resumes(tmp_path: Path):
 def test_run_init_show_and_doctor(st: Store, tmp_path: Path):
     data = tmp_path / "data"
     data.mkdir()
+    elsewhere = tmp_path / "on-another-machine"
     r = st.run(
         "run", "init", "--train", st.full.hash[:6], "--val", st.plain.hash[:6], "--id", "sae-16k",
-        "--train-dataset", str(data), "--runs-root", str(tmp_path / "runs"),
+        "--train-dataset", str(data), "--val-dataset", str(elsewhere), "--runs-root", str(tmp_path / "runs"),
     )  # fmt: skip
     run = tmp_path / "runs" / "sae-16k"
     assert r.code == 0, r.err
@@ -433,9 +435,15 @@ def test_run_init_show_and_doctor(st: Store, tmp_path: Path):
         f"  links/train-shards   -> {st.shards_root / st.full.hash}",
         f"  links/train-dataset  -> {data}",
         f"  links/val-shards     -> {st.shards_root / st.plain.hash}",
-        f"  links/val-dataset    -> {st.plain.dataset}  (does not exist here)",
+        f"  links/val-dataset    -> {elsewhere}  (does not exist here)",
         "  checkpoint/          (empty: training writes sae.pt and config.json here)",
+        "  inference/           (empty: outputs of the trained SAE, one folder per cache)",
     ]
+    # What training relies on is checked at init too, not only by doctor.
+    assert r.err == (
+        f"saev-shards: warning: --val {st.plain.hash[:12]}: train and val caches differ: "
+        "dtype 'float16' vs 'bfloat16'\n"
+    )
     r = st.run("run", "show", "--run", str(run), "--json")
     assert r.code == 0
     assert json.loads(r.out) == {
@@ -460,7 +468,7 @@ def test_run_init_show_and_doctor(st: Store, tmp_path: Path):
         ["note", "checkpoint/config.json"],
         ["WARNING", "links/val-shards"],
     ]
-    assert f"dangling: points to {st.plain.dataset}, which does not exist" in lines[4]
+    assert f"dangling: points to {elsewhere}, which does not exist" in lines[4]
     assert "train and val caches differ: dtype 'float16' vs 'bfloat16'" in lines[7]
     assert lines[-1] == "1 error, 1 warning"
     # Repair the link: healthy, but not trained; --trained makes that an error.

@@ -344,7 +344,7 @@ def test_create_run_lays_out_links_and_checkpoint(run_setup: dict[str, Any]):
     s = run_setup
     run = make_run(s)
     assert run.path == s["runs"] / "sae-16k"
-    assert sorted(os.listdir(run.path)) == ["checkpoint", "links"]
+    assert sorted(os.listdir(run.path)) == ["checkpoint", "inference", "links"]  # saev's Run needs all three
     assert sorted(os.listdir(run.links_dir)) == sorted(store.LINK_NAMES)
     assert all((run.links_dir / n).is_symlink() for n in store.LINK_NAMES)
     assert run.train_shards == s["root"] / s["train"].hash
@@ -367,16 +367,46 @@ def test_create_run_lays_out_links_and_checkpoint(run_setup: dict[str, Any]):
         store.open_run("nope", s["runs"])
 
 
-def test_create_run_defaults_dataset_links_to_the_metadata(run_setup: dict[str, Any]):
+def test_create_run_links_the_recorded_dataset_only_when_it_is_a_path_here(run_setup: dict[str, Any]):
     s = run_setup
     run = store.create_run(s["train"].hash, runs_root=s["runs"], roots=s["root"])
     assert run.id.endswith(s["train"].hash[:8])
-    assert os.readlink(run.link("train-dataset")) == s["train"].dataset
     assert not os.path.lexists(run.link("val-shards"))
     with pytest.raises(ss.RunError, match=r"val-shards: missing"):
         _ = run.val_shards
-    with pytest.raises(ss.RunError, match=r"train-dataset: dangling link to /data/synthetic"):
-        _ = run.train_dataset  # /data/synthetic does not exist on this machine
+    # /data/synthetic does not exist on this machine: no dangling link, and doctor passes.
+    assert not os.path.lexists(run.link("train-dataset"))
+    why = r"\(the cache's dataset /data/synthetic does not exist here; training needs only the shards\)"
+    with pytest.raises(ss.RunError, match=rf"train-dataset: missing {why}; .* run init --train-dataset PATH"):
+        _ = run.train_dataset
+    found = levels(store.doctor(run))
+    assert "error" not in found and "warning" not in found
+    assert "links/train-dataset: not linked: the cache's dataset /data/synthetic does not exist here " \
+        "(training needs only the shards)" in found["note"]  # fmt: skip
+    # A dataset recorded as a name (a text dump's python-stdlib-3.11.7) is never a link.
+    named = small_metadata(dataset="python-stdlib-3.11.7", n_examples=4)
+    write_cache(s["root"], named)
+    run = store.create_run(named.hash, runs_root=s["runs"], roots=s["root"], run_id="named")
+    assert not os.path.lexists(run.link("train-dataset"))
+    assert store.dataset_target(named) == (None, "the cache's dataset 'python-stdlib-3.11.7' is a name, not a path")
+    # One that exists here is linked, a folder or a file (a text dump's texts.jsonl).
+    texts = s["datasets"]["train"] / "texts.jsonl"
+    texts.write_text('{"text": "a"}\n')
+    from_file = small_metadata(dataset=str(texts), n_examples=5)
+    write_cache(s["root"], from_file)
+    run = store.create_run(from_file.hash, runs_root=s["runs"], roots=s["root"], run_id="file")
+    assert run.train_dataset == texts
+    assert set(levels(store.doctor(run))) == {"ok", "note"}
+
+
+def test_create_run_warns_at_init_about_what_training_relies_on(run_setup: dict[str, Any]):
+    s = run_setup
+    wide = small_metadata(d_model=16, n_examples=3)
+    write_cache(s["root"], wide)
+    with pytest.warns(ss.RunWarning, match=r"train and val caches differ: d_model 8 vs 16"):
+        store.create_run(s["train"].hash, wide.hash, run_id="wide", runs_root=s["runs"], roots=s["root"])
+    with pytest.warns(ss.RunWarning, match=r"the val cache is the train cache"):
+        store.create_run(s["train"].hash, s["train"].hash, run_id="twice", runs_root=s["runs"], roots=s["root"])
 
 
 def test_doctor_passes_a_healthy_run(run_setup: dict[str, Any]):
@@ -446,8 +476,9 @@ def test_doctor_warns_about_mismatched_train_and_val_and_real_folders(run_setup:
     s = run_setup
     other = small_metadata(d_model=16, n_examples=3)
     write_cache(s["root"], other)
-    run = store.create_run(s["train"].hash, other.hash, run_id="r", runs_root=s["runs"], roots=s["root"],
-                           train_dataset=s["datasets"]["train"], val_dataset=s["datasets"]["val"])  # fmt: skip
+    with pytest.warns(ss.RunWarning, match=r"d_model 8 vs 16"):
+        run = store.create_run(s["train"].hash, other.hash, run_id="r", runs_root=s["runs"], roots=s["root"],
+                               train_dataset=s["datasets"]["train"], val_dataset=s["datasets"]["val"])  # fmt: skip
     (run.links_dir / "train-dataset").unlink()
     (run.links_dir / "train-dataset").mkdir()
     found = levels(store.doctor(run))
