@@ -57,7 +57,7 @@ def check_batch(batch: Batch, md: ss.Metadata, logical: np.ndarray[Any, Any]) ->
 
 
 def live_loader_threads() -> list[threading.Thread]:
-    return [t for t in threading.enumerate() if t.name.startswith(("saev-read", "saev-assemble"))]
+    return [t for t in threading.enumerate() if t.name.startswith("saev-")]
 
 
 small_sizes = st.fixed_dictionaries(
@@ -278,7 +278,7 @@ def test_world_from_torch_distributed(make_cache: Any, monkeypatch: pytest.Monke
     monkeypatch.setattr(dist, "get_world_size", lambda: 3)
     loader = ShuffledLoader(shards)
     assert (loader.rank, loader.world_size) == (2, 3)
-    with pytest.raises(LoaderError, match="both or neither"):
+    with pytest.raises(LoaderError, match="give both rank and world_size"):
         ShuffledLoader(shards, rank=1)
     with pytest.raises(LoaderError, match="0 <= rank < world_size"):
         ShuffledLoader(shards, rank=3, world_size=3)
@@ -303,7 +303,7 @@ def test_filters_and_labels(md: ss.Metadata, data: st.DataObject, skip_padding: 
     )
     with cache(md, labels=True, lengths=lengths) as (shards, logical), pytest.MonkeyPatch.context() as mp:
         if per_slice:  # read chosen layers slice by slice even for these tiny slices
-            mp.setattr(loaders, "MIN_SLICE_READ", 0)
+            mp.setattr(loaders.plan, "MIN_SLICE_READ", 0)
         labels = labels_for(md)
         for cls in (ShuffledLoader, OrderedLoader):
             loader = cls(
