@@ -23,6 +23,7 @@ items ``[r * n // W, (r + 1) * n // W)``, so shares differ by at most one item.
 from __future__ import annotations
 
 import dataclasses
+import operator
 import os
 import sys
 from collections.abc import Mapping
@@ -51,12 +52,17 @@ def share(n: int, rank: int, world_size: int) -> range:
     return range(rank * n // world_size, (rank + 1) * n // world_size)
 
 
-def check(rank: int, world_size: int, error: type[ShardsError] = ShardsError) -> tuple[int, int]:
+def check(rank: object, world_size: object, error: type[ShardsError] = ShardsError) -> tuple[int, int]:
     """``(rank, world_size)`` as ints, or ``error`` unless ``0 <= rank < world_size``."""
+    values = []
     for name, value in (("rank", rank), ("world_size", world_size)):
-        if isinstance(value, bool) or not isinstance(value, int) and not hasattr(value, "__index__"):
-            raise error(f"{name}: expected an integer, found {value!r}")
-    r, w = int(rank), int(world_size)
+        try:
+            if isinstance(value, bool):
+                raise TypeError
+            values.append(operator.index(value))  # type: ignore[arg-type]
+        except TypeError:
+            raise error(f"{name}: expected an integer, found {value!r}") from None
+    r, w = values
     if w < 1 or not 0 <= r < w:
         raise error(f"rank: expected 0 <= rank < world_size={w}, found {r}")
     return r, w
@@ -77,9 +83,8 @@ def detect(
     """
     if rank is not None or world_size is not None:
         if rank is None or world_size is None:
-            raise error(
-                f"rank and world_size: give both rank and world_size, or neither; found rank={rank}, world_size={world_size}"
-            )
+            found = f"found rank={rank}, world_size={world_size}"
+            raise error(f"rank and world_size: give both rank and world_size, or neither; {found}")
         return World(*check(rank, world_size, error), "explicit")
     dist = sys.modules.get("torch.distributed")
     if dist is not None and dist.is_available() and dist.is_initialized():

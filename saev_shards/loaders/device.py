@@ -86,7 +86,7 @@ class _Sync:
         import torch
 
         self.cuda = device.type == "cuda"
-        self.side = torch.cuda.Stream(device) if self.cuda else None
+        self.side = torch.cuda.Stream(device) if self.cuda else None  # type: ignore[no-untyped-call]
 
     def side_stream(self) -> contextlib.AbstractContextManager[Any]:
         import torch
@@ -99,7 +99,7 @@ class _Sync:
 
         if not self.cuda:
             return None
-        event = torch.cuda.Event()
+        event = torch.cuda.Event()  # type: ignore[no-untyped-call]
         event.record(self.side)
         return event
 
@@ -108,7 +108,7 @@ class _Sync:
 
         if not self.cuda:
             return None
-        event = torch.cuda.Event()
+        event = torch.cuda.Event()  # type: ignore[no-untyped-call]
         event.record(torch.cuda.current_stream(self.side.device))  # type: ignore[union-attr]
         return event
 
@@ -217,7 +217,7 @@ class DeviceRun:
         next_load = int(sched.w_first[0])
         release_below = next_load
         for c in range(n_chunks):
-            if self.closed:
+            if self._stopped():
                 return
             while next_load <= last_window and next_load - self.n_slots < release_below:
                 loads[next_load] = self.windows.submit(next_load)
@@ -260,6 +260,9 @@ class DeviceRun:
             layers=self.layer_values.expand(n, len(self.layer_values)) if cfg.stack else m[2],
             labels=(labels[0] if len(labels) == 1 else torch.cat(labels)) if labels else None,
         )
+
+    def _stopped(self) -> bool:
+        return self.closed
 
     def close(self) -> None:
         if self.closed:

@@ -21,8 +21,10 @@ from ..errors import LoaderError
 class Order(Protocol):
     """What a token loader asks of its order."""
 
-    #: ``"shuffled"`` or ``"ordered"``: the name a loader is built with.
-    name: str
+    @property
+    def name(self) -> str:
+        """``"shuffled"`` or ``"ordered"``: the name a loader is built with."""
+        ...
 
     def block_order(self, n_blocks: int, seed: int, epoch: int) -> npt.NDArray[np.int64]:
         """The blocks of the cache in the order epoch ``epoch`` reads them."""

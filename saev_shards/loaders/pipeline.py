@@ -81,9 +81,7 @@ class Config:
         #: Layer values of a stacked row, in the order of its ``L`` axis.
         self.layer_values = np.array(selection.layer_values, dtype=np.int64)
         #: Shape of one output row: ``(D,)``, or ``(L, D)`` stacked.
-        self.row_shape: tuple[int, ...] = (
-            (selection.n_layers, md.d_model) if self.stack else (md.d_model,)
-        )
+        self.row_shape: tuple[int, ...] = (selection.n_layers, md.d_model) if self.stack else (md.d_model,)
         row_bytes = md.d_model * md.itemsize * blocks.layers_per_unit
         #: Batches gathered by one task.
         self.chunk_batches = max(1, -(-CHUNK_BYTES // max(1, batch_size * row_bytes)))
@@ -164,9 +162,7 @@ class WindowLoader:
         # The index first: it needs no data, so it is ready by the time the reads are.
         index = self.pool.submit(index_window, cfg.selection, cfg.blocks, window, self.window_rng(self.epoch, w))
         parts: list[Future[Any]] = [index]
-        parts += [
-            self.pool.submit(self._read_blocks, slot, window.blocks[g], offsets[g]) for g in groups if len(g)
-        ]
+        parts += [self.pool.submit(self._read_blocks, slot, window.blocks[g], offsets[g]) for g in groups if len(g)]
         done: Future[Any] = Future()
         remaining = [len(parts)]
         lock = threading.Lock()
@@ -273,7 +269,8 @@ def cast_into(raw: npt.NDArray[Any], stored: str, out: str, dest: npt.NDArray[An
     if out == "bfloat16":
         dest[...] = float32_to_bf16(wide)
     else:
-        np.copyto(dest, wide, casting="unsafe")
+        with np.errstate(over="ignore"):  # beyond float16's range is inf, as torch gives
+            np.copyto(dest, wide, casting="unsafe")
 
 
 # --------------------------------------------------------------------------------------
@@ -320,7 +317,7 @@ class HostRun:
         pending: collections.deque[Future[list[Batch]]] = collections.deque()
         next_chunk = 0
         for taken in range(n_chunks):
-            if self.closed:
+            if self._stopped():
                 return
             while next_load <= last_window and next_load - n_slots < release_below:
                 loads[next_load] = self.windows.submit(next_load)
@@ -334,7 +331,7 @@ class HostRun:
             for w in [w for w in loads if w < release_below]:
                 del loads[w]
             for batch in batches:
-                if self.closed:
+                if self._stopped():
                     return
                 yield batch
 
@@ -415,6 +412,9 @@ class HostRun:
             arr = np.empty((n, *cfg.row_shape), dtype=cfg.numpy_dtype)
             self.scratch.arr = arr
         return arr[:n]
+
+    def _stopped(self) -> bool:
+        return self.closed
 
     def close(self) -> None:
         if self.closed:

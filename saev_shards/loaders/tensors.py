@@ -53,4 +53,3 @@ def as_numpy(tensor: torch.Tensor, stored: str) -> npt.NDArray[Any]:
     if tensor.dtype == torch.bfloat16:
         return tensor.view(torch.int16).numpy().view(np.uint16)
     return tensor.numpy()
-

@@ -15,7 +15,7 @@ import json
 import os
 import threading
 import weakref
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any
 
 import numpy as np
@@ -273,6 +273,7 @@ class TokenLoader:
         schedule = Schedule(plan, start, 1 if self.device is not None else cfg.chunk_batches)
         rows = self._buffer_rows()
         run: HostRun | DeviceRun
+        release: Callable[[], None]
         if self.device is not None:
             slots = self._take_slots(schedule.n_slots, rows)
             run = DeviceRun(cfg, plan, schedule, epoch, self._window_rng, slots)
@@ -367,12 +368,11 @@ class ShuffledLoader(TokenLoader):
 def _ordered_signature() -> inspect.Signature:
     """`TokenLoader`'s signature without ``seed`` and ``order``, with the ordered walk's defaults."""
     params = []
-    for name, p in inspect.signature(TokenLoader.__init__).parameters.items():
+    for name, param in inspect.signature(TokenLoader.__init__).parameters.items():
         if name in ("self", "seed", "order"):
             continue
-        if name == "buffer_bytes":
-            p = p.replace(default=64 << 20)  # order does not depend on it: small is enough
-        params.append(p)
+        # The ordered walk's windows decide nothing but memory: 64 MiB is enough.
+        params.append(param.replace(default=64 << 20) if name == "buffer_bytes" else param)
     return inspect.Signature(params)
 
 
