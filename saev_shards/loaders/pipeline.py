@@ -10,9 +10,10 @@ GIL, and the consumer's thread (the training loop) does almost nothing:
   task of the gather pool: one ``numpy.take`` per window it touches, straight into the
   output array, then its metadata sliced from the window's index. Chunks are gathered in
   parallel, so adding threads adds whole chunks in flight, never a finer split of one.
-* **The consumer** pops finished chunks in order, releases the windows behind it, and
-  tops up the loads and the chunks in flight (``gather_threads + prefetch`` batches at
-  most): a few microseconds of Python per batch.
+* **Scheduling** is driven by completions: a finished chunk releases the windows no
+  unfinished chunk needs, starts the next loads into the freed slots and submits more
+  chunks (``gather_threads + prefetch`` batches not yet consumed, at most). The consumer
+  only pops finished chunks in order: a few microseconds of Python per batch.
 
 Before this design, one assembler thread cut every batch into ``gather_threads`` parts
 (at most 4 of 1,024 rows), waited for all of them, then built the batch's metadata and
@@ -23,7 +24,6 @@ it needs are why throughput fell past 4 threads (docs/loaders.md, "Threads").
 
 from __future__ import annotations
 
-import collections
 import contextlib
 import sys
 import threading
@@ -299,41 +299,76 @@ class HostRun:
         self.depth = cfg.gather_threads + -(-cfg.prefetch // cfg.chunk_batches)
         self.recycler = Recycler(keep=self.depth + 4)
         self.scratch = threading.local()
+        self.lock = threading.RLock()  # reentrant: a chunk's callback may run inside _pump
         self.closed = False
 
     def __iter__(self) -> Iterator[Batch]:
         return self._consume()
 
+    # The schedule is driven by completions, under one lock: when a chunk finishes, the
+    # windows no unfinished chunk needs are released, the next windows start loading into
+    # their slots, and more chunks are submitted (at most `depth` not yet consumed). A slot
+    # is thus refilled as soon as the gathers are done with it, not when the training loop
+    # has caught up, and the consumer only pops finished chunks.
     def _consume(self) -> Iterator[Batch]:
         sched = self.schedule
         n_chunks = len(sched)
         if n_chunks == 0:
             return
-        n_slots = len(self.windows.buffers)
-        last_window = int(sched.w_last[-1])
-        loads: dict[int, Future[WindowIndex]] = {}
-        next_load = int(sched.w_first[0])
-        release_below = next_load  # windows before this are done with
-        pending: collections.deque[Future[list[Batch]]] = collections.deque()
-        next_chunk = 0
-        for taken in range(n_chunks):
+        self.loads: dict[int, Future[WindowIndex]] = {}
+        self.futures: dict[int, Future[list[Batch]]] = {}
+        self.done = np.zeros(n_chunks, dtype=bool)
+        self.lowest_unfinished = 0
+        self.next_load = int(sched.w_first[0])
+        self.release_below = self.next_load  # windows before this are done with
+        self.next_chunk = 0
+        self.consumed = 0
+        for c in range(n_chunks):
             if self._stopped():
                 return
-            while next_load <= last_window and next_load - n_slots < release_below:
-                loads[next_load] = self.windows.submit(next_load)
-                next_load += 1
-            while next_chunk < n_chunks and len(pending) < self.depth and sched.w_last[next_chunk] < next_load:
-                wanted = range(int(sched.w_first[next_chunk]), int(sched.w_last[next_chunk]) + 1)
-                pending.append(self.gather_pool.submit(self._chunk, next_chunk, {w: loads[w] for w in wanted}))
-                next_chunk += 1
-            batches = pending.popleft().result()
-            release_below = int(sched.w_first[taken + 1]) if taken + 1 < n_chunks else last_window + 1
-            for w in [w for w in loads if w < release_below]:
-                del loads[w]
-            for batch in batches:
+            with self.lock:
+                self.consumed = c
+                self._pump()
+                future = self.futures.pop(c)
+            for batch in future.result():
                 if self._stopped():
                     return
                 yield batch
+
+    def _pump(self) -> None:
+        """Start the loads whose slot is free and the chunks whose windows are loading (lock held)."""
+        if self.closed:
+            return
+        sched = self.schedule
+        n_slots = len(self.windows.buffers)
+        last_window = int(sched.w_last[-1])
+        while self.next_load <= last_window and self.next_load - n_slots < self.release_below:
+            self.loads[self.next_load] = self.windows.submit(self.next_load)
+            self.next_load += 1
+        while (
+            self.next_chunk < len(sched)
+            and self.next_chunk - self.consumed < self.depth
+            and sched.w_last[self.next_chunk] < self.next_load
+            and not self.closed
+        ):
+            c = self.next_chunk
+            wanted = range(int(sched.w_first[c]), int(sched.w_last[c]) + 1)
+            future = self.gather_pool.submit(self._chunk, c, {w: self.loads[w] for w in wanted})
+            self.futures[c] = future
+            self.next_chunk += 1
+            future.add_done_callback(lambda _, c=c: self._chunk_done(c))
+
+    def _chunk_done(self, c: int) -> None:
+        sched = self.schedule
+        with self.lock:
+            self.done[c] = True
+            while self.lowest_unfinished < len(sched) and self.done[self.lowest_unfinished]:
+                self.lowest_unfinished += 1
+            low = self.lowest_unfinished
+            self.release_below = int(sched.w_first[low]) if low < len(sched) else int(sched.w_last[-1]) + 1
+            for w in [w for w in self.loads if w < self.release_below]:
+                del self.loads[w]
+            self._pump()
 
     # -- one chunk, on a gather thread -------------------------------------------------
     def _chunk(self, c: int, loads: dict[int, Future[WindowIndex]]) -> list[Batch]:
@@ -417,9 +452,10 @@ class HostRun:
         return self.closed
 
     def close(self) -> None:
-        if self.closed:
-            return
-        self.closed = True
+        with self.lock:  # no callback starts new work after this
+            if self.closed:
+                return
+            self.closed = True
         self.stop.set()
         self.gather_pool.shutdown(wait=True, cancel_futures=True)
         self.windows.close()
