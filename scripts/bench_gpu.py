@@ -19,6 +19,7 @@ which measures its host side only; the SAE step runs on the CPU).
 from __future__ import annotations
 
 import argparse
+import functools
 import os
 import shutil
 import sys
@@ -98,7 +99,7 @@ def pread_threads_gbps(shards: ss.Shards, threads: int, total: int, pinned: bool
     buffers = [host_buffer(BLOCK, pinned) for _ in range(threads)]
 
     def work(i: int) -> None:
-        view = memoryview(buffers[i])
+        view = buffers[i].data
         for fd, off in jobs[i::threads]:
             os.preadv(fd, [view], off)
 
@@ -200,10 +201,9 @@ def bench_threads(shards: ss.Shards, limits: dict[str, float], cuda: bool, quick
     table.add("pread limit", "", limits["pread"], 1.0)
     for g in thread_counts(min(2 * cores, 64)):
         for r in sorted({4, loaders.default_read_threads()}):
+            options: dict[str, Any] = dict(gather_threads=g, read_threads=r, pin_memory=cuda)
             gbps, _ = loader_rate(
-                lambda g=g, r=r: loaders.ShuffledLoader(
-                    shards, BATCH, layers=11, buffer_bytes=buffer, gather_threads=g, read_threads=r, pin_memory=cuda
-                ),
+                functools.partial(loaders.ShuffledLoader, shards, BATCH, layers=11, buffer_bytes=buffer, **options),
                 batches,
                 False,
             )
@@ -340,9 +340,7 @@ def bench_cold(shards: ss.Shards, limits: dict[str, float], cuda: bool, quick: b
     for name, layers in (("all layers", None), ("layer 11", 11)):
         bl.drop_cache(shards.path)
         gbps, _ = loader_rate(
-            lambda layers=layers: loaders.ShuffledLoader(
-                shards, BATCH, layers=layers, buffer_bytes=buffer, device=device
-            ),
+            functools.partial(loaders.ShuffledLoader, shards, BATCH, layers=layers, buffer_bytes=buffer, device=device),
             10**9,
             False,
         )

@@ -25,6 +25,7 @@ it needs are why throughput fell past 4 threads (docs/loaders.md, "Threads").
 from __future__ import annotations
 
 import contextlib
+import functools
 import sys
 import threading
 from collections.abc import Callable, Iterator, Sequence
@@ -356,9 +357,9 @@ class HostRun:
             future = self.gather_pool.submit(self._chunk, c, {w: self.loads[w] for w in wanted})
             self.futures[c] = future
             self.next_chunk += 1
-            future.add_done_callback(lambda _, c=c: self._chunk_done(c))
+            future.add_done_callback(functools.partial(self._chunk_done, c))
 
-    def _chunk_done(self, c: int) -> None:
+    def _chunk_done(self, c: int, _: Future[list[Batch]]) -> None:
         sched = self.schedule
         with self.lock:
             self.done[c] = True
