@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import itertools
 import sys
 import threading
 from collections.abc import Callable, Iterator, Sequence
@@ -45,8 +46,6 @@ from .tensors import as_numpy, pinned_empty, to_tensor, torch_dtype
 #: Smallest output of one gather task: below this the Python around a ``numpy.take`` costs
 #: more than the copy, so small batches are gathered several per task.
 CHUNK_BYTES = 4 << 20
-#: Read tasks per read thread and window: a few, so that uneven blocks still balance.
-READ_TASKS_PER_THREAD = 4
 
 
 class Config:
@@ -158,12 +157,17 @@ class WindowLoader:
         rows = cfg.blocks.rows[window.blocks]
         offsets = np.zeros(len(rows), dtype=np.int64)
         np.cumsum(rows[:-1], out=offsets[1:])
-        n_tasks = min(len(rows), cfg.read_threads * READ_TASKS_PER_THREAD)
-        groups = np.array_split(np.arange(len(rows)), n_tasks)
         # The index first: it needs no data, so it is ready by the time the reads are.
         index = self.pool.submit(index_window, cfg.selection, cfg.blocks, window, self.window_rng(self.epoch, w))
         parts: list[Future[Any]] = [index]
-        parts += [self.pool.submit(self._read_blocks, slot, window.blocks[g], offsets[g]) for g in groups if len(g)]
+        # One task per read thread, each taking the next block in window order until none is
+        # left: as balanced as a task per block (no thread idles while others read the last
+        # blocks of a window), with a handful of futures per window instead of one per block.
+        next_block = itertools.count()
+        parts += [
+            self.pool.submit(self._read_blocks, slot, window.blocks, offsets, next_block)
+            for _ in range(min(len(rows), cfg.read_threads))
+        ]
         done: Future[Any] = Future()
         remaining = [len(parts)]
         lock = threading.Lock()
@@ -184,13 +188,17 @@ class WindowLoader:
             part.add_done_callback(part_done)
         return done
 
-    def _read_blocks(self, slot: int, ids: npt.NDArray[np.int64], offsets: npt.NDArray[np.int64]) -> None:
+    def _read_blocks(
+        self, slot: int, ids: npt.NDArray[np.int64], offsets: npt.NDArray[np.int64], next_block: Iterator[int]
+    ) -> None:
         self.ready_to_write(slot)
         buffer = self.buffers[slot]
-        for block, offset in zip(ids.tolist(), offsets.tolist(), strict=True):
+        for i in next_block:  # itertools.count: its next() is atomic, each block goes to one thread
+            if i >= len(ids):
+                return
             if self.stop.is_set():
                 raise CancelledError
-            self._read_block(block, buffer, offset)
+            self._read_block(int(ids[i]), buffer, int(offsets[i]))
 
     def _read_block(self, block: int, buffer: npt.NDArray[Any], row_offset: int) -> None:
         cfg = self.cfg
