@@ -170,8 +170,9 @@ def bench_page_cached(shards: ss.Shards, quick: bool) -> None:
     )
     table.note(
         f"Batches of {BATCH} token vectors (1,536 bytes each, float16 unless noted; GB/s counts the stored bytes "
-        f"delivered). Shuffle window {buffer >> 20} MiB (two held), 4 MiB read blocks, 4 read threads, "
-        f"gather threads: {loaders.default_gather_threads()} unless noted. Each sample is one epoch, timed from its "
+        f"delivered). Shuffle window {buffer >> 20} MiB (two held), 4 MiB read blocks, "
+        f"read threads: {loaders.default_read_threads()}, gather threads: {loaders.default_gather_threads()} "
+        "unless noted. Each sample is one epoch, timed from its "
         f"first batch; median of {rounds} interleaved rounds. Target: >= 0.4 of memcpy on 2 cores."
     )
     table.emit()
