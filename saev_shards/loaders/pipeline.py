@@ -144,7 +144,7 @@ class WindowLoader:
         self.stop = stop
         self.ready_to_write = ready_to_write
         self.finish = finish
-        self.pool = ThreadPoolExecutor(max_workers=cfg.read_threads, thread_name_prefix="saev-read")
+        self.pool = ThreadPoolExecutor(max_workers=cfg.read_threads, thread_name_prefix="saev-loader-read")
 
     def slot(self, w: int) -> int:
         return w % len(self.buffers)
@@ -303,7 +303,7 @@ class HostRun:
         self.schedule = schedule
         self.stop = threading.Event()
         self.windows = WindowLoader(cfg, plan, epoch, window_rng, buffers, self.stop)
-        self.gather_pool = ThreadPoolExecutor(max_workers=cfg.gather_threads, thread_name_prefix="saev-gather")
+        self.gather_pool = ThreadPoolExecutor(max_workers=cfg.gather_threads, thread_name_prefix="saev-loader-gather")
         #: Chunks in flight: every gather thread busy, and ``prefetch`` batches ready ahead.
         self.depth = cfg.gather_threads + -(-cfg.prefetch // cfg.chunk_batches)
         self.recycler = Recycler(keep=self.depth + 4)

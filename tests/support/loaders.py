@@ -46,7 +46,8 @@ def check_batch(batch: Batch, md: ss.Metadata, logical: np.ndarray[Any, Any]) ->
 
 
 def live_loader_threads() -> list[threading.Thread]:
-    return [t for t in threading.enumerate() if t.name.startswith("saev-")]
+    """Threads of loaders (``saev-loader-*``); the writer's long-lived I/O pool is not one of them."""
+    return [t for t in threading.enumerate() if t.name.startswith("saev-loader-")]
 
 
 def keys(batches: list[Batch]) -> list[tuple[int, ...]]:

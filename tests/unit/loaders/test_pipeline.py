@@ -58,7 +58,7 @@ def test_pinned_path_allocates_every_batch_pinned(
 
 
 def test_gathers_run_on_the_gather_pool_not_the_consumer(make_cache: Any, monkeypatch: pytest.MonkeyPatch) -> None:
-    """Every gather runs on a ``saev-gather`` thread, several of them, never the training loop's."""
+    """Every gather runs on a ``saev-loader-gather`` thread, several of them, never the training loop's."""
     md = small_metadata(n_examples=400, patches_per_shard=400)
     shards, logical = make_cache(md, batches=(100,))
     threads: list[str] = []
@@ -80,7 +80,7 @@ def test_gathers_run_on_the_gather_pool_not_the_consumer(make_cache: Any, monkey
         seen += check_batch(b, md, logical)
     assert sorted(seen) == sorted(expected_vectors(md))
     assert len(threads) >= len(loader)
-    assert all(name.startswith("saev-gather") for name in threads), set(threads)
+    assert all(name.startswith("saev-loader-gather") for name in threads), set(threads)
     assert len(set(threads)) >= 2
 
 
