@@ -23,6 +23,7 @@ from .errors import (
     CacheRefError,
     ChecksumMismatchError,
     ConfigError,
+    DiskSpaceError,
     DtypeError,
     FileSizeError,
     HashMismatchError,
@@ -39,6 +40,7 @@ from .errors import (
     RunExistsError,
     RunNotFoundError,
     ShardsError,
+    ShuffleError,
     UnexpectedFileError,
     UnknownCacheError,
     WriterBusyError,
@@ -48,6 +50,7 @@ from .format import LEGACY_PROTOCOL, PROTOCOL, SUPPORTED_PROTOCOLS, ProtocolWarn
 from .manifest import Manifest
 from .metadata import Metadata
 from .reader import Shards, TextColumn, open
+from .shuffle import shuffle_cache
 from .writer import ShardWriter, finalize
 
 __version__ = "0.1.0"
@@ -62,6 +65,7 @@ __all__ = [
     "CacheRefError",
     "ChecksumMismatchError",
     "ConfigError",
+    "DiskSpaceError",
     "DtypeError",
     "FileSizeError",
     "HashMismatchError",
@@ -83,6 +87,7 @@ __all__ = [
     "ShardWriter",
     "Shards",
     "ShardsError",
+    "ShuffleError",
     "TextColumn",
     "UnexpectedFileError",
     "UnknownCacheError",
@@ -95,6 +100,7 @@ __all__ = [
     "finalize",
     "layout",
     "open",
+    "shuffle_cache",
     "store",
     "to_float32",
 ]

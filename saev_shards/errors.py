@@ -127,6 +127,14 @@ class RecorderError(ShardsError):
     """Raised when blocks cannot be found or a hooked block's output cannot be recorded."""
 
 
+class ShuffleError(ShardsError):
+    """Raised when a shuffle is configured wrongly or its scratch files cannot be used."""
+
+
+class DiskSpaceError(ShuffleError, OSError):
+    """Raised when a shuffle's scratch runs and output would not fit in the free disk space."""
+
+
 class RootNotSetError(ShardsError):
     """Raised when a shards or runs root is needed but neither given nor set in the environment."""
 
