@@ -237,8 +237,8 @@ def _check_space(plan: ShufflePlan) -> None:
         free = st.f_bavail * st.f_frsize
         if need > free:
             raise DiskSpaceError(
-                f"{where}: expected at least {need / 1e9:.2f} GB free for the shuffle's "
-                f"{'scratch runs and output' if len(needs) == 1 else 'files'}, found {free / 1e9:.2f} GB "
+                f"{where}: expected at least {need:,} bytes free for the shuffle's "
+                f"{'scratch runs and output' if len(needs) == 1 else 'files'}, found {free:,} "
                 "(put the scratch runs elsewhere with work_dir / --work-dir)"
             )
 
@@ -287,6 +287,7 @@ def _open_writer(plan: ShufflePlan, rank: int, world_size: int, durable: bool) -
         rank=rank,
         world_size=world_size,
         resume=True,
+        allow_nonfinite=plan.allow_nonfinite,
         labels=any(f.name == "label" for f in plan.layout.fields),
         columns=columns,
         background=False,  # write_buckets runs the writer in a thread of its own

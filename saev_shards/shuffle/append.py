@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import os
 import queue
+import sys
 import threading
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
@@ -23,6 +24,7 @@ import numpy as np
 import numpy.typing as npt
 import xxhash
 
+from ..dtypes import bf16_to_float32
 from ..errors import ShuffleError
 from ..writer import ShardWriter
 from .plan import SOURCE_EXAMPLE, SOURCE_TOKEN, WRITE_QUEUE, ShufflePlan
@@ -133,6 +135,15 @@ def _load(plan: ShufflePlan, index: RunIndex, bucket: int, arrays: _BucketArrays
     return arrays
 
 
+def _bfloat16_input(bits: npt.NDArray[np.uint16]) -> Any:
+    """Stored bfloat16 bits as `ShardWriter` input (it takes values, not bits): a torch bfloat16
+    view when torch is already imported (no copy), else float32, which casts back exactly."""
+    torch = sys.modules.get("torch")
+    if torch is not None:
+        return torch.from_numpy(bits.view(np.int16)).view(torch.bfloat16)
+    return bf16_to_float32(bits)
+
+
 def _preadv_exact(fd: int, views: list[memoryview], offset: int, path: os.PathLike[str]) -> None:
     """Fill every view, in order, from ``offset`` of ``fd`` (``preadv`` may return short)."""
     views = [v for v in views if v.nbytes]
@@ -199,7 +210,9 @@ class _WriterThread:
 
     def _write(self, batch: dict[str, npt.NDArray[Any]], n: int) -> None:
         md = self.plan.output
-        acts = batch["acts"][:n].reshape(n, md.n_layers, 1, md.d_model)
+        acts: Any = batch["acts"][:n].reshape(n, md.n_layers, 1, md.d_model)
+        if md.dtype == "bfloat16":
+            acts = _bfloat16_input(acts)
         columns = {SOURCE_EXAMPLE: batch[SOURCE_EXAMPLE][:n], SOURCE_TOKEN: batch[SOURCE_TOKEN][:n]}
         columns.update({name: batch[f"column.{name}"][:n] for name in self.plan.columns})
         labels = batch["label"][:n].reshape(n, 1) if "label" in batch else None

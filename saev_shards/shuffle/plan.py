@@ -325,4 +325,5 @@ def _n_buckets(output: Metadata, per_process: int, fixed_write: int, per_bucket_
 
 
 def _mib(n: int) -> str:
-    return f"{n / (1 << 20):,.0f} MiB"
+    """A byte count for messages: MiB when large, exact bytes when small."""
+    return f"{n / (1 << 20):,.0f} MiB" if n >= 10 << 20 else f"{n:,} bytes"

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import dataclasses
 import errno
+import math
 import mmap
 import os
 from collections.abc import Sequence
@@ -58,7 +59,7 @@ class Field:
 
     @property
     def row_nbytes(self) -> int:
-        return int(np.prod(self.shape, dtype=np.int64)) * self.dtype.itemsize
+        return math.prod(self.shape) * self.dtype.itemsize
 
     def to_json(self) -> list[Any]:
         return [self.name, self.dtype.str, list(self.shape)]

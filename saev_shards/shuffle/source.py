@@ -135,10 +135,26 @@ class SourceReader:
         if self.whole:
             self.shards.read_range(start, stop, out)
         else:
-            for j in range(n):
-                for r, position in enumerate(self.layer_positions.tolist()):
-                    self.shards.read_example(start + j, position, out[j, r])
+            self._read_slices(start, stop, out)
         return out
+
+    def _read_slices(self, start: int, stop: int, out: npt.NDArray[Any]) -> None:
+        """One ``pread`` per chosen ``(example, layer)`` slice, through descriptors of our own
+        (`Shards.read_example` keeps its last output buffer referenced, which would pin a
+        whole read buffer beyond the scatter pass)."""
+        layers = self.shards.metadata.layers
+        fds: dict[int, int] = {}
+        try:
+            for j in range(stop - start):
+                for r, position in enumerate(self.layer_positions.tolist()):
+                    shard, offset = self.shards.locate(start + j, layers[position], 0)
+                    fd = fds.get(shard)
+                    if fd is None:
+                        fd = fds[shard] = os.open(self.shards.shard_path(shard), os.O_RDONLY)
+                    pread_exact(fd, out[j, r].reshape(-1).view(np.uint8).data, offset)
+        finally:
+            for fd in fds.values():
+                os.close(fd)
 
     @property
     def layer_rows(self) -> npt.NDArray[np.int64]:
