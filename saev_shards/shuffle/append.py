@@ -85,9 +85,9 @@ def write_buckets(
             step = sink.batch_rows
             for a in range(lo, hi, step):
                 sink.put(arrays, order[a : min(hi, a + step)])
+                on_rows(min(hi, a + step) - a)
             del order
             sink.wait_idle()  # this bucket's arrays are about to be reloaded
-            on_rows(hi - lo)
             after_bucket(k)
         sink.close()
     finally:
