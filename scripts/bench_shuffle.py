@@ -46,11 +46,16 @@ GIB = 1 << 30
 # 1. shuffle time against one sequential read plus one sequential write
 
 
-def read_plus_write_seconds(path: Path, nbytes: int) -> tuple[float, float, float]:
-    """``(seconds, write GB/s, read GB/s)``: O_DIRECT write of ``nbytes`` (fsynced), then O_DIRECT read of it."""
+def read_plus_write_seconds(src: ss.Shards, path: Path, nbytes: int) -> tuple[float, float, float]:
+    """``(seconds, write GB/s, read GB/s)``: an O_DIRECT write of ``nbytes`` to a new file (fsynced)
+    and an O_DIRECT read of as many bytes of the source's shard files.
+
+    The read is of files not just written: this virtual disk serves a file read right after it
+    was written from a host-side cache, at up to twice its sequential rate.
+    """
     write = bl.odirect_write_gbps(path, nbytes)
-    read = bl.odirect_read_gbps(path)
     path.unlink()
+    read = odirect_files_gbps(src, limit=nbytes)
     return nbytes / write / 1e9 + nbytes / read / 1e9, write, read
 
 
@@ -95,7 +100,7 @@ def bench_speed(src: ss.Shards, out: Path, quick: bool) -> ss.Shards:
         nbytes = plan.output.nbytes
         limits, shuffles = [], []
         for _ in range(rounds):  # interleaved: drift hits both
-            limits.append(read_plus_write_seconds(bl.bench_dir() / "shuffle-limit.bin", nbytes))
+            limits.append(read_plus_write_seconds(src, bl.bench_dir() / "shuffle-limit.bin", nbytes))
             seconds, scatter, write, result = timed_shuffle(src, out, memory, **kwargs)
             shuffles.append((seconds, scatter, write))
             if kwargs == {"layers": 11}:
@@ -118,7 +123,8 @@ def bench_speed(src: ss.Shards, out: Path, quick: bool) -> ss.Shards:
     table.note(
         f"Source: ViT-B/16-shaped cache of {src.n_examples:,} examples ({src.metadata.nbytes / 1e9:.1f} GB, 2 layers x "
         "197 tokens x 768, float16), page cache dropped before each shuffle. The limit is an O_DIRECT sequential write "
-        "of the output's size (fsynced) plus an O_DIRECT sequential read of it, measured just before each shuffle; "
+        "of the output's size (fsynced) plus an O_DIRECT sequential read of as many bytes of the source's files, "
+        "measured just before each shuffle; "
         f"medians of {rounds} rounds. The shuffle reads the source once, writes and reads scratch runs once and "
         "writes the output once: two reads and two writes of every byte, so 2.0 x is the floor on one disk. "
         "Target: <= 2.5 x."
@@ -138,6 +144,9 @@ def bench_reads(shuffled: ss.Shards, src: ss.Shards, quick: bool) -> None:
     contenders = {
         "OrderedLoader over the shuffled cache (a perfectly shuffled epoch)": lambda: loaders.OrderedLoader(
             shuffled, BATCH
+        ),
+        "OrderedLoader, 4 read threads, 16 MiB blocks, 256 MiB buffer": lambda: loaders.OrderedLoader(
+            shuffled, BATCH, read_threads=4, block_bytes=16 << 20, buffer_bytes=256 << 20
         ),
         "ShuffledLoader over the shuffled cache, seed 1 (a cheap later epoch)": lambda: loaders.ShuffledLoader(
             shuffled, BATCH, seed=1, buffer_bytes=buffer
@@ -161,7 +170,9 @@ def bench_reads(shuffled: ss.Shards, src: ss.Shards, quick: bool) -> None:
     table.note(
         f"Batches of {BATCH} token vectors of layer 11 (1,536 bytes each); page cache dropped before each sample; "
         f"median of {rounds} interleaved rounds, each timed from its first batch. Windows of {buffer >> 20} MiB for "
-        "the windowed loaders. Target for the ordered read of the shuffled cache: >= 0.9 x O_DIRECT."
+        "the windowed loaders. The limit reads with one 8 MiB request at a time; the loaders keep several in flight "
+        "(OrderedLoader: 2 by default), which this virtual disk serves faster. "
+        "Target for the ordered read of the shuffled cache: >= 0.9 x O_DIRECT."
     )
     table.emit()
 
