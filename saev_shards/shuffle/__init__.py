@@ -2,7 +2,7 @@
 
 >>> shuffled = shuffle_cache("/scratch/saev/shards/3f2a...", layers=11, seed=0)   # doctest: +SKIP
 >>> shuffled.shape                                                                  # doctest: +SKIP
-(250_408_832, 1, 1, 768)
+(251_108_732, 1, 1, 768)
 
 The result is an ordinary protocol 3.0 cache with one token per example (``patches_per_ex``
 1, no CLS) and the chosen layers as its layers: row ``j`` is one ``(example, token)`` of the

@@ -29,6 +29,7 @@ from ..errors import ShuffleError
 from ..writer import ShardWriter
 from .plan import SOURCE_EXAMPLE, SOURCE_TOKEN, WRITE_QUEUE, ShufflePlan
 from .runs import REGION_ALIGN, RunRecord, load_record, run_file
+from .source import READ_THREADS
 
 
 class RunIndex:
@@ -72,6 +73,7 @@ def write_buckets(
     sets = [_BucketArrays(plan, most) for _ in range(2)]
     loads = ThreadPoolExecutor(1, "saev-shuffle-load")
     sink = _WriterThread(plan, writer)
+    written: list[tuple[int, int]] = []  # (batches put up to the end of a bucket, bucket) not yet reported
     try:
         loading = loads.submit(_load, plan, index, buckets[0], sets[0])
         for i, k in enumerate(buckets):
@@ -84,15 +86,22 @@ def write_buckets(
             hi = min(n, stop - int(first[k]))
             step = sink.batch_rows
             for a in range(lo, hi, step):
-                sink.put(arrays, order[a : min(hi, a + step)])
+                sink.put(arrays, order[a : min(hi, a + step)])  # copies the rows: the bucket is free after
                 on_rows(min(hi, a + step) - a)
+                _fire(written, sink, after_bucket)
             del order
-            sink.wait_idle()  # this bucket's arrays are about to be reloaded
-            after_bucket(k)
+            written.append((sink.put_count, k))  # bucket k is written once its batches are
         sink.close()
+        _fire(written, sink, after_bucket)
     finally:
         sink.stop()
         loads.shutdown(wait=True, cancel_futures=True)
+
+
+def _fire(pending: list[tuple[int, int]], sink: _WriterThread, after_bucket: Callable[[int], None]) -> None:
+    """Report the buckets whose every batch the writer has appended (oldest first)."""
+    while pending and pending[0][0] <= sink.done_count:
+        after_bucket(pending.pop(0)[1])
 
 
 class _BucketArrays(dict[str, npt.NDArray[Any]]):
@@ -105,34 +114,39 @@ class _BucketArrays(dict[str, npt.NDArray[Any]]):
 
 
 def _load(plan: ShufflePlan, index: RunIndex, bucket: int, arrays: _BucketArrays) -> _BucketArrays:
-    """Read bucket ``bucket`` (piece ``bucket`` of every run, in run order) into ``arrays``."""
-    pad = bytearray(REGION_ALIGN)
-    row = 0
-    for c, record in enumerate(index.records):
-        n = record.counts[bucket]
-        if n == 0:
-            continue
-        views: list[memoryview] = []
-        for field, _, nbytes in plan.layout.regions(n):
-            views.append(arrays[field.name][row : row + n].reshape(-1).view(np.uint8).data)
-            if nbytes % REGION_ALIGN:
-                views.append(memoryview(pad)[: REGION_ALIGN - nbytes % REGION_ALIGN])
-        path = plan.work / run_file(c)
-        fd = os.open(path, os.O_RDONLY)
-        try:
-            _preadv_exact(fd, views, int(index.offsets[c][bucket]), path)
-        finally:
-            os.close(fd)
-        h = xxhash.xxh3_128()
-        for field, _, _ in plan.layout.regions(n):
-            h.update(arrays[field.name][row : row + n].reshape(-1).view(np.uint8).data)
-        if h.hexdigest() != record.digests[bucket]:
-            raise ShuffleError(
-                f"{path}: piece {bucket} does not match its digest in {path.with_suffix('.json').name} "
-                f"(scratch data damaged); remove {plan.work} and run the shuffle again"
-            )
-        row += n
+    """Read bucket ``bucket`` (piece ``bucket`` of every run, in run order) into ``arrays``,
+    `READ_THREADS` pieces at a time."""
+    rows = np.concatenate([[0], np.cumsum(index.counts[:, bucket])]).tolist()
+    pieces = [(c, rows[c]) for c in range(len(index.records)) if index.counts[c, bucket]]
+    with ThreadPoolExecutor(READ_THREADS, "saev-shuffle-piece") as pool:
+        list(pool.map(lambda piece: _load_piece(plan, index, bucket, arrays, *piece), pieces))
     return arrays
+
+
+def _load_piece(plan: ShufflePlan, index: RunIndex, bucket: int, arrays: _BucketArrays, c: int, row: int) -> None:
+    """Piece ``bucket`` of run ``c`` into ``arrays`` from row ``row``, checked against its digest."""
+    record = index.records[c]
+    pad = bytearray(REGION_ALIGN)
+    n = record.counts[bucket]
+    views: list[memoryview] = []
+    for field, _, nbytes in plan.layout.regions(n):
+        views.append(arrays[field.name][row : row + n].reshape(-1).view(np.uint8).data)
+        if nbytes % REGION_ALIGN:
+            views.append(memoryview(pad)[: REGION_ALIGN - nbytes % REGION_ALIGN])
+    path = plan.work / run_file(c)
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        _preadv_exact(fd, views, int(index.offsets[c][bucket]), path)
+    finally:
+        os.close(fd)
+    h = xxhash.xxh3_128()
+    for field, _, _ in plan.layout.regions(n):
+        h.update(arrays[field.name][row : row + n].reshape(-1).view(np.uint8).data)
+    if h.hexdigest() != record.digests[bucket]:
+        raise ShuffleError(
+            f"{path}: piece {bucket} does not match its digest in {path.with_suffix('.json').name} "
+            f"(scratch data damaged); remove {plan.work} and run the shuffle again"
+        )
 
 
 def _bfloat16_input(bits: npt.NDArray[np.uint16]) -> Any:
@@ -176,6 +190,8 @@ class _WriterThread:
         self.error: BaseException | None = None
         self.idle = threading.Condition()
         self.in_hand = 0  # batches put and not yet written
+        self.put_count = 0  # batches put so far
+        self.done_count = 0  # batches written (or dropped after an error) so far
         self.thread = threading.Thread(target=self._run, name="saev-shuffle-append", daemon=True)
         self.thread.start()
 
@@ -189,6 +205,7 @@ class _WriterThread:
                 np.take(values, rows, axis=0, out=batch[name][:n], mode="clip")
         with self.idle:
             self.in_hand += 1
+            self.put_count += 1
         self.todo.put((batch, n))
 
     def _run(self) -> None:
@@ -206,6 +223,8 @@ class _WriterThread:
                 self.free.put(batch)
                 with self.idle:
                     self.in_hand -= 1
+                    if self.error is None:
+                        self.done_count += 1
                     self.idle.notify_all()
 
     def _write(self, batch: dict[str, npt.NDArray[Any]], n: int) -> None:

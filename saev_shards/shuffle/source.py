@@ -8,7 +8,9 @@ pages a memmap touches stay resident and would count against the memory budget
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import os
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import numpy as np
@@ -23,6 +25,9 @@ TOKEN_CHOICES = ("content", "cls", "all")
 #: Bytes of one (example, layer) slice from which chosen layers are read slice by slice
 #: rather than as whole examples (the loaders' rule: smaller slices cost a request each).
 MIN_SLICE_READ = 128 << 10
+#: Requests in flight when the shuffle reads the source and its runs (the loaders' default):
+#: the development machine's disk serves 1.3-1.5 x more than with one at a time.
+READ_THREADS = 4
 #: Examples per step when a per-example column is scanned (bounds the scan's memory).
 SCAN_EXAMPLES = 1 << 16
 
@@ -132,10 +137,19 @@ class SourceReader:
         n = stop - start
         rows = self.shards.metadata.n_layers if self.whole else self.n_layers
         out = buffer[: n * self.example_nbytes].view(self.dtype).reshape(n, rows, self.tokens_per_ex, self.d_model)
-        if self.whole:
-            self.shards.read_range(start, stop, out)
-        else:
-            self._read_slices(start, stop, out)
+        # READ_THREADS parts read at once: this kind of disk serves more with several requests in flight.
+        bounds = np.linspace(0, n, min(n, READ_THREADS) + 1).astype(np.int64).tolist()
+        parts = list(itertools.pairwise(bounds))
+
+        def read(part: tuple[int, int]) -> None:
+            a, b = part
+            if self.whole:
+                self.shards.read_range(start + a, start + b, out[a:b])
+            else:
+                self._read_slices(start + a, start + b, out[a:b])
+
+        with ThreadPoolExecutor(max(1, len(parts)), "saev-shuffle-source") as pool:
+            list(pool.map(read, parts))
         return out
 
     def _read_slices(self, start: int, stop: int, out: npt.NDArray[Any]) -> None:
