@@ -23,8 +23,10 @@ sealed shard) and ends with byte-identical output; nothing is published until th
 
 from __future__ import annotations
 
+import contextlib
 import multiprocessing
 import os
+import threading
 import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ProcessPoolExecutor
@@ -263,15 +265,41 @@ def _scatter_pass(plan: ShufflePlan, progress: bool | None, durable: bool, step:
 
 def _write_pass(plan: ShufflePlan, progress: bool | None, durable: bool, step: StepHook) -> None:
     row_bytes = plan.layout.fields[0].row_nbytes
-    with Progress(plan.n_tokens * row_bytes, "shuffle 2/2 write", enabled=progress) as bar:
-        if plan.workers == 1 or plan.output.n_shards <= 1:
-            with _open_writer(plan, 0, 1, durable) as writer:
-                bar.update(writer.next_example * row_bytes)
-                write_buckets(plan, writer, lambda n: bar.update(n * row_bytes), lambda k: step("bucket", k))
-            return
-        world = min(plan.workers, plan.output.n_shards)
-        _in_processes(plan, bar, row_bytes, [(_write_worker, (plan, r, world, durable)) for r in range(world)])
-    finalize(plan.root, plan.output, verify=False, durable=durable)
+    remover: threading.Thread | None = None
+    try:
+        with Progress(plan.n_tokens * row_bytes, "shuffle 2/2 write", enabled=progress) as bar:
+            if plan.workers == 1 or plan.output.n_shards <= 1:
+                with _open_writer(plan, 0, 1, durable) as writer:
+                    bar.update(writer.next_example * row_bytes)
+                    write_buckets(plan, writer, lambda n: bar.update(n * row_bytes), lambda k: step("bucket", k))
+                    remover = _remove_runs(plan)  # while the writer finalizes (see _remove_runs)
+                return
+            world = min(plan.workers, plan.output.n_shards)
+            _in_processes(plan, bar, row_bytes, [(_write_worker, (plan, r, world, durable)) for r in range(world)])
+        remover = _remove_runs(plan)
+        finalize(plan.root, plan.output, verify=False, durable=durable)
+    finally:
+        if remover is not None:
+            remover.join()
+
+
+def _remove_runs(plan: ShufflePlan) -> threading.Thread:
+    """Delete the runs in a thread of their own, once every output shard is sealed.
+
+    Unlinking gigabytes of runs waits on the filesystem's journal for about a second per
+    2.5 GB here, so it overlaps finalizing. A shuffle killed while finalizing scatters again
+    when rerun (the runs are gone; the sealed shards are kept).
+    """
+
+    def remove() -> None:
+        for name in os.listdir(plan.work):
+            if name.startswith("run"):
+                with contextlib.suppress(OSError):
+                    os.unlink(plan.work / name)
+
+    thread = threading.Thread(target=remove, name="saev-shuffle-cleanup")
+    thread.start()
+    return thread
 
 
 def _open_writer(plan: ShufflePlan, rank: int, world_size: int, durable: bool) -> ShardWriter:
