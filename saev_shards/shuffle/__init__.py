@@ -63,8 +63,9 @@ __all__ = [
 ]
 
 PathLike = str | os.PathLike[str]
-#: Called after each step a test may want to interrupt: ("run", chunk), ("scattered", 0),
-#: ("bucket", bucket), ("published", 0).
+#: Called after each step a test may want to interrupt: ("run", chunk) once its run is sealed,
+#: ("scattered", 0), ("bucket", bucket) once all its rows are written (reported at the next
+#: batch, so the gathering may be a few batches ahead), ("published", 0).
 StepHook = Callable[[str, int], None]
 
 

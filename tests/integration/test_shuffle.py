@@ -31,7 +31,9 @@ def kill_source(root: Path) -> ss.Shards:
     return ss.open(root / md.hash)
 
 
-PLAN = dict(seed=1, n_buckets=4, examples_per_chunk=7)
+# 64 KiB of budget: write batches of 32 rows, so the writer runs at most a few batches behind
+# the bucket being gathered and a kill after bucket 1 leaves buckets to write.
+PLAN = dict(seed=1, n_buckets=8, examples_per_chunk=7, memory_bytes=64 << 10)
 
 KILL_CHILD = textwrap.dedent(
     """
@@ -57,7 +59,7 @@ def run_child(source: ss.Shards, out: Path, at: tuple[str, int] | None, pause: b
 
 @pytest.mark.parametrize(
     "at",
-    [("run", 2), ("scattered", 0), ("bucket", 1), ("bucket", 3)],
+    [("run", 2), ("scattered", 0), ("bucket", 1), ("bucket", 7)],
     ids=["in-scatter", "between-passes", "in-write", "after-last-bucket"],
 )
 def test_sigkill_then_rerun_is_byte_identical(tmp_path: Path, at: tuple[str, int]) -> None:
@@ -78,6 +80,7 @@ def test_sigkill_then_rerun_is_byte_identical(tmp_path: Path, at: tuple[str, int
     buckets = [i for kind, i in resumed if kind == "bucket"]
     if at == ("bucket", 1):
         assert buckets and min(buckets) >= 1  # bucket 0 lies in shards sealed before the kill
+        assert max(buckets) == plan.n_buckets - 1
     if at == ("bucket", plan.n_buckets - 1):
         assert buckets == []  # every shard was sealed: the rerun only finalizes
     clean = run_plan(plan_shuffle(source, tmp_path / "clean", **PLAN), durable=False)  # type: ignore[arg-type]
