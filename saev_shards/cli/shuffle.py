@@ -72,6 +72,7 @@ def cmd_shuffle(args: argparse.Namespace) -> int:
         sys.stdout.write("\n".join(plan.describe()) + "\n")
         return EXIT_OK
     if plan.path.exists():
+        run_plan(plan)  # returns at once (removing what a run killed after publishing left)
         err.write(f"{plan.output.hash[:12]}: already shuffled, nothing to do\n")
         sys.stdout.write(f"{plan.path}\n")
         return EXIT_OK
