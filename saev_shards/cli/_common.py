@@ -35,7 +35,7 @@ exit codes:
   0    success
   1    a problem was found: a cache is invalid or fails verification, a run has errors,
        a source to convert is broken
-  2    usage error: bad arguments, no root configured, a command not installed
+  2    usage error: bad arguments or dump configuration, no root configured, a command not installed
   3    not found: no cache or run matches, or a hash prefix is ambiguous or too short
   4    system error: permission denied, disk full, another process holds the cache
   5    internal error: a bug (rerun with --debug and report the traceback)

@@ -23,6 +23,7 @@ from typing import Any
 import numpy as np
 import tomllib
 
+from .._layers import string_layers_problem
 from ..errors import ConfigError
 from ..format import COLUMN_DTYPES, DTYPES_BY_PROTOCOL, FIELD_NAME_RE, PROTOCOL, is_int
 
@@ -175,7 +176,10 @@ def _check_fields(cls: type[Any], obj: Mapping[str, Any], prefix: str, problems:
                 problems.append(f"missing key {prefix}{name!r}" if prefix else f"missing key {name!r}")
             continue
         value = obj[name]
-        if not f.metadata["check"](value):
+        as_string = string_layers_problem(f"{prefix}{name}", value) if name == "layers" else None
+        if as_string is not None:
+            problems.append(as_string)
+        elif not f.metadata["check"](value):
             problems.append(f"{prefix}{name}: expected {f.metadata['expected']}, found {value!r}")
         else:
             good[name] = value

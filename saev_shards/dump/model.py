@@ -162,24 +162,61 @@ class TextEncoder:
 
 @dataclasses.dataclass(frozen=True)
 class ModelLimits:
-    """What a model's config.json says about it (None where it says nothing)."""
+    """What a model declares about itself (None where it says nothing): its config.json for
+    a Hugging Face folder; for a factory's module, its ``config`` if it has one, else its
+    block list and its position embedding (`module_limits`)."""
 
     n_blocks: int | None = None
     max_positions: int | None = None
     d_model: int | None = None
-    #: The config.json key each value came from, for messages.
+    #: Where each value came from, for messages (``config.json max_position_embeddings``).
     keys: tuple[str | None, str | None, str | None] = (None, None, None)
 
 
-def _limits(hf_config: dict[str, Any]) -> ModelLimits:
+def _limits(hf_config: dict[str, Any], source: str = "config.json") -> ModelLimits:
     def first(keys: Sequence[str]) -> tuple[int | None, str | None]:
         for k in keys:
             if is_int(hf_config.get(k)) and hf_config[k] > 0:
-                return hf_config[k], k
+                return hf_config[k], f"{source} {k}"
         return None, None
 
     (blocks, kb), (positions, kp), (width, kw) = first(_N_BLOCKS_KEYS), first(_MAX_POSITIONS_KEYS), first(_WIDTH_KEYS)
     return ModelLimits(blocks, positions, width, (kb, kp, kw))
+
+
+#: Names of position-embedding tables in common modules (BERT's ``position_embeddings``,
+#: GPT-2's ``wpe``, ``pos_embed``, a plain ``pos``): their row count bounds T.
+_POSITION_TABLE = re.compile(r"(?:^|\.)(?:pos|pos_emb|pos_embed|position|positions|position_embeddings|wpe)$")
+
+
+def module_limits(model: Any, blocks: str | None) -> ModelLimits:
+    """The limits of a factory's module, for `check_limits`: a Hugging Face ``model.config``
+    when there is one; else the length of its block list (found as the recorder finds it,
+    when ``blocks`` is not given) and the rows of a position-embedding table."""
+    import torch
+
+    from ..recorder import find_blocks
+
+    config = getattr(model, "config", None)
+    to_dict = getattr(config, "to_dict", None)
+    if callable(to_dict):
+        values = to_dict()
+        if isinstance(values, dict):
+            return _limits(values, "model.config")
+    n_blocks = key_b = None
+    if blocks is None:
+        try:
+            name = find_blocks(model)
+        except RecorderError:
+            name = None
+        if name is not None:
+            n_blocks, key_b = len(model.get_submodule(name)), f"its block list {name!r}"
+    positions = key_p = None
+    for name, module in model.named_modules():
+        if isinstance(module, torch.nn.Embedding) and _POSITION_TABLE.search(name):
+            positions, key_p = int(module.num_embeddings), f"its position table {name!r}"
+            break
+    return ModelLimits(n_blocks, positions, None, (key_b, key_p, None))
 
 
 @dataclasses.dataclass
@@ -230,7 +267,8 @@ def load_model(cfg: DumpConfig, *, weights: bool = True) -> Loaded:
         cls = mc.cls_token if mc.cls_token is not None else encoder.starts_with_cls()
         identity = {"factory": mc.factory, "kwargs": dict(mc.kwargs), **cast}
         model = _cast_weights(model.eval(), mc.weights_dtype)
-        return Loaded(model, encoder, mc.name or mc.factory, mc.family or "custom", identity, None, cls)
+        limits = module_limits(model, mc.blocks)
+        return Loaded(model, encoder, mc.name or mc.factory, mc.family or "custom", identity, None, cls, limits)
     folder = model_dir(mc)
     assert folder is not None
     if not (folder / "config.json").is_file():
@@ -312,12 +350,11 @@ def check_limits(cfg: DumpConfig, limits: ModelLimits) -> list[str]:
         if beyond:
             problems.append(
                 f"layers: {beyond} {'do' if len(beyond) > 1 else 'does'} not exist: the model has {n} blocks, "
-                f"0 to {n - 1} (config.json {kb})"
+                f"0 to {n - 1} ({kb})"
             )
     if limits.max_positions is not None and limits.max_positions < cfg.T:
         problems.append(
-            f"T: {cfg.T} tokens per example, but the model takes at most {limits.max_positions} positions "
-            f"(config.json {kp})"
+            f"T: {cfg.T} tokens per example, but the model takes at most {limits.max_positions} positions ({kp})"
         )
     return problems
 
@@ -360,5 +397,5 @@ def check_model(cfg: DumpConfig, loaded: Loaded, device: torch.device, d_model: 
         _, _, kw = loaded.limits.keys
         raise ConfigError(
             f"model: the recorded blocks output vectors of width {width}, but the cache would declare "
-            f"d_model {d_model} ({f'config.json {kw}' if kw else 'measured'}); name the blocks with model.blocks"
+            f"d_model {d_model} ({kw or 'measured'}); name the blocks with model.blocks"
         )

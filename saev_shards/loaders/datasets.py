@@ -22,7 +22,7 @@ import numpy.typing as npt
 from ..errors import LoaderError
 from ..reader import Shards
 from .selection import CLS_LABEL, TokenSelection, as_shards, parse_layers, parse_out_dtype
-from .tensors import to_tensor
+from .tensors import require_torch, to_tensor
 
 if TYPE_CHECKING:
     from torch.utils.data import Dataset
@@ -54,6 +54,7 @@ class TokenDataset(_MapDataset):
         skip_padding: bool = True,
         out_dtype: str | None = None,
     ) -> None:
+        require_torch(type(self).__name__)
         self.shards = as_shards(shards)
         recorded = self.shards.metadata.layers
         if layer is None:
@@ -120,6 +121,7 @@ class ExampleDataset(_MapDataset):
         out_dtype: str | None = None,
         with_labels: bool = False,
     ) -> None:
+        require_torch(type(self).__name__)
         self.shards = as_shards(shards)
         self.layers = parse_layers(self.shards, layers)
         self.layer_positions = tuple(self.shards.layer_index(v) for v in self.layers)
@@ -172,6 +174,7 @@ class LayerPairDataset(_MapDataset):
         seed: int = 0,
         out_dtype: str | None = None,
     ) -> None:
+        require_torch(type(self).__name__)
         self.shards = as_shards(shards)
         self.layers = parse_layers(self.shards, layers)
         if len(self.layers) < 2:

@@ -12,6 +12,7 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
+from .._layers import string_layers_problem
 from ..errors import LoaderError
 from ..reader import Shards
 from ..reader import open as open_shards
@@ -39,6 +40,9 @@ def parse_layers(shards: Shards, layers: int | Sequence[int] | None) -> tuple[in
     recorded = shards.metadata.layers
     if layers is None:
         return tuple(recorded)
+    as_string = string_layers_problem("layers", layers)
+    if as_string is not None:
+        raise LoaderError(as_string)
     chosen = (layers,) if isinstance(layers, (int, np.integer)) else tuple(layers)
     if not chosen:
         raise LoaderError(f"layers: expected at least one layer of {list(recorded)}, found none")

@@ -10,8 +10,16 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import numpy.typing as npt
 
+from ..optional import require
+
 if TYPE_CHECKING:
     import torch
+
+
+def require_torch(what: str) -> None:
+    """`MissingDependencyError` saying ``pip install 'saev-shards[torch]'`` when torch is
+    missing: the loaders are the one part of reading that needs it (``what`` names the class)."""
+    require("torch", "torch", what)
 
 
 def torch_dtype(name: str) -> torch.dtype:

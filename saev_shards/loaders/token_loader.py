@@ -30,6 +30,7 @@ from .order import Order, parse_order
 from .pipeline import Config, HostRun, Schedule
 from .plan import BLOCK_BYTES, Blocks, EpochPlan, index_window, plan_epoch
 from .selection import TokenSelection, as_shards, parse_out_dtype
+from .tensors import require_torch
 
 #: Most threads the defaults pick: a node's memory bandwidth is saturated well before.
 MAX_DEFAULT_THREADS = 16
@@ -101,6 +102,7 @@ class TokenLoader:
         stack_layers: bool = False,
         device: Any = None,
     ) -> None:
+        require_torch(type(self).__name__)
         import torch
 
         self.shards = as_shards(shards)
@@ -177,8 +179,9 @@ class TokenLoader:
         return self._config.gather_threads
 
     @property
-    def fingerprint(self) -> str:
-        """Digest of everything that decides the batches; `load_state_dict` checks it."""
+    def settings(self) -> dict[str, Any]:
+        """Everything that decides the batches (the cache's hash included), as JSON values:
+        `state_dict` carries it so that `load_state_dict` can name the setting that differs."""
         md = self.shards.metadata
         sel = self.selection
         config = {
@@ -195,7 +198,12 @@ class TokenLoader:
         }
         if self.stack_layers:  # only when set: states saved before the option still load
             config["stack_layers"] = True
-        return hashlib.sha256(json.dumps(config, sort_keys=True).encode()).hexdigest()[:16]
+        return config
+
+    @property
+    def fingerprint(self) -> str:
+        """Digest of `settings`; `load_state_dict` checks it."""
+        return hashlib.sha256(json.dumps(self.settings, sort_keys=True).encode()).hexdigest()[:16]
 
     # -- epochs and resuming -----------------------------------------------------------
     def set_epoch(self, epoch: int) -> None:
@@ -214,18 +222,29 @@ class TokenLoader:
                 epoch, batch = epoch + 1, 0
         else:
             epoch, batch = self._next_epoch, self._resume_batch
-        return {"epoch": epoch, "batch": batch, "seed": self.seed, "fingerprint": self.fingerprint}
+        return {
+            "epoch": epoch,
+            "batch": batch,
+            "seed": self.seed,
+            "fingerprint": self.fingerprint,
+            "settings": self.settings,
+        }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Resume exactly where `state_dict` was taken (same cache and settings)."""
-        expected = {"epoch", "batch", "seed", "fingerprint"}
-        if not isinstance(state, dict) or set(state) != expected:
+        expected = {"epoch", "batch", "seed", "fingerprint"}  # and "settings" (states before it still load)
+        if not isinstance(state, dict) or not expected <= set(state) <= expected | {"settings"}:
             found = sorted(state) if isinstance(state, dict) else type(state).__name__
-            raise LoaderError(f"state: expected keys {sorted(expected)}, found {found}")
+            raise LoaderError(f"state: expected keys {sorted(expected | {'settings'})}, found {found}")
         if state["fingerprint"] != self.fingerprint or state["seed"] != self.seed:
+            differ = _differences(
+                {**_as_dict(state.get("settings")), "seed": state["seed"]}, {**self.settings, "seed": self.seed}
+            )
             raise LoaderError(
                 f"state: expected a state of this loader (seed {self.seed}, fingerprint {self.fingerprint}), "
-                f"found seed {state['seed']}, fingerprint {state['fingerprint']} (different cache or settings)"
+                f"found seed {state['seed']}, fingerprint {state['fingerprint']} (different cache or settings"
+                + (f": {differ}" if differ else "")
+                + ")"
             )
         epoch, batch = int(state["epoch"]), int(state["batch"])
         if epoch < 0 or not 0 <= batch <= self._len:
@@ -391,3 +410,20 @@ class OrderedLoader(TokenLoader):
         bound = self.__signature__.bind(*args, **kwargs)  # TypeError for a bad call, as usual
         bound.apply_defaults()
         super().__init__(**bound.arguments, order="ordered")
+
+
+def _as_dict(value: object) -> dict[str, Any]:
+    return dict(value) if isinstance(value, dict) else {}
+
+
+def _differences(state: dict[str, Any], here: dict[str, Any]) -> str:
+    """``"batch_size 8 in the state, 9 here; ..."`` for each setting that differs (the state's
+    settings are absent from states saved before they were recorded: then nothing is named)."""
+    if set(state) == {"seed"}:
+        return "" if state["seed"] == here["seed"] else f"seed {state['seed']} in the state, {here['seed']} here"
+    names = sorted(set(state) | set(here), key=lambda k: (k != "cache", k))
+    return "; ".join(
+        f"{k} {state.get(k, 'unset')!r} in the state, {here.get(k, 'unset')!r} here"
+        for k in names
+        if state.get(k) != here.get(k)
+    )

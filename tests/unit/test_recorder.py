@@ -271,3 +271,15 @@ def test_import_saev_shards_dump_needs_no_torch() -> None:
     code = "import sys, saev_shards, saev_shards.dump, saev_shards.corpus; print('torch' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.strip() == "False"
+
+
+def test_layers_given_as_a_string_is_an_error_that_says_so() -> None:
+    model = TinyTextModel(n_blocks=12)
+    # "11" would otherwise be read as the layers "1" and "1" (one layer, silently).
+    with pytest.raises(
+        RecorderError, match=r"layers: expected a list of layer values such as \[11\], found the string '11'"
+    ):
+        Recorder(model, "11")  # type: ignore[arg-type]
+    with pytest.raises(RecorderError, match=r"such as \[1, 3\], found the string '1,3'"):
+        resolve_modules(model, "1,3")  # type: ignore[arg-type]
+    assert Recorder(model, [11]).layers == (11,)

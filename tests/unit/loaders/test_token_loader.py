@@ -177,8 +177,17 @@ def test_state_dict_progresses_and_set_epoch(make_cache: Any) -> None:
 def test_load_state_dict_rejects_other_settings(make_cache: Any) -> None:
     shards, _ = make_cache(small_metadata())
     state = ShuffledLoader(shards, batch_size=8).state_dict()
-    with pytest.raises(LoaderError, match="different cache or settings"):
+    # The error names the setting that differs, with both values, and only that one.
+    with pytest.raises(LoaderError, match="different cache or settings: batch_size 8 in the state, 9 here\\)") as err:
         ShuffledLoader(shards, batch_size=9).load_state_dict(state)
+    assert "seed" not in str(err.value).split("settings:")[1]
+    with pytest.raises(LoaderError, match=r"seed 0 in the state, 5 here; tokens 'content' in the state, 'all' here"):
+        ShuffledLoader(shards, batch_size=8, seed=5, tokens="all").load_state_dict(state)
+    # A state saved before states carried their settings still loads, and still fails on other settings.
+    old = {k: v for k, v in state.items() if k != "settings"}
+    ShuffledLoader(shards, batch_size=8).load_state_dict(old)
+    with pytest.raises(LoaderError, match=r"different cache or settings\)"):
+        ShuffledLoader(shards, batch_size=9).load_state_dict(old)
     with pytest.raises(LoaderError, match="expected keys"):
         ShuffledLoader(shards, batch_size=8).load_state_dict({"epoch": 0})
     with pytest.raises(LoaderError, match="batch in"):
@@ -534,3 +543,47 @@ def test_stacked_resume_and_fingerprint(make_cache: Any) -> None:
     assert plain.fingerprint != loader.fingerprint
     with pytest.raises(LoaderError, match="different cache or settings"):
         plain.load_state_dict(state)
+
+
+# -- user mistakes: a string for layers, torch missing -----------------------------------
+
+
+def test_layers_given_as_a_string_is_an_error_that_says_so(make_cache: Any) -> None:
+    shards, _ = make_cache(small_metadata())
+    value = shards.metadata.layers[0]
+    # A string would otherwise be read character by character ("11" -> layers "1", "1").
+    for make in (ShuffledLoader, OrderedLoader, loaders.ExampleDataset):
+        with pytest.raises(
+            LoaderError,
+            match=rf"layers: expected a list of layer values such as \[{value}\], found the string '{value}'",
+        ):
+            make(shards, layers=str(value))  # type: ignore[arg-type]
+    assert ShuffledLoader(shards, layers=[value]).layers == (value,)
+
+
+def test_loaders_without_torch_say_to_install_the_torch_extra(make_cache: Any) -> None:
+    shards, _ = make_cache(small_metadata())
+    # A fresh interpreter where `import torch` fails, as on an install without the extra:
+    # the core library imports, opening works, and each loader names the extra to install.
+    code = (
+        "import sys; sys.modules['torch'] = None\n"
+        "import saev_shards as ss\n"
+        "from saev_shards.errors import MissingDependencyError\n"
+        "from saev_shards.loaders import ShuffledLoader, OrderedLoader, TokenDataset, ExampleDataset\n"
+        f"shards = ss.open({str(shards.path)!r})\n"
+        "for make in (ShuffledLoader, OrderedLoader, TokenDataset, ExampleDataset):\n"
+        "    try:\n"
+        "        make(shards)\n"
+        "    except MissingDependencyError as err:\n"
+        "        print(err)\n"
+    )
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=False)
+    assert proc.returncode == 0, proc.stderr
+    lines = proc.stdout.splitlines()
+    assert [line.split(" needs torch")[0] for line in lines] == [
+        "ShuffledLoader",
+        "OrderedLoader",
+        "TokenDataset",
+        "ExampleDataset",
+    ], proc.stdout
+    assert all(line.endswith("install it with: pip install 'saev-shards[torch]'") for line in lines), proc.stdout
