@@ -42,6 +42,28 @@ def load_corpus(cfg: DumpConfig) -> corpus_mod.Corpus:
         raise ConfigError(f"dataset: {err}") from None
 
 
+def check_columns(cfg: DumpConfig, corpus: corpus_mod.Corpus) -> None:
+    """`ConfigError` naming the first value of a ``dataset.columns`` field that its dtype
+    cannot hold exactly (a string, a list, ``2.5`` in an ``int64`` column, a value out of
+    range): found when planning, so it stops ``--dry-run`` and never a dump mid-way."""
+    for name, dt in cfg.dataset.columns.items():
+        dtype = np.dtype(dt)
+        for i, ex in enumerate(corpus.examples):
+            value = ex.fields[name]
+            try:
+                stored = np.array(value, dtype=dtype).item()
+                exact = not isinstance(value, (str, bytes)) and (
+                    stored == value or (isinstance(value, float) and math.isnan(value) and math.isnan(stored))
+                )
+            except (ValueError, TypeError, OverflowError):
+                exact = False
+            if not exact:
+                raise ConfigError(
+                    f"dataset.columns.{name}: expected {dtype.name} values, found {value!r} in example {i} "
+                    f"(id {ex.id!r}) of {cfg.dataset.path}"
+                )
+
+
 def output_root(cfg: DumpConfig, root: str | os.PathLike[str] | None = None) -> Root:
     """Where the cache goes: ``root`` (``--root``) > the config's ``root`` > the shards root
     (``$SAEV_SHARDS_ROOT``, else ``$SAEV_SCRATCH/saev/shards``), where ``ls``, ``info`` and
@@ -87,6 +109,7 @@ def plan(config: DumpConfig | Mapping[str, Any] | str | os.PathLike[str], *, wei
     """
     cfg = as_config(config)
     corpus = load_corpus(cfg)
+    check_columns(cfg, corpus)
     loaded = load_model(cfg, weights=weights)
     problems = check_limits(cfg, loaded.limits)
     if problems:

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -19,7 +20,8 @@ import tomllib
 
 import saev_shards as ss
 from saev_shards.cli.dump import MINIMAL_CONFIG
-from saev_shards.dump import folder_ckpt, parse_config
+from saev_shards.dump import folder_ckpt, parse_config, plan
+from saev_shards.errors import ConfigError
 
 REPO = Path(__file__).resolve().parents[2]
 #: The variables that choose roots and writers: each test sets its own.
@@ -148,6 +150,39 @@ def test_a_config_the_model_cannot_run_exits_2_naming_the_field_and_the_limit(
     assert proc.stderr == f"saev-shards: error: {message}\n"
     assert "internal error" not in proc.stderr and "resume" not in proc.stderr
     assert _tree(root) == []  # no staging folder, no lock: nothing was written
+
+
+def _labels(tmp_path: Path, bad: Any) -> tuple[Path, dict[str, Any]]:
+    """A jsonl dataset whose example 7 has ``bad`` for its ``label`` column (int64)."""
+    records = [{"text": f"example number {i}", "label": bad if i == 7 else i} for i in range(12)]
+    data = tmp_path / "data.jsonl"
+    data.write_text("".join(json.dumps(r) + "\n" for r in records))
+    return data, {"kind": "jsonl", "path": str(data), "columns": {"label": "int64"}}
+
+
+def test_a_column_value_its_dtype_cannot_hold_exits_2_before_anything_is_written(tmp_path: Path) -> None:
+    data, dataset = _labels(tmp_path, "seven")  # was an internal error mid-run, with a staging folder left
+    root = tmp_path / "shards"
+    proc = _cli("dump", str(_tiny(tmp_path, dataset=dataset)), env=_env(SAEV_SHARDS_ROOT=str(root)))
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    assert proc.stderr == (
+        "saev-shards: error: dataset.columns.label: expected int64 values, "
+        f"found 'seven' in example 7 (id '7') of {data}\n"
+    )
+    assert _tree(root) == []
+
+
+@pytest.mark.parametrize("bad", [2.5, [1], None, 2**63, True])
+def test_column_values_are_checked_exactly_when_planning(tmp_path: Path, bad: Any) -> None:
+    _, dataset = _labels(tmp_path, bad)
+    config = json.loads(_tiny(tmp_path, dataset=dataset).read_text())
+    if bad is True:  # JSON true is 1 exactly: accepted, as numpy stores it
+        assert plan(config).metadata.n_examples == 12
+        return
+    with pytest.raises(
+        ConfigError, match=rf"dataset.columns.label: expected int64 values, found {re.escape(repr(bad))} in example 7"
+    ):
+        plan(config)
 
 
 def test_minilm_layers_and_T_past_its_limits_are_both_named_before_the_weights_load(tmp_path: Path) -> None:
