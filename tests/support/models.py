@@ -91,3 +91,11 @@ def tiny_tokenize(texts: list[str]) -> list[list[int]]:
 def tiny_text_model(**kwargs: Any) -> tuple[TinyTextModel, Any]:
     """The dump tests' model factory (``tests.support.models:tiny_text_model``)."""
     return TinyTextModel(**kwargs).eval(), tiny_tokenize
+
+
+def broken_factory(what: str) -> tuple[Any, Any]:
+    """A factory with a user's mistake: ``what="model"`` returns no module, ``"tokenizer"``
+    a tokenizer that returns an int instead of lists of ids."""
+    if what == "model":
+        return "not a model", tiny_tokenize
+    return TinyTextModel().eval(), lambda texts: 42
