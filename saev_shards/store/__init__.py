@@ -17,7 +17,18 @@
 
 from __future__ import annotations
 
-from .caches import CacheEntry, list_caches, list_unpublished, open_quietly, remove, summary
+from .caches import (
+    CacheEntry,
+    Unpublished,
+    is_live,
+    list_caches,
+    list_unpublished,
+    open_quietly,
+    remove,
+    remove_unpublished,
+    summary,
+    unpublished,
+)
 from .doctor import Finding, doctor, doctor_environment
 from .roots import (
     COPY_PREFIX,
@@ -47,6 +58,7 @@ from .runs import (
     create_run,
     dataset_target,
     open_run,
+    runs_linking,
 )
 from .staging import StageReport, copy_cache, stage
 
@@ -70,22 +82,27 @@ __all__ = [
     "Roots",
     "Run",
     "StageReport",
+    "Unpublished",
     "compare_caches",
     "copy_cache",
     "create_run",
     "dataset_target",
     "doctor",
     "doctor_environment",
+    "is_live",
     "list_caches",
     "list_unpublished",
     "open_quietly",
     "open_run",
     "remove",
+    "remove_unpublished",
     "resolve",
+    "runs_linking",
     "runs_root",
     "shards_root",
     "shards_roots",
     "stage",
     "stage_root",
     "summary",
+    "unpublished",
 ]
