@@ -44,6 +44,7 @@ from .errors import (
     RunNotFoundError,
     RunWarning,
     ShardsError,
+    ShuffleError,
     StatsFileError,
     UnexpectedFileError,
     UnknownCacheError,
@@ -54,6 +55,7 @@ from .format import LEGACY_PROTOCOL, PROTOCOL, SUPPORTED_PROTOCOLS, ProtocolWarn
 from .manifest import Manifest
 from .metadata import Metadata
 from .reader import Shards, TextColumn, open
+from .shuffle import shuffle_cache
 from .writer import ShardWriter, finalize
 
 __version__ = "0.1.0"
@@ -94,6 +96,7 @@ __all__ = [
     "ShardWriter",
     "Shards",
     "ShardsError",
+    "ShuffleError",
     "StatsFileError",
     "TextColumn",
     "UnexpectedFileError",
@@ -107,6 +110,7 @@ __all__ = [
     "finalize",
     "layout",
     "open",
+    "shuffle_cache",
     "store",
     "to_float32",
 ]
