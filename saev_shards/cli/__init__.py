@@ -32,7 +32,7 @@ from ..errors import (
     UnknownCacheError,
     WriterBusyError,
 )
-from . import caches, convert, dump, runs, shuffle
+from . import caches, cleanup, convert, dump, runs, shuffle
 from ._common import (
     EXIT_BROKEN_PIPE,
     EXIT_CODES_HELP,
@@ -67,7 +67,7 @@ __all__ = [
 ]
 
 #: The modules whose commands make up the command line, in --help order.
-COMMANDS = (caches, shuffle, convert, runs, dump)
+COMMANDS = (caches, cleanup, shuffle, convert, runs, dump)
 
 
 def build_parser(invoked: str | None = None) -> argparse.ArgumentParser:
