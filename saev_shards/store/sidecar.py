@@ -58,7 +58,8 @@ def find_stats(shards: reader.Shards) -> dict[str, Any] | None:
     try:
         obj = read_json_file(path, stats_max_bytes(md.n_layers, md.d_model) + 4096)
     except (OSError, ValueError) as err:
-        raise StatsFileError(f"{path}: unreadable statistics sidecar: {err}{again}") from None
+        why = str(err).removeprefix(f"{path}: ")
+        raise StatsFileError(f"{path}: unreadable statistics sidecar: {why}{again}") from None
     if not isinstance(obj, dict) or sorted(obj) != sorted(SIDECAR_KEYS):
         found = sorted(obj) if isinstance(obj, dict) else type(obj).__name__
         raise StatsFileError(f"{path}: expected an object with keys {list(SIDECAR_KEYS)}, found {found}{again}")
