@@ -764,7 +764,7 @@ class Shards:
         by `open` (it can be tens of MB for a large model); `StatsFileError` if it fails.
         """
         entry = self.manifest.stats
-        if entry is None:  # computed later by `saev-shards stats`, beside the cache (protocol.md 2.7)?
+        if entry is None:  # computed later by `saev-shards stats`, beside the cache (protocol.md 2.9)?
             from .store.sidecar import find_stats
 
             return find_stats(self)

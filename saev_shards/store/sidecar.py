@@ -2,7 +2,7 @@
 
 A published cache is immutable, so `saev-shards stats HASH` (`compute_stats` +
 `write_sidecar`) does not add stats.json to it: it writes ``<root>/.stats/<hash>.json`` in
-the root that holds the cache (protocol.md section 2.7), and `Shards.stats` reads it when
+the root that holds the cache (protocol.md section 2.9), and `Shards.stats` reads it when
 the cache has no stats.json of its own (`find_stats`). The file is a JSON object:
 
 * ``cache``: the cache's hash (the file is named by it too);
