@@ -253,8 +253,7 @@ def test_errors_are_one_line_and_tracebacks_need_debug(st: Store):
     r = st.run("info", "beefbeef")
     assert r.code == 3
     assert (
-        one_error_line(r)
-        .split("; caches there")[0]
+        one_error_line(r).split("; caches there")[0]
         == f"saev-shards: error: no cache matches hash prefix 'beefbeef' in {st.shards_root} (SAEV_SCRATCH)"
     )
     r = st.run("--debug", "info", "beefbeef")
