@@ -65,7 +65,7 @@ def cmd_info(args: argparse.Namespace) -> int:
         ("labels", "-" if info["labels"] is None else f"{info['labels']['dtype']} {tuple(info['labels']['shape'])}"),
         ("columns", ", ".join(f"{k} {c['dtype']} {tuple(c['shape'])}" for k, c in info["columns"].items()) or "-"),
         ("text", ", ".join(f"{k} ({t['n_lines']:,} lines)" for k, t in info["text"].items()) or "-"),
-        ("stats", "-" if info["stats"] is None else "per layer, over stored tokens:"),
+        ("stats", "-" if info["stats"] is None else _stats_row(info)),
     ]
     table(rows, out)
     if info["stats"] is not None:
@@ -83,6 +83,11 @@ def cmd_info(args: argparse.Namespace) -> int:
         ]
         table(per_layer, out, indent="  ", right=range(1, 6))
     return EXIT_OK
+
+
+def _stats_row(info: dict[str, Any]) -> str:
+    sidecar = not info["stats_file"].startswith(info["path"] + "/")
+    return "per layer, over stored tokens" + (f" (computed later: {info['stats_file']}):" if sidecar else ":")
 
 
 # --------------------------------------------------------------------------------------

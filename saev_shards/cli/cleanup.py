@@ -15,9 +15,11 @@ from pathlib import Path
 
 from .. import store
 from ..errors import RootNotSetError
+from ..format import HASH_RE
 from ._common import (
     EXIT_OK,
     EXIT_PROBLEM,
+    EXIT_USAGE,
     REF_HELP,
     Failure,
     add_roots,
@@ -61,6 +63,9 @@ def _tree_bytes(path: Path) -> int:
 def cmd_rm(args: argparse.Namespace) -> int:
     # Resolve every reference first: a typo in the third deletes nothing.
     paths = list(dict.fromkeys(store.resolve(ref, roots_arg(args)) for ref in args.refs))
+    for p in paths:
+        if not HASH_RE.fullmatch(p.name):  # a path given directly: it must be named like a cache
+            raise Failure(EXIT_USAGE, f"refusing to remove {p}: expected a cache directory named by its 64-digit hash")
     try:
         links = {p: store.runs_linking(p, args.runs_root) for p in paths}
     except RootNotSetError as err:

@@ -35,6 +35,7 @@ from ..format import (
 from ..metadata import Metadata, parse_metadata
 from ..writer import LOCK_SUFFIX, OLD_LOCK_FILE, STAGING_PREFIX
 from .roots import COPY_PREFIX, PathLike, _cache_names, _scan
+from .sidecar import sidecar_path
 
 # --------------------------------------------------------------------------------------
 # listing and removing
@@ -198,8 +199,12 @@ def remove_unpublished(item: Unpublished) -> bool:
     holding its lock while deleting, so no writer can start on it meanwhile. Returns False,
     deleting nothing, when a live process holds the lock."""
     lock, directory = _lock_of(item.path, item.kind)
-    fd = take_lock(lock, directory=directory) if os.path.lexists(lock) else None
-    if fd is None and os.path.lexists(lock):
+    if not os.path.lexists(item.path):
+        return True  # removed (or published) meanwhile
+    # Taken even when the lock file is missing (take_lock creates it): a writer starting
+    # now then finds the cache busy instead of resuming into a folder being deleted.
+    fd = take_lock(lock, directory=directory)
+    if fd is None:
         return False
     try:
         if item.kind == "staging" and _held(item.path / OLD_LOCK_FILE, directory=False):  # an older writer's
@@ -211,8 +216,7 @@ def remove_unpublished(item: Unpublished) -> bool:
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(lock)
     finally:
-        if fd is not None:
-            os.close(fd)
+        os.close(fd)
     return True
 
 
@@ -304,7 +308,14 @@ def summary(shards: reader.Shards) -> dict[str, Any]:
         "columns": {k: {"dtype": _dtype(c.dtype), "shape": list(c.shape)} for k, c in sorted(man.columns.items())},
         "text": {k: {"n_lines": t.n_lines} for k, t in sorted(man.text.items())},
         "stats": per_layer,
+        # Where they come from: the cache's stats.json, or a sidecar written by `saev-shards stats`.
+        "stats_file": None if stats is None else str(_stats_file(shards)),
     }
+
+
+def _stats_file(shards: reader.Shards) -> Path:
+    entry = shards.manifest.stats
+    return shards.path / entry.name if entry is not None else sidecar_path(shards)
 
 
 def _dtype(spelling: str) -> str:

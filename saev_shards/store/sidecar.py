@@ -19,6 +19,7 @@ saying how to make it again, never silently ignored.
 from __future__ import annotations
 
 import os
+import warnings
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -120,3 +121,21 @@ def write_sidecar(shards: reader.Shards, stats: dict[str, Any]) -> Path:
     }
     write_file_atomic(path, pretty_json(obj), durable=True)
     return path
+
+
+def carry_sidecar(source: reader.Shards, copy: Path) -> bool:
+    """Put the statistics sidecar of ``source`` beside its copy ``copy`` (``stage`` keeps them
+    together), checked first; True if one was carried. A sidecar that fails its checks is
+    left behind with a warning: the copy itself is good."""
+    src = sidecar_path(source)
+    dest = copy.parent / SIDECAR_DIR / src.name
+    if source.manifest.stats is not None or not os.path.lexists(src) or os.path.lexists(dest):
+        return False
+    try:
+        find_stats(source)
+    except StatsFileError as err:
+        warnings.warn(f"statistics sidecar not copied: {err}", stacklevel=2)
+        return False
+    dest.parent.mkdir(exist_ok=True)
+    write_file_atomic(dest, src.read_bytes(), durable=True)
+    return True

@@ -165,7 +165,11 @@ def test_stats_writes_a_verified_sidecar_that_shards_stats_finds(tmp_path: Path)
     for key in written:
         np.testing.assert_allclose(found[key], written[key], rtol=1e-12)
     code, out, _ = run(env, "info", md.hash[:6])
-    assert code == 0 and "stats      per layer, over stored tokens:" in out
+    assert code == 0 and f"stats      per layer, over stored tokens (computed later: {sidecar}):" in out
+    # A local copy takes the sidecar along.
+    copy = store.stage(md.hash[:6], tmp_path / "local", roots=[root])
+    assert copy.path == tmp_path / "local" / md.hash and (tmp_path / "local" / ".stats" / sidecar.name).is_file()
+    assert copy.stats is not None and np.array_equal(copy.stats["count"], found["count"])
     code, _, err = run(env, "stats", md.hash[:6])
     assert code == 0 and "already computed and verified, nothing to do" in err
     code, _, err = run(env, "stats", str(with_stats / md.hash))
