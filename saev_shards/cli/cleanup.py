@@ -126,7 +126,7 @@ def cmd_clean(args: argparse.Namespace) -> int:
     live = [u for u in items if u.live]
     out = sys.stdout
     for u in live:
-        out.write(f"keeping {u.path}: a live process holds its lock (a writer or a copy at work)\n")
+        out.write(f"keeping {u.path}: a live process holds its lock (a writer or a copy at work), or it is not yours\n")
     if not stale:
         out.write("nothing to clean: no stale staging or copy folders\n")
         return EXIT_OK

@@ -146,6 +146,9 @@ def unpublished(root: PathLike) -> list[Unpublished]:
             nbytes, mtime = _size_and_mtime(path)
         except FileNotFoundError:  # published or removed meanwhile
             continue
+        except PermissionError:  # another user's (a shared $TMPDIR): listed, never judged stale
+            out.append(Unpublished(path, kind, 0, max(0.0, now - os.lstat(path).st_mtime), True))
+            continue
         out.append(Unpublished(path, kind, nbytes, max(0.0, now - mtime), is_live(path, kind)))
     return out
 
@@ -188,6 +191,8 @@ def _held(lock: Path, *, directory: bool) -> bool:
         fd = os.open(lock, os.O_RDONLY | (os.O_DIRECTORY if directory else 0))
     except (FileNotFoundError, NotADirectoryError):
         return False
+    except PermissionError:
+        return True  # cannot tell (another user's): never treated as stale
     try:
         return not try_flock(fd)
     finally:

@@ -138,9 +138,15 @@ def test_rm_and_clean_as_a_user_whom_modes_bind():
         removed = run_child(cli_in_this_child, env, "rm", md.hash[:8], "--yes", as_nobody=True)
         assert removed.kind == "ok" and removed.detail.startswith("(0, "), removed
         assert not (root / md.hash).exists()
+        theirs = base / "local" / ".copying-ffff"  # another user's copy in a shared stage root (root's)
+        theirs.mkdir(parents=True)
+        os.chmod(theirs, 0o700)
+        as_root = os.geteuid() == 0
         cleaned = run_child(cli_in_this_child, env, "clean", "--yes", as_nobody=True)
         assert cleaned.kind == "ok" and cleaned.detail.startswith("(0, "), cleaned
         assert list(root.iterdir()) == []
+        if as_root:  # the children ran as uid 65534: root's folder is not theirs to judge
+            assert theirs.is_dir() and f"keeping {theirs}" in cleaned.detail
 
 
 def test_stats_writes_a_verified_sidecar_that_shards_stats_finds(tmp_path: Path):
@@ -172,6 +178,8 @@ def test_stats_writes_a_verified_sidecar_that_shards_stats_finds(tmp_path: Path)
     assert copy.stats is not None and np.array_equal(copy.stats["count"], found["count"])
     code, _, err = run(env, "stats", md.hash[:6])
     assert code == 0 and "already computed and verified, nothing to do" in err
+    code, _, err = run(env, "stats", md.hash[:6], "--force", "--progress")
+    assert code == 0 and f"stats {md.hash[:12]}" in err and "100.0%" in err
     code, _, err = run(env, "stats", str(with_stats / md.hash))
     assert code == 0 and "has statistics of its own (stats.json)" in err
     # Verified: damaged numbers, or a sidecar of other data, are errors naming the file.
