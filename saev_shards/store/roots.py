@@ -16,6 +16,7 @@ directory, so nothing is looked up or written somewhere unexpected.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import os
 import re
@@ -186,6 +187,10 @@ def resolve(ref: PathLike, roots: Roots = None) -> Path:
             return path.absolute()
     if not _HEX_RE.fullmatch(text) or len(text) > 64:
         hint = "" if os.sep in text else " (and it is not a hash or hash prefix: expected 4 to 64 hex digits)"
+        if os.sep not in text:  # a mistyped prefix ("3f2g"): show what there is
+            with contextlib.suppress(RootNotSetError):
+                suggestions = _closest(text.lower(), shards_roots(roots))
+                hint += suggestions.replace("caches there", "caches in the shards roots")
         raise UnknownCacheError(f"no cache at {path.absolute()}: no such file or directory{hint}")
     if len(text) < MIN_PREFIX:
         raise CacheRefError(

@@ -93,13 +93,17 @@ def one_error_line(r: Result) -> str:
 def test_help_lists_commands_roots_and_exit_codes(st: Store):
     r = st.run("--help")
     assert r.code == 0
-    for command in ("info", "ls", "verify", "resolve", "stage", "shuffle", "convert", "run", "doctor", "dump"):
+    for command in ("info", "ls", "verify", "resolve", "stage", "stats", "rm", "clean", "shuffle", "convert", "run",
+                    "doctor", "dump"):  # fmt: skip
         assert f"\n    {command}" in r.out
     assert "$SAEV_SHARDS_ROOT" in r.out and "$SAEV_SCRATCH/saev/shards" in r.out and "$SAEV_NFS/saev/runs" in r.out
     assert cli.EXIT_CODES_HELP in r.out
 
 
-COMMANDS = ["info", "ls", "verify", "resolve", "stage", "shuffle", "convert", "run", "run init", "run show", "doctor"]
+COMMANDS = [
+    "info", "ls", "verify", "resolve", "stage", "stats", "rm", "clean", "shuffle", "convert", "run", "run init",
+    "run show", "doctor",
+]  # fmt: skip
 
 
 def test_every_command_has_help_with_examples(st: Store):
@@ -243,6 +247,9 @@ def test_resolve_unique_ambiguous_unknown_and_short_prefixes(st: Store, tmp_path
     typo = b.hash[:5] + ("0" if b.hash[5] != "0" else "1") + b.hash[6:8]
     r = st.run("resolve", typo, *roots)
     assert r.code == 3 and f"closest first: {b.hash[:12]}, {a.hash[:12]} " in one_error_line(r)
+    r = st.run("resolve", b.hash[:5] + "g", *roots)  # not even hex: still shown what exists
+    assert r.code == 3 and "not a hash or hash prefix" in one_error_line(r)
+    assert f"; caches in the shards roots, closest first: {b.hash[:12]}, {a.hash[:12]} " in one_error_line(r)
     r = st.run("resolve", f"{b.hash[:n]} ", *roots)  # a space pasted with the hash is dropped
     assert r.code == 0 and r.out == f"{tmp_path / 'b' / b.hash}\n"
     r = st.run("resolve", "abc")
