@@ -1105,8 +1105,9 @@ def _take_writer_lock(root: Path, md: Metadata, *, shared: bool, busy: str) -> i
 def _already_published(final: Path) -> AlreadyPublishedError:
     """What a second write of a published cache is told (in a notebook: re-running a cell)."""
     return AlreadyPublishedError(
-        f"{final} is already published; published caches are immutable: read it with "
-        f"ss.open({final.name[:12]!r}), or remove it with `saev-shards rm {final.name[:12]}` to write it again"
+        f"{final} is already published; published caches are immutable: read it with ss.open(path) "
+        f"(or by a prefix of its hash in the shards root, ss.open({final.name[:8]!r})), or remove it with "
+        f"`saev-shards rm {final.name[:12]}` to write it again"
     )
 
 

@@ -205,4 +205,7 @@ def test_writing_a_published_cache_again_says_how_to_read_or_remove_it(tmp_path:
     write_cache(tmp_path, md)
     with pytest.raises(ss.AlreadyPublishedError) as caught:
         ss.ShardWriter(tmp_path, md)
-    assert f"ss.open('{md.hash[:12]}'), or remove it with `saev-shards rm {md.hash[:12]}`" in str(caught.value)
+    assert (
+        f"read it with ss.open(path) (or by a prefix of its hash in the shards root, ss.open('{md.hash[:8]}')), "
+        f"or remove it with `saev-shards rm {md.hash[:12]}` to write it again" in str(caught.value)
+    )
