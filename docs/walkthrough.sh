@@ -60,3 +60,7 @@ show saev-shards verify "$T"
 show saev-shards ls
 show saev-shards doctor --run sae-16k
 show saev-shards info beef
+
+# Clean-up: a cache a run links to is refused; what is stale is listed with sizes and ages.
+show saev-shards rm "$T" --yes
+show saev-shards clean --dry-run

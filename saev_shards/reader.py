@@ -756,15 +756,18 @@ class Shards:
 
     @property
     def stats(self) -> dict[str, Any] | None:
-        """Per-layer statistics gathered while writing (numpy arrays), or None.
+        """Per-layer statistics gathered while writing (numpy arrays), else those of the
+        sidecar `saev-shards stats` wrote (`store.sidecar`), else None.
 
         stats.json is read, and checked against its schema (protocol.md 2.6: exact keys,
         one entry per layer, ``mean`` and ``var`` of shape ``(L, D)``), on first use, not
         by `open` (it can be tens of MB for a large model); `StatsFileError` if it fails.
         """
         entry = self.manifest.stats
-        if entry is None:
-            return None
+        if entry is None:  # computed later by `saev-shards stats`, beside the cache (protocol.md 2.9)?
+            from .store.sidecar import find_stats
+
+            return find_stats(self)
         if "stats" not in self._aux:
             md = self.metadata
             path = self.path / entry.name

@@ -1090,7 +1090,7 @@ def _take_writer_lock(root: Path, md: Metadata, *, shared: bool, busy: str) -> i
     fault_point("writer-start")
     if final.exists():
         _forget_lock(root, md)
-        raise AlreadyPublishedError(f"{final} is already published; published caches are immutable")
+        raise _already_published(final)
     fd = take_lock(lock_path(root, md), shared=shared)
     if fd is None:
         raise WriterBusyError(busy)
@@ -1098,8 +1098,17 @@ def _take_writer_lock(root: Path, md: Metadata, *, shared: bool, busy: str) -> i
     if final.exists():  # published while we waited for the lock: every holder sees it from now on
         os.close(fd)
         _forget_lock(root, md)
-        raise AlreadyPublishedError(f"{final} is already published; published caches are immutable")
+        raise _already_published(final)
     return fd
+
+
+def _already_published(final: Path) -> AlreadyPublishedError:
+    """What a second write of a published cache is told (in a notebook: re-running a cell)."""
+    return AlreadyPublishedError(
+        f"{final} is already published; published caches are immutable: read it with ss.open(path) "
+        f"(or by a prefix of its hash in the shards root, ss.open({final.name[:8]!r})), or remove it with "
+        f"`saev-shards rm {final.name[:12]}` to write it again"
+    )
 
 
 def _forget_lock(root: Path, md: Metadata) -> None:
@@ -1223,7 +1232,7 @@ def finalize(
         lock_fd = _take_writer_lock(root, md, shared=False, busy=busy)
     try:
         if final.exists():
-            raise AlreadyPublishedError(f"{final} is already published; published caches are immutable")
+            raise _already_published(final)
         if not staging.is_dir():
             lock_path(root, md).unlink(missing_ok=True)  # we hold it exclusively (see take_lock)
             raise WriterError(f"nothing to finalize: {staging} does not exist")

@@ -32,7 +32,7 @@ from ..errors import (
     UnknownCacheError,
     WriterBusyError,
 )
-from . import caches, convert, dump, runs, shuffle
+from . import caches, cleanup, convert, dump, runs, shuffle
 from ._common import (
     EXIT_BROKEN_PIPE,
     EXIT_CODES_HELP,
@@ -67,14 +67,16 @@ __all__ = [
 ]
 
 #: The modules whose commands make up the command line, in --help order.
-COMMANDS = (caches, shuffle, convert, runs, dump)
+COMMANDS = (caches, cleanup, shuffle, convert, runs, dump)
 
 
 def build_parser(invoked: str | None = None) -> argparse.ArgumentParser:
     """The argument parser; ``invoked`` names the command about to run (dump loads lazily)."""
     parser = argparse.ArgumentParser(
         prog=PROG,
-        description="Inspect, verify, find and stage saev activation caches; create and check training runs.",
+        description=(
+            "Inspect, verify, find, stage, complete and remove saev activation caches; create and check training runs."
+        ),
         formatter_class=argparse.RawDescriptionHelpFormatter,
         epilog=(
             "examples:\n"
@@ -82,6 +84,9 @@ def build_parser(invoked: str | None = None) -> argparse.ArgumentParser:
             "  saev-shards info 3f2a                   # a readable summary of one cache\n"
             "  saev-shards verify 3f2a                 # sizes, checksums and hash\n"
             "  saev-shards stage 3f2a                  # verified local copy in $TMPDIR\n"
+            "  saev-shards stats 3f2a                  # statistics for a cache written without them\n"
+            "  saev-shards rm 3f2a                     # remove a cache (asks; refuses if a run links to it)\n"
+            "  saev-shards clean --dry-run             # staging and copy folders whose writer is gone\n"
             "  saev-shards shuffle 3f2a --layers 11    # a perfectly shuffled copy for training\n"
             "  saev-shards run init --train 3f2a --val 9c1d --id sae-16k\n"
             "  saev-shards doctor --run sae-16k\n"

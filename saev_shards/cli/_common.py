@@ -34,7 +34,7 @@ EXIT_CODES_HELP = """\
 exit codes:
   0    success
   1    a problem was found: a cache is invalid or fails verification, a run has errors,
-       a source to convert is broken
+       a source to convert is broken; `rm` or `clean` refused or was not confirmed
   2    usage error: bad arguments or dump configuration, no root configured, a command not installed
   3    not found: no cache or run matches, or a hash prefix is ambiguous or too short
   4    system error: permission denied, disk full, another process holds the cache

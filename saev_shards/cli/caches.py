@@ -19,6 +19,7 @@ from ._common import (
     add_progress,
     add_roots,
     command,
+    human_age,
     human_bytes,
     plural,
     print_json,
@@ -64,7 +65,7 @@ def cmd_info(args: argparse.Namespace) -> int:
         ("labels", "-" if info["labels"] is None else f"{info['labels']['dtype']} {tuple(info['labels']['shape'])}"),
         ("columns", ", ".join(f"{k} {c['dtype']} {tuple(c['shape'])}" for k, c in info["columns"].items()) or "-"),
         ("text", ", ".join(f"{k} ({t['n_lines']:,} lines)" for k, t in info["text"].items()) or "-"),
-        ("stats", "-" if info["stats"] is None else "per layer, over stored tokens:"),
+        ("stats", "-" if info["stats"] is None else _stats_row(info)),
     ]
     table(rows, out)
     if info["stats"] is not None:
@@ -82,6 +83,11 @@ def cmd_info(args: argparse.Namespace) -> int:
         ]
         table(per_layer, out, indent="  ", right=range(1, 6))
     return EXIT_OK
+
+
+def _stats_row(info: dict[str, Any]) -> str:
+    sidecar = not info["stats_file"].startswith(info["path"] + "/")
+    return "per layer, over stored tokens" + (f" (computed later: {info['stats_file']}):" if sidecar else ":")
 
 
 # --------------------------------------------------------------------------------------
@@ -106,7 +112,7 @@ def cmd_ls(args: argparse.Namespace) -> int:
     for root in roots:
         exists = root.path.is_dir()
         entries = store.list_caches(root.path) if exists else []
-        unpublished = store.list_unpublished(root.path) if exists else []
+        unpublished = [u for u in store.unpublished(root.path) if u.kind != "lock"] if exists else []
         listing.append((root, exists, entries, unpublished))
         if any(not e.ok for e in entries):
             code = EXIT_PROBLEM
@@ -120,7 +126,10 @@ def cmd_ls(args: argparse.Namespace) -> int:
                     "source": root.source,
                     "exists": exists,
                     "caches": [_entry_json(e) for e in entries],
-                    "unpublished": [str(p) for p in unpublished],
+                    "unpublished": [
+                        {"path": str(u.path), "kind": u.kind, "nbytes": u.nbytes, "age_s": round(u.age), "live": u.live}
+                        for u in unpublished
+                    ],
                 }
                 for root, exists, entries, unpublished in listing
             ],
@@ -156,8 +165,13 @@ def cmd_ls(args: argparse.Namespace) -> int:
                     )
                 )
             table(rows, out, indent="  ")
-        for p in unpublished:
-            out.write(f"  unpublished (being written, or interrupted): {p.name}\n")
+        for u in unpublished:
+            state = "a writer holds it" if u.live else "stale: `saev-shards clean` removes it"
+            what = "staging" if u.kind == "staging" else "partial copy"
+            out.write(
+                f"  unpublished (being written, or interrupted): {u.path.name}  "
+                f"{what}, {human_bytes(u.nbytes)}, {human_age(u.age)} old, {state}\n"
+            )
     return code
 
 
@@ -197,6 +211,29 @@ def cmd_verify(args: argparse.Namespace) -> int:
         f"ok {shards.path}\n   {len(files)} files, {nbytes:,} bytes ({human_bytes(nbytes)}): "
         f"{checked} and the metadata hash match\n"
     )
+    return EXIT_OK
+
+
+def cmd_stats(args: argparse.Namespace) -> int:
+    shards = open_cache(store.resolve(args.ref, roots_arg(args)))
+    err = sys.stderr
+    name = shards.path.name[:12]
+    if shards.manifest.stats is not None:
+        err.write(f"{name}: has statistics of its own (stats.json), nothing to compute\n")
+        sys.stdout.write(f"{shards.path / shards.manifest.stats.name}\n")
+        return EXIT_OK
+    path = store.sidecar_path(shards)
+    if path.exists() and not args.force:
+        store.find_stats(shards)  # a damaged or stale sidecar is an error naming it
+        err.write(f"{name}: statistics already computed and verified, nothing to do (--force computes again)\n")
+        sys.stdout.write(f"{path}\n")
+        return EXIT_OK
+    stats = store.compute_stats(shards, progress=progress_arg(args))
+    store.write_sidecar(shards, stats)
+    tokens = sum(stats["count"])
+    layers = plural(len(stats["layers"]), "layer")
+    err.write(f"{name}: statistics of {tokens:,} tokens over {layers} written beside the cache\n")
+    sys.stdout.write(f"{path}\n")
     return EXIT_OK
 
 
@@ -269,6 +306,27 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser], invoked: 
         cmd_verify,
     )
     p.add_argument("ref", help=REF_HELP)
+    add_roots(p)
+    add_progress(p)
+
+    p = command(
+        sub,
+        "stats",
+        "compute per-layer statistics for a cache written without them, into a verified sidecar beside it",
+        "  saev-shards stats 3f2a --progress\n"
+        "  saev-shards info 3f2a                  # now shows them; so does Shards.stats\n",
+        cmd_stats,
+        description=(
+            "Compute the per-layer statistics of a cache written without them (stats.json, protocol.md 2.6: "
+            "mean, variance and norms over stored tokens, padding excluded by a lengths column) and write "
+            "them to <root>/.stats/<hash>.json beside the cache, which stays untouched (published caches are "
+            "immutable). The sidecar records the cache's hash, the digest of its shards.json and of the "
+            "numbers; Shards.stats, info and loaders find it and check all three. Prints the sidecar's path."
+        ),
+    )
+    p.add_argument("ref", help=REF_HELP)
+    p.add_argument("--force", action="store_true", help="compute again even if a sidecar exists")
+    p.set_defaults(interrupted_hint="nothing was written: run the same command again to start over")
     add_roots(p)
     add_progress(p)
 

@@ -2,8 +2,10 @@
 
 * `roots`: the shards, runs and stage roots, and `resolve` (a path, a full hash or a
   unique prefix -> one cache);
-* `caches`: what a root holds: `list_caches`, `list_unpublished` (staging and copying
-  folders, live or stale), `remove`, `clean`, `summary`;
+* `caches`: what a root holds: `list_caches`, `unpublished` (staging and copying folders
+  with size, age and whether their writer is alive), `remove`, `remove_unpublished`, `summary`;
+* `sidecar`: statistics computed for an existing cache, kept in ``<root>/.stats/`` and
+  found by `Shards.stats` (`compute_stats`, `write_sidecar`, `find_stats`);
 * `staging`: `stage` / `copy_cache`, a verified, atomic, resumable local copy;
 * `runs`: run folders (`create_run`, `open_run`, `Run`);
 * `doctor`: what is wrong with a run (`doctor`) or with the configured roots
@@ -17,7 +19,18 @@
 
 from __future__ import annotations
 
-from .caches import CacheEntry, list_caches, list_unpublished, open_quietly, remove, summary
+from .caches import (
+    CacheEntry,
+    Unpublished,
+    is_live,
+    list_caches,
+    list_unpublished,
+    open_quietly,
+    remove,
+    remove_unpublished,
+    summary,
+    unpublished,
+)
 from .doctor import Finding, doctor, doctor_environment
 from .roots import (
     COPY_PREFIX,
@@ -47,7 +60,9 @@ from .runs import (
     create_run,
     dataset_target,
     open_run,
+    runs_linking,
 )
+from .sidecar import SIDECAR_DIR, compute_stats, find_stats, sidecar_path, write_sidecar
 from .staging import StageReport, copy_cache, stage
 
 __all__ = [
@@ -62,6 +77,7 @@ __all__ = [
     "RUN_DIRS",
     "SCRATCH_ENV",
     "SHARDS_ROOT_ENV",
+    "SIDECAR_DIR",
     "STAGE_ROOT_ENV",
     "CacheEntry",
     "Finding",
@@ -70,22 +86,31 @@ __all__ = [
     "Roots",
     "Run",
     "StageReport",
+    "Unpublished",
     "compare_caches",
+    "compute_stats",
     "copy_cache",
     "create_run",
     "dataset_target",
     "doctor",
     "doctor_environment",
+    "find_stats",
+    "is_live",
     "list_caches",
     "list_unpublished",
     "open_quietly",
     "open_run",
     "remove",
+    "remove_unpublished",
     "resolve",
+    "runs_linking",
     "runs_root",
     "shards_root",
     "shards_roots",
+    "sidecar_path",
     "stage",
     "stage_root",
     "summary",
+    "unpublished",
+    "write_sidecar",
 ]

@@ -3,9 +3,11 @@ unpublished folders (staging and partial copies: live, or stale and removable)."
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import os
 import shutil
+import time
 import warnings
 from pathlib import Path
 from typing import Any
@@ -20,6 +22,8 @@ from ..errors import (
 )
 from ..fileio import (
     make_writable,
+    take_lock,
+    try_flock,
 )
 from ..format import (
     HASH_RE,
@@ -29,8 +33,9 @@ from ..format import (
     read_json_file,
 )
 from ..metadata import Metadata, parse_metadata
-from ..writer import STAGING_PREFIX
+from ..writer import LOCK_SUFFIX, OLD_LOCK_FILE, STAGING_PREFIX
 from .roots import COPY_PREFIX, PathLike, _cache_names, _scan
+from .sidecar import sidecar_path
 
 # --------------------------------------------------------------------------------------
 # listing and removing
@@ -89,6 +94,135 @@ def list_unpublished(root: PathLike) -> list[Path]:
         for e in _scan(base)
         if e.name.startswith((STAGING_PREFIX, COPY_PREFIX)) and e.is_dir(follow_symlinks=False)
     )
+
+
+@dataclasses.dataclass(frozen=True)
+class Unpublished:
+    """A folder (or lock file) in a root that is not a cache: a writer's staging folder
+    (``.staging-<hash>``), a partial copy (``.copying-<hash>``), or a staging lock file whose
+    folder is gone (``.staging-<hash>.lock``)."""
+
+    path: Path
+    #: "staging", "copy" or "lock".
+    kind: str
+    #: Bytes of the regular files in it (the file itself for a lock).
+    nbytes: int
+    #: Seconds since anything in it last changed.
+    age: float
+    #: A live process holds its lock: a writer at work, or a copy in progress.
+    live: bool
+
+    @property
+    def hash(self) -> str:
+        name = self.path.name.removeprefix(STAGING_PREFIX).removeprefix(COPY_PREFIX)
+        return name.removesuffix(LOCK_SUFFIX)
+
+    @property
+    def short_name(self) -> str:
+        """``.staging-3f2a9c8d1e2b``: the prefix and 12 digits of the hash."""
+        prefix = COPY_PREFIX if self.kind == "copy" else STAGING_PREFIX
+        return prefix + self.hash[:12] + (LOCK_SUFFIX if self.kind == "lock" else "")
+
+
+def unpublished(root: PathLike) -> list[Unpublished]:
+    """Every staging folder, partial copy and orphaned staging lock file in ``root``, with its
+    size, its age and whether a live process holds its lock (`is_live`)."""
+    base = Path(root).absolute()
+    out = []
+    now = time.time()
+    for e in sorted(_scan(base), key=lambda e: e.name):
+        path = base / e.name
+        if e.name.startswith(STAGING_PREFIX) and e.name.endswith(LOCK_SUFFIX):
+            if os.path.lexists(path.with_name(e.name.removesuffix(LOCK_SUFFIX))):
+                continue  # its staging folder is listed instead
+            kind = "lock"
+        elif e.name.startswith(STAGING_PREFIX) and e.is_dir(follow_symlinks=False):
+            kind = "staging"
+        elif e.name.startswith(COPY_PREFIX) and e.is_dir(follow_symlinks=False):
+            kind = "copy"
+        else:
+            continue
+        try:
+            nbytes, mtime = _size_and_mtime(path)
+        except FileNotFoundError:  # published or removed meanwhile
+            continue
+        except PermissionError:  # another user's (a shared $TMPDIR): listed, never judged stale
+            out.append(Unpublished(path, kind, 0, max(0.0, now - os.lstat(path).st_mtime), True))
+            continue
+        out.append(Unpublished(path, kind, nbytes, max(0.0, now - mtime), is_live(path, kind)))
+    return out
+
+
+def _size_and_mtime(path: Path) -> tuple[int, float]:
+    st = os.lstat(path)
+    if not os.path.isdir(path):
+        return st.st_size, st.st_mtime
+    nbytes, mtime = 0, st.st_mtime
+    for e in _scan(path):
+        est = e.stat(follow_symlinks=False)
+        mtime = max(mtime, est.st_mtime)
+        if e.is_file(follow_symlinks=False):
+            nbytes += est.st_size
+    return nbytes, mtime
+
+
+def _lock_of(path: Path, kind: str) -> tuple[Path, bool]:
+    """What a live holder of ``path`` locks: the lock file beside a staging folder, or the
+    folder of a copy itself (``directory``)."""
+    if kind == "staging":
+        return path.with_name(path.name + LOCK_SUFFIX), False
+    return path, kind == "copy"
+
+
+def is_live(path: Path, kind: str) -> bool:
+    """True when a process holds the lock of this staging folder or copy.
+
+    The probe takes the lock exclusively for an instant, without waiting (writers hold it,
+    shared or exclusive, for as long as they run); a writer starting in that instant is told
+    the cache is busy, and may simply start again.
+    """
+    lock, directory = _lock_of(path, kind)
+    return _held(lock, directory=directory) or (kind == "staging" and _held(path / OLD_LOCK_FILE, directory=False))
+
+
+def _held(lock: Path, *, directory: bool) -> bool:
+    """Whether another open file holds an ``flock`` on ``lock`` (False when it does not exist)."""
+    try:
+        fd = os.open(lock, os.O_RDONLY | (os.O_DIRECTORY if directory else 0))
+    except (FileNotFoundError, NotADirectoryError):
+        return False
+    except PermissionError:
+        return True  # cannot tell (another user's): never treated as stale
+    try:
+        return not try_flock(fd)
+    finally:
+        os.close(fd)
+
+
+def remove_unpublished(item: Unpublished) -> bool:
+    """Delete a stale staging folder (and its lock file), partial copy or orphaned lock file,
+    holding its lock while deleting, so no writer can start on it meanwhile. Returns False,
+    deleting nothing, when a live process holds the lock."""
+    lock, directory = _lock_of(item.path, item.kind)
+    if not os.path.lexists(item.path):
+        return True  # removed (or published) meanwhile
+    # Taken even when the lock file is missing (take_lock creates it): a writer starting
+    # now then finds the cache busy instead of resuming into a folder being deleted.
+    fd = take_lock(lock, directory=directory)
+    if fd is None:
+        return False
+    try:
+        if item.kind == "staging" and _held(item.path / OLD_LOCK_FILE, directory=False):  # an older writer's
+            return False
+        if item.kind in ("staging", "copy") and item.path.is_dir():
+            make_writable(item.path)  # a writer killed while publishing leaves it read-only
+            shutil.rmtree(item.path)
+        if item.kind in ("staging", "lock"):
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(lock)
+    finally:
+        os.close(fd)
+    return True
 
 
 def _read_metadata(path: Path) -> Metadata | None:
@@ -179,7 +313,14 @@ def summary(shards: reader.Shards) -> dict[str, Any]:
         "columns": {k: {"dtype": _dtype(c.dtype), "shape": list(c.shape)} for k, c in sorted(man.columns.items())},
         "text": {k: {"n_lines": t.n_lines} for k, t in sorted(man.text.items())},
         "stats": per_layer,
+        # Where they come from: the cache's stats.json, or a sidecar written by `saev-shards stats`.
+        "stats_file": None if stats is None else str(_stats_file(shards)),
     }
+
+
+def _stats_file(shards: reader.Shards) -> Path:
+    entry = shards.manifest.stats
+    return shards.path / entry.name if entry is not None else sidecar_path(shards)
 
 
 def _dtype(spelling: str) -> str:

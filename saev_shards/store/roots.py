@@ -16,6 +16,7 @@ directory, so nothing is looked up or written somewhere unexpected.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import os
 import re
@@ -51,6 +52,8 @@ COPY_PREFIX = ".copying-"
 _HEX_RE = re.compile(r"[0-9a-fA-F]+")
 #: Candidates listed in an ambiguous-prefix error before "and N more".
 _MAX_CANDIDATES = 20
+#: Caches suggested for a prefix that matches none.
+_MAX_SUGGESTIONS = 5
 
 
 # --------------------------------------------------------------------------------------
@@ -144,11 +147,30 @@ def _kind_of_ref(key: str) -> str:
     return "hash" if len(key) == 64 else "hash prefix"
 
 
+def _closest(key: str, search: Sequence[Root]) -> str:
+    """The caches that do exist, closest to a mistyped ``key`` first (longest common prefix,
+    then fewest differing digits over the typed length): a typo is usually one digit."""
+    names = sorted({n for r in search for n in _cache_names(r.path)})
+    if not names:
+        return "; the roots hold no caches"
+
+    def distance(name: str) -> tuple[int, int, str]:
+        differ = [a != b for a, b in zip(key, name, strict=False)]
+        common = differ.index(True) if True in differ else len(differ)
+        return -common, sum(differ), name
+
+    shown = sorted(names, key=distance)[:_MAX_SUGGESTIONS]
+    more = f" and {len(names) - len(shown)} more" if len(names) > len(shown) else ""
+    return f"; caches there, closest first: {', '.join(n[:12] for n in shown)}{more} (`saev-shards ls` lists them)"
+
+
 def resolve(ref: PathLike, roots: Roots = None) -> Path:
     """The absolute path of the cache ``ref`` names: an existing path, a full hash, or a
     unique hash prefix of at least 4 hex digits, looked up in the shards roots in order.
 
-    An existing path always wins (so ``open(path)`` never changes meaning). The same hash
+    An existing path always wins (so ``open(path)`` never changes meaning); spaces around a
+    hash are dropped. A prefix that matches nothing lists the caches that exist, closest
+    first. The same hash
     in several roots is the same content; the first root's copy is returned.
 
     Raises `UnknownCacheError` (a `FileNotFoundError`) naming the roots searched,
@@ -158,8 +180,17 @@ def resolve(ref: PathLike, roots: Roots = None) -> Path:
     path = Path(text).expanduser()
     if path.exists():
         return path.absolute()
+    if text != text.strip():  # "3f2a " pasted from a listing: the spaces are not part of a hash
+        text = text.strip()
+        path = Path(text).expanduser()
+        if path.exists():
+            return path.absolute()
     if not _HEX_RE.fullmatch(text) or len(text) > 64:
         hint = "" if os.sep in text else " (and it is not a hash or hash prefix: expected 4 to 64 hex digits)"
+        if os.sep not in text:  # a mistyped prefix ("3f2g"): show what there is
+            with contextlib.suppress(RootNotSetError):
+                suggestions = _closest(text.lower(), shards_roots(roots))
+                hint += suggestions.replace("caches there", "caches in the shards roots")
         raise UnknownCacheError(f"no cache at {path.absolute()}: no such file or directory{hint}")
     if len(text) < MIN_PREFIX:
         raise CacheRefError(
@@ -192,7 +223,8 @@ def resolve(ref: PathLike, roots: Roots = None) -> Path:
             if e.name.startswith((STAGING_PREFIX, COPY_PREFIX)) and e.name.split("-", 1)[1].startswith(key)
         ]
         hint = f"; unpublished (being written, or interrupted): {', '.join(unpublished)}" if unpublished else ""
-        raise UnknownCacheError(f"no cache matches {_kind_of_ref(key)} {text!r} in {where}{hint}")
+        suggestions = _closest(key, search)
+        raise UnknownCacheError(f"no cache matches {_kind_of_ref(key)} {text!r} in {where}{hint}{suggestions}")
     ordered = sorted(matches.items())
     lines = [f"  {name} in {path.parent}" for name, path in ordered[:_MAX_CANDIDATES]]
     if len(ordered) > _MAX_CANDIDATES:

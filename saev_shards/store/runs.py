@@ -21,7 +21,7 @@ from ..errors import (
 )
 from ..format import MAX_METADATA_BYTES, METADATA_FILE, read_json_file
 from ..metadata import Metadata, parse_metadata
-from .roots import PathLike, Roots, resolve, runs_root
+from .roots import PathLike, Roots, _scan, resolve, runs_root
 
 #: The links a run folder holds (seed 004): the caches and the datasets they came from.
 LINK_NAMES = ("train-shards", "train-dataset", "val-shards", "val-dataset")
@@ -150,6 +150,25 @@ def open_run(run: PathLike, runs_root: PathLike | None = None) -> Run:
 def _runs_root_path(root: PathLike | None) -> Path:
     # `create_run` and `open_run` take an argument named like `runs_root`; this reaches it.
     return runs_root(root).path
+
+
+def runs_linking(cache: PathLike, runs_root: PathLike | None = None) -> list[tuple[Run, str]]:
+    """``(run, link name)`` for every link under ``<runs root>/*/links/`` that resolves to
+    ``cache``: the runs that would break if it were removed (`RootNotSetError` when no
+    runs root is configured)."""
+    target = Path(cache).resolve()
+    base = _runs_root_path(runs_root)
+    found: list[tuple[Run, str]] = []
+    for run_dir in sorted(_scan(base), key=lambda e: e.name):
+        links = Path(run_dir.path) / "links"
+        if not run_dir.is_dir(follow_symlinks=False) or not links.is_dir():
+            continue
+        found.extend(
+            (Run(Path(run_dir.path)), link.name)
+            for link in sorted(_scan(links), key=lambda e: e.name)
+            if link.is_symlink() and Path(link.path).resolve() == target
+        )
+    return found
 
 
 def dataset_target(md: Metadata) -> tuple[Path | None, str]:

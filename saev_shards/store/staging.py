@@ -41,6 +41,7 @@ from ..format import (
 from ..progress import Progress
 from .caches import open_quietly, remove
 from .roots import COPY_PREFIX, PathLike, Roots, _scan, resolve, stage_root
+from .sidecar import carry_sidecar
 
 # --------------------------------------------------------------------------------------
 # staging: a verified local copy
@@ -115,10 +116,25 @@ def copy_cache(
     still to copy exceed the free space of ``dest``'s filesystem (skip the check with
     ``check_space=False`` or ``SAEV_SHARDS_NO_SPACE_CHECK=1``); a disk that fills up anyway
     raises `DiskFullError` naming the file, and running again after freeing space resumes.
+
+    Statistics computed later for the source (its sidecar, `sidecar.carry_sidecar`) are
+    copied beside the copy.
     """
     source = reader.open(resolve(ref, roots))
+    report = _copy_cache(source, stage_root(dest).path, progress, on_bytes, durable, check_space)
+    carry_sidecar(source, report.path)  # statistics computed later travel with the cache
+    return report
+
+
+def _copy_cache(
+    source: reader.Shards,
+    base: Path,
+    progress: bool | None,
+    on_bytes: Callable[[int], None] | None,
+    durable: bool,
+    check_space: bool,
+) -> StageReport:
     name = source.path.name
-    base = stage_root(dest).path
     final = base / name
     report = StageReport(source=source.path, path=final)
     if final.exists() and final.resolve() == source.path.resolve():

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -92,13 +93,17 @@ def one_error_line(r: Result) -> str:
 def test_help_lists_commands_roots_and_exit_codes(st: Store):
     r = st.run("--help")
     assert r.code == 0
-    for command in ("info", "ls", "verify", "resolve", "stage", "shuffle", "convert", "run", "doctor", "dump"):
+    for command in ("info", "ls", "verify", "resolve", "stage", "stats", "rm", "clean", "shuffle", "convert", "run",
+                    "doctor", "dump"):  # fmt: skip
         assert f"\n    {command}" in r.out
     assert "$SAEV_SHARDS_ROOT" in r.out and "$SAEV_SCRATCH/saev/shards" in r.out and "$SAEV_NFS/saev/runs" in r.out
     assert cli.EXIT_CODES_HELP in r.out
 
 
-COMMANDS = ["info", "ls", "verify", "resolve", "stage", "shuffle", "convert", "run", "run init", "run show", "doctor"]
+COMMANDS = [
+    "info", "ls", "verify", "resolve", "stage", "stats", "rm", "clean", "shuffle", "convert", "run", "run init",
+    "run show", "doctor",
+]  # fmt: skip
 
 
 def test_every_command_has_help_with_examples(st: Store):
@@ -186,12 +191,18 @@ def test_ls_lists_caches_sizes_and_unpublished_folders(st: Store, tmp_path: Path
     (tmp_path / ".copying-abcd").mkdir()
     r = st.run("ls", str(tmp_path), "--json")
     assert r.code == 0
-    assert json.loads(r.out) == [
+    listing = json.loads(r.out)
+    assert listing[0]["unpublished"][0].pop("age_s") >= 0
+    assert listing == [
         {"root": str(tmp_path), "source": "argument", "exists": True, "caches": [], "unpublished": [
-            str(tmp_path / ".copying-abcd")]}
+            {"path": str(tmp_path / ".copying-abcd"), "kind": "copy", "nbytes": 0, "live": False}]}
     ]  # fmt: skip
     r = st.run("ls", str(tmp_path))
-    assert r.out.splitlines()[-1] == "  unpublished (being written, or interrupted): .copying-abcd"
+    assert re.fullmatch(
+        r"  unpublished \(being written, or interrupted\): \.copying-abcd  partial copy, 0 B, \d+ s old, "
+        r"stale: `saev-shards clean` removes it",
+        r.out.splitlines()[-1],
+    )
     r = st.run("ls", str(tmp_path / "nowhere"))
     assert r.code == 3 and r.out == f"{tmp_path / 'nowhere'} (argument): no such directory\n"
 
@@ -226,10 +237,21 @@ def test_resolve_unique_ambiguous_unknown_and_short_prefixes(st: Store, tmp_path
     unknown = next(p for p in ("0000", "1111", "2222") if not any(h.startswith(p) for h in (a.hash, b.hash)))
     r = st.run("resolve", unknown, *roots)
     assert r.code == 3
-    assert one_error_line(r) == (
+    line = one_error_line(r)
+    assert line.startswith(
         f"saev-shards: error: no cache matches hash prefix '{unknown}' in "
-        f"{tmp_path / 'a'} (argument), {tmp_path / 'b'} (argument)"
+        f"{tmp_path / 'a'} (argument), {tmp_path / 'b'} (argument); caches there, closest first: "
     )
+    assert line.endswith(" (`saev-shards ls` lists them)") and a.hash[:12] in line and b.hash[:12] in line
+    # A typo in the 6th digit of b's hash: b is suggested first (longest common prefix).
+    typo = b.hash[:5] + ("0" if b.hash[5] != "0" else "1") + b.hash[6:8]
+    r = st.run("resolve", typo, *roots)
+    assert r.code == 3 and f"closest first: {b.hash[:12]}, {a.hash[:12]} " in one_error_line(r)
+    r = st.run("resolve", b.hash[:5] + "g", *roots)  # not even hex: still shown what exists
+    assert r.code == 3 and "not a hash or hash prefix" in one_error_line(r)
+    assert f"; caches in the shards roots, closest first: {b.hash[:12]}, {a.hash[:12]} " in one_error_line(r)
+    r = st.run("resolve", f"{b.hash[:n]} ", *roots)  # a space pasted with the hash is dropped
+    assert r.code == 0 and r.out == f"{tmp_path / 'b' / b.hash}\n"
     r = st.run("resolve", "abc")
     assert r.code == 3 and "too short: expected at least 4 hex digits, found 3" in one_error_line(r)
 
@@ -238,7 +260,7 @@ def test_errors_are_one_line_and_tracebacks_need_debug(st: Store):
     r = st.run("info", "beefbeef")
     assert r.code == 3
     assert (
-        one_error_line(r)
+        one_error_line(r).split("; caches there")[0]
         == f"saev-shards: error: no cache matches hash prefix 'beefbeef' in {st.shards_root} (SAEV_SCRATCH)"
     )
     r = st.run("--debug", "info", "beefbeef")
@@ -360,7 +382,9 @@ def test_stage_interrupted_then_resumed(st: Store, tmp_path: Path):
     half = partial / files[1][0]
     half.write_bytes(half.read_bytes()[:300])  # as if the copy stopped mid-file
     r = st.run("ls", str(local))
-    assert r.out.splitlines()[-1] == f"  unpublished (being written, or interrupted): .copying-{st.full.hash}"
+    assert r.out.splitlines()[-1].startswith(
+        f"  unpublished (being written, or interrupted): .copying-{st.full.hash}  partial copy, "
+    )
     r = st.run("stage", st.full.hash, "--to", str(local))
     assert r.code == 0, r.err
     assert r.out == f"{local / st.full.hash}\n"

@@ -1,0 +1,192 @@
+"""Commands that delete: ``rm`` (published caches) and ``clean`` (stale staging and copies).
+
+Both follow one rule: they list what they would delete, with sizes, then ask; ``--yes``
+deletes without asking, ``--dry-run`` only lists. An answer other than ``y``/``yes`` (or
+no answer: stdin closed) deletes nothing and exits 1, so a script that forgot ``--yes``
+fails loudly instead of reporting success.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import sys
+from pathlib import Path
+
+from .. import store
+from ..errors import RootNotSetError
+from ..format import HASH_RE
+from ._common import (
+    EXIT_OK,
+    EXIT_PROBLEM,
+    EXIT_USAGE,
+    REF_HELP,
+    Failure,
+    add_roots,
+    command,
+    human_age,
+    human_bytes,
+    plural,
+    roots_arg,
+    table,
+    warn,
+)
+
+
+def _confirm(question: str, args: argparse.Namespace) -> None:
+    """Return if deleting may go ahead; raise `Failure` (exit 1) when not confirmed."""
+    if args.yes:
+        return
+    sys.stderr.write(f"{question} [y/N] ")
+    sys.stderr.flush()
+    answer = sys.stdin.readline()
+    if answer.strip().lower() not in ("y", "yes"):
+        if not answer:
+            sys.stderr.write("\n")
+        raise Failure(EXIT_PROBLEM, "nothing removed: not confirmed (pass --yes to remove without asking)")
+
+
+def _add_confirm_options(p: argparse.ArgumentParser) -> None:
+    group = p.add_mutually_exclusive_group()
+    group.add_argument("-y", "--yes", action="store_true", help="remove without asking")
+    group.add_argument("-n", "--dry-run", action="store_true", help="only list what would be removed")
+
+
+# --------------------------------------------------------------------------------------
+# rm
+
+
+def _tree_bytes(path: Path) -> int:
+    return sum(f.stat().st_size for f in path.rglob("*") if f.is_file() and not f.is_symlink())
+
+
+def cmd_rm(args: argparse.Namespace) -> int:
+    # Resolve every reference first: a typo in the third deletes nothing.
+    paths = list(dict.fromkeys(store.resolve(ref, roots_arg(args)) for ref in args.refs))
+    for p in paths:
+        if not HASH_RE.fullmatch(p.name):  # a path given directly: it must be named like a cache
+            raise Failure(EXIT_USAGE, f"refusing to remove {p}: expected a cache directory named by its 64-digit hash")
+    try:
+        links = {p: store.runs_linking(p, args.runs_root) for p in paths}
+    except RootNotSetError as err:
+        if not args.force:
+            raise Failure(
+                EXIT_PROBLEM,
+                f"cannot check which runs link to {plural(len(paths), 'cache')}: {err}; "
+                "pass --force to remove without checking",
+            ) from None
+        warn(f"not checked which runs link to them: {err}")
+        links = {p: [] for p in paths}
+    linked = {p: runs for p, runs in links.items() if runs}
+    if linked and not args.force:
+        lines = [
+            f"{p.name[:12]}: " + ", ".join(f"{run.path}/links/{name}" for run, name in runs)
+            for p, runs in linked.items()
+        ]
+        raise Failure(
+            EXIT_PROBLEM,
+            f"refusing to remove {plural(len(linked), 'cache')} that runs link to "
+            "(pass --force to remove anyway; those links then dangle): " + "; ".join(lines),
+        )
+    sizes = {p: _tree_bytes(p) for p in paths}
+    note = {p: f"  (linked by {plural(len(runs), 'run link')})" for p, runs in linked.items()}
+    rows = [(p.name[:12], human_bytes(sizes[p]), str(p) + note.get(p, "")) for p in paths]
+    total = f"{plural(len(paths), 'cache')}, {human_bytes(sum(sizes.values()))}"
+    out = sys.stdout
+    out.write(("would remove " if args.dry_run else "to remove: ") + total + "\n")
+    table(rows, out, indent="  ")
+    if args.dry_run:
+        return EXIT_OK
+    out.flush()
+    _confirm(f"remove {total}?", args)
+    for p in paths:
+        store.remove(p)
+        out.write(f"removed {p}\n")
+    return EXIT_OK
+
+
+# --------------------------------------------------------------------------------------
+# clean
+
+
+def _clean_roots(args: argparse.Namespace) -> list[Path]:
+    """The given roots, else every shards root and the stage root (copies live in both)."""
+    if args.roots:
+        return [Path(r).expanduser().absolute() for r in args.roots]
+    found: list[Path] = []
+    with contextlib.suppress(RootNotSetError):  # no shards root: the stage root only
+        found += [r.path for r in store.shards_roots()]
+    found.append(store.stage_root().path)
+    return list(dict.fromkeys(found))
+
+
+def cmd_clean(args: argparse.Namespace) -> int:
+    items = [u for root in _clean_roots(args) for u in store.unpublished(root)]
+    stale = [u for u in items if not u.live]
+    live = [u for u in items if u.live]
+    out = sys.stdout
+    for u in live:
+        out.write(f"keeping {u.path}: a live process holds its lock (a writer or a copy at work), or it is not yours\n")
+    if not stale:
+        out.write("nothing to clean: no stale staging or copy folders\n")
+        return EXIT_OK
+    kinds = {"staging": "staging", "copy": "partial copy", "lock": "lock file"}
+    rows = [(kinds[u.kind], human_bytes(u.nbytes), f"{human_age(u.age)} old", str(u.path)) for u in stale]
+    total = f"{plural(len(stale), 'stale folder')}, {human_bytes(sum(u.nbytes for u in stale))}"
+    out.write(("would remove " if args.dry_run else "to remove: ") + total + "\n")
+    table(rows, out, indent="  ", right=(1,))
+    if args.dry_run:
+        return EXIT_OK
+    out.flush()
+    _confirm(f"remove {total}? (an interrupted dump or stage would then start over)", args)
+    for u in stale:
+        if store.remove_unpublished(u):
+            out.write(f"removed {u.path}\n")
+        else:
+            out.write(f"kept {u.path}: a writer took its lock meanwhile\n")
+    return EXIT_OK
+
+
+def register(sub: argparse._SubParsersAction[argparse.ArgumentParser], invoked: str | None) -> None:
+    """Add ``rm`` and ``clean`` to the ``saev-shards`` parser."""
+    p = command(
+        sub,
+        "rm",
+        "remove published caches (read-only folders too), refusing those a run links to unless --force",
+        "  saev-shards rm 3f2a                  # lists it with its size, then asks\n"
+        "  saev-shards rm 3f2a 9c1d --yes       # no question\n"
+        "  saev-shards rm 3f2a --dry-run        # only list\n",
+        cmd_rm,
+        description=(
+            "Remove published caches. Every reference is resolved first (a mistake removes nothing); "
+            "a cache that a run under the runs root links to (links/train-shards, links/val-shards) is refused "
+            "unless --force. Lists what it would remove with sizes and asks; --yes removes without asking, "
+            "--dry-run only lists. Not confirmed: nothing removed, exit 1."
+        ),
+    )
+    p.add_argument("refs", nargs="+", metavar="REF", help=REF_HELP)
+    _add_confirm_options(p)
+    p.add_argument("--force", action="store_true", help="remove caches even if runs link to them")
+    p.add_argument("--runs-root", metavar="DIR", help="where runs live (default: $SAEV_RUNS_ROOT, $SAEV_NFS/saev/runs)")
+    add_roots(p)
+
+    p = command(
+        sub,
+        "clean",
+        "remove stale staging and partial-copy folders (their writer is gone), with sizes and ages",
+        "  saev-shards clean --dry-run          # what is stale, how big, how old\n"
+        "  saev-shards clean                    # lists, then asks\n"
+        "  saev-shards clean /local/ssd/saev/shards --yes\n",
+        cmd_clean,
+        description=(
+            "Remove .staging-<hash> folders (and their lock files) and .copying-<hash> folders whose writer is "
+            "gone: a live writer or copy holds an flock on its lock, and such folders are kept. Looks in the "
+            "given roots, else in every shards root and the stage root. Lists what it would remove with sizes "
+            "and ages and asks; --yes removes without asking, --dry-run only lists. Removing the staging folder "
+            "of an interrupted dump means it starts over instead of resuming."
+        ),
+    )
+    p.add_argument(
+        "roots", nargs="*", metavar="ROOT", help="roots to clean (default: the shards roots and the stage root)"
+    )
+    _add_confirm_options(p)

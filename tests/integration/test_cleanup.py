@@ -1,0 +1,211 @@
+"""Deleting and completing caches from the command line: `rm`, `clean`, `stats` (issue 13
+items 4 and 8), run in subprocesses over real caches; the removals as a non-root user too,
+since published caches are read-only and only root ignores that."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+import saev_shards as ss
+from saev_shards import cli, fileio, store
+
+from ..support.caches import small_metadata, tree_bytes, write_cache
+from ..support.faults import NOBODY, nobody_folder, run_child
+
+
+def run(env: dict[str, str], *args: str, stdin: str = "") -> tuple[int, str, str]:
+    proc = subprocess.run(
+        [sys.executable, "-m", "saev_shards", *args],
+        check=False, capture_output=True, text=True, env=env, timeout=120, input=stdin,
+    )  # fmt: skip
+    return proc.returncode, proc.stdout, proc.stderr
+
+
+def cli_in_this_child(env: dict[str, str], *args: str) -> tuple[int, str]:
+    """The command line in a forked child (the venv's interpreter may live where uid 65534
+    cannot enter, so `run_child` forks this interpreter and drops privileges instead)."""
+    import contextlib
+    import io
+
+    os.environ.clear()
+    os.environ.update(env)
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(out):
+        code = cli.main(list(args))
+    return code, out.getvalue()
+
+
+def environment(base: Path) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("SAEV_")}
+    env.update(SAEV_SCRATCH=str(base / "scratch"), SAEV_NFS=str(base / "nfs"), SAEV_STAGE_ROOT=str(base / "local"))
+    return env
+
+
+def test_rm_lists_asks_and_refuses_caches_runs_link_to(tmp_path: Path):
+    env = environment(tmp_path)
+    root = tmp_path / "scratch" / "saev" / "shards"
+    a, b = small_metadata(), small_metadata(n_examples=7)
+    write_cache(root, a)
+    write_cache(root, b)
+    # One reference that names nothing: nothing is removed, whatever came before it.
+    code, _, err = run(env, "rm", a.hash[:8], "ffff", "--yes")
+    assert code == 3 and "no cache matches hash prefix 'ffff'" in err and (root / a.hash).is_dir()
+    code, out, _ = run(env, "rm", a.hash[:8], "--dry-run")
+    assert code == 0 and out.startswith("would remove 1 cache, ") and str(root / a.hash) in out
+    assert (root / a.hash).is_dir()
+    # Not confirmed (stdin closed, or another answer): nothing removed, exit 1.
+    for answer in ("", "n\n"):
+        code, _, err = run(env, "rm", a.hash[:8], stdin=answer)
+        assert code == 1 and "nothing removed: not confirmed (pass --yes" in err and (root / a.hash).is_dir()
+    # A run links to b: refused, naming the link, until --force.
+    assert run(env, "run", "init", "--train", b.hash[:8], "--id", "r1")[0] == 0
+    code, _, err = run(env, "rm", b.hash[:8], "--yes")
+    link = tmp_path / "nfs" / "saev" / "runs" / "r1" / "links" / "train-shards"
+    assert code == 1 and "refusing to remove 1 cache that runs link to" in err and f"{link}" in err
+    assert (root / b.hash).is_dir()
+    code, out, _ = run(env, "rm", a.hash[:8], "--runs-root", str(tmp_path / "none"), stdin="y\n")
+    assert code == 0 and f"removed {root / a.hash}\n" in out and not (root / a.hash).exists()
+    code, out, _ = run(env, "rm", b.hash, "--yes", "--force")
+    assert code == 0 and not (root / b.hash).exists() and link.is_symlink() and not link.exists()
+    # No runs root configured: the runs cannot be checked, so only --force removes.
+    write_cache(root, a)
+    no_runs = {k: v for k, v in env.items() if k != "SAEV_NFS"}
+    code, _, err = run(no_runs, "rm", a.hash[:8], "--yes")
+    assert code == 1 and "cannot check which runs link to 1 cache: no runs root" in err and (root / a.hash).is_dir()
+
+
+def test_clean_removes_only_what_no_live_writer_holds(tmp_path: Path):
+    env = environment(tmp_path)
+    root = tmp_path / "scratch" / "saev" / "shards"
+    local = tmp_path / "local"
+    for folder in (root / ".staging-aaaa", root / ".staging-bbbb", local / ".copying-cccc", local / ".copying-dddd"):
+        folder.mkdir(parents=True)
+        (folder / "part").write_bytes(b"x" * 1000)
+    (root / ".staging-eeee.lock").touch()  # a lock file whose staging folder is gone
+    live_writer = fileio.take_lock(root / ".staging-bbbb.lock")  # as a writer holds it
+    live_copy = fileio.take_lock(local / ".copying-dddd", directory=True)  # as a copy holds it
+    assert live_writer is not None and live_copy is not None
+    try:
+        code, out, _ = run(env, "ls")
+        lines = out.splitlines()
+        assert any(".staging-aaaa  staging, 1.0 KB, " in line and "stale" in line for line in lines), out
+        assert any(".staging-bbbb  staging, 1.0 KB, " in line and "a writer holds it" in line for line in lines)
+        code, out, _ = run(env, "clean", "--dry-run")
+        assert code == 0 and "would remove 3 stale folders, 2.0 KB" in out
+        assert f"keeping {root / '.staging-bbbb'}: a live process holds its lock" in out
+        assert f"keeping {local / '.copying-dddd'}" in out and (root / ".staging-aaaa").is_dir()
+        assert run(env, "clean")[0] == 1 and (root / ".staging-aaaa").is_dir()  # not confirmed
+        code, out, _ = run(env, "clean", "--yes")
+        assert code == 0, out
+        assert sorted(p.name for p in root.iterdir()) == [".staging-bbbb", ".staging-bbbb.lock"]
+        assert sorted(p.name for p in local.iterdir()) == [".copying-dddd"]
+    finally:
+        os.close(live_writer)
+        os.close(live_copy)
+    code, out, _ = run(env, "clean", str(root), "--yes")  # the writer is gone now
+    assert code == 0 and list(root.iterdir()) == [] and (local / ".copying-dddd").is_dir()
+    code, out, _ = run(env, "clean", "--yes")  # the shards and stage roots: the copy's holder is gone too
+    assert code == 0 and f"removed {local / '.copying-dddd'}\n" in out and list(local.iterdir()) == []
+    assert run(env, "clean", "--yes")[1] == "nothing to clean: no stale staging or copy folders\n"
+
+
+def test_rm_and_clean_as_a_user_whom_modes_bind():
+    """Published caches are read-only folders of read-only files: `rm -rf` by their owner
+    fails; `saev-shards rm` and `clean` make them writable first."""
+    with nobody_folder() as base:
+        env = environment(base)
+        root = base / "scratch" / "saev" / "shards"
+        md = small_metadata()
+        write_cache(root, md)
+        stale = root / f".staging-{small_metadata(n_examples=9).hash}"
+        stale.mkdir()
+        (stale / "part").write_bytes(b"x")
+        os.chmod(stale / "part", 0o444)
+        os.chmod(stale, 0o555)  # as a writer killed while publishing leaves it
+        for path in [base, *base.rglob("*")]:
+            os.chown(path, NOBODY, NOBODY, follow_symlinks=False)
+        if os.geteuid() == 0:
+            plain = subprocess.run(["setpriv", f"--reuid={NOBODY}", f"--regid={NOBODY}", "--clear-groups",
+                                    "rm", "-rf", str(root / md.hash)], capture_output=True, check=False)  # fmt: skip
+            assert plain.returncode != 0 and (root / md.hash / "metadata.json").exists()  # modes bind
+        removed = run_child(cli_in_this_child, env, "rm", md.hash[:8], "--yes", as_nobody=True)
+        assert removed.kind == "ok" and removed.detail.startswith("(0, "), removed
+        assert not (root / md.hash).exists()
+        theirs = base / "local" / ".copying-ffff"  # another user's copy in a shared stage root (root's)
+        theirs.mkdir(parents=True)
+        os.chmod(theirs, 0o700)
+        as_root = os.geteuid() == 0
+        cleaned = run_child(cli_in_this_child, env, "clean", "--yes", as_nobody=True)
+        assert cleaned.kind == "ok" and cleaned.detail.startswith("(0, "), cleaned
+        assert list(root.iterdir()) == []
+        if as_root:  # the children ran as uid 65534: root's folder is not theirs to judge
+            assert theirs.is_dir() and f"keeping {theirs}" in cleaned.detail
+
+
+def test_stats_writes_a_verified_sidecar_that_shards_stats_finds(tmp_path: Path):
+    env = environment(tmp_path)
+    root = tmp_path / "scratch" / "saev" / "shards"
+    md = small_metadata()
+    lengths = (1 + np.arange(md.n_examples) % md.tokens_per_ex).astype(np.int32)
+    write_cache(root, md, lengths=lengths)
+    with_stats = tmp_path / "with-stats"
+    write_cache(with_stats, md, lengths=lengths, stats=True, batches=(3, 5))
+    before = tree_bytes(root / md.hash)
+    assert ss.open(root / md.hash).stats is None
+    code, out, err = run(env, "stats", md.hash[:6] + " ")
+    sidecar = root / ".stats" / f"{md.hash}.json"
+    assert code == 0 and out == f"{sidecar}\n", err
+    tokens = 2 * int(lengths.sum())  # two layers, padding excluded
+    assert err == f"{md.hash[:12]}: statistics of {tokens} tokens over 2 layers written beside the cache\n"
+    assert tree_bytes(root / md.hash) == before  # the published cache is untouched
+    # The same numbers the writer gathers with stats=True (padding excluded by lengths).
+    found, written = ss.open(root / md.hash).stats, ss.open(with_stats / md.hash).stats
+    assert found is not None and written is not None and found.keys() == written.keys()
+    for key in written:
+        np.testing.assert_allclose(found[key], written[key], rtol=1e-12)
+    code, out, _ = run(env, "info", md.hash[:6])
+    assert code == 0 and f"stats      per layer, over stored tokens (computed later: {sidecar}):" in out
+    # A local copy takes the sidecar along.
+    copy = store.stage(md.hash[:6], tmp_path / "local", roots=[root])
+    assert copy.path == tmp_path / "local" / md.hash and (tmp_path / "local" / ".stats" / sidecar.name).is_file()
+    assert copy.stats is not None and np.array_equal(copy.stats["count"], found["count"])
+    code, _, err = run(env, "stats", md.hash[:6])
+    assert code == 0 and "already computed and verified, nothing to do" in err
+    code, _, err = run(env, "stats", md.hash[:6], "--force", "--progress")
+    assert code == 0 and f"stats {md.hash[:12]}" in err and "100.0%" in err
+    code, _, err = run(env, "stats", str(with_stats / md.hash))
+    assert code == 0 and "has statistics of its own (stats.json)" in err
+    # Verified: damaged numbers, or a sidecar of other data, are errors naming the file.
+    obj = json.loads(sidecar.read_text())
+    obj["stats"]["norm_mean"][0] += 1.0
+    sidecar.write_text(json.dumps(obj))
+    with pytest.raises(ss.StatsFileError, match=r"stats_xxh3_128: expected .* damaged; remove it, or make it again"):
+        _ = ss.open(root / md.hash).stats
+    code, _, err = run(env, "info", md.hash[:6])
+    assert code == 1 and str(sidecar) in err
+    assert run(env, "stats", md.hash[:6], "--force")[0] == 0 and ss.open(root / md.hash).stats is not None
+    other = small_metadata(n_examples=7)
+    write_cache(root, other)
+    os.replace(sidecar, root / ".stats" / f"{other.hash}.json")
+    with pytest.raises(ss.StatsFileError, match=f"cache: expected {other.hash}, found '{md.hash}'"):
+        _ = ss.open(root / other.hash).stats
+    assert ss.open(root / md.hash).stats is None  # its sidecar is gone
+    assert [e.hash for e in store.list_caches(root)] == sorted([md.hash, other.hash])  # .stats is no cache
+
+
+def test_writing_a_published_cache_again_says_how_to_read_or_remove_it(tmp_path: Path):
+    md = small_metadata()
+    write_cache(tmp_path, md)
+    with pytest.raises(ss.AlreadyPublishedError) as caught:
+        ss.ShardWriter(tmp_path, md)
+    assert (
+        f"read it with ss.open(path) (or by a prefix of its hash in the shards root, ss.open('{md.hash[:8]}')), "
+        f"or remove it with `saev-shards rm {md.hash[:12]}` to write it again" in str(caught.value)
+    )
