@@ -17,7 +17,6 @@ from ._common import (
     EXIT_OK,
     EXIT_SYSTEM,
     EXIT_USAGE,
-    PROG,
     REF_HELP,
     Failure,
     add_progress,
@@ -82,9 +81,6 @@ def cmd_shuffle(args: argparse.Namespace) -> int:
         shuffled = run_plan(plan, progress=progress_arg(args))
     except DiskFullError as error:
         raise Failure(EXIT_SYSTEM, str(error)) from error
-    except KeyboardInterrupt:
-        err.write(f"\n{PROG}: run the same command again to resume the shuffle\n")
-        raise
     seconds = time.perf_counter() - start
     nbytes = shuffled.metadata.nbytes
     err.write(
@@ -118,6 +114,7 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser], invoked: 
             "to stderr; the output goes next to the source unless --to says otherwise."
         ),
     )
+    p.set_defaults(interrupted_hint="the runs written so far are kept: run the same command again to resume")
     p.add_argument("ref", metavar="SRC", help=REF_HELP)
     p.add_argument(
         "--layers",
