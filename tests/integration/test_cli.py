@@ -19,6 +19,7 @@ import saev_shards as ss
 from saev_shards import cli
 
 from ..support.caches import colliding_metadata, small_metadata, tree_bytes, writable_copy, write_cache
+from ..support.cli import cli_with_ctrl_c
 
 
 @dataclass
@@ -423,7 +424,7 @@ def test_stage_killed_by_ctrl_c_resumes(tmp_path: Path):
     env = clean_env(SAEV_SHARDS_ROOT=str(tmp_path / "shards"))
     local = tmp_path / "local"
     partial = local / f".copying-{md.hash}"
-    args = [sys.executable, "-m", "saev_shards", "stage", md.hash[:8], "--to", str(local)]
+    args = cli_with_ctrl_c("stage", md.hash[:8], "--to", str(local))
     proc = subprocess.Popen(args, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     deadline = time.monotonic() + 60
     while time.monotonic() < deadline and not (partial.is_dir() and any(p.stat().st_size for p in partial.iterdir())):

@@ -23,6 +23,8 @@ from saev_shards.cli.dump import MINIMAL_CONFIG
 from saev_shards.dump import folder_ckpt, parse_config, plan
 from saev_shards.errors import ConfigError
 
+from ..support.cli import cli_with_ctrl_c
+
 REPO = Path(__file__).resolve().parents[2]
 #: The variables that choose roots and writers: each test sets its own.
 _ENV_CHOSEN = (
@@ -287,23 +289,12 @@ def test_dump_help_shows_examples_a_minimal_config_and_points_at_the_docs() -> N
     )
 
 
-#: The command line as `python -m saev_shards` runs it, with Ctrl-C raising KeyboardInterrupt
-#: even when this test runs with SIGINT ignored (a shell without job control starts
-#: background jobs so, e.g. `nohup make test &`, and Python then installs no handler).
-_WITH_CTRL_C = (
-    "import signal, sys\n"
-    "signal.signal(signal.SIGINT, signal.default_int_handler)\n"
-    "from saev_shards.cli import main\n"
-    "sys.exit(main(sys.argv[1:]))\n"
-)
-
-
 def test_ctrl_c_during_a_dump_prints_one_line_and_130(tmp_path: Path) -> None:
     root = tmp_path / "shards"
     config = _tiny(tmp_path, budget=200)
     env = _env(SAEV_SHARDS_ROOT=str(root), SAEV_TEST_DELAY="0.1")  # slow forward passes: time to interrupt
     proc = subprocess.Popen(
-        [sys.executable, "-c", _WITH_CTRL_C, "dump", str(config), "--progress"],
+        cli_with_ctrl_c("dump", str(config), "--progress"),
         cwd=REPO,
         env=env,
         stdout=subprocess.PIPE,
