@@ -71,6 +71,32 @@ class Problem:
         return f"Problem({self.kind.__name__}, {self.message!r})"
 
 
+class ProblemCollector:
+    """Every problem found in one file or value, gathered before anything is raised.
+
+    ``kind`` is the error class each problem is reported as (`add` may name another);
+    ``prefix`` starts every message (a file's absolute path and ``": "``). `raise_problems`
+    turns what was collected into one error.
+    """
+
+    def __init__(self, kind: type[InvalidCacheError], prefix: str = "") -> None:
+        self.kind = kind
+        self.prefix = prefix
+        self.problems: list[Problem] = []
+
+    def add(self, message: str, kind: type[InvalidCacheError] | None = None) -> None:
+        self.problems.append(Problem(kind or self.kind, self.prefix + message))
+
+    def extend(self, problems: Iterable[Problem]) -> None:
+        self.problems.extend(problems)
+
+    def __bool__(self) -> bool:
+        return bool(self.problems)
+
+    def __len__(self) -> int:
+        return len(self.problems)
+
+
 class InvalidCacheError(ShardsError):
     """Raised when a cache on disk breaks the protocol; `.problems` lists every problem."""
 

@@ -6,6 +6,7 @@ import contextlib
 import os
 import stat
 import threading
+import warnings
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
@@ -23,7 +24,6 @@ from .errors import (
     FileSizeError,
     HashMismatchError,
     InvalidCacheError,
-    JSONFileError,
     ManifestError,
     MetadataError,
     MetadataFileError,
@@ -35,28 +35,23 @@ from .errors import (
     raise_problems,
 )
 from .fileio import IO_CHUNK, file_kind, hash_file, pread_exact
-from .format import (
+from .manifest import Manifest
+from .metadata import Metadata, parse_metadata
+from .progress import Progress
+from .protocol import is_cache_name
+from .protocol.common import (
     CHECKSUMS_FILE,
-    HASH_RE,
-    LABELS_DTYPE,
     LABELS_FILE,
-    LEGACY_PROTOCOL,
     MANIFEST_FILE,
     MAX_METADATA_BYTES,
     METADATA_FILE,
     SHARD_NAME_RE,
     STATS_FILE,
-    check_version,
-    manifest_max_bytes,
-    read_json_file,
-    shard_name,
-    short_repr,
+    ProtocolWarning,
     stats_max_bytes,
-    warn_legacy,
 )
-from .manifest import ArrayEntry, Manifest, ShardEntry, ShardList, parse_checksums, parse_manifest, parse_stats
-from .metadata import Metadata, parse_metadata
-from .progress import Progress
+from .protocol.jsonfile import load_json, short_repr
+from .protocol.v3 import parse_stats
 
 PathLike = str | os.PathLike[str]
 
@@ -94,39 +89,30 @@ def open(path: PathLike, *, check_hash: bool = True, roots: PathLike | Sequence[
     problems.extend(more)
     raise_problems(problems, where)
     assert manifest is not None
-    if md.protocol == LEGACY_PROTOCOL:
-        warn_legacy(where)
+    if md.format.legacy:
+        warnings.warn(
+            f"{where}: a protocol {md.protocol} cache ({md.format.summary}, float32), read with the "
+            f"compatibility rules of protocol.md section 9 (no checksums unless {CHECKSUMS_FILE} is "
+            "there; the last shard may be padded to a full shard)",
+            ProtocolWarning,
+            stacklevel=2,
+        )
     return Shards(root, md, manifest)
-
-
-def _read_json(
-    path: Path, max_bytes: int, kind: type[InvalidCacheError], every_number: bool = True
-) -> tuple[Any, list[Problem]]:
-    """``(parsed value, [])``, or ``(None, [the problem])`` worded for a file of ``kind``."""
-    try:
-        return read_json_file(path, max_bytes, every_number=every_number), []
-    except FileNotFoundError:
-        return None, [Problem(CacheNotFoundError, f"{path}: missing")]
-    except (JSONFileError, NotRegularFileError) as err:
-        return None, [Problem(kind, str(err))]
 
 
 def _load_metadata(root: Path, check_hash: bool) -> tuple[Metadata | None, list[Problem]]:
     path = root / METADATA_FILE
-    obj, problems = _read_json(path, MAX_METADATA_BYTES, MetadataFileError)
+    obj, problems = load_json(path, MAX_METADATA_BYTES, MetadataFileError)
     if problems:
         return None, problems
-    if isinstance(obj, dict) and "protocol" in obj:
-        try:
-            check_version(obj["protocol"])
-        except ProtocolVersionError as err:
-            raise ProtocolVersionError(f"{path}: {err}") from None
     try:
-        md = parse_metadata(obj)
+        md = parse_metadata(obj, root.name)
+    except ProtocolVersionError as err:
+        raise ProtocolVersionError(f"{path}: {err}") from None
     except MetadataError as err:
         return None, [Problem(MetadataFileError, f"{path}: {err}")]
     if check_hash and root.name != md.hash:
-        detail = "" if HASH_RE.fullmatch(root.name) else " (the directory name is not a 64-digit hash)"
+        detail = "" if is_cache_name(root.name) else f" (the directory name is not a {len(md.hash)}-digit hash)"
         problems.append(
             Problem(
                 HashMismatchError,
@@ -138,66 +124,14 @@ def _load_metadata(root: Path, check_hash: bool) -> tuple[Metadata | None, list[
 
 
 def _load_manifest(root: Path, md: Metadata) -> tuple[Manifest | None, list[Problem]]:
-    path = root / MANIFEST_FILE
-    # Every integer of shards.json is type-checked by parse_manifest: the scan may skip scalars.
-    obj, problems = _read_json(path, manifest_max_bytes(md.n_shards), ManifestError, every_number=False)
-    if problems:
-        return None, problems
-    manifest, problems = parse_manifest(obj, md.protocol, str(path))
+    manifest, problems = md.format.load_manifest(root, md)
     if manifest is None or problems:
         return manifest, problems
-    listed_extra: list[str] = []
-    if md.protocol == LEGACY_PROTOCOL:
-        manifest, listed_extra, more = _legacy_fixups(root, md, manifest)
-        problems.extend(more)
     problems.extend(_check_shards(root, md, manifest))
-    problems.extend(_check_other_files(root, md, manifest, listed_extra))
+    empty = manifest.empty_shards
+    problems.extend(_check_files(root, empty.names, empty.sizes))
+    problems.extend(_check_other_files(root, md, manifest))
     return manifest, problems
-
-
-def _legacy_fixups(root: Path, md: Metadata, manifest: Manifest) -> tuple[Manifest, list[str], list[Problem]]:
-    """Protocol 2.1: set aside the reference writer's trailing empty shards, attach sizes and digests.
-
-    Returns the manifest, the names of the trailing empty shards it listed (their files are
-    ignored, not unexpected) and the problems found. Only names of the expected form
-    ``acts<06d>.bin`` ever reach a system call.
-    """
-    problems: list[Problem] = []
-    shards = list(manifest.shards)
-    trailing: list[str] = []
-    while len(shards) > md.n_shards and shards[-1].n_examples == 0:
-        index = len(shards) - 1
-        if shards[-1].name == shard_name(index):
-            trailing.append(shards.pop().name)
-        else:
-            break  # named wrongly: kept, so _check_shards reports it
-    digests: dict[str, tuple[int, str]] = {}
-    sidecar = root / CHECKSUMS_FILE
-    if os.path.lexists(sidecar):  # absent: no checksums; present but a link or broken: an error
-        obj, problems = _read_json(sidecar, manifest_max_bytes(md.n_shards), ManifestError)
-        if not problems:
-            digests, problems = parse_checksums(obj, str(sidecar))
-    entries = []
-    full = md.examples_per_shard * md.example_nbytes
-    for i, s in enumerate(shards):
-        nbytes = s.n_examples * md.example_nbytes
-        if i == md.n_shards - 1 and s.name == shard_name(i) and _size(root / s.name) == full:
-            nbytes = full  # the reference writer pads the last shard to a full shard; accept both lengths
-        nbytes, digest = digests.get(s.name, (nbytes, None))
-        entries.append(ShardEntry(s.name, s.n_examples, nbytes, digest))
-    labels = None
-    if os.path.lexists(root / LABELS_FILE):
-        nbytes = md.n_examples * md.patches_per_ex
-        nbytes, digest = digests.get(LABELS_FILE, (nbytes, None))
-        labels = ArrayEntry(LABELS_FILE, LABELS_DTYPE.str, (md.n_examples, md.patches_per_ex), nbytes, digest)
-    return Manifest(shards=ShardList.of(entries), labels=labels), trailing, problems
-
-
-def _size(path: Path) -> int:
-    try:
-        return os.lstat(path).st_size
-    except OSError:
-        return -1
 
 
 def _check_shards(root: Path, md: Metadata, manifest: Manifest) -> list[Problem]:
@@ -214,7 +148,6 @@ def _check_shards(root: Path, md: Metadata, manifest: Manifest) -> list[Problem]
         )
     eps = md.examples_per_shard
     example_nbytes = md.example_nbytes
-    legacy = md.protocol == LEGACY_PROTOCOL
     # One pass of list comparisons for the common, valid manifest (10^4 shards in a few ms);
     # entry-by-entry messages only for entries that differ.
     count = len(manifest.shards)
@@ -223,12 +156,11 @@ def _check_shards(root: Path, md: Metadata, manifest: Manifest) -> list[Problem]
     extra = [0] * max(0, count - expected)
     want_counts = (([eps] * (expected - 1) + [last] if expected else []) + extra)[:count]
     names, counts, sizes = manifest.shards.names, manifest.shards.counts, manifest.shards.sizes
-    if legacy:
-        want_sizes = sizes
-    else:  # list arithmetic, not a loop: 10^4 shards
-        want_sizes = (([eps * example_nbytes] * (expected - 1) + [last * example_nbytes] if expected else []) + extra)[
-            :count
-        ]
+    # list arithmetic, not a loop: 10^4 shards
+    full = eps * example_nbytes
+    want_sizes = (([full] * (expected - 1) + [last * example_nbytes] if expected else []) + extra)[:count]
+    if md.format.padded_last and count == expected and expected and sizes[-1] == full:
+        want_sizes[-1] = full  # 2.1: the last shard's file padded to a full shard
     if names == want_names and counts == want_counts and sizes == want_sizes:
         problems.extend(_check_files(root, names, sizes))
         return problems
@@ -305,13 +237,13 @@ def _check_file(path: Path, nbytes: int) -> list[Problem]:
     return []
 
 
-def _check_other_files(root: Path, md: Metadata, manifest: Manifest, listed_extra: Sequence[str]) -> list[Problem]:
+def _check_other_files(root: Path, md: Metadata, manifest: Manifest) -> list[Problem]:
     problems: list[Problem] = []
     where = root / MANIFEST_FILE
     if manifest.labels is not None:
         want = (md.n_examples, md.patches_per_ex)
         lab = manifest.labels
-        if lab.shape != want or (md.protocol != LEGACY_PROTOCOL and lab.nbytes != md.n_examples * md.patches_per_ex):
+        if lab.shape != want or lab.nbytes != md.n_examples * md.patches_per_ex:
             problems.append(
                 Problem(ManifestError, f"{where}: labels: expected shape {list(want)} uint8, found {list(lab.shape)}")
             )
@@ -351,8 +283,8 @@ def _check_other_files(root: Path, md: Metadata, manifest: Manifest, listed_extr
             problems.extend(_check_file(root / manifest.stats.name, manifest.stats.nbytes))
     present = set(os.listdir(root))
     unlisted = present.difference(manifest.shards.names)  # set operations in C: 10^4 names
+    unlisted.difference_update(manifest.empty_shards.names)
     unlisted.difference_update(name for name, _, _ in manifest.other_files())
-    unlisted.difference_update(listed_extra)  # 2.1: the trailing empty shards shards.json lists
     problems.extend(
         Problem(UnexpectedFileError, f"{root / name}: data file not listed in {MANIFEST_FILE}")
         for name in sorted(unlisted)
@@ -769,7 +701,8 @@ class Shards:
             md = self.metadata
             path = self.path / entry.name
             # parse_stats type-checks every integer; a float is a float whatever its spelling.
-            raw, problems = _read_json(path, stats_max_bytes(md.n_layers, md.d_model), StatsFileError, False)
+            cap = stats_max_bytes(md.n_layers, md.d_model)
+            raw, problems = load_json(path, cap, StatsFileError, every_number=False)
             raise_problems(problems, str(self.path))
             self._aux["stats"] = parse_stats(raw, md.layers, md.d_model, str(path))
         return self._aux["stats"]  # type: ignore[no-any-return]
@@ -806,10 +739,10 @@ class Shards:
         `InvalidCacheError` for several kinds) listing every problem.
         """
         md_path = self.path / METADATA_FILE
-        obj, problems = _read_json(md_path, MAX_METADATA_BYTES, MetadataFileError)
+        obj, problems = load_json(md_path, MAX_METADATA_BYTES, MetadataFileError)
         if not problems:
             try:
-                current = parse_metadata(obj)
+                current = parse_metadata(obj, self.path.name)
             except MetadataError as err:
                 problems.append(Problem(MetadataFileError, f"{md_path}: {err}"))
             else:
@@ -854,8 +787,6 @@ class Shards:
                     problems.extend(self._stats_problems())
         raise_problems(problems, str(self.path))
         if unchecked:
-            import warnings
-
             warnings.warn(
                 f"{self.path}: {len(unchecked)} files have no recorded checksum (protocol 2.1 without "
                 f"{CHECKSUMS_FILE}); only their sizes were checked",

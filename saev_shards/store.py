@@ -62,19 +62,11 @@ from .fileio import (
     take_lock,
     write_file_atomic,
 )
-from .format import (
-    CHECKSUMS_FILE,
-    HASH_RE,
-    LEGACY_PROTOCOL,
-    MANIFEST_FILE,
-    MAX_METADATA_BYTES,
-    METADATA_FILE,
-    SHARD_NAME_RE,
-    ProtocolWarning,
-    read_json_file,
-)
 from .metadata import Metadata, parse_metadata
 from .progress import Progress
+from .protocol import is_cache_name
+from .protocol.common import MANIFEST_FILE, MAX_METADATA_BYTES, METADATA_FILE, ProtocolWarning
+from .protocol.jsonfile import read_json_file
 from .writer import STAGING_PREFIX
 
 PathLike = str | os.PathLike[str]
@@ -178,8 +170,9 @@ def _scan(root: Path) -> Iterator[os.DirEntry[str]]:
 
 
 def _cache_names(root: Path) -> list[str]:
-    """Names of published cache directories in ``root`` (64-digit hashes; staging names excluded)."""
-    return sorted(e.name for e in _scan(root) if HASH_RE.fullmatch(e.name) and e.is_dir())
+    """Names of published cache directories in ``root`` (64-digit hashes, or the 8 digits of a
+    cache written by saev's code; staging names excluded)."""
+    return sorted(e.name for e in _scan(root) if is_cache_name(e.name) and e.is_dir())
 
 
 def _kind_of_ref(key: str) -> str:
@@ -221,6 +214,8 @@ def resolve(ref: PathLike, roots: Roots = None) -> Path:
             names = [key] if (root.path / key).is_dir() else []
         else:
             names = [n for n in _cache_names(root.path) if n.startswith(key)]
+            if key in names:  # a whole 8-digit name (saev's code) wins over longer names it starts
+                names = [key]
         for name in names:
             matches.setdefault(name, root.path / name)
     if len(matches) == 1:
@@ -320,9 +315,9 @@ def remove(path: PathLike) -> None:
     """
     p = Path(path).expanduser().absolute()
     name = p.name
-    if not (HASH_RE.fullmatch(name) or name.startswith((STAGING_PREFIX, COPY_PREFIX))):
+    if not (is_cache_name(name) or name.startswith((STAGING_PREFIX, COPY_PREFIX))):
         raise CacheRefError(
-            f"refusing to remove {p}: expected a cache directory named by its 64-digit hash "
+            f"refusing to remove {p}: expected a cache directory named by its hash (64 or 8 hex digits) "
             f"(or a {STAGING_PREFIX}/{COPY_PREFIX} directory), found the name {name!r}"
         )
     if p.is_symlink():
@@ -461,17 +456,7 @@ def copy_cache(
 
 def _files_to_copy(source: reader.Shards) -> list[tuple[str, int, str | None]]:
     """``(name, nbytes, xxh3_128 or None)`` of every data file a copy of ``source`` holds."""
-    files: list[tuple[str, int, str | None]] = list(source.manifest.files())
-    if source.metadata.protocol == LEGACY_PROTOCOL:
-        # The reference writer's trailing empty shard: ignored when reading, but listed in
-        # its shards.json, and the reference memmaps every listed shard; so it is copied too.
-        listed = {f for f, _, _ in files}
-        files += [
-            (e.name, e.stat().st_size, None)
-            for e in sorted(_scan(source.path), key=lambda e: e.name)
-            if SHARD_NAME_RE.fullmatch(e.name) and e.name not in listed
-        ]
-    return files
+    return list(source.manifest.files())  # with a 2.1 cache's empty shards: saev memmaps them
 
 
 def _bytes_missing(partial: Path, files: list[tuple[str, int, str | None]]) -> int:
@@ -521,9 +506,10 @@ def _copy_files(
             report.copied_bytes += nbytes
     expected = {fname: nbytes for fname, nbytes, _ in files}
     # The small JSON files go last: their presence never suggests the data is complete.
-    for fname in (METADATA_FILE, MANIFEST_FILE, CHECKSUMS_FILE):
+    sidecars = source.metadata.format.sidecar_names
+    for fname in (METADATA_FILE, MANIFEST_FILE, *sidecars):
         src = source.path / fname
-        if src.exists() or fname != CHECKSUMS_FILE:
+        if src.exists() or fname not in sidecars:
             data = src.read_bytes()
             write_file_atomic(partial / fname, data, durable)
             expected[fname] = len(data)
@@ -620,8 +606,12 @@ def _publish(source: reader.Shards, partial: Path, final: Path, durable: bool, e
     """Check the copy opens as the same cache and holds exactly ``expected``, freeze it and
     rename it into place."""
     copy = open_quietly(partial, check_hash=False)
-    if copy.metadata.hash != final.name:
-        raise HashMismatchError(f"{partial / METADATA_FILE}: expected hash {final.name}, found {copy.metadata.hash}")
+    found = copy.metadata.hash
+    if copy.metadata.dialect != source.metadata.dialect:  # saev's 64-digit names are told by the name
+        with contextlib.suppress(ShardsError):
+            found = copy.metadata.replace(dialect=source.metadata.dialect).hash
+    if found != final.name:
+        raise HashMismatchError(f"{partial / METADATA_FILE}: expected hash {final.name}, found {found}")
     if not publish_dir(partial, final, durable, expected=expected):
         remove(partial)  # another process published the same verified copy meanwhile
 
