@@ -5,7 +5,7 @@ BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
 # torch==2.13.0 is pinned in pyproject.toml: this machine has its CPU wheel locally.
 
-.PHONY: venv test test-all lint typecheck demo bench bench-quick clean
+.PHONY: venv test test-all lint typecheck demo bench bench-quick bench-gpu clean
 
 venv: $(STAMP)
 
@@ -40,6 +40,10 @@ bench: $(STAMP)
 
 bench-quick: $(STAMP)
 	$(BIN)/python scripts/bench.py --quick
+
+## make bench-gpu: the loaders against a GPU node's own limits (host parts only without CUDA)
+bench-gpu: $(STAMP)
+	$(BIN)/python scripts/bench_gpu.py
 
 clean:
 	rm -rf $(VENV) build *.egg-info .mypy_cache .ruff_cache .pytest_cache .hypothesis

@@ -42,6 +42,7 @@ from .errors import (
     RunExistsError,
     RunNotFoundError,
     ShardsError,
+    ShuffleError,
     StatsFileError,
     UnexpectedFileError,
     UnknownCacheError,
@@ -52,6 +53,7 @@ from .format import LEGACY_PROTOCOL, PROTOCOL, SUPPORTED_PROTOCOLS, ProtocolWarn
 from .manifest import Manifest
 from .metadata import Metadata
 from .reader import Shards, TextColumn, open
+from .shuffle import shuffle_cache
 from .writer import ShardWriter, finalize
 
 __version__ = "0.1.0"
@@ -90,6 +92,7 @@ __all__ = [
     "ShardWriter",
     "Shards",
     "ShardsError",
+    "ShuffleError",
     "StatsFileError",
     "TextColumn",
     "UnexpectedFileError",
@@ -103,6 +106,7 @@ __all__ = [
     "finalize",
     "layout",
     "open",
+    "shuffle_cache",
     "store",
     "to_float32",
 ]

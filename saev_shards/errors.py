@@ -195,6 +195,10 @@ class MissingDependencyError(ShardsError, ImportError):
     """Raised when an optional dependency is needed but not installed; the message names the extra."""
 
 
+class ShuffleError(ShardsError):
+    """Raised when a shuffle is configured wrongly or its scratch files cannot be used."""
+
+
 class RootNotSetError(ShardsError):
     """Raised when a shards or runs root is needed but neither given nor set in the environment."""
 

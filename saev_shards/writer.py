@@ -40,7 +40,7 @@ import numpy.typing as npt
 import orjson
 import xxhash
 
-from . import dtypes
+from . import dtypes, world
 from .errors import (
     AlreadyPublishedError,
     MetadataError,
@@ -129,25 +129,14 @@ def part_file(k: int, stream: str) -> str:
 
 def rank_shards(n_shards: int, rank: int, world_size: int) -> range:
     """The contiguous block of shard indices writer ``rank`` of ``world_size`` writes."""
-    if world_size < 1 or not 0 <= rank < world_size:
-        raise WriterError(f"rank {rank} is not in [0, world_size={world_size})")
-    return range(rank * n_shards // world_size, (rank + 1) * n_shards // world_size)
+    return world.share(n_shards, *world.check(rank, world_size, WriterError))
 
 
 def world_from_env(rank: int | None, world_size: int | None) -> tuple[int, int]:
-    """``(rank, world_size)``: explicit values, else torchrun's RANK/WORLD_SIZE, else a SLURM
-    array's task id and count, else ``(0, 1)``."""
-    if rank is not None or world_size is not None:
-        if rank is None or world_size is None:
-            raise WriterError("give both rank and world_size, or neither")
-        return rank, world_size
-    env = os.environ
-    if "RANK" in env and "WORLD_SIZE" in env:
-        return int(env["RANK"]), int(env["WORLD_SIZE"])
-    if "SLURM_ARRAY_TASK_ID" in env and "SLURM_ARRAY_TASK_COUNT" in env:
-        first = int(env.get("SLURM_ARRAY_TASK_MIN", "0"))
-        return int(env["SLURM_ARRAY_TASK_ID"]) - first, int(env["SLURM_ARRAY_TASK_COUNT"])
-    return 0, 1
+    """``(rank, world_size)`` by `saev_shards.world.detect`: explicit values, else an initialised
+    torch.distributed group, else torchrun's RANK/WORLD_SIZE, else a SLURM array, else ``(0, 1)``."""
+    found = world.detect(rank, world_size, slurm_array=True, error=WriterError)
+    return found.rank, found.world_size
 
 
 def _byte_view(data: bytes | npt.NDArray[Any]) -> memoryview:

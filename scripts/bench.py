@@ -1,6 +1,6 @@
 """`make bench`: every benchmark table, each figure a same-run ratio to the machine's limits.
 
-    .venv/bin/python scripts/bench.py [--quick] [--scale] [--only core,loaders,writers,peers]
+    .venv/bin/python scripts/bench.py [--quick] [--scale] [--only core,loaders,writers,shuffle,peers]
 
 Tables print to stdout and are saved, with plots, under results/.
 """
@@ -23,6 +23,7 @@ SUITES = [
     ("core", "scripts.bench_core"),
     ("loaders", "scripts.bench_loaders"),
     ("writers", "scripts.bench_writers"),
+    ("shuffle", "scripts.bench_shuffle"),
     ("peers", "scripts.bench_peers"),
     ("convert", "scripts.bench_convert"),
 ]

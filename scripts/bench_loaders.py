@@ -170,8 +170,9 @@ def bench_page_cached(shards: ss.Shards, quick: bool) -> None:
     )
     table.note(
         f"Batches of {BATCH} token vectors (1,536 bytes each, float16 unless noted; GB/s counts the stored bytes "
-        f"delivered). Shuffle window {buffer >> 20} MiB (two held), 4 MiB read blocks, 4 read threads, "
-        f"gather threads: {loaders.default_gather_threads()} unless noted. Each sample is one epoch, timed from its "
+        f"delivered). Shuffle window {buffer >> 20} MiB (two held), 4 MiB read blocks, "
+        f"read threads: {loaders.default_read_threads()}, gather threads: {loaders.default_gather_threads()} "
+        "unless noted. Each sample is one epoch, timed from its "
         f"first batch; median of {rounds} interleaved rounds. Target: >= 0.4 of memcpy on 2 cores."
     )
     table.emit()
@@ -217,7 +218,11 @@ def bench_cold(shards: ss.Shards, quick: bool, big: bool) -> None:
 
 def virtual_shards(n_examples: int, patches_per_shard: int = 2_400_000) -> ss.Shards:
     """An ImageNet-sized cache description with no files behind it (the planner reads none)."""
-    md = make_metadata(n_examples, "quality", patches_per_shard)
+    return virtual_cache(make_metadata(n_examples, "quality", patches_per_shard))
+
+
+def virtual_cache(md: ss.Metadata) -> ss.Shards:
+    """A cache described by ``md`` with no files behind it: for plans and arithmetic only."""
     entries = ShardList.of(
         ShardEntry(f"acts{k:06d}.bin", md.shard_n_examples(k), md.shard_n_examples(k) * md.example_nbytes, None)
         for k in range(md.n_shards)

@@ -31,7 +31,7 @@ from ..errors import (
     UnknownCacheError,
     WriterBusyError,
 )
-from . import caches, convert, dump, runs
+from . import caches, convert, dump, runs, shuffle
 from ._common import (
     EXIT_BROKEN_PIPE,
     EXIT_CODES_HELP,
@@ -66,7 +66,7 @@ __all__ = [
 ]
 
 #: The modules whose commands make up the command line, in --help order.
-COMMANDS = (caches, runs, dump, convert)
+COMMANDS = (caches, shuffle, convert, runs, dump)
 
 
 def build_parser(invoked: str | None = None) -> argparse.ArgumentParser:
@@ -81,6 +81,7 @@ def build_parser(invoked: str | None = None) -> argparse.ArgumentParser:
             "  saev-shards info 3f2a                   # a readable summary of one cache\n"
             "  saev-shards verify 3f2a                 # sizes, checksums and hash\n"
             "  saev-shards stage 3f2a                  # verified local copy in $TMPDIR\n"
+            "  saev-shards shuffle 3f2a --layers 11    # a perfectly shuffled copy for training\n"
             "  saev-shards run init --train 3f2a --val 9c1d --id sae-16k\n"
             "  saev-shards doctor --run sae-16k\n"
             "  saev-shards convert ./activations      # pickle shards, zarr logs, SAELens, .npy -> a cache\n"

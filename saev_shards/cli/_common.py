@@ -33,7 +33,7 @@ exit codes:
   3    not found: no cache or run matches, or a hash prefix is ambiguous or too short
   4    system error: permission denied, disk full, another process holds the cache
   5    internal error: a bug (rerun with --debug and report the traceback)
-  130  interrupted (Ctrl-C); `stage` and `convert` resume where they stopped when run again
+  130  interrupted (Ctrl-C); `stage`, `convert` and `shuffle` resume where they stopped when run again
   141  the reader of the output went away (e.g. `| head`); nothing is printed
 """
 

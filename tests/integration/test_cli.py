@@ -92,13 +92,13 @@ def one_error_line(r: Result) -> str:
 def test_help_lists_commands_roots_and_exit_codes(st: Store):
     r = st.run("--help")
     assert r.code == 0
-    for command in ("info", "ls", "verify", "resolve", "stage", "run", "doctor", "dump", "convert"):
+    for command in ("info", "ls", "verify", "resolve", "stage", "shuffle", "convert", "run", "doctor", "dump"):
         assert f"\n    {command}" in r.out
     assert "$SAEV_SHARDS_ROOT" in r.out and "$SAEV_SCRATCH/saev/shards" in r.out and "$SAEV_NFS/saev/runs" in r.out
     assert cli.EXIT_CODES_HELP in r.out
 
 
-COMMANDS = ["info", "ls", "verify", "resolve", "stage", "run", "run init", "run show", "doctor", "convert"]
+COMMANDS = ["info", "ls", "verify", "resolve", "stage", "shuffle", "convert", "run", "run init", "run show", "doctor"]
 
 
 def test_every_command_has_help_with_examples(st: Store):

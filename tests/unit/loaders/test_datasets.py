@@ -23,8 +23,8 @@ import saev_shards as ss
 from saev_shards.errors import LoaderError
 from saev_shards.loaders import CLS_LABEL, ExampleDataset, LayerPairDataset, TokenDataset
 
-from ..support import strategies
-from ..support.caches import expected_vectors, labels_for, small_metadata, write_cache
+from ...support import strategies
+from ...support.caches import expected_vectors, labels_for, small_metadata, write_cache
 
 
 @contextmanager

@@ -5,10 +5,6 @@ from __future__ import annotations
 import gc
 import subprocess
 import sys
-import tempfile
-import threading
-from collections.abc import Iterator
-from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -21,44 +17,11 @@ from hypothesis import strategies as st
 import saev_shards as ss
 from saev_shards import loaders
 from saev_shards.errors import LoaderError
-from saev_shards.loaders import CLS_LABEL, Batch, OrderedLoader, ShuffledLoader
+from saev_shards.loaders import CLS_LABEL, OrderedLoader, ShuffledLoader
 
-from ..support import strategies
-from ..support.caches import expected_vectors, labels_for, small_metadata, write_cache
-
-# -- a reference model of what a loader must yield -------------------------------------
-
-
-@contextmanager
-def cache(md: ss.Metadata, **kwargs: Any) -> Iterator[tuple[ss.Shards, np.ndarray[Any, Any]]]:
-    """A cache in a temporary folder (hypothesis cannot use function-scoped fixtures)."""
-    with tempfile.TemporaryDirectory() as tmp:
-        logical = write_cache(Path(tmp), md, **kwargs)
-        shards = ss.open(Path(tmp) / md.hash)
-        try:
-            yield shards, logical
-        finally:
-            shards.close()
-
-
-def check_batch(batch: Batch, md: ss.Metadata, logical: np.ndarray[Any, Any]) -> list[tuple[int, int, int]]:
-    """Values and labels of ``batch`` equal the logical tensor's; returns its (example, layer, token)."""
-    ex, tok, lay = batch.examples.numpy(), batch.tokens.numpy(), batch.layers.numpy()
-    assert batch.examples.dtype == batch.tokens.dtype == batch.layers.dtype == torch.int64
-    positions = np.array([md.layers.index(int(v)) for v in lay], dtype=np.int64)
-    acts = batch.acts
-    if md.dtype == "bfloat16":
-        assert acts.dtype == torch.bfloat16
-        got = acts.view(torch.int16).numpy().view(np.uint16)
-    else:
-        got = acts.numpy()
-    np.testing.assert_array_equal(got, logical[ex, positions, tok].reshape(len(ex), md.d_model))
-    return list(zip(ex.tolist(), lay.tolist(), tok.tolist(), strict=True))
-
-
-def live_loader_threads() -> list[threading.Thread]:
-    return [t for t in threading.enumerate() if t.name.startswith(("saev-read", "saev-assemble"))]
-
+from ...support import strategies
+from ...support.caches import expected_vectors, labels_for, small_metadata, write_cache
+from ...support.loaders import cache, check_batch, keys, live_loader_threads
 
 small_sizes = st.fixed_dictionaries(
     {
@@ -132,10 +95,6 @@ def test_ordered_batches_cross_shard_boundaries(make_cache: Any) -> None:
 
 
 # -- order, determinism, resume -------------------------------------------------------
-
-
-def keys(batches: list[Batch]) -> list[tuple[int, ...]]:
-    return [tuple(b.examples.tolist()) + tuple(b.tokens.tolist()) + tuple(b.layers.tolist()) for b in batches]
 
 
 def test_new_order_each_epoch_same_for_same_seed(make_cache: Any) -> None:
@@ -278,7 +237,7 @@ def test_world_from_torch_distributed(make_cache: Any, monkeypatch: pytest.Monke
     monkeypatch.setattr(dist, "get_world_size", lambda: 3)
     loader = ShuffledLoader(shards)
     assert (loader.rank, loader.world_size) == (2, 3)
-    with pytest.raises(LoaderError, match="both or neither"):
+    with pytest.raises(LoaderError, match="give both rank and world_size"):
         ShuffledLoader(shards, rank=1)
     with pytest.raises(LoaderError, match="0 <= rank < world_size"):
         ShuffledLoader(shards, rank=3, world_size=3)
@@ -303,7 +262,7 @@ def test_filters_and_labels(md: ss.Metadata, data: st.DataObject, skip_padding: 
     )
     with cache(md, labels=True, lengths=lengths) as (shards, logical), pytest.MonkeyPatch.context() as mp:
         if per_slice:  # read chosen layers slice by slice even for these tiny slices
-            mp.setattr(loaders, "MIN_SLICE_READ", 0)
+            mp.setattr(loaders.plan, "MIN_SLICE_READ", 0)
         labels = labels_for(md)
         for cls in (ShuffledLoader, OrderedLoader):
             loader = cls(
@@ -490,3 +449,88 @@ def test_pin_memory_and_batch_to(make_cache: Any) -> None:
         moved = batch.to("cpu")
         assert torch.equal(moved.acts, batch.acts) and moved.labels is None
         assert batch.acts.is_pinned() == torch.cuda.is_available()
+
+
+# -- every chosen layer from one read ----------------------------------------------------
+
+
+@given(strategies.metadata(max_examples=25, min_examples=1), st.data())
+def test_stacked_layers_every_token_once(md: ss.Metadata, data: st.DataObject) -> None:
+    layers = sorted(data.draw(st.sets(st.sampled_from(md.layers), min_size=1)), key=md.layers.index)
+    tokens = data.draw(st.sampled_from(["content", "all", "cls"] if md.cls_token else ["content", "all"]))
+    ignore = tuple(data.draw(st.sets(st.integers(0, 255), max_size=100)))
+    world_size = data.draw(st.integers(1, 3))
+    drop_last = data.draw(st.booleans())
+    size = data.draw(st.integers(1, 20))
+    lengths = np.array(
+        data.draw(st.lists(st.integers(0, md.tokens_per_ex), min_size=md.n_examples, max_size=md.n_examples))
+    )
+    with cache(md, labels=True, lengths=lengths) as (shards, logical), pytest.MonkeyPatch.context() as mp:
+        if data.draw(st.booleans()):
+            mp.setattr(loaders.plan, "MIN_SLICE_READ", 0)  # chosen layers read slice by slice
+        labels = labels_for(md)
+        positions = [md.layers.index(v) for v in layers]
+        per_rank: list[list[tuple[int, int]]] = []
+        for rank in range(world_size):
+            loader = ShuffledLoader(
+                shards, batch_size=size, layers=layers, tokens=tokens, ignore_labels=ignore, seed=2, rank=rank,
+                world_size=world_size, drop_last=drop_last, buffer_bytes=300, block_bytes=64, stack_layers=True,
+            )  # fmt: skip
+            rows: list[tuple[int, int]] = []
+            batches = list(loader)
+            assert len(batches) == len(loader)
+            for b in batches:
+                ex, tok = b.examples.numpy(), b.tokens.numpy()
+                assert b.acts.shape == (len(ex), len(layers), md.d_model)
+                assert b.layers.shape == (len(ex), len(layers)) and (b.layers.numpy() == layers).all()
+                got = b.acts.view(torch.int16).numpy().view(np.uint16) if md.dtype == "bfloat16" else b.acts.numpy()
+                np.testing.assert_array_equal(got, logical[ex[:, None], np.array(positions)[None, :], tok[:, None]])
+                assert b.labels is not None
+                content = tok >= int(md.cls_token)
+                if md.patches_per_ex:
+                    want = labels[ex[content], tok[content] - int(md.cls_token)]
+                    np.testing.assert_array_equal(b.labels.numpy()[content], want)
+                rows += list(zip(ex.tolist(), tok.tolist(), strict=True))
+            per_rank.append(rows)
+        want = expected_vectors(md, tuple(layers), tokens, ignore, labels, lengths)
+        want_rows = sorted({(e, t) for e, _, t in want})
+        everything = [r for rows in per_rank for r in rows]
+        assert len(set(everything)) == len(everything)  # every (example, token) at most once
+        if drop_last:
+            assert len({len(r) for r in per_rank}) == 1
+            assert set(everything) <= set(want_rows)
+            assert len(everything) == world_size * ((len(want_rows) // world_size) // size * size)
+        else:
+            assert sorted(everything) == want_rows
+
+
+def test_stacked_one_layer_is_the_unstacked_order(make_cache: Any) -> None:
+    shards, _ = make_cache(small_metadata(n_examples=23), labels=True)
+    kwargs: dict[str, Any] = dict(batch_size=9, layers=11, seed=5, buffer_bytes=300, block_bytes=64)
+    flat = list(ShuffledLoader(shards, **kwargs))
+    stacked = list(ShuffledLoader(shards, stack_layers=True, **kwargs))
+    assert [b.acts.shape[1:] for b in stacked] == [(1, 8)] * len(flat)
+    for a, b in zip(flat, stacked, strict=True):
+        assert torch.equal(a.acts, b.acts[:, 0]) and torch.equal(a.examples, b.examples)
+        assert torch.equal(a.tokens, b.tokens) and torch.equal(a.layers, b.layers[:, 0])
+
+
+def test_stacked_resume_and_fingerprint(make_cache: Any) -> None:
+    md = small_metadata(n_examples=23)
+    shards, _ = make_cache(md)
+    kwargs: dict[str, Any] = dict(batch_size=6, seed=9, buffer_bytes=300, block_bytes=64, stack_layers=True)
+    loader = ShuffledLoader(shards, **kwargs)
+    whole = keys(list(loader))
+    assert len(whole) == -(-23 * 4 // 6)  # one row per (example, content token), not per layer
+    loader.set_epoch(0)
+    it = iter(loader)
+    first = [next(it) for _ in range(5)]
+    state = loader.state_dict()
+    del it
+    resumed = ShuffledLoader(shards, **kwargs)
+    resumed.load_state_dict(state)
+    assert keys(first) + keys(list(resumed)) == whole
+    plain = ShuffledLoader(shards, batch_size=6, seed=9, buffer_bytes=300, block_bytes=64)
+    assert plain.fingerprint != loader.fingerprint
+    with pytest.raises(LoaderError, match="different cache or settings"):
+        plain.load_state_dict(state)

@@ -1,0 +1,148 @@
+"""``saev-shards shuffle``: a perfectly shuffled copy of a cache's chosen tokens (`saev_shards.shuffle`)."""
+
+from __future__ import annotations
+
+import argparse
+import re
+import sys
+import time
+
+from .. import store
+from ..errors import DiskFullError, ShuffleError
+from ..format import DTYPES
+from ..reader import open as open_cache
+from ..shuffle import DEFAULT_MEMORY, plan_shuffle, run_plan
+from ..shuffle.source import TOKEN_CHOICES
+from ._common import (
+    EXIT_OK,
+    EXIT_SYSTEM,
+    EXIT_USAGE,
+    PROG,
+    REF_HELP,
+    Failure,
+    add_progress,
+    add_roots,
+    command,
+    human_bytes,
+    progress_arg,
+    roots_arg,
+)
+
+_SIZE_RE = re.compile(r"(\d+(?:\.\d+)?)\s*([kmgt]?)(?:i?b)?", re.IGNORECASE)
+_UNITS = {"": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40}
+
+
+def parse_size(text: str) -> int:
+    """``"2G"``, ``"512MiB"``, ``"1.5g"`` or plain bytes -> bytes (binary units: 2G = 2 GiB)."""
+    match = _SIZE_RE.fullmatch(text.strip())
+    if match is None:
+        raise argparse.ArgumentTypeError(f"expected a size like 2G, 512M or 1073741824, found {text!r}")
+    return int(float(match.group(1)) * _UNITS[match.group(2).lower()])
+
+
+def parse_layers(text: str) -> list[int]:
+    """``"11"`` or ``"6,11"`` -> layer values."""
+    try:
+        return [int(part) for part in text.split(",") if part.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected layer values like 11 or 6,11, found {text!r}") from None
+
+
+def cmd_shuffle(args: argparse.Namespace) -> int:
+    source = open_cache(store.resolve(args.ref, roots_arg(args)))
+    layers = [v for group in args.layers for v in group] if args.layers else None
+    try:
+        plan = plan_shuffle(
+            source,
+            args.to,
+            layers=layers,
+            tokens=args.tokens,
+            seed=args.seed,
+            dtype=args.dtype,
+            patches_per_shard=args.patches_per_shard,
+            memory_bytes=args.memory,
+            workers=args.workers,
+            work_dir=args.work_dir,
+            allow_nonfinite=args.allow_nonfinite,
+        )
+    except ShuffleError as error:  # the arguments do not fit this source: a usage error
+        raise Failure(EXIT_USAGE, str(error)) from error
+    err = sys.stderr
+    if args.dry_run:
+        sys.stdout.write("\n".join(plan.describe()) + "\n")
+        return EXIT_OK
+    if plan.path.exists():
+        run_plan(plan)  # returns at once (removing what a run killed after publishing left)
+        err.write(f"{plan.output.hash[:12]}: already shuffled, nothing to do\n")
+        sys.stdout.write(f"{plan.path}\n")
+        return EXIT_OK
+    err.write("\n".join(plan.describe()) + "\n")
+    start = time.perf_counter()
+    try:
+        shuffled = run_plan(plan, progress=progress_arg(args))
+    except DiskFullError as error:
+        raise Failure(EXIT_SYSTEM, str(error)) from error
+    except KeyboardInterrupt:
+        err.write(f"\n{PROG}: run the same command again to resume the shuffle\n")
+        raise
+    seconds = time.perf_counter() - start
+    nbytes = shuffled.metadata.nbytes
+    err.write(
+        f"{plan.output.hash[:12]}: shuffled {plan.n_tokens:,} tokens ({human_bytes(nbytes)}) in {seconds:.1f} s, "
+        f"{human_bytes(nbytes / max(seconds, 1e-9))}/s\n"
+    )
+    sys.stdout.write(f"{shuffled.path}\n")
+    return EXIT_OK
+
+
+def register(sub: argparse._SubParsersAction[argparse.ArgumentParser], invoked: str | None) -> None:
+    """Add ``shuffle`` to the ``saev-shards`` parser."""
+    p = command(
+        sub,
+        "shuffle",
+        "write a cache's chosen tokens in a uniformly random order as a new cache (read it in order to train)",
+        "  saev-shards shuffle 3f2a --layers 11                 # content tokens of layer 11, seed 0\n"
+        "  saev-shards shuffle 3f2a --layers 6,11 --tokens all --seed 1 --dtype bfloat16\n"
+        "  saev-shards shuffle 3f2a --layers 11 --memory 16G --workers 4 --work-dir /local/ssd\n"
+        "  saev-shards shuffle 3f2a --layers 11 --dry-run        # the plan: sizes, buckets, memory, scratch\n"
+        "  SHUFFLED=$(saev-shards shuffle 3f2a --layers 11)     # stdout is only the new cache's path\n",
+        cmd_shuffle,
+        description=(
+            "Write the chosen tokens of a cache, in a uniformly random order, as a new cache with one token per "
+            "example (T = 1) at every chosen layer, plus columns source_example and source_token (and labels, "
+            "per-token columns) saying where each row came from. Reading it in order gives a perfectly shuffled "
+            "epoch at sequential speed. Two passes with bounded memory (--memory): the source is read once and "
+            "scattered into buckets on disk (--work-dir, about the output's size), then each bucket is sorted in "
+            "memory and appended. The order depends only on the source, the selection and --seed. Interrupted? "
+            "Run the same command again: it resumes. The new cache's path goes to stdout, the plan and a summary "
+            "to stderr; the output goes next to the source unless --to says otherwise."
+        ),
+    )
+    p.add_argument("ref", metavar="SRC", help=REF_HELP)
+    p.add_argument(
+        "--layers",
+        type=parse_layers,
+        action="append",
+        metavar="L[,L...]",
+        help="layer values to keep (default: every recorded layer; repeatable)",
+    )
+    p.add_argument("--tokens", choices=TOKEN_CHOICES, default="content", help="which tokens (default: content)")
+    p.add_argument("--seed", type=int, default=0, help="decides the order (default: 0)")
+    p.add_argument("--dtype", choices=list(DTYPES), help="stored dtype of the output (default: the source's)")
+    p.add_argument("--to", metavar="DIR", help="shards root to publish the output in (default: the source's folder)")
+    p.add_argument(
+        "--memory",
+        type=parse_size,
+        default=DEFAULT_MEMORY,
+        metavar="SIZE",
+        help=f"memory budget of all processes together, e.g. 2G, 512M (default: {DEFAULT_MEMORY >> 30}G)",
+    )
+    p.add_argument("--workers", type=int, default=1, metavar="N", help="processes sharing the work (default: 1)")
+    p.add_argument("--work-dir", metavar="DIR", help="where the scratch runs go (default: the output's root)")
+    p.add_argument(
+        "--patches-per-shard", type=int, metavar="N", help="shard budget of the output (default: the source's)"
+    )
+    p.add_argument("--allow-nonfinite", action="store_true", help="store inf/NaN values instead of stopping")
+    p.add_argument("--dry-run", action="store_true", help="print the plan and exit")
+    add_roots(p)
+    add_progress(p)

@@ -1,0 +1,217 @@
+"""Map-style PyTorch datasets over a cache.
+
+Every dataset works with ``torch.utils.data.DataLoader`` for any ``num_workers`` and
+start method: it holds a `Shards` (which pickles without handles and memmaps lazily in
+each process) and a few small numpy arrays, never an open file. torch is imported only
+when an item is read, so ``import saev_shards`` needs numpy alone.
+
+>>> ds = ExampleDataset(shards, layers=11)              # doctest: +SKIP
+>>> ds[3]["acts"].shape                                  # doctest: +SKIP
+torch.Size([197, 768])
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterable, Sequence
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+import numpy.typing as npt
+
+from ..errors import LoaderError
+from ..reader import Shards
+from .selection import CLS_LABEL, TokenSelection, as_shards, parse_layers, parse_out_dtype
+from .tensors import to_tensor
+
+if TYPE_CHECKING:
+    from torch.utils.data import Dataset
+
+    # Type checkers see torch's Dataset (DataLoader's parameter type); at run time the base is
+    # object, so importing this module does not import torch.
+    _MapDataset = Dataset[dict[str, Any]]
+else:
+    _MapDataset = object
+
+
+class TokenDataset(_MapDataset):
+    """index -> one token vector ``(D,)`` of one layer, with its example and token index.
+
+    Items are dicts: ``acts`` (tensor ``(D,)``), ``example``, ``token`` (position on the T
+    axis) and, when the cache has labels.bin, ``label`` (`CLS_LABEL` for a CLS token).
+    Index ``i`` walks examples in order, then their chosen tokens in order.
+
+    >>> ds = TokenDataset(shards, layer=11, tokens="content", ignore_labels=[0])  # doctest: +SKIP
+    >>> DataLoader(ds, batch_size=4096, shuffle=True, num_workers=4)             # doctest: +SKIP
+    """
+
+    def __init__(
+        self,
+        shards: Shards | str | os.PathLike[str],
+        layer: int | None = None,
+        tokens: str = "content",
+        ignore_labels: Iterable[int] = (),
+        skip_padding: bool = True,
+        out_dtype: str | None = None,
+    ) -> None:
+        self.shards = as_shards(shards)
+        recorded = self.shards.metadata.layers
+        if layer is None:
+            if len(recorded) != 1:
+                raise LoaderError(f"layer: expected one of {list(recorded)} (the cache records several), found None")
+            layer = recorded[0]
+        self.selection = TokenSelection(self.shards, layer, tokens, ignore_labels, skip_padding)
+        self.layer = self.selection.layer_values[0]
+        self.layer_position = int(self.selection.layer_positions[0])
+        self.out_dtype = parse_out_dtype(self.shards, out_dtype)
+        counts = self.selection.counts
+        per_example = len(self.selection.base_tokens)
+        self._len = int(counts.sum()) if counts is not None else self.shards.n_examples * per_example
+
+    def __len__(self) -> int:
+        return self._len
+
+    def locate(self, index: int) -> tuple[int, int]:
+        """``(example, token)`` of item ``index``."""
+        i = int(index)
+        if i < 0:
+            i += self._len
+        if not 0 <= i < self._len:
+            raise IndexError(f"index {index} out of range for a dataset of {self._len} tokens")
+        sel = self.selection
+        if not sel.varies:
+            per_example = len(sel.base_tokens)
+            return i // per_example, int(sel.base_tokens[i % per_example])
+        cum = sel._cumulative()
+        example = int(np.searchsorted(cum, i, side="right")) - 1
+        return example, int(sel.tokens_of(example)[i - int(cum[example])])
+
+    def __getitem__(self, index: int) -> dict[str, Any]:
+        example, token = self.locate(index)
+        shard, local = divmod(example, self.shards.examples_per_shard)
+        raw = np.array(self.shards.shard(shard)[local, self.layer_position, token])
+        item: dict[str, Any] = {
+            "acts": to_tensor(raw, self.shards.dtype, self.out_dtype),
+            "example": example,
+            "token": token,
+        }
+        if self.selection.has_labels:
+            labels = self.shards.labels
+            assert labels is not None
+            cls = self.selection.cls
+            item["label"] = CLS_LABEL if token < cls else int(labels[example, token - cls])
+        return item
+
+
+class ExampleDataset(_MapDataset):
+    """index -> the ``(T, D)`` slice of one ``(example, layer)`` pair, read with one ``pread``.
+
+    With one layer, index ``i`` is example ``i``; with several, index ``i`` is example
+    ``i // n_layers`` at the ``i % n_layers``-th chosen layer. Items are dicts: ``acts``,
+    ``example``, ``layer`` (the layer value), ``length`` when the cache has a lengths column,
+    and ``labels`` ``(patches_per_ex,)`` when ``with_labels`` is set. No other activation
+    bytes are read.
+    """
+
+    def __init__(
+        self,
+        shards: Shards | str | os.PathLike[str],
+        layers: int | Sequence[int] | None = None,
+        out_dtype: str | None = None,
+        with_labels: bool = False,
+    ) -> None:
+        self.shards = as_shards(shards)
+        self.layers = parse_layers(self.shards, layers)
+        self.layer_positions = tuple(self.shards.layer_index(v) for v in self.layers)
+        self.out_dtype = parse_out_dtype(self.shards, out_dtype)
+        if with_labels and self.shards.manifest.labels is None:
+            raise LoaderError(f"with_labels=True: expected a cache with labels.bin, found none at {self.shards.path}")
+        self.with_labels = with_labels
+        self.has_lengths = "lengths" in self.shards.manifest.columns
+
+    def __len__(self) -> int:
+        return self.shards.n_examples * len(self.layers)
+
+    def __getitem__(self, index: int) -> dict[str, Any]:
+        n = len(self)
+        i = int(index)
+        if i < 0:
+            i += n
+        if not 0 <= i < n:
+            raise IndexError(f"index {index} out of range for a dataset of {n} (example, layer) slices")
+        example, which = divmod(i, len(self.layers))
+        raw = self.shards.read_example(example, self.layer_positions[which])
+        item: dict[str, Any] = {
+            "acts": to_tensor(raw, self.shards.dtype, self.out_dtype),
+            "example": example,
+            "layer": self.layers[which],
+        }
+        if self.has_lengths:
+            item["length"] = int(self.shards.columns["lengths"][example])
+        if self.with_labels:
+            labels = self.shards.labels
+            assert labels is not None
+            item["labels"] = np.array(labels[example])
+        return item
+
+
+class LayerPairDataset(_MapDataset):
+    """Seed 000's training pattern: index -> example ``i`` at 2 random distinct layers, ``(2, T, D)``.
+
+    The pair is drawn from ``(seed, epoch, i)``, so every worker and every rerun agrees;
+    `set_epoch` draws new pairs (call it before each epoch; persistent workers keep the
+    epoch they were started with). Two ``pread`` calls per item, nothing else is read.
+    Items are dicts ``acts`` ``(2, T, D)``, ``example`` and ``layers`` (int64 ``(2,)``, values),
+    so ``DataLoader(ds, batch_size=b, shuffle=True)`` yields ``(b, 2, T, D)`` batches.
+    """
+
+    def __init__(
+        self,
+        shards: Shards | str | os.PathLike[str],
+        layers: Sequence[int] | None = None,
+        seed: int = 0,
+        out_dtype: str | None = None,
+    ) -> None:
+        self.shards = as_shards(shards)
+        self.layers = parse_layers(self.shards, layers)
+        if len(self.layers) < 2:
+            raise LoaderError(f"layers: expected at least 2 layers to draw pairs from, found {list(self.layers)}")
+        self.layer_positions = np.array([self.shards.layer_index(v) for v in self.layers], dtype=np.int64)
+        self.out_dtype = parse_out_dtype(self.shards, out_dtype)
+        if int(seed) < 0:
+            raise LoaderError(f"seed: expected an integer >= 0, found {seed}")
+        self.seed = int(seed)
+        self.epoch = 0
+
+    def set_epoch(self, epoch: int) -> None:
+        """Draw the pairs of epoch ``epoch`` from now on."""
+        self.epoch = int(epoch)
+
+    def __len__(self) -> int:
+        return self.shards.n_examples
+
+    def pair(self, example: int) -> npt.NDArray[np.int64]:
+        """Indices into `layers` of the two layers drawn for ``example`` this epoch."""
+        rng = np.random.default_rng([self.seed, self.epoch, example])
+        return rng.choice(len(self.layers), size=2, replace=False).astype(np.int64)
+
+    def __getitem__(self, index: int) -> dict[str, Any]:
+        import torch
+
+        n = len(self)
+        example = int(index)
+        if example < 0:
+            example += n
+        if not 0 <= example < n:
+            raise IndexError(f"index {index} out of range for a dataset of {n} examples")
+        which = self.pair(example)
+        md = self.shards.metadata
+        raw = np.empty((2, md.tokens_per_ex, md.d_model), dtype=self.shards.numpy_dtype)
+        for j in range(2):
+            self.shards.read_example(example, int(self.layer_positions[which[j]]), raw[j])
+        values = np.array(self.layers, dtype=np.int64)[which]
+        return {
+            "acts": to_tensor(raw, self.shards.dtype, self.out_dtype),
+            "example": example,
+            "layers": torch.from_numpy(values),
+        }

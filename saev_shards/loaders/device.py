@@ -1,0 +1,276 @@
+"""The device-side shuffle: whole windows go to the device, the permutation and gather run there.
+
+The CPU only reads blocks into reusable page-locked *staging* slots (no per-row work) and
+computes each window's index, exactly as the host path does; then, on a side stream, the
+window and its index are copied into device slots in a few large transfers. Each batch is
+one ``index_select`` (plus two small copies of its metadata) issued on the consumer's
+current stream, so batches come out on the device, in the same order as the host path's.
+
+Synchronisation, all by events (no host waits on the training loop's path):
+
+* the consumer's stream waits for a window's ``uploaded`` event before its first gather;
+* a device slot is reused (the side stream waits) only after the ``consumed`` event the
+  consumer recorded after its last gather from the slot's previous window;
+* a staging slot is refilled (the read threads wait on the host) only after the upload
+  that read it is done.
+
+On the CPU (``device="cpu"``) the same code runs with plain tensors and synchronous
+copies, and every stream and event operation below is skipped: tests compare its batches
+with the host path's on any machine.
+
+Device memory: ``n_slots`` (two, unless one batch spans more windows) window buffers of
+``buffer_bytes`` plus one read block, and their index (8 bytes per vector for the gather,
+25 per row for the metadata), allocated once per loader; plus the batches the caller holds.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+from collections.abc import Callable, Iterator
+from concurrent.futures import Future
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from .batch import Batch
+from .pipeline import Config, Schedule, WindowLoader
+from .plan import EpochPlan, WindowIndex
+from .tensors import as_numpy, pinned_empty, torch_dtype
+
+if TYPE_CHECKING:
+    import torch
+
+
+class Slots:
+    """The buffers of the device path, made once per loader and reused by every epoch.
+
+    Per slot: a staging window on the host (pinned with CUDA) and its copy on the device,
+    the gather index and the metadata, on both sides.
+    """
+
+    def __init__(self, device: torch.device, n_slots: int, rows: int, cfg: Config) -> None:
+        import torch
+
+        self.device = device
+        self.n_slots = n_slots
+        self.rows = rows  # (T, D) slices per window buffer
+        cuda = device.type == "cuda"
+        dtype = torch_dtype(cfg.stored)
+        vectors = rows * cfg.tokens  # every vector of a window; no window has more units
+        per_unit = cfg.blocks.layers_per_unit
+
+        def host(shape: tuple[int, ...], dt: torch.dtype) -> torch.Tensor:
+            return pinned_empty(shape, dt) if cuda else torch.empty(shape, dtype=dt)
+
+        self.staging = [host((vectors, cfg.d_model), dtype) for _ in range(n_slots)]
+        self.staging_np = [as_numpy(t, cfg.stored) for t in self.staging]
+        self.acts = [torch.empty((vectors, cfg.d_model), dtype=dtype, device=device) for _ in range(n_slots)]
+        # The gather index (flattened (units, L) when stacked) and the metadata
+        # (examples, tokens, layers as int64 rows; labels as uint8).
+        self.flat_host = [host((vectors * per_unit,), torch.int64) for _ in range(n_slots)]
+        self.meta_host = [host((3, vectors), torch.int64) for _ in range(n_slots)]
+        self.labels_host = [host((vectors,), torch.uint8) for _ in range(n_slots)]
+        self.flat = [torch.empty((vectors * per_unit,), dtype=torch.int64, device=device) for _ in range(n_slots)]
+        self.meta = [torch.empty((3, vectors), dtype=torch.int64, device=device) for _ in range(n_slots)]
+        self.labels = [torch.empty((vectors,), dtype=torch.uint8, device=device) for _ in range(n_slots)]
+
+    def fits(self, device: torch.device, n_slots: int, rows: int) -> bool:
+        return self.device == device and self.n_slots >= n_slots and self.rows >= rows
+
+
+class _Sync:
+    """CUDA streams and events; on the CPU, nothing (copies there finish before they return)."""
+
+    def __init__(self, device: torch.device) -> None:
+        import torch
+
+        self.cuda = device.type == "cuda"
+        self.side = torch.cuda.Stream(device) if self.cuda else None  # type: ignore[no-untyped-call]
+
+    def side_stream(self) -> contextlib.AbstractContextManager[Any]:
+        import torch
+
+        return torch.cuda.stream(self.side) if self.cuda else contextlib.nullcontext()
+
+    def record_on_side(self) -> Any:
+        """An event marking everything issued on the side stream so far (None on the CPU)."""
+        import torch
+
+        if not self.cuda:
+            return None
+        event = torch.cuda.Event()  # type: ignore[no-untyped-call]
+        event.record(self.side)
+        return event
+
+    def record_on_current(self) -> Any:
+        import torch
+
+        if not self.cuda:
+            return None
+        event = torch.cuda.Event()  # type: ignore[no-untyped-call]
+        event.record(torch.cuda.current_stream(self.side.device))  # type: ignore[union-attr]
+        return event
+
+    def side_waits(self, event: Any) -> None:
+        if event is not None:
+            self.side.wait_event(event)  # type: ignore[union-attr]
+
+    def current_waits(self, event: Any) -> None:
+        import torch
+
+        if event is not None:
+            torch.cuda.current_stream(self.side.device).wait_event(event)  # type: ignore[union-attr]
+
+    def host_waits(self, event: Any) -> None:
+        if event is not None:
+            event.synchronize()  # releases the GIL while it waits
+
+    def close(self) -> None:
+        if self.side is not None:
+            self.side.synchronize()
+
+
+class _Loaded:
+    """A window in its device slot, ready once ``uploaded`` has passed on the stream."""
+
+    def __init__(self, slot: int, n_units: int, uploaded: Any) -> None:
+        self.slot = slot
+        self.n_units = n_units
+        self.uploaded = uploaded
+        self.waited = False
+
+
+class DeviceRun:
+    """One epoch with the shuffle on ``slots.device``. Iterate it; `close` stops and joins everything."""
+
+    def __init__(
+        self,
+        cfg: Config,
+        plan: EpochPlan,
+        schedule: Schedule,
+        epoch: int,
+        window_rng: Callable[[int, int], np.random.Generator | None],
+        slots: Slots,
+    ) -> None:
+        import torch
+
+        self.cfg = cfg
+        self.plan = plan
+        self.schedule = schedule
+        self.slots = slots
+        self.sync = _Sync(slots.device)
+        self.stop = threading.Event()
+        self.n_slots = schedule.n_slots
+        self.uploaded: list[Any] = [None] * self.n_slots  # last upload out of each staging slot
+        self.consumed: list[Any] = [None] * self.n_slots  # last gather from each device slot
+        self.windows = WindowLoader(
+            cfg,
+            plan,
+            epoch,
+            window_rng,
+            slots.staging_np[: self.n_slots],
+            self.stop,
+            ready_to_write=lambda slot: self.sync.host_waits(self.uploaded[slot]),
+            finish=self._upload,
+        )
+        self.layer_values = torch.from_numpy(cfg.layer_values.copy()).to(slots.device)
+        self.closed = False
+
+    def _upload(self, w: int, slot: int, index: WindowIndex) -> _Loaded:
+        """Copy window ``w`` and its index into device slot ``slot`` (runs on a read thread)."""
+        s, cfg = self.slots, self.cfg
+        window = self.plan.windows[w]
+        vectors = int(cfg.blocks.rows[window.blocks].sum()) * cfg.tokens
+        n = len(index)
+        flat = index.flat.reshape(-1)
+        # The index into pinned staging first (host copies of a few MB), then every copy at once.
+        s.flat_host[slot][: len(flat)].numpy()[:] = flat
+        meta = s.meta_host[slot].numpy()
+        meta[0, :n] = index.examples
+        meta[1, :n] = index.tokens
+        if index.layers is not None:
+            meta[2, :n] = index.layers
+        if index.labels is not None:
+            s.labels_host[slot][:n].numpy()[:] = index.labels
+        with self.sync.side_stream():
+            self.sync.side_waits(self.consumed[slot])
+            s.acts[slot][:vectors].copy_(s.staging[slot][:vectors], non_blocking=True)
+            s.flat[slot][: len(flat)].copy_(s.flat_host[slot][: len(flat)], non_blocking=True)
+            s.meta[slot][:, :n].copy_(s.meta_host[slot][:, :n], non_blocking=True)
+            if index.labels is not None:
+                s.labels[slot][:n].copy_(s.labels_host[slot][:n], non_blocking=True)
+            event = self.sync.record_on_side()
+        self.uploaded[slot] = event
+        return _Loaded(slot, n, event)
+
+    def __iter__(self) -> Iterator[Batch]:
+        return self._consume()
+
+    def _consume(self) -> Iterator[Batch]:
+        sched = self.schedule
+        n_chunks = len(sched)
+        if n_chunks == 0:
+            return
+        last_window = int(sched.w_last[-1])
+        loads: dict[int, Future[_Loaded]] = {}
+        next_load = int(sched.w_first[0])
+        release_below = next_load
+        for c in range(n_chunks):
+            if self._stopped():
+                return
+            while next_load <= last_window and next_load - self.n_slots < release_below:
+                loads[next_load] = self.windows.submit(next_load)
+                next_load += 1
+            batch = self._batch(int(sched.lo[c]), int(sched.hi[c]), loads)
+            release_below = int(sched.w_first[c + 1]) if c + 1 < n_chunks else last_window + 1
+            for w in [w for w in loads if w < release_below]:
+                # The slot is free once the gathers issued so far have run on this stream.
+                self.consumed[loads[w].result().slot] = self.sync.record_on_current()
+                del loads[w]
+            yield batch
+
+    def _batch(self, lo: int, hi: int, loads: dict[int, Future[_Loaded]]) -> Batch:
+        import torch
+
+        cfg, s = self.cfg, self.slots
+        per_unit = cfg.blocks.layers_per_unit
+        acts, meta, labels = [], [], []
+        for w, a, b in self.plan.segments(lo, hi):
+            loaded = loads[w].result()
+            if not loaded.waited:
+                self.sync.current_waits(loaded.uploaded)
+                loaded.waited = True
+            slot = loaded.slot
+            acts.append(s.acts[slot].index_select(0, s.flat[slot][a * per_unit : b * per_unit]))
+            meta.append(s.meta[slot][:, a:b].clone())
+            if cfg.selection.has_labels:
+                labels.append(s.labels[slot][a:b].clone())
+        x = acts[0] if len(acts) == 1 else torch.cat(acts)
+        m = meta[0] if len(meta) == 1 else torch.cat(meta, dim=1)
+        n = hi - lo
+        if cfg.stack:
+            x = x.view(n, *cfg.row_shape)
+        if cfg.out_dtype != cfg.stored:
+            x = x.to(torch_dtype(cfg.out_dtype))
+        return Batch(
+            acts=x,
+            examples=m[0],
+            tokens=m[1],
+            layers=self.layer_values.expand(n, len(self.layer_values)) if cfg.stack else m[2],
+            labels=(labels[0] if len(labels) == 1 else torch.cat(labels)) if labels else None,
+        )
+
+    def _stopped(self) -> bool:
+        return self.closed
+
+    def close(self) -> None:
+        if self.closed:
+            return
+        self.closed = True
+        self.windows.close()
+        self.sync.close()
+
+    def __del__(self) -> None:
+        with contextlib.suppress(Exception):
+            self.close()

@@ -1,0 +1,86 @@
+"""The order of an epoch as a strategy: which block comes when, and how a window is permuted.
+
+`ShuffledWindows` (the training order) permutes all blocks of the cache every epoch and
+every unit of a window; `Sequential` walks the cache in ``(example, layer, token)`` order.
+Everything random is drawn from ``(seed, epoch[, window, rank, world_size])``, so an
+order never depends on threads or timing. A strategy is a small frozen object; the token
+loader takes one by name (``order="shuffled"`` or ``"ordered"``) or as an instance.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Protocol
+
+import numpy as np
+import numpy.typing as npt
+
+from ..errors import LoaderError
+
+
+class Order(Protocol):
+    """What a token loader asks of its order."""
+
+    @property
+    def name(self) -> str:
+        """``"shuffled"`` or ``"ordered"``: the name a loader is built with."""
+        ...
+
+    def block_order(self, n_blocks: int, seed: int, epoch: int) -> npt.NDArray[np.int64]:
+        """The blocks of the cache in the order epoch ``epoch`` reads them."""
+        ...
+
+    def window_rng(self, seed: int, epoch: int, window: int, rank: int, world_size: int) -> np.random.Generator | None:
+        """The generator that permutes one window's units, or None to keep them in order."""
+        ...
+
+    def fingerprint(self, buffer_bytes: int, block_bytes: int) -> dict[str, Any]:
+        """The entries of a loader's fingerprint that this order decides."""
+        ...
+
+
+@dataclasses.dataclass(frozen=True)
+class ShuffledWindows:
+    """Blocks permuted over the whole cache per epoch; every unit of a window permuted."""
+
+    name: str = "shuffled"
+
+    def block_order(self, n_blocks: int, seed: int, epoch: int) -> npt.NDArray[np.int64]:
+        return np.random.default_rng([seed, epoch]).permutation(n_blocks).astype(np.int64)
+
+    def window_rng(self, seed: int, epoch: int, window: int, rank: int, world_size: int) -> np.random.Generator:
+        return np.random.default_rng([seed, epoch, window, rank, world_size])
+
+    def fingerprint(self, buffer_bytes: int, block_bytes: int) -> dict[str, Any]:
+        return {"shuffle": True, "buffer_bytes": buffer_bytes, "block_bytes": block_bytes}
+
+
+@dataclasses.dataclass(frozen=True)
+class Sequential:
+    """Strict ``(example, layer, token)`` order, the same every epoch; window sizes do not matter."""
+
+    name: str = "ordered"
+
+    def block_order(self, n_blocks: int, seed: int, epoch: int) -> npt.NDArray[np.int64]:
+        return np.arange(n_blocks, dtype=np.int64)
+
+    def window_rng(self, seed: int, epoch: int, window: int, rank: int, world_size: int) -> None:
+        return None
+
+    def fingerprint(self, buffer_bytes: int, block_bytes: int) -> dict[str, Any]:
+        return {"shuffle": False, "buffer_bytes": 0, "block_bytes": 0}
+
+
+#: The orders a loader can be built with by name.
+ORDERS: dict[str, Order] = {"shuffled": ShuffledWindows(), "ordered": Sequential()}
+
+
+def parse_order(order: object) -> Order:
+    """An `Order` from its name or an instance."""
+    if isinstance(order, str):
+        if order not in ORDERS:
+            raise LoaderError(f"order: expected one of {list(ORDERS)} or an Order, found {order!r}")
+        return ORDERS[order]
+    if all(hasattr(order, a) for a in ("name", "block_order", "window_rng", "fingerprint")):
+        return order  # type: ignore[return-value]
+    raise LoaderError(f"order: expected one of {list(ORDERS)} or an Order, found {order!r}")

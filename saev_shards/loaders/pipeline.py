@@ -1,0 +1,474 @@
+"""The threads of one epoch on the host: windows read by a pool, batches gathered by another.
+
+Work is cut so that every thread spends its time in large numpy calls that release the
+GIL, and the consumer's thread (the training loop) does almost nothing:
+
+* **Reads.** A window's blocks are read by ``read_threads`` threads, a few blocks per task,
+  into one of a few *slot* buffers (two, unless one batch spans more windows). The
+  window's index (its permutation and the batches' metadata) is computed beside them.
+* **Gathers.** A *chunk* (one batch, or several small ones: at least `CHUNK_BYTES`) is one
+  task of the gather pool: one ``numpy.take`` per window it touches, straight into the
+  output array, then its metadata sliced from the window's index. Chunks are gathered in
+  parallel, so adding threads adds whole chunks in flight, never a finer split of one.
+* **Scheduling** is driven by completions: a finished chunk releases the windows no
+  unfinished chunk needs, starts the next loads into the freed slots and submits more
+  chunks (``gather_threads + prefetch`` batches not yet consumed, at most). The consumer
+  only pops finished chunks in order: a few microseconds of Python per batch.
+
+Before this design, one assembler thread cut every batch into ``gather_threads`` parts
+(at most 4 of 1,024 rows), waited for all of them, then built the batch's metadata and
+queued it: per batch a fork-join, three thread hand-offs and ~0.1 ms of Python on one
+thread, none of which shrinks with more threads; that serial part and the GIL hand-offs
+it needs are why throughput fell past 4 threads (docs/loaders.md, "Threads").
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import itertools
+import sys
+import threading
+from collections.abc import Callable, Iterator, Sequence
+from concurrent.futures import CancelledError, Future, ThreadPoolExecutor
+from typing import Any
+
+import numpy as np
+import numpy.typing as npt
+
+from ..dtypes import float32_to_bf16
+from ..reader import Shards
+from .batch import Batch
+from .plan import Blocks, EpochPlan, WindowIndex, index_window
+from .selection import TokenSelection
+from .tensors import as_numpy, pinned_empty, to_tensor, torch_dtype
+
+#: Smallest output of one gather task: below this the Python around a ``numpy.take`` costs
+#: more than the copy, so small batches are gathered several per task.
+CHUNK_BYTES = 4 << 20
+
+
+class Config:
+    """Everything a running epoch needs; holds no reference to the loader object."""
+
+    def __init__(
+        self,
+        shards: Shards,
+        selection: TokenSelection,
+        blocks: Blocks,
+        batch_size: int,
+        out_dtype: str,
+        pin_memory: bool,
+        read_threads: int,
+        prefetch: int,
+        gather_threads: int,
+    ) -> None:
+        self.shards = shards
+        self.selection = selection
+        self.blocks = blocks
+        self.batch_size = batch_size
+        self.out_dtype = out_dtype
+        self.pin_memory = pin_memory
+        self.read_threads = read_threads
+        self.prefetch = prefetch
+        self.gather_threads = gather_threads
+        md = shards.metadata
+        self.tokens = md.tokens_per_ex
+        self.d_model = md.d_model
+        self.stored = md.dtype
+        self.numpy_dtype = shards.numpy_dtype
+        self.stack = blocks.stack_layers
+        #: Layer values of a stacked row, in the order of its ``L`` axis.
+        self.layer_values = np.array(selection.layer_values, dtype=np.int64)
+        #: Shape of one output row: ``(D,)``, or ``(L, D)`` stacked.
+        self.row_shape: tuple[int, ...] = (selection.n_layers, md.d_model) if self.stack else (md.d_model,)
+        row_bytes = md.d_model * md.itemsize * blocks.layers_per_unit
+        #: Batches gathered by one task.
+        self.chunk_batches = max(1, -(-CHUNK_BYTES // max(1, batch_size * row_bytes)))
+
+
+# --------------------------------------------------------------------------------------
+# which windows each chunk needs, and how many slots that takes
+
+
+class Schedule:
+    """Chunks of batches ``[start, n_batches)`` and the windows each touches."""
+
+    def __init__(self, plan: EpochPlan, start: int, chunk_batches: int) -> None:
+        self.plan = plan
+        self.first_batch = np.arange(start, plan.n_batches, chunk_batches, dtype=np.int64)
+        stop_batch = np.minimum(self.first_batch + chunk_batches, plan.n_batches)
+        self.lo = self.first_batch * plan.batch_size
+        self.hi = np.minimum(stop_batch * plan.batch_size, plan.n_units)
+        self.stop_batch = stop_batch
+        ws = plan.window_start
+        self.w_first = np.searchsorted(ws, self.lo, side="right") - 1
+        self.w_last = np.searchsorted(ws, self.hi - 1, side="right") - 1
+        #: Window buffers held at once: two (one consumed while the next loads), or the most
+        #: windows one chunk spans, whichever is larger.
+        span = int((self.w_last - self.w_first).max()) + 1 if len(self) else 1
+        self.n_slots = max(2, span)
+
+    def __len__(self) -> int:
+        return len(self.first_batch)
+
+
+# --------------------------------------------------------------------------------------
+# reading windows
+
+
+class WindowLoader:
+    """Reads windows of one epoch into slot buffers on a pool of threads; computes their index.
+
+    ``ready_to_write(slot)`` runs before a read writes into a slot (the device path waits
+    there for the slot's last upload); ``finish(w, slot, index)`` runs once a window is
+    read and indexed, in the thread that finished it, and its value is the window's result.
+    """
+
+    def __init__(
+        self,
+        cfg: Config,
+        plan: EpochPlan,
+        epoch: int,
+        window_rng: Callable[[int, int], np.random.Generator | None],
+        buffers: Sequence[npt.NDArray[Any]],
+        stop: threading.Event,
+        ready_to_write: Callable[[int], None] = lambda slot: None,
+        finish: Callable[[int, int, WindowIndex], Any] = lambda w, slot, index: index,
+    ) -> None:
+        self.cfg = cfg
+        self.plan = plan
+        self.epoch = epoch
+        self.window_rng = window_rng
+        self.buffers = buffers
+        self.stop = stop
+        self.ready_to_write = ready_to_write
+        self.finish = finish
+        self.pool = ThreadPoolExecutor(max_workers=cfg.read_threads, thread_name_prefix="saev-loader-read")
+
+    def slot(self, w: int) -> int:
+        return w % len(self.buffers)
+
+    def submit(self, w: int) -> Future[Any]:
+        """Start loading window ``w``; the future's result is ``finish(w, slot, index)``."""
+        cfg = self.cfg
+        window = self.plan.windows[w]
+        slot = self.slot(w)
+        rows = cfg.blocks.rows[window.blocks]
+        offsets = np.zeros(len(rows), dtype=np.int64)
+        np.cumsum(rows[:-1], out=offsets[1:])
+        # The index first: it needs no data, so it is ready by the time the reads are.
+        index = self.pool.submit(index_window, cfg.selection, cfg.blocks, window, self.window_rng(self.epoch, w))
+        parts: list[Future[Any]] = [index]
+        # One task per read thread, each taking the next block in window order until none is
+        # left: as balanced as a task per block (no thread idles while others read the last
+        # blocks of a window), with a handful of futures per window instead of one per block.
+        next_block = itertools.count()
+        parts += [
+            self.pool.submit(self._read_blocks, slot, window.blocks, offsets, next_block)
+            for _ in range(min(len(rows), cfg.read_threads))
+        ]
+        done: Future[Any] = Future()
+        remaining = [len(parts)]
+        lock = threading.Lock()
+
+        def part_done(_: Future[Any]) -> None:
+            with lock:
+                remaining[0] -= 1
+                if remaining[0]:
+                    return
+            try:
+                for part in parts:
+                    part.result()  # the first failure (or cancellation) is the window's
+                done.set_result(self.finish(w, slot, index.result()))
+            except BaseException as err:
+                done.set_exception(err)
+
+        for part in parts:
+            part.add_done_callback(part_done)
+        return done
+
+    def _read_blocks(
+        self, slot: int, ids: npt.NDArray[np.int64], offsets: npt.NDArray[np.int64], next_block: Iterator[int]
+    ) -> None:
+        self.ready_to_write(slot)
+        buffer = self.buffers[slot]
+        for i in next_block:  # itertools.count: its next() is atomic, each block goes to one thread
+            if i >= len(ids):
+                return
+            if self.stop.is_set():
+                raise CancelledError
+            self._read_block(int(ids[i]), buffer, int(offsets[i]))
+
+    def _read_block(self, block: int, buffer: npt.NDArray[Any], row_offset: int) -> None:
+        cfg = self.cfg
+        blocks = cfg.blocks
+        start, stop = int(blocks.start[block]), int(blocks.stop[block])
+        count = stop - start
+        rows_per_ex = blocks.rows_per_ex
+        dest = buffer[row_offset * cfg.tokens : (row_offset + count * rows_per_ex) * cfg.tokens]
+        slices = dest.reshape(count, rows_per_ex, cfg.tokens, cfg.d_model)
+        if blocks.whole:
+            cfg.shards.read_range(start, stop, slices)
+            return
+        for e in range(count):
+            if self.stop.is_set():
+                raise CancelledError
+            for s, position in enumerate(blocks.read_positions.tolist()):
+                cfg.shards.read_example(start + e, position, slices[e, s])
+
+    def close(self) -> None:
+        self.stop.set()
+        self.pool.shutdown(wait=True, cancel_futures=True)
+
+
+# --------------------------------------------------------------------------------------
+# output memory
+
+
+class Recycler:
+    """Output arrays handed out as tensors, reused once nothing outside refers to them.
+
+    A fresh multi-megabyte array costs a page fault per 4 KiB on first touch, which
+    halves the gather rate. ``torch.from_numpy`` keeps a reference to its array (through
+    the views batches are cut from) for as long as any tensor of that memory lives, so an
+    array whose only reference is ours is free. At most ``keep`` arrays are remembered;
+    when all are in use a new one is made. Safe to share between threads.
+    """
+
+    def __init__(self, keep: int) -> None:
+        self.keep = keep
+        self.arrays: list[npt.NDArray[Any]] = []
+        self.lock = threading.Lock()
+        probe = [np.empty(1)]
+        self.free_refs = sys.getrefcount(probe[0])  # the list's reference and the argument's
+
+    def get(self, shape: tuple[int, ...], dtype: np.dtype[Any]) -> npt.NDArray[Any]:
+        with self.lock:
+            for i in range(len(self.arrays)):
+                if sys.getrefcount(self.arrays[i]) == self.free_refs:
+                    arr = self.arrays.pop(i)
+                    if arr.shape == shape and arr.dtype == dtype:
+                        self.arrays.append(arr)  # most recently used last
+                        return arr
+                    break  # a chunk of another size (the last): drop it, make one below
+            arr = np.empty(shape, dtype=dtype)
+            self.arrays.append(arr)
+            if len(self.arrays) > self.keep:
+                del self.arrays[0]
+            return arr
+
+
+def cast_into(raw: npt.NDArray[Any], stored: str, out: str, dest: npt.NDArray[Any]) -> None:
+    """Write stored values ``raw`` into ``dest`` (the numpy view of an ``out`` tensor) as ``out``.
+
+    numpy casts release the GIL and run on the calling thread alone (torch's casts fan out
+    to its intra-op threads, which gather threads would oversubscribe). Rounding matches
+    torch's: nearest, ties to even, NaN to 0x7FC0 for bfloat16.
+    """
+    if out == "float32":
+        if stored == "bfloat16":
+            np.left_shift(raw, np.uint32(16), out=dest.view(np.uint32), dtype=np.uint32)
+        else:
+            np.copyto(dest, raw)
+        return
+    wide = raw.view(np.uint16).astype(np.uint32) << 16 if stored == "bfloat16" else raw.astype(np.float32)
+    if stored == "bfloat16":
+        wide = wide.view(np.float32)
+    if out == "bfloat16":
+        dest[...] = float32_to_bf16(wide)
+    else:
+        with np.errstate(over="ignore"):  # beyond float16's range is inf, as torch gives
+            np.copyto(dest, wide, casting="unsafe")
+
+
+# --------------------------------------------------------------------------------------
+# one running epoch
+
+
+class HostRun:
+    """The threads of one epoch, batches on the host. Iterate it; `close` stops and joins everything."""
+
+    def __init__(
+        self,
+        cfg: Config,
+        plan: EpochPlan,
+        schedule: Schedule,
+        epoch: int,
+        window_rng: Callable[[int, int], np.random.Generator | None],
+        buffers: Sequence[npt.NDArray[Any]],
+    ) -> None:
+        self.cfg = cfg
+        self.plan = plan
+        self.schedule = schedule
+        self.stop = threading.Event()
+        self.windows = WindowLoader(cfg, plan, epoch, window_rng, buffers, self.stop)
+        self.gather_pool = ThreadPoolExecutor(max_workers=cfg.gather_threads, thread_name_prefix="saev-loader-gather")
+        #: Chunks in flight: every gather thread busy, and ``prefetch`` batches ready ahead.
+        self.depth = cfg.gather_threads + -(-cfg.prefetch // cfg.chunk_batches)
+        self.recycler = Recycler(keep=self.depth + 4)
+        self.scratch = threading.local()
+        self.lock = threading.RLock()  # reentrant: a chunk's callback may run inside _pump
+        self.closed = False
+
+    def __iter__(self) -> Iterator[Batch]:
+        return self._consume()
+
+    # The schedule is driven by completions, under one lock: when a chunk finishes, the
+    # windows no unfinished chunk needs are released, the next windows start loading into
+    # their slots, and more chunks are submitted (at most `depth` not yet consumed). A slot
+    # is thus refilled as soon as the gathers are done with it, not when the training loop
+    # has caught up, and the consumer only pops finished chunks.
+    def _consume(self) -> Iterator[Batch]:
+        sched = self.schedule
+        n_chunks = len(sched)
+        if n_chunks == 0:
+            return
+        self.loads: dict[int, Future[WindowIndex]] = {}
+        self.futures: dict[int, Future[list[Batch]]] = {}
+        self.done = np.zeros(n_chunks, dtype=bool)
+        self.lowest_unfinished = 0
+        self.next_load = int(sched.w_first[0])
+        self.release_below = self.next_load  # windows before this are done with
+        self.next_chunk = 0
+        self.consumed = 0
+        for c in range(n_chunks):
+            if self._stopped():
+                return
+            with self.lock:
+                self.consumed = c
+                self._pump()
+                future = self.futures.pop(c)
+            for batch in future.result():
+                if self._stopped():
+                    return
+                yield batch
+
+    def _pump(self) -> None:
+        """Start the loads whose slot is free and the chunks whose windows are loading (lock held)."""
+        if self.closed:
+            return
+        sched = self.schedule
+        n_slots = len(self.windows.buffers)
+        last_window = int(sched.w_last[-1])
+        while self.next_load <= last_window and self.next_load - n_slots < self.release_below:
+            self.loads[self.next_load] = self.windows.submit(self.next_load)
+            self.next_load += 1
+        while (
+            self.next_chunk < len(sched)
+            and self.next_chunk - self.consumed < self.depth
+            and sched.w_last[self.next_chunk] < self.next_load
+            and not self.closed
+        ):
+            c = self.next_chunk
+            wanted = range(int(sched.w_first[c]), int(sched.w_last[c]) + 1)
+            future = self.gather_pool.submit(self._chunk, c, {w: self.loads[w] for w in wanted})
+            self.futures[c] = future
+            self.next_chunk += 1
+            future.add_done_callback(functools.partial(self._chunk_done, c))
+
+    def _chunk_done(self, c: int, _: Future[list[Batch]]) -> None:
+        sched = self.schedule
+        with self.lock:
+            self.done[c] = True
+            while self.lowest_unfinished < len(sched) and self.done[self.lowest_unfinished]:
+                self.lowest_unfinished += 1
+            low = self.lowest_unfinished
+            self.release_below = int(sched.w_first[low]) if low < len(sched) else int(sched.w_last[-1]) + 1
+            for w in [w for w in self.loads if w < self.release_below]:
+                del self.loads[w]
+            self._pump()
+
+    # -- one chunk, on a gather thread -------------------------------------------------
+    def _chunk(self, c: int, loads: dict[int, Future[WindowIndex]]) -> list[Batch]:
+        cfg, sched = self.cfg, self.schedule
+        lo, hi = int(sched.lo[c]), int(sched.hi[c])
+        n = hi - lo
+        converts = cfg.out_dtype != cfg.stored
+        acts, out = self._output(n, cfg.out_dtype)
+        raw = self._scratch(n) if converts else out
+        pieces: list[tuple[WindowIndex, int, int]] = []
+        filled = 0
+        for w, a, b in self.plan.segments(lo, hi):
+            index = loads[w].result()
+            if self.stop.is_set():
+                raise CancelledError
+            buffer = self.windows.buffers[self.windows.slot(w)]
+            # mode="clip": with the default "raise", numpy gathers into a temporary and copies.
+            np.take(buffer, index.flat[a:b], axis=0, out=raw[filled : filled + b - a], mode="clip")
+            pieces.append((index, a, b))
+            filled += b - a
+        if converts:
+            cast_into(raw, cfg.stored, cfg.out_dtype, out)
+        return self._batches(c, acts, pieces)
+
+    def _batches(self, c: int, acts: Any, pieces: list[tuple[WindowIndex, int, int]]) -> list[Batch]:
+        import torch
+
+        cfg, sched = self.cfg, self.schedule
+
+        def column(get: Callable[[WindowIndex], npt.NDArray[Any] | None], dtype: Any) -> npt.NDArray[Any]:
+            parts = [get(ix)[a:b] for ix, a, b in pieces]  # type: ignore[index]
+            return np.concatenate(parts, dtype=dtype) if len(parts) > 1 else parts[0].astype(dtype, copy=True)
+
+        examples = column(lambda ix: ix.examples, np.int64)
+        tokens = column(lambda ix: ix.tokens, np.int64)
+        layers = None if cfg.stack else column(lambda ix: ix.layers, np.int64)
+        labels = column(lambda ix: ix.labels, np.uint8) if cfg.selection.has_labels else None
+        out = []
+        size = cfg.batch_size
+        first = int(sched.first_batch[c])
+        for b in range(first, int(sched.stop_batch[c])):
+            s = (b - first) * size
+            e = min(s + size, len(examples))
+            rows = e - s
+            out.append(
+                Batch(
+                    acts=acts[s:e],
+                    examples=torch.from_numpy(examples[s:e]),
+                    tokens=torch.from_numpy(tokens[s:e]),
+                    layers=(
+                        torch.from_numpy(cfg.layer_values.copy()).expand(rows, len(cfg.layer_values))
+                        if layers is None
+                        else torch.from_numpy(layers[s:e])
+                    ),
+                    labels=None if labels is None else torch.from_numpy(labels[s:e]),
+                )
+            )
+        return out
+
+    def _output(self, n: int, dtype: str) -> tuple[Any, npt.NDArray[Any]]:
+        """The ``(n, *row)`` output tensor of a chunk and its numpy view (pinned when asked)."""
+        cfg = self.cfg
+        shape = (n, *cfg.row_shape)
+        if cfg.pin_memory:  # torch's caching host allocator recycles pinned blocks itself
+            tensor = pinned_empty(shape, torch_dtype(dtype))
+            return tensor, as_numpy(tensor, dtype)
+        np_dtype = np.dtype(np.uint16) if dtype == "bfloat16" else np.dtype(dtype)
+        arr = self.recycler.get(shape, np_dtype)
+        return to_tensor(arr, dtype, dtype), arr
+
+    def _scratch(self, n: int) -> npt.NDArray[Any]:
+        """This thread's stored-dtype array for gathers that are cast afterwards."""
+        cfg = self.cfg
+        arr: npt.NDArray[Any] | None = getattr(self.scratch, "arr", None)
+        if arr is None or len(arr) < n:
+            arr = np.empty((n, *cfg.row_shape), dtype=cfg.numpy_dtype)
+            self.scratch.arr = arr
+        return arr[:n]
+
+    def _stopped(self) -> bool:
+        return self.closed
+
+    def close(self) -> None:
+        with self.lock:  # no callback starts new work after this
+            if self.closed:
+                return
+            self.closed = True
+        self.stop.set()
+        self.gather_pool.shutdown(wait=True, cancel_futures=True)
+        self.windows.close()
+
+    def __del__(self) -> None:
+        with contextlib.suppress(Exception):
+            self.close()

@@ -1,0 +1,258 @@
+"""The plan of an epoch: read blocks, the windows of this rank, and each window's order.
+
+Pure numpy, no torch and no activation I/O (only the selection's label and length columns
+are read), so the order of any epoch can be computed, tested and measured from metadata.
+
+A *unit* is one row of a batch: a token vector ``(D,)``, or with stacked layers the
+``(L, D)`` vectors of one ``(example, token)`` at every chosen layer.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+import numpy.typing as npt
+
+from ..reader import Shards
+from ..world import share
+from .selection import CLS_LABEL, TokenSelection
+
+#: Default bytes per read block: large enough that a request costs what the disk streams.
+BLOCK_BYTES = 4 << 20
+#: Below this many bytes per ``(example, layer)`` slice, a proper subset of layers is read
+#: as whole examples (one large read, discarding the other layers) instead of slice by slice.
+MIN_SLICE_READ = 128 << 10
+
+
+class Blocks:
+    """Read units: runs of consecutive examples inside one shard, with the units they hold."""
+
+    def __init__(
+        self,
+        shards: Shards,
+        selection: TokenSelection,
+        block_bytes: int,
+        stack_layers: bool = False,
+    ) -> None:
+        md = shards.metadata
+        slice_bytes = md.tokens_per_ex * md.d_model * md.itemsize
+        #: Whole examples are read when every layer is chosen or slices are small.
+        self.whole = selection.n_layers == md.n_layers or slice_bytes < MIN_SLICE_READ
+        #: ``(T, D)`` slices each example occupies in a window buffer.
+        self.rows_per_ex = md.n_layers if self.whole else selection.n_layers
+        #: Position of each chosen layer among an example's rows in the buffer.
+        self.slots = selection.layer_positions if self.whole else np.arange(selection.n_layers, dtype=np.int64)
+        self.read_positions = selection.layer_positions
+        #: Layer value of each slot of an example's rows (0 for rows read but not chosen).
+        self.slot_layer = np.zeros(self.rows_per_ex, dtype=np.int64)
+        self.slot_layer[self.slots] = np.array(selection.layer_values, dtype=np.int64)
+        self.stack_layers = bool(stack_layers)
+        #: Token vectors in one unit: every chosen layer when stacked, else one.
+        self.layers_per_unit = selection.n_layers if self.stack_layers else 1
+        ex_bytes = self.rows_per_ex * slice_bytes
+        self.examples_per_block = max(1, block_bytes // max(1, ex_bytes))
+
+        n, eps = shards.n_examples, shards.examples_per_shard
+        n_shards = shards.n_shards
+        shard_lo = np.arange(n_shards, dtype=np.int64) * eps
+        shard_hi = np.minimum(shard_lo + eps, n)
+        per_shard = -(-(shard_hi - shard_lo) // self.examples_per_block)
+        shard_of_block = np.repeat(np.arange(n_shards, dtype=np.int64), per_shard)
+        first = np.zeros(n_shards, dtype=np.int64)
+        np.cumsum(per_shard[:-1], out=first[1:])
+        within = np.arange(len(shard_of_block), dtype=np.int64) - first[shard_of_block]
+        start = shard_lo[shard_of_block] + within * self.examples_per_block
+        stop = np.minimum(start + self.examples_per_block, shard_hi[shard_of_block])
+        tokens = selection.tokens_before(stop) - selection.tokens_before(start)
+        units = tokens if self.stack_layers else tokens * selection.n_layers
+        keep = units > 0  # blocks whose tokens are all filtered out are never read
+        self.start = start[keep]
+        self.stop = stop[keep]
+        self.shard = shard_of_block[keep]
+        #: Units (batch rows) each block yields.
+        self.units = units[keep]
+        #: ``(T, D)`` slices each block occupies in a window buffer.
+        self.rows = (self.stop - self.start) * self.rows_per_ex
+        self.total = int(self.units.sum())
+        self.max_rows = int(self.rows.max()) if len(self.rows) else 0
+
+    def __len__(self) -> int:
+        return len(self.start)
+
+
+@dataclasses.dataclass
+class Window:
+    """Consecutive blocks of one epoch's stream, loaded together and shuffled together."""
+
+    index: int
+    blocks: npt.NDArray[np.int64]
+    trim_lo: int  # units of the first block that belong to the previous rank
+    trim_hi: int  # units of the last block that belong to the next rank
+    n_units: int
+
+
+@dataclasses.dataclass
+class EpochPlan:
+    """This rank's windows of one epoch and where each starts in its stream of units."""
+
+    windows: list[Window]
+    window_start: npt.NDArray[np.int64]  # stream position of each window's first unit, then the total
+    n_units: int
+    n_batches: int
+    batch_size: int
+
+    def batch_range(self, batch: int) -> tuple[int, int]:
+        """Stream positions ``[lo, hi)`` of batch ``batch``."""
+        lo = batch * self.batch_size
+        return lo, min(lo + self.batch_size, self.n_units)
+
+    def segments(self, lo: int, hi: int) -> list[tuple[int, int, int]]:
+        """``(window, first, stop)`` pieces of stream positions ``[lo, hi)``, positions local to each window."""
+        w = int(np.searchsorted(self.window_start, lo, side="right")) - 1
+        out = []
+        while lo < hi:
+            start, end = int(self.window_start[w]), int(self.window_start[w + 1])
+            take = min(hi, end)
+            if take > lo:
+                out.append((w, lo - start, take - start))
+            lo = take
+            w += 1
+        return out
+
+
+def plan_epoch(
+    blocks: Blocks,
+    order: npt.NDArray[np.int64],
+    rank: int,
+    world_size: int,
+    window_rows: int,
+    batch_size: int,
+    drop_last: bool,
+) -> EpochPlan:
+    """Cut the block stream ``order`` into this rank's share, then into windows of ``window_rows``."""
+    units = blocks.units[order]
+    cum = np.zeros(len(order) + 1, dtype=np.int64)
+    np.cumsum(units, out=cum[1:])
+    total = int(cum[-1])
+    mine_range = share(total, rank, world_size)
+    lo, hi = mine_range.start, mine_range.stop
+    first = int(np.searchsorted(cum[1:], lo, side="right"))
+    end = int(np.searchsorted(cum[:-1], hi, side="left"))
+    mine = order[first:end]
+    n_local = hi - lo
+    if drop_last:
+        n_batches = (total // world_size) // batch_size  # the same on every rank
+    else:
+        n_batches = -(-n_local // batch_size)
+    if n_local == 0:
+        return EpochPlan([], np.zeros(1, dtype=np.int64), 0, n_batches, batch_size)
+    # A block joins the window its first row falls in: every window holds at most
+    # window_rows + one block's rows, and all but the last are at least window_rows.
+    rows = blocks.rows[mine]
+    row_start = np.zeros(len(mine), dtype=np.int64)
+    np.cumsum(rows[:-1], out=row_start[1:])
+    window_of = row_start // max(1, window_rows)
+    cuts = np.flatnonzero(np.diff(window_of)) + 1
+    groups = np.split(np.arange(len(mine)), cuts)
+    trim_lo, trim_hi = lo - int(cum[first]), int(cum[end]) - hi
+    windows = []
+    position = 0
+    starts = []
+    for w, group in enumerate(groups):
+        ids = mine[group]
+        n = int(blocks.units[ids].sum())
+        t_lo = trim_lo if group[0] == 0 else 0
+        t_hi = trim_hi if group[-1] == len(mine) - 1 else 0
+        n -= t_lo + t_hi
+        windows.append(Window(w, ids, t_lo, t_hi, n))
+        starts.append(position)
+        position += n
+    starts.append(position)
+    return EpochPlan(windows, np.array(starts, dtype=np.int64), n_local, n_batches, batch_size)
+
+
+@dataclasses.dataclass
+class WindowIndex:
+    """Every unit of a loaded window, in the order the batches take them.
+
+    ``flat`` indexes the window buffer viewed as ``(rows * T, D)`` vectors: ``(n,)``, or
+    ``(n, L)`` with stacked layers. The other columns are the batches' metadata, computed
+    once per window so that a batch only slices them.
+    """
+
+    flat: npt.NDArray[np.int64]
+    examples: npt.NDArray[np.int64]
+    tokens: npt.NDArray[np.int32]
+    layers: npt.NDArray[np.int32] | None  # layer value of each unit; None with stacked layers
+    labels: npt.NDArray[np.uint8] | None  # labels.bin value (CLS_LABEL at CLS); None without labels.bin
+
+    def __len__(self) -> int:
+        return len(self.flat)
+
+
+def index_window(
+    selection: TokenSelection,
+    blocks: Blocks,
+    window: Window,
+    rng: np.random.Generator | None,
+) -> WindowIndex:
+    """Where each chosen unit of ``window`` lands in its buffer, permuted by ``rng`` (if any).
+
+    The buffer holds the window's blocks back to back, each example as ``rows_per_ex``
+    ``(T, D)`` slices. Before the permutation, units are listed by example, layer, token
+    (by example, token with stacked layers).
+    """
+    starts, stops = blocks.start[window.blocks], blocks.stop[window.blocks]
+    sizes = stops - starts
+    ex_first = np.zeros(len(sizes), dtype=np.int64)
+    np.cumsum(sizes[:-1], out=ex_first[1:])
+    n_ex = int(sizes.sum())
+    examples = np.repeat(starts - ex_first, sizes) + np.arange(n_ex, dtype=np.int64)
+    tokens = selection.tokens_per_ex
+    labels = None
+    if selection.has_labels:
+        rows = [selection.labels_of(np.arange(a, b)) for a, b in zip(starts.tolist(), stops.tolist(), strict=True)]
+        labels = np.full((n_ex, tokens), CLS_LABEL, dtype=np.uint8)
+        labels[:, selection.cls :] = np.concatenate(rows)
+    slots = blocks.slots.astype(np.int32)
+    n_slots = 1 if blocks.stack_layers else len(slots)  # slots enumerated per unit
+    if not selection.varies:
+        chosen = selection.base_tokens.astype(np.int32)
+        per_ex = n_slots * len(chosen)
+        ex_c = np.repeat(np.arange(n_ex, dtype=np.int32), per_ex)
+        slot_c = np.tile(np.repeat(slots[:n_slots], len(chosen)), n_ex)
+        tok_c = np.tile(chosen, n_ex * n_slots)
+    else:
+        mask = selection.mask(examples, None if labels is None else labels[:, selection.cls :])
+        counts = mask.sum(axis=1).astype(np.int64)
+        ex_j, tok_j = np.nonzero(mask)
+        first_of_ex = np.zeros(n_ex, dtype=np.int64)
+        np.cumsum(counts[:-1], out=first_of_ex[1:])
+        rank_j = np.arange(len(ex_j), dtype=np.int64) - first_of_ex[ex_j]
+        # Position in (example, layer, token) order of entry j at the s-th chosen layer.
+        position = (first_of_ex[ex_j] * n_slots + rank_j)[None, :] + (
+            np.arange(n_slots, dtype=np.int64)[:, None] * counts[ex_j][None, :]
+        )
+        position = position.ravel()
+        ex_c = np.empty(len(position), dtype=np.int32)
+        tok_c = np.empty(len(position), dtype=np.int32)
+        slot_c = np.empty(len(position), dtype=np.int32)
+        ex_c[position] = np.tile(ex_j.astype(np.int32), n_slots)
+        tok_c[position] = np.tile(tok_j.astype(np.int32), n_slots)
+        slot_c[position] = np.repeat(slots[:n_slots], len(ex_j))
+    if window.trim_lo or window.trim_hi:
+        keep = slice(window.trim_lo, len(ex_c) - window.trim_hi)
+        ex_c, slot_c, tok_c = ex_c[keep], slot_c[keep], tok_c[keep]
+    if rng is not None:
+        order = rng.permutation(len(ex_c))
+        ex_c, slot_c, tok_c = ex_c[order], slot_c[order], tok_c[order]
+    row = ex_c.astype(np.int64) * blocks.rows_per_ex
+    if blocks.stack_layers:
+        flat = (row[:, None] + blocks.slots[None, :]) * tokens + tok_c[:, None]
+        layer_col = None
+    else:
+        flat = (row + slot_c) * tokens + tok_c
+        layer_col = blocks.slot_layer[slot_c].astype(np.int32)
+    label_col = None if labels is None else labels.ravel()[ex_c.astype(np.int64) * tokens + tok_c]
+    return WindowIndex(flat, examples[ex_c], tok_c, layer_col, label_col)

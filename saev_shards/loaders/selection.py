@@ -1,0 +1,194 @@
+"""Which token vectors of a cache a loader yields: layers, token kind and per-token filters.
+
+Shared by the token loaders and `TokenDataset`; numpy only (no torch).
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterable, Sequence
+from typing import Any
+
+import numpy as np
+import numpy.typing as npt
+
+from ..errors import LoaderError
+from ..reader import Shards
+from ..reader import open as open_shards
+
+#: Label reported for a [CLS] token: labels.bin has no CLS column, and 255 is the one
+#: value a uint8 label can take that no patch label set we know uses.
+CLS_LABEL = 255
+#: Token choices: the patches, the [CLS] token, or both.
+TOKEN_CHOICES = ("content", "cls", "all")
+#: Output dtypes a caller may ask for (None keeps the stored dtype).
+OUT_DTYPES = ("float16", "bfloat16", "float32")
+#: Examples per step when counting selected tokens over the whole cache (bounds memory).
+_COUNT_CHUNK = 1 << 16
+
+
+def as_shards(shards: Shards | str | os.PathLike[str]) -> Shards:
+    """An open `Shards` from a `Shards` or a cache path."""
+    if isinstance(shards, Shards):
+        return shards
+    return open_shards(shards)
+
+
+def parse_layers(shards: Shards, layers: int | Sequence[int] | None) -> tuple[int, ...]:
+    """Layer *values* chosen by ``layers`` (None = every recorded layer), checked against the cache."""
+    recorded = shards.metadata.layers
+    if layers is None:
+        return tuple(recorded)
+    chosen = (layers,) if isinstance(layers, (int, np.integer)) else tuple(layers)
+    if not chosen:
+        raise LoaderError(f"layers: expected at least one layer of {list(recorded)}, found none")
+    values = []
+    for layer in chosen:
+        if isinstance(layer, bool) or not isinstance(layer, (int, np.integer)) or int(layer) not in recorded:
+            raise LoaderError(f"layers: expected recorded layer values {list(recorded)}, found {layer!r}")
+        values.append(int(layer))
+    if len(set(values)) != len(values):
+        raise LoaderError(f"layers: expected distinct layer values, found {values}")
+    return tuple(values)
+
+
+def parse_out_dtype(shards: Shards, out_dtype: object) -> str:
+    """The dtype name of returned activations: the stored one for None, else one of `OUT_DTYPES`."""
+    if out_dtype is None:
+        return shards.dtype
+    name = str(out_dtype).removeprefix("torch.")
+    if name not in OUT_DTYPES:
+        raise LoaderError(f"out_dtype: expected None or one of {list(OUT_DTYPES)}, found {out_dtype!r}")
+    return name
+
+
+class TokenSelection:
+    """Which token vectors of a cache a loader yields: layers, token kind and per-token filters.
+
+    ``tokens`` is ``"content"`` (patches; positions ``cls_token .. T-1``), ``"cls"`` (position
+    0, caches with a CLS token) or ``"all"``. ``ignore_labels`` drops content tokens whose
+    ``labels.bin`` value is listed (CLS tokens have no label and are never dropped by it).
+    ``skip_padding`` drops positions ``>= lengths[i]`` when the cache has a ``lengths`` column.
+    Within an example the selected vectors are ordered by layer (metadata order), then token.
+    """
+
+    def __init__(
+        self,
+        shards: Shards,
+        layers: int | Sequence[int] | None = None,
+        tokens: str = "content",
+        ignore_labels: Iterable[int] = (),
+        skip_padding: bool = True,
+    ) -> None:
+        md = shards.metadata
+        self.shards = shards
+        self.layer_values = parse_layers(shards, layers)
+        #: Positions of the chosen layers in ``metadata.layers``, ascending (disk order).
+        self.layer_positions = np.array(sorted(shards.layer_index(v) for v in self.layer_values), dtype=np.int64)
+        self.layer_values = tuple(md.layers[int(p)] for p in self.layer_positions)
+        self.n_layers = len(self.layer_positions)
+        if tokens not in TOKEN_CHOICES:
+            raise LoaderError(f"tokens: expected one of {list(TOKEN_CHOICES)}, found {tokens!r}")
+        if tokens == "cls" and not md.cls_token:
+            raise LoaderError("tokens='cls': expected a cache with a CLS token (cls_token=true), found cls_token=false")
+        self.tokens = tokens
+        self.cls = int(md.cls_token)
+        self.tokens_per_ex = md.tokens_per_ex
+        base = np.zeros(md.tokens_per_ex, dtype=bool)
+        if tokens in ("content", "all"):
+            base[self.cls :] = True
+        if tokens in ("cls", "all"):
+            base[0] = True
+        self.base_mask = base
+        #: Token positions chosen when no per-example filter applies.
+        self.base_tokens = np.flatnonzero(base).astype(np.int64)
+
+        ignore = sorted({int(v) for v in ignore_labels})
+        if any(not 0 <= v <= 255 for v in ignore):
+            raise LoaderError(f"ignore_labels: expected uint8 label values 0..255, found {ignore}")
+        if ignore and shards.manifest.labels is None:
+            raise LoaderError(f"ignore_labels={ignore}: expected a cache with labels.bin, found none at {shards.path}")
+        self.ignore_labels = np.array(ignore, dtype=np.uint8)
+        self.has_labels = shards.manifest.labels is not None
+        self.label_filter = bool(ignore) and tokens != "cls" and md.patches_per_ex > 0
+        self.length_filter = bool(skip_padding) and "lengths" in shards.manifest.columns
+        self.skip_padding = bool(skip_padding)
+        #: True when the chosen tokens differ from example to example.
+        self.varies = self.label_filter or self.length_filter
+        self._counts: npt.NDArray[np.int64] | None = None
+
+    # -- per-example masks -----------------------------------------------------------------
+    def mask(
+        self, examples: npt.NDArray[np.int64], labels: npt.NDArray[np.uint8] | None = None
+    ) -> npt.NDArray[np.bool_]:
+        """``(len(examples), T)`` bool: the chosen token positions of each example.
+
+        ``labels`` may pass the examples' ``labels.bin`` rows when the caller has them already.
+        """
+        mask = np.broadcast_to(self.base_mask, (len(examples), self.tokens_per_ex))
+        if not self.varies or len(examples) == 0:
+            return mask
+        mask = mask.copy()
+        if self.label_filter:
+            if labels is None:
+                labels = self.labels_of(examples)
+            mask[:, self.cls :] &= ~np.isin(labels, self.ignore_labels)
+        if self.length_filter:
+            lengths = np.asarray(self.shards.columns["lengths"][examples]).astype(np.int64)
+            mask &= np.arange(self.tokens_per_ex) < lengths[:, None]
+        return mask
+
+    def labels_of(self, examples: npt.NDArray[np.int64]) -> npt.NDArray[np.uint8]:
+        """``(len(examples), patches_per_ex)`` labels of ``examples`` (sorted runs read fastest)."""
+        labels = self.shards.labels
+        if labels is None:
+            raise LoaderError(f"labels: expected a cache with labels.bin, found none at {self.shards.path}")
+        if len(examples) and examples[-1] - examples[0] + 1 == len(examples):  # one contiguous run
+            return np.array(labels[int(examples[0]) : int(examples[-1]) + 1])
+        return np.asarray(labels[examples])
+
+    def tokens_of(self, example: int) -> npt.NDArray[np.int64]:
+        """Chosen token positions of one example, ascending."""
+        if not self.varies:
+            return self.base_tokens
+        return np.flatnonzero(self.mask(np.array([example], dtype=np.int64))[0]).astype(np.int64)
+
+    @property
+    def counts(self) -> npt.NDArray[np.int64] | None:
+        """Chosen tokens per example (one layer), or None when every example has ``len(base_tokens)``.
+
+        Computed once by a sequential pass over labels.bin and the lengths column.
+        """
+        if not self.varies:
+            return None
+        if self._counts is None:
+            n = self.shards.n_examples
+            counts = np.empty(n, dtype=np.int64)
+            for start in range(0, n, _COUNT_CHUNK):
+                stop = min(n, start + _COUNT_CHUNK)
+                counts[start:stop] = self.mask(np.arange(start, stop, dtype=np.int64)).sum(axis=1)
+            self._counts = counts
+        return self._counts
+
+    def tokens_before(self, examples: npt.NDArray[np.int64]) -> npt.NDArray[np.int64]:
+        """Chosen tokens (one layer) in all examples before each of ``examples``."""
+        counts = self.counts
+        if counts is None:
+            return np.asarray(examples, dtype=np.int64) * len(self.base_tokens)
+        cum = self._cumulative()
+        return cum[np.asarray(examples, dtype=np.int64)]
+
+    def _cumulative(self) -> npt.NDArray[np.int64]:
+        cum: npt.NDArray[np.int64] | None = getattr(self, "_cum", None)
+        if cum is None:
+            counts = self.counts
+            assert counts is not None
+            cum = np.zeros(len(counts) + 1, dtype=np.int64)
+            np.cumsum(counts, out=cum[1:])
+            self._cum = cum
+        return cum
+
+    def __getstate__(self) -> dict[str, Any]:
+        state = self.__dict__.copy()
+        state.pop("_cum", None)  # rebuilt from counts on demand; halves what workers receive
+        return state

@@ -1,0 +1,55 @@
+"""The torch side of the loaders: dtype names, wrapping stored values, pinned allocations.
+
+torch is imported inside each function, so importing this module needs numpy alone.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+import numpy.typing as npt
+
+if TYPE_CHECKING:
+    import torch
+
+
+def torch_dtype(name: str) -> torch.dtype:
+    """The torch dtype called ``name``."""
+    import torch
+
+    return {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32}[name]
+
+
+def to_tensor(raw: npt.NDArray[Any], stored: str, out: str) -> torch.Tensor:
+    """Wrap stored values (bfloat16 as raw uint16) in a tensor of dtype ``out``.
+
+    ``raw`` must be a fresh writable array; when no cast is needed the tensor shares it.
+    """
+    import torch
+
+    if stored == "bfloat16":
+        tensor = torch.from_numpy(raw.view(np.int16)).view(torch.bfloat16)
+    else:
+        tensor = torch.from_numpy(raw)
+    return tensor if stored == out else tensor.to(torch_dtype(out))
+
+
+def pinned_empty(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+    """An uninitialised tensor in page-locked host memory: the loaders' one pinned allocation.
+
+    torch's caching host allocator recycles the block once the tensor is freed *and* every
+    ``non_blocking`` copy that read it has finished (it records an event per copy).
+    """
+    import torch
+
+    return torch.empty(shape, dtype=dtype, pin_memory=True)
+
+
+def as_numpy(tensor: torch.Tensor, stored: str) -> npt.NDArray[Any]:
+    """The numpy array sharing ``tensor``'s memory, in the stored numpy dtype (bfloat16 as uint16)."""
+    import torch
+
+    if tensor.dtype == torch.bfloat16:
+        return tensor.view(torch.int16).numpy().view(np.uint16)
+    return tensor.numpy()

@@ -1,0 +1,393 @@
+"""`TokenLoader`: batches of token vectors, every chosen token once per epoch, in a chosen order.
+
+The loader orchestrates; the work lives beside it: the selection (`selection`), the plan
+of an epoch (`plan`, pure numpy), the order as a strategy (`order`), the world (`..world`),
+the host pipeline (`pipeline`) and the device-side shuffle (`device`). `ShuffledLoader`
+and `OrderedLoader` are the token loader with the shuffled and the ordered strategy.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import inspect
+import json
+import os
+import threading
+import weakref
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from typing import Any
+
+import numpy as np
+import numpy.typing as npt
+
+from .. import world
+from ..errors import LoaderError
+from ..reader import Shards
+from .batch import Batch
+from .device import DeviceRun, Slots
+from .order import Order, parse_order
+from .pipeline import Config, HostRun, Schedule
+from .plan import BLOCK_BYTES, Blocks, EpochPlan, index_window, plan_epoch
+from .selection import TokenSelection, as_shards, parse_out_dtype
+
+#: Most threads the defaults pick: a node's memory bandwidth is saturated well before.
+MAX_DEFAULT_THREADS = 16
+
+
+def usable_cores() -> int:
+    """Cores this process may run on (its affinity mask: what SLURM or taskset granted)."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        return os.cpu_count() or 1
+
+
+def default_gather_threads() -> int:
+    """Threads gathering batches on the host: one per usable core, at most 16."""
+    return max(1, min(MAX_DEFAULT_THREADS, usable_cores()))
+
+
+def default_read_threads(device_side: bool = False) -> int:
+    """Threads reading blocks: at least 4 requests in flight for a disk, half the cores when
+    they also gather on the host, every core when the device gathers (at most 16)."""
+    cores = usable_cores()
+    return max(4, min(MAX_DEFAULT_THREADS, cores if device_side else cores // 2))
+
+
+class TokenLoader:
+    """Batches ``(B, D)`` of single token vectors; every chosen token once per epoch.
+
+    ``layers``: None (all recorded), a layer value or a sequence of them. ``tokens``:
+    ``"content"``, ``"cls"`` or ``"all"``. ``ignore_labels`` skips content tokens whose label is
+    listed; ``skip_padding`` skips positions ``>= lengths[i]`` when the cache has a lengths
+    column. ``out_dtype``: None (stored; bfloat16 comes back as torch.bfloat16), ``"float32"``,
+    ``"bfloat16"`` or ``"float16"``. ``rank``/``world_size``: this process's share (default: the
+    `saev_shards.world` precedence without SLURM arrays); ``drop_last=True`` gives every rank
+    the same number of full batches.
+
+    ``order``: ``"shuffled"`` (a new order from ``(seed, epoch)`` each epoch) or ``"ordered"``
+    (strict ``(example, layer, token)`` order). ``stack_layers=True``: each row is one
+    ``(example, token)`` at every chosen layer, batches ``(B, L, D)``. ``device``: None
+    gathers on the host (``pin_memory`` pins the batches); ``"cuda"`` copies whole windows to
+    the GPU and shuffles there, batches come out on it (``"cpu"`` runs that path on the CPU).
+
+    Iterating runs one epoch. Breaking out of the loop, `close`, or garbage collection stops
+    the background threads. Memory: two windows of about ``buffer_bytes`` each (on the
+    device as well with ``device``), plus ``gather_threads + prefetch`` batches in flight.
+    """
+
+    def __init__(
+        self,
+        shards: Shards | str | os.PathLike[str],
+        batch_size: int = 4096,
+        layers: int | Sequence[int] | None = None,
+        tokens: str = "content",
+        seed: int = 0,
+        drop_last: bool = False,
+        out_dtype: str | None = None,
+        ignore_labels: Iterable[int] = (),
+        skip_padding: bool = True,
+        rank: int | None = None,
+        world_size: int | None = None,
+        pin_memory: bool = False,
+        *,
+        buffer_bytes: int = 1 << 30,
+        block_bytes: int = BLOCK_BYTES,
+        read_threads: int | None = None,
+        prefetch: int = 4,
+        gather_threads: int | None = None,
+        order: str | Order = "shuffled",
+        stack_layers: bool = False,
+        device: Any = None,
+    ) -> None:
+        import torch
+
+        self.shards = as_shards(shards)
+        if isinstance(batch_size, bool) or not isinstance(batch_size, (int, np.integer)) or batch_size < 1:
+            raise LoaderError(f"batch_size: expected an integer >= 1, found {batch_size!r}")
+        if int(seed) < 0:
+            raise LoaderError(f"seed: expected an integer >= 0, found {seed}")
+        for name, value in (
+            ("buffer_bytes", buffer_bytes),
+            ("block_bytes", block_bytes),
+            ("read_threads", 1 if read_threads is None else read_threads),
+            ("prefetch", prefetch),
+            ("gather_threads", 1 if gather_threads is None else gather_threads),
+        ):
+            if int(value) < 1:
+                raise LoaderError(f"{name}: expected an integer >= 1, found {value}")
+        self.order = parse_order(order)
+        self.batch_size = int(batch_size)
+        self.seed = int(seed)
+        self.drop_last = bool(drop_last)
+        #: Where this process's share came from (`saev_shards.world.World`).
+        self.world = world.detect(rank, world_size, slurm_array=False, error=LoaderError)
+        self.rank, self.world_size = self.world.rank, self.world.world_size
+        self.selection = TokenSelection(self.shards, layers, tokens, ignore_labels, skip_padding)
+        self.layers = self.selection.layer_values
+        self.out_dtype = parse_out_dtype(self.shards, out_dtype)
+        self.stack_layers = bool(stack_layers)
+        self.device = None if device is None else _parse_device(device)
+        self.pin_memory = bool(pin_memory) and torch.cuda.is_available() and self.device is None
+        self.buffer_bytes = int(buffer_bytes)
+        self.block_bytes = int(block_bytes)
+        self._blocks = Blocks(self.shards, self.selection, self.block_bytes, self.stack_layers)
+        md = self.shards.metadata
+        slice_bytes = md.tokens_per_ex * md.d_model * md.itemsize
+        self._window_rows = max(1, self.buffer_bytes // max(1, slice_bytes))
+        device_side = self.device is not None
+        self._config = Config(
+            self.shards,
+            self.selection,
+            self._blocks,
+            self.batch_size,
+            self.out_dtype,
+            self.pin_memory,
+            default_read_threads(device_side) if read_threads is None else int(read_threads),
+            int(prefetch),
+            default_gather_threads() if gather_threads is None else int(gather_threads),
+        )
+        total = self._blocks.total
+        mine = self.world.share(total)
+        self.n_tokens = len(mine)  # rows this rank yields per epoch (before drop_last)
+        if self.drop_last:
+            self._len = (total // self.world_size) // self.batch_size
+        else:
+            self._len = -(-self.n_tokens // self.batch_size)
+        self._next_epoch = 0
+        self._resume_batch = 0
+        self._position: tuple[int, int] | None = None  # (epoch, batches yielded) of the live iteration
+        self._runs: weakref.WeakSet[HostRun | DeviceRun] = weakref.WeakSet()
+        self._spare: list[npt.NDArray[Any]] = []
+        self._slots: Slots | None = None
+        self._spare_lock = threading.Lock()
+
+    # -- size and identity -------------------------------------------------------------
+    def __len__(self) -> int:
+        """Batches per epoch on this rank."""
+        return self._len
+
+    @property
+    def read_threads(self) -> int:
+        return self._config.read_threads
+
+    @property
+    def gather_threads(self) -> int:
+        return self._config.gather_threads
+
+    @property
+    def fingerprint(self) -> str:
+        """Digest of everything that decides the batches; `load_state_dict` checks it."""
+        md = self.shards.metadata
+        sel = self.selection
+        config = {
+            "cache": md.hash,
+            "batch_size": self.batch_size,
+            "layers": list(sel.layer_values),
+            "tokens": sel.tokens,
+            "ignore_labels": sel.ignore_labels.tolist(),
+            "skip_padding": sel.skip_padding,
+            "drop_last": self.drop_last,
+            "rank": self.rank,
+            "world_size": self.world_size,
+            **self.order.fingerprint(self.buffer_bytes, self.block_bytes),
+        }
+        if self.stack_layers:  # only when set: states saved before the option still load
+            config["stack_layers"] = True
+        return hashlib.sha256(json.dumps(config, sort_keys=True).encode()).hexdigest()[:16]
+
+    # -- epochs and resuming -----------------------------------------------------------
+    def set_epoch(self, epoch: int) -> None:
+        """Make the next ``iter()`` run epoch ``epoch`` from its first batch."""
+        if int(epoch) < 0:
+            raise LoaderError(f"epoch: expected an integer >= 0, found {epoch}")
+        self._next_epoch = int(epoch)
+        self._resume_batch = 0
+        self._position = None
+
+    def state_dict(self) -> dict[str, Any]:
+        """Where the next ``iter()`` starts: mid-epoch while an iteration is under way."""
+        if self._position is not None:
+            epoch, batch = self._position
+            if batch >= self._len:
+                epoch, batch = epoch + 1, 0
+        else:
+            epoch, batch = self._next_epoch, self._resume_batch
+        return {"epoch": epoch, "batch": batch, "seed": self.seed, "fingerprint": self.fingerprint}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Resume exactly where `state_dict` was taken (same cache and settings)."""
+        expected = {"epoch", "batch", "seed", "fingerprint"}
+        if not isinstance(state, dict) or set(state) != expected:
+            found = sorted(state) if isinstance(state, dict) else type(state).__name__
+            raise LoaderError(f"state: expected keys {sorted(expected)}, found {found}")
+        if state["fingerprint"] != self.fingerprint or state["seed"] != self.seed:
+            raise LoaderError(
+                f"state: expected a state of this loader (seed {self.seed}, fingerprint {self.fingerprint}), "
+                f"found seed {state['seed']}, fingerprint {state['fingerprint']} (different cache or settings)"
+            )
+        epoch, batch = int(state["epoch"]), int(state["batch"])
+        if epoch < 0 or not 0 <= batch <= self._len:
+            raise LoaderError(f"state: expected epoch >= 0 and batch in [0, {self._len}], found {epoch}, {batch}")
+        self._next_epoch, self._resume_batch = (epoch + 1, 0) if batch == self._len else (epoch, batch)
+        self._position = None
+
+    def plan(self, epoch: int) -> EpochPlan:
+        """The windows of epoch ``epoch`` on this rank (cheap: no data is read)."""
+        order = self.order.block_order(len(self._blocks), self.seed, epoch)
+        return plan_epoch(
+            self._blocks, order, self.rank, self.world_size, self._window_rows, self.batch_size, self.drop_last
+        )
+
+    def epoch_examples(self, epoch: int, limit: int | None = None) -> npt.NDArray[np.int64]:
+        """Example of each of the first ``limit`` rows this rank yields in epoch ``epoch``.
+
+        Computed from the plan alone (no activation is read), so the shuffle quality of any
+        cache can be measured from its metadata; batch ``i`` holds entries ``[i*B, (i+1)*B)``.
+        """
+        plan = self.plan(epoch)
+        need = plan.n_units if limit is None else min(limit, plan.n_units)
+        pieces, got = [], 0
+        for window in plan.windows:
+            if got >= need:
+                break
+            index = index_window(self.selection, self._blocks, window, self._window_rng(epoch, window.index))
+            pieces.append(index.examples)
+            got += len(index)
+        return np.concatenate(pieces)[:need] if pieces else np.zeros(0, dtype=np.int64)
+
+    def _window_rng(self, epoch: int, window: int) -> np.random.Generator | None:
+        return self.order.window_rng(self.seed, epoch, window, self.rank, self.world_size)
+
+    # -- iteration ---------------------------------------------------------------------
+    def __iter__(self) -> Iterator[Batch]:
+        epoch, start = self._next_epoch, self._resume_batch
+        self._next_epoch, self._resume_batch = epoch + 1, 0
+        self._position = (epoch, start)
+        return self._iterate(epoch, start)
+
+    def _iterate(self, epoch: int, start: int) -> Iterator[Batch]:
+        plan = self.plan(epoch)
+        cfg = self._config
+        schedule = Schedule(plan, start, 1 if self.device is not None else cfg.chunk_batches)
+        rows = self._buffer_rows()
+        run: HostRun | DeviceRun
+        release: Callable[[], None]
+        if self.device is not None:
+            slots = self._take_slots(schedule.n_slots, rows)
+            run = DeviceRun(cfg, plan, schedule, epoch, self._window_rng, slots)
+            release = lambda: self._give_slots(slots)  # noqa: E731
+        else:
+            buffers = self._take_buffers(schedule.n_slots, rows) if len(schedule) else []
+            run = HostRun(cfg, plan, schedule, epoch, self._window_rng, buffers)
+            release = lambda: self._give_buffers(buffers)  # noqa: E731
+        self._runs.add(run)
+        try:
+            for i, batch in enumerate(run, start=start + 1):
+                if self._position is not None and self._position[0] == epoch:
+                    self._position = (epoch, i)
+                yield batch
+        finally:
+            run.close()
+            release()
+
+    def _buffer_rows(self) -> int:
+        """``(T, D)`` slices one window buffer holds: a window and one more block."""
+        return min(self._window_rows + self._blocks.max_rows, int(self._blocks.rows.sum()))
+
+    def _take_buffers(self, n: int, rows: int) -> list[npt.NDArray[Any]]:
+        cfg = self._config
+        shape = (rows * cfg.tokens, cfg.d_model)
+        with self._spare_lock:
+            spare, self._spare = self._spare, []
+        buffers = [b for b in spare if b.shape == shape]
+        while len(buffers) < n:
+            buffers.append(np.empty(shape, dtype=cfg.numpy_dtype))
+        return buffers[:n]
+
+    def _give_buffers(self, buffers: list[npt.NDArray[Any]]) -> None:
+        with self._spare_lock:
+            self._spare = buffers
+
+    def _take_slots(self, n: int, rows: int) -> Slots:
+        assert self.device is not None
+        with self._spare_lock:
+            slots, self._slots = self._slots, None
+        if slots is None or not slots.fits(self.device, n, rows):
+            del slots  # free the old device memory before allocating the new
+            slots = Slots(self.device, n, rows, self._config)
+        return slots
+
+    def _give_slots(self, slots: Slots) -> None:
+        with self._spare_lock:
+            self._slots = slots
+
+    def close(self) -> None:
+        """Stop every running iteration (threads joined) and free the window buffers."""
+        for run in list(self._runs):
+            run.close()
+        with self._spare_lock:
+            self._spare = []
+            self._slots = None
+
+    def __del__(self) -> None:
+        with contextlib.suppress(Exception):
+            self.close()
+
+    def __enter__(self) -> TokenLoader:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def _parse_device(device: Any) -> Any:
+    import torch
+
+    try:
+        parsed = torch.device(device)
+    except (RuntimeError, TypeError) as err:
+        raise LoaderError(f"device: expected None, 'cpu', 'cuda' or a torch.device, found {device!r}") from err
+    if parsed.type == "cuda" and not torch.cuda.is_available():
+        raise LoaderError(f"device={device!r}: expected a CUDA GPU, found torch.cuda.is_available() = False")
+    if parsed.type not in ("cpu", "cuda"):
+        raise LoaderError(f"device: expected 'cpu' or 'cuda', found {device!r}")
+    return parsed
+
+
+class ShuffledLoader(TokenLoader):
+    """Shuffled batches ``(B, D)`` of single token vectors: `TokenLoader` with ``order="shuffled"``.
+
+    Each epoch has a new order drawn from ``(seed, epoch)``: blocks of ``block_bytes`` permuted
+    over the whole cache, loaded into windows of ``buffer_bytes``, every vector of a window
+    permuted (docs/loaders.md: shuffle quality). Same arguments as `TokenLoader`.
+    """
+
+
+def _ordered_signature() -> inspect.Signature:
+    """`TokenLoader`'s signature without ``seed`` and ``order``, with the ordered walk's defaults."""
+    params = []
+    for name, param in inspect.signature(TokenLoader.__init__).parameters.items():
+        if name in ("self", "seed", "order"):
+            continue
+        # The ordered walk's windows decide nothing but memory: 64 MiB is enough.
+        params.append(param.replace(default=64 << 20) if name == "buffer_bytes" else param)
+    return inspect.Signature(params)
+
+
+class OrderedLoader(TokenLoader):
+    """Batches ``(B, D)`` in strict ``(example, layer, token)`` order, identical every epoch.
+
+    `TokenLoader` with ``order="ordered"``: the same arguments, less ``seed``, with
+    ``buffer_bytes=64 << 20``. Reads are sequential blocks prefetched by background threads;
+    batches run across shard boundaries. With ``rank`` and ``world_size`` each rank walks one
+    contiguous part of the order.
+    """
+
+    __signature__ = _ordered_signature()
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        bound = self.__signature__.bind(*args, **kwargs)  # TypeError for a bad call, as usual
+        bound.apply_defaults()
+        super().__init__(**bound.arguments, order="ordered")

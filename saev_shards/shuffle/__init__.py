@@ -1,0 +1,367 @@
+"""A perfectly shuffled copy of a cache's chosen tokens, written at sequential disk speed.
+
+>>> shuffled = shuffle_cache("/scratch/saev/shards/3f2a...", layers=11, seed=0)   # doctest: +SKIP
+>>> shuffled.shape                                                                  # doctest: +SKIP
+(251_108_732, 1, 1, 768)
+
+The result is an ordinary protocol 3.0 cache with one token per example (``patches_per_ex``
+1, no CLS) and the chosen layers as its layers: row ``j`` is one ``(example, token)`` of the
+source at every chosen layer, and rows are in a uniformly random order (`order`). Reading
+it in order (`saev_shards.loaders.OrderedLoader`, or a memmap) gives a perfectly shuffled
+epoch with sequential reads. Columns ``source_example`` and ``source_token`` (and
+``labels.bin``, per-token columns such as ``token_ids``) say where each row came from;
+``metadata.data.shuffle`` records the source hash, the selection and the seed, so the same
+source, selection, seed and dtype give the same hash and the same bytes.
+
+How: an external shuffle in two passes with bounded memory (`plan`). The scatter pass
+reads the source once in chunks and writes each chunk's tokens grouped by bucket (`scatter`);
+the write pass loads one bucket at a time, sorts it by key and appends it through
+`ShardWriter` (`append`). Both passes read and write large sequential blocks; a killed
+shuffle resumes where it stopped (sealed runs are kept, the writer resumes after its last
+sealed shard) and ends with byte-identical output; nothing is published until the end.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import multiprocessing
+import os
+import threading
+import time
+from collections.abc import Callable, Sequence
+from concurrent.futures import Future, ProcessPoolExecutor
+from pathlib import Path
+from typing import Any
+
+import orjson
+
+from ..errors import WriterBusyError
+from ..fileio import check_free_space, remove_path, try_flock, write_file_atomic
+from ..format import strict_json_loads
+from ..progress import Progress
+from ..reader import Shards
+from ..reader import open as open_cache
+from ..writer import ShardWriter, finalize, staging_dir
+from .append import write_buckets
+from .order import bucket_of, shuffle_order, sort_keys
+from .plan import DEFAULT_MEMORY, SOURCE_EXAMPLE, SOURCE_TOKEN, WORK_PREFIX, ShufflePlan, make_plan
+from .runs import LOCK_FILE, PLAN_FILE, load_record, run_file, run_record_file
+from .scatter import CLS_LABEL, scatter
+
+__all__ = [
+    "CLS_LABEL",
+    "DEFAULT_MEMORY",
+    "SOURCE_EXAMPLE",
+    "SOURCE_TOKEN",
+    "ShufflePlan",
+    "bucket_of",
+    "plan_shuffle",
+    "run_plan",
+    "shuffle_cache",
+    "shuffle_order",
+    "sort_keys",
+]
+
+PathLike = str | os.PathLike[str]
+#: Called after each step a test may want to interrupt: ("run", chunk) once its run is sealed,
+#: ("scattered", 0), ("bucket", bucket) once all its rows are written (reported at the next
+#: batch, so the gathering may be a few batches ahead), ("published", 0).
+StepHook = Callable[[str, int], None]
+
+
+def plan_shuffle(
+    source: Shards | PathLike,
+    root: PathLike | None = None,
+    *,
+    layers: int | Sequence[int] | None = None,
+    tokens: str = "content",
+    seed: int = 0,
+    dtype: str | None = None,
+    patches_per_shard: int | None = None,
+    memory_bytes: int = DEFAULT_MEMORY,
+    workers: int = 1,
+    work_dir: PathLike | None = None,
+    allow_nonfinite: bool = False,
+    n_buckets: int | None = None,
+    examples_per_chunk: int | None = None,
+) -> ShufflePlan:
+    """What `shuffle_cache` would do, without doing it (``plan.describe()`` says it in words).
+
+    ``source``: a `Shards`, a cache path or a hash (prefix). ``root``: where the output is
+    published (default: the folder holding the source). ``n_buckets`` and
+    ``examples_per_chunk`` override the sizing drawn from ``memory_bytes`` (the output does
+    not depend on them). See `shuffle_cache` for the rest; `run_plan` carries a plan out.
+    """
+    shards = source if isinstance(source, Shards) else open_cache(source)
+    return make_plan(
+        shards,
+        Path(root) if root is not None else shards.path.parent,
+        layers=layers,
+        tokens=tokens,
+        seed=seed,
+        dtype=dtype,
+        patches_per_shard=patches_per_shard,
+        memory_bytes=memory_bytes,
+        workers=workers,
+        work_dir=Path(work_dir) if work_dir is not None else None,
+        allow_nonfinite=allow_nonfinite,
+        n_buckets=n_buckets,
+        examples_per_chunk=examples_per_chunk,
+    )
+
+
+def shuffle_cache(
+    source: Shards | PathLike,
+    root: PathLike | None = None,
+    *,
+    layers: int | Sequence[int] | None = None,
+    tokens: str = "content",
+    seed: int = 0,
+    dtype: str | None = None,
+    patches_per_shard: int | None = None,
+    memory_bytes: int = DEFAULT_MEMORY,
+    workers: int = 1,
+    work_dir: PathLike | None = None,
+    allow_nonfinite: bool = False,
+    progress: bool | None = None,
+    durable: bool = True,
+) -> Shards:
+    """Write the chosen tokens of ``source`` in a uniformly random order as a new cache; return it opened.
+
+    Arguments:
+        source: a `Shards`, a cache path or a hash (prefix).
+        root: where the shuffled cache is published (default: the folder holding the source).
+        layers: layer values to keep (None: all); every row holds the token at each of them.
+        tokens: ``"content"`` (patches), ``"cls"`` or ``"all"``; padding (positions beyond
+            the source's ``lengths`` column) is always skipped.
+        seed: decides the order (with the source and the selection, nothing else).
+        dtype: stored dtype of the output (default: the source's).
+        patches_per_shard: shard budget of the output (default: the source's).
+        memory_bytes: what all processes together may hold; the number of buckets follows.
+        workers: processes sharing both passes (the output does not depend on it).
+        work_dir: where the scratch runs go (default: ``root``); they need about the output's
+            size in free space until the end, and are deleted then.
+        allow_nonfinite: store inf/NaN (after the cast) instead of raising `NonFiniteError`.
+        progress: progress bars on stderr (default: when stderr is a terminal).
+        durable: fsync runs and output (turn off only for throwaway tests).
+
+    Run it again after a kill (same arguments) and it resumes; if the result is already
+    published it is returned at once.
+    """
+    plan = plan_shuffle(
+        source,
+        root,
+        layers=layers,
+        tokens=tokens,
+        seed=seed,
+        dtype=dtype,
+        patches_per_shard=patches_per_shard,
+        memory_bytes=memory_bytes,
+        workers=workers,
+        work_dir=work_dir,
+        allow_nonfinite=allow_nonfinite,
+    )
+    return run_plan(plan, progress=progress, durable=durable)
+
+
+def run_plan(
+    plan: ShufflePlan, *, progress: bool | None = None, durable: bool = True, after_step: StepHook | None = None
+) -> Shards:
+    """Carry out ``plan`` (resuming whatever an earlier run of it left) and return the output opened."""
+    step = after_step or _no_step
+    if plan.path.exists():
+        if plan.work.is_dir():
+            _remove_work(plan)  # killed after publishing, before cleaning up
+        return open_cache(plan.path)
+    plan.work.mkdir(parents=True, exist_ok=True)
+    lock_fd = os.open(plan.work / LOCK_FILE, os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        if not try_flock(lock_fd):
+            raise WriterBusyError(f"{plan.work}: another process is running this shuffle")
+        _adopt_plan(plan, durable)
+        _check_space(plan)
+        _scatter_pass(plan, progress, durable, step)
+        step("scattered", 0)
+        _write_pass(plan, progress, durable, step)
+        step("published", 0)
+        _remove_work(plan)
+    finally:
+        os.close(lock_fd)
+    return open_cache(plan.path)
+
+
+def _no_step(kind: str, index: int) -> None:
+    return None
+
+
+# --------------------------------------------------------------------------------------
+# the work folder
+
+
+def _adopt_plan(plan: ShufflePlan, durable: bool) -> None:
+    """Keep the runs of an earlier run of this plan; discard runs cut for another (e.g. another budget)."""
+    path = plan.work / PLAN_FILE
+    wanted = plan.to_json()
+    try:
+        found = strict_json_loads(path.read_bytes())
+    except (OSError, ValueError):
+        found = None
+    if found == wanted:
+        return
+    for name in os.listdir(plan.work):
+        if name.startswith("run"):
+            remove_path(plan.work / name)
+    write_file_atomic(path, orjson.dumps(wanted), durable)
+
+
+def _remove_work(plan: ShufflePlan) -> None:
+    if plan.work.name.startswith(WORK_PREFIX):  # never delete a folder we did not name
+        remove_path(plan.work)
+
+
+def _check_space(plan: ShufflePlan) -> None:
+    """Refuse to start when the runs and the output clearly cannot fit (a full disk hours in is worse)."""
+    done = sum(
+        os.stat(plan.work / run_file(c)).st_size
+        for c in range(plan.n_chunks)
+        if (plan.work / run_record_file(c)).exists() and (plan.work / run_file(c)).exists()
+    )
+    scratch = max(0, plan.scratch_nbytes - done)
+    staging = staging_dir(plan.root, plan.output)
+    written = sum(p.stat().st_size for p in staging.iterdir() if p.is_file()) if staging.is_dir() else 0
+    output = max(0, plan.n_tokens * (plan.layout.row_nbytes - 8) - written)  # the sort key is not kept
+    plan.root.mkdir(parents=True, exist_ok=True)
+    work_dev, root_dev = os.stat(plan.work).st_dev, os.stat(plan.root).st_dev
+    needs = {plan.work: scratch + (output if work_dev == root_dev else 0)}
+    if work_dev != root_dev:
+        needs[plan.root] = output
+    what = "the shuffle's scratch runs and output" if len(needs) == 1 else "the shuffle's files"
+    for where, need in needs.items():
+        check_free_space(where, need, what, "put the scratch runs on another disk (work_dir, --work-dir)")
+
+
+# --------------------------------------------------------------------------------------
+# the two passes, in this process or in several
+
+
+def _scatter_pass(plan: ShufflePlan, progress: bool | None, durable: bool, step: StepHook) -> None:
+    todo = [c for c in range(plan.n_chunks) if load_record(plan.work, c, plan.n_buckets, plan.layout) is None]
+    row_bytes = plan.layout.fields[0].row_nbytes
+    done_rows = plan.n_tokens - sum(plan.chunk_first[c + 1] - plan.chunk_first[c] for c in todo)
+    with Progress(plan.n_tokens * row_bytes, "shuffle 1/2 scatter", enabled=progress) as bar:
+        bar.update(done_rows * row_bytes)
+        if plan.workers == 1 or len(todo) <= 1:
+            scatter(plan, todo, lambda n: bar.update(n * row_bytes), lambda c: step("run", c), durable)
+        else:
+            shares = [todo[r :: plan.workers] for r in range(plan.workers)]
+            jobs = [(_scatter_worker, (plan, share, durable)) for share in shares if share]
+            _in_processes(plan, bar, row_bytes, jobs)
+
+
+def _write_pass(plan: ShufflePlan, progress: bool | None, durable: bool, step: StepHook) -> None:
+    row_bytes = plan.layout.fields[0].row_nbytes
+    remover: threading.Thread | None = None
+    try:
+        with Progress(plan.n_tokens * row_bytes, "shuffle 2/2 write", enabled=progress) as bar:
+            if plan.workers == 1 or plan.output.n_shards <= 1:
+                with _open_writer(plan, 0, 1, durable) as writer:
+                    bar.update(writer.next_example * row_bytes)
+                    write_buckets(plan, writer, lambda n: bar.update(n * row_bytes), lambda k: step("bucket", k))
+                    remover = _remove_runs(plan)  # while the writer finalizes (see _remove_runs)
+                return
+            world = min(plan.workers, plan.output.n_shards)
+            _in_processes(plan, bar, row_bytes, [(_write_worker, (plan, r, world, durable)) for r in range(world)])
+        remover = _remove_runs(plan)
+        finalize(plan.root, plan.output, verify=False, durable=durable)
+    finally:
+        if remover is not None:
+            remover.join()
+
+
+def _remove_runs(plan: ShufflePlan) -> threading.Thread:
+    """Delete the runs in a thread of their own, once every output shard is sealed.
+
+    Unlinking gigabytes of runs waits on the filesystem's journal for about a second per
+    2.5 GB here, so it overlaps finalizing. A shuffle killed while finalizing scatters again
+    when rerun (the runs are gone; the sealed shards are kept).
+    """
+
+    def remove() -> None:
+        for name in os.listdir(plan.work):
+            if name.startswith("run"):
+                with contextlib.suppress(OSError):
+                    os.unlink(plan.work / name)
+
+    thread = threading.Thread(target=remove, name="saev-shuffle-cleanup")
+    thread.start()
+    return thread
+
+
+def _open_writer(plan: ShufflePlan, rank: int, world_size: int, durable: bool) -> ShardWriter:
+    columns: dict[str, tuple[Any, tuple[int, ...]]] = {}
+    for field in plan.layout.fields:
+        if field.name in (SOURCE_EXAMPLE, SOURCE_TOKEN):
+            columns[field.name] = (field.dtype, ())
+        elif field.name.startswith("column."):
+            columns[field.name.split(".", 1)[1]] = (field.dtype, ())
+    return ShardWriter(
+        plan.root,
+        plan.output,
+        rank=rank,
+        world_size=world_size,
+        resume=True,
+        allow_nonfinite=plan.allow_nonfinite,
+        labels=any(f.name == "label" for f in plan.layout.fields),
+        columns=columns,
+        background=False,  # write_buckets runs the writer in a thread of its own
+        durable=durable,
+    )
+
+
+# Worker processes: started with "spawn" (never fork a process that runs threads), each
+# reports rows done through a shared counter the parent turns into the progress bar.
+_COUNTER: list[Any] = []
+
+
+def _init_worker(counter: Any) -> None:
+    _COUNTER.append(counter)
+
+
+def _count(n: int) -> None:
+    counter = _COUNTER[0]
+    with counter.get_lock():
+        counter.value += n
+
+
+def _scatter_worker(plan: ShufflePlan, chunks: list[int], durable: bool) -> None:
+    scatter(plan, chunks, _count, lambda c: None, durable)
+
+
+def _write_worker(plan: ShufflePlan, rank: int, world_size: int, durable: bool) -> None:
+    with _open_writer(plan, rank, world_size, durable) as writer:
+        _count(writer.next_example - writer.start)
+        write_buckets(plan, writer, _count, lambda k: None)
+
+
+def _in_processes(
+    plan: ShufflePlan, bar: Progress, row_bytes: int, jobs: list[tuple[Callable[..., None], tuple[Any, ...]]]
+) -> None:
+    """Run ``jobs`` in processes of their own; the bar follows their shared row counter."""
+    context = multiprocessing.get_context("spawn")
+    counter = context.Value("q", 0)
+    shown = 0
+    with ProcessPoolExecutor(len(jobs), mp_context=context, initializer=_init_worker, initargs=(counter,)) as pool:
+        futures: list[Future[None]] = [pool.submit(fn, *args) for fn, args in jobs]
+        try:
+            while not all(f.done() for f in futures):
+                time.sleep(0.1)
+                value = counter.value
+                bar.update((value - shown) * row_bytes)
+                shown = value
+            for f in futures:
+                f.result()
+        except BaseException:
+            for f in futures:
+                f.cancel()
+            raise
+    bar.update((counter.value - shown) * row_bytes)

@@ -1,0 +1,329 @@
+"""A shuffle's plan: the output cache's metadata, the chunks, the buckets, and the memory they take.
+
+Everything here is arithmetic on the source's metadata (plus one sequential pass over its
+``lengths`` column), so a plan is cheap to make and `describe` can show it before any
+data is read. The memory model counts every large buffer either pass holds at once; a
+test measures the peak RSS of real runs against it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from ..errors import ShuffleError
+from ..format import DTYPES, LABELS_DTYPE, PROTOCOL
+from ..metadata import Metadata
+from ..reader import Shards
+from ..writer import DIRECT_BLOCK, DIRECT_IN_FLIGHT
+from .order import MAX_BUCKETS
+from .runs import REGION_ALIGN, Field, RowLayout
+from .source import Selection, SourceReader, parse_selection, per_token_columns
+
+#: Default memory budget per process: the loaders' default shuffle window is 1 GiB, held twice.
+DEFAULT_MEMORY = 2 << 30
+#: Activations per `ShardWriter.write` call in the write pass: large enough that a call's
+#: fixed cost is noise, small enough that the batches in flight are a small part of the budget.
+WRITE_BATCH_BYTES = 8 << 20
+#: Batches in flight in the write pass: one being gathered, these queued, one being written.
+WRITE_QUEUE = 2
+#: Allowance for everything not modelled (small arrays, interpreter, thread stacks).
+SLACK = 16 << 20
+#: A bucket's size is binomial; the plan keeps the mean this many standard deviations
+#: below the largest bucket the budget holds, so no bucket exceeds it in practice.
+BUCKET_SIGMAS = 6
+#: Names of the per-row columns of a shuffled cache (protocol.md section 2.4, informative).
+SOURCE_EXAMPLE = "source_example"
+SOURCE_TOKEN = "source_token"  # noqa: S105 (a column name, not a password)
+#: Names the ``data.shuffle.order`` key gives the order (`order` module): a new order gets a new name.
+ORDER_NAME = "splitmix64-sort"
+WORK_PREFIX = ".shuffle-"
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class ShufflePlan:
+    """Everything a shuffle of ``source`` into ``output`` does, decided before any data is read."""
+
+    source: Shards
+    selection: Selection
+    output: Metadata
+    #: Where the output is published (``root / output.hash``).
+    root: Path
+    #: The scratch folder of runs (``.shuffle-<output hash>``).
+    work: Path
+    seed: int
+    #: Bytes each process may hold (the budget divided by `workers`).
+    memory_bytes: int
+    workers: int
+    examples_per_chunk: int
+    #: Ordinal of the first chosen token of each chunk, then the total.
+    chunk_first: tuple[int, ...]
+    n_buckets: int
+    #: The most rows one bucket may hold within `memory_bytes` in the write pass.
+    bucket_rows: int
+    #: Rows per `ShardWriter.write` call in the write pass.
+    batch_rows: int
+    layout: RowLayout
+    #: Per-token source columns carried into the output, by name.
+    columns: tuple[str, ...]
+    allow_nonfinite: bool
+
+    @property
+    def n_tokens(self) -> int:
+        return self.chunk_first[-1]
+
+    @property
+    def n_chunks(self) -> int:
+        return len(self.chunk_first) - 1
+
+    @property
+    def path(self) -> Path:
+        """Where the shuffled cache is (or will be) published."""
+        return self.root / self.output.hash
+
+    def chunk_range(self, chunk: int) -> tuple[int, int]:
+        """Source examples ``[start, stop)`` of chunk ``chunk``."""
+        start = chunk * self.examples_per_chunk
+        return start, min(self.source.n_examples, start + self.examples_per_chunk)
+
+    @property
+    def scratch_nbytes(self) -> int:
+        """Bytes of all runs (an upper bound: every piece padded as if full)."""
+        pad = self.n_chunks * self.n_buckets * len(self.layout.fields) * REGION_ALIGN
+        return self.n_tokens * self.layout.row_nbytes + pad
+
+    @property
+    def piece_nbytes(self) -> int:
+        """Mean bytes of one piece: what the write pass reads per request."""
+        return self.n_tokens * self.layout.row_nbytes // max(1, self.n_chunks * self.n_buckets)
+
+    def to_json(self) -> dict[str, Any]:
+        """What runs are cut for; runs made under another plan are discarded (`plan.json`)."""
+        return {
+            "version": 1,
+            "source": self.source.metadata.hash,
+            "output": self.output.hash,
+            "seed": self.seed,
+            "selection": self.selection.to_json(),
+            "examples_per_chunk": self.examples_per_chunk,
+            "n_chunks": self.n_chunks,
+            "n_tokens": self.n_tokens,
+            "n_buckets": self.n_buckets,
+            "rows": self.layout.to_json(),
+        }
+
+    def describe(self) -> list[str]:
+        """A few lines for people: sizes, passes, memory and scratch space."""
+        md = self.output
+        acts = md.nbytes
+        mib = 1 << 20
+        return [
+            f"source    {self.source.path} ({self.source.n_examples:,} examples)",
+            f"select    layers {list(self.selection.layers)}, {self.selection.tokens} tokens"
+            + (", padding skipped (lengths column)" if self.selection.has_lengths else ""),
+            f"output    {self.path}",
+            f"          {md.n_examples:,} tokens x {md.n_layers} layers x {md.d_model} {md.dtype}: "
+            f"{acts / 1e9:.2f} GB in {md.n_shards} shards, seed {self.seed}",
+            f"passes    scatter {self.n_chunks} chunks of {self.examples_per_chunk:,} examples into "
+            f"{self.n_buckets} buckets, then write the buckets in order ({self.workers} process"
+            + ("es" if self.workers > 1 else "")
+            + ")",
+            f"memory    {self.memory_bytes * self.workers / mib:,.0f} MiB budget; reads of "
+            f"~{self.piece_nbytes / mib:.1f} MiB in the write pass",
+            f"scratch   {self.scratch_nbytes / 1e9:.2f} GB in {self.work}",
+        ]
+
+
+def output_metadata(
+    source: Shards, selection: Selection, seed: int, n_tokens: int, dtype: str, patches_per_shard: int
+) -> Metadata:
+    """The shuffled cache's metadata: one token per example, the chosen layers, the provenance in ``data``."""
+    md = source.metadata
+    return Metadata(
+        family=md.family,
+        ckpt=md.ckpt,
+        layers=selection.layers,
+        patches_per_ex=1,
+        cls_token=False,
+        d_model=md.d_model,
+        n_examples=n_tokens,
+        patches_per_shard=patches_per_shard,
+        data={
+            "shuffle": {"source": md.hash, **selection.to_json(), "seed": seed, "order": ORDER_NAME},
+            "source_data": md.data,
+        },
+        dataset=md.dataset,
+        dtype=dtype,
+        protocol=PROTOCOL,
+    )
+
+
+def row_layout(source: Shards, selection: Selection, dtype: str, columns: tuple[str, ...]) -> RowLayout:
+    """Fields of a run row: activations ``(L, D)``, sort key, source example and token, label, columns."""
+    md = source.metadata
+    carried = per_token_columns(source)
+    fields = [
+        Field("acts", DTYPES[dtype], (len(selection.layers), md.d_model)),
+        Field("key", np.dtype("<u8")),
+        Field(SOURCE_EXAMPLE, np.dtype("<i8")),
+        Field(SOURCE_TOKEN, np.dtype("<i4")),
+    ]
+    fields += [Field(f"column.{name}", carried[name]) for name in columns]
+    if source.manifest.labels is not None:
+        fields.append(Field("label", LABELS_DTYPE))
+    return RowLayout(tuple(fields))
+
+
+def writer_overhead(md: Metadata) -> int:
+    """Bytes `ShardWriter` holds for O_DIRECT staging: its rotating blocks, when a shard is at least one block."""
+    if md.n_shards and md.shard_nbytes(0) >= DIRECT_BLOCK:
+        return (DIRECT_IN_FLIGHT + 1) * DIRECT_BLOCK
+    return 0
+
+
+def make_plan(
+    source: Shards,
+    root: Path,
+    *,
+    layers: object = None,
+    tokens: object = "content",
+    seed: int = 0,
+    dtype: str | None = None,
+    patches_per_shard: int | None = None,
+    memory_bytes: int = DEFAULT_MEMORY,
+    workers: int = 1,
+    work_dir: Path | None = None,
+    allow_nonfinite: bool = False,
+    n_buckets: int | None = None,
+    examples_per_chunk: int | None = None,
+) -> ShufflePlan:
+    """Check the arguments against the source and size the passes; raises `ShuffleError`.
+
+    ``n_buckets`` and ``examples_per_chunk`` override the sizing (tests use them to force many
+    buckets on small caches); the output does not depend on them.
+    """
+    if isinstance(seed, bool) or not isinstance(seed, (int, np.integer)) or not 0 <= int(seed) < 2**63:
+        raise ShuffleError(f"seed: expected an integer in [0, 2**63), found {seed!r}")
+    if isinstance(workers, bool) or not isinstance(workers, (int, np.integer)) or workers < 1:
+        raise ShuffleError(f"workers: expected an integer >= 1, found {workers!r}")
+    if isinstance(memory_bytes, bool) or not isinstance(memory_bytes, (int, np.integer)) or memory_bytes < 1:
+        raise ShuffleError(f"memory: expected a number of bytes >= 1, found {memory_bytes!r}")
+    dtype = source.dtype if dtype is None else str(dtype)
+    if dtype not in DTYPES:
+        raise ShuffleError(f"dtype: expected one of {list(DTYPES)}, found {dtype!r}")
+    selection = parse_selection(source, layers, tokens)
+    md = source.metadata
+    if patches_per_shard is None:
+        patches_per_shard = md.patches_per_shard
+    if isinstance(patches_per_shard, bool) or not isinstance(patches_per_shard, (int, np.integer)):
+        raise ShuffleError(f"patches_per_shard: expected an integer, found {patches_per_shard!r}")
+    patches_per_shard = int(patches_per_shard)
+    for name, value in (("n_buckets", n_buckets), ("examples_per_chunk", examples_per_chunk)):
+        if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+            raise ShuffleError(f"{name}: expected an integer >= 1, found {value!r}")
+    if patches_per_shard < len(selection.layers):
+        raise ShuffleError(
+            f"patches_per_shard: expected at least {len(selection.layers)} (one token at every chosen layer), "
+            f"found {patches_per_shard}"
+        )
+    columns = tuple(per_token_columns(source))
+    for name in columns:
+        if name in (SOURCE_EXAMPLE, SOURCE_TOKEN):
+            raise ShuffleError(
+                f"{source.path}: its per-token column {name!r} would clash with the shuffled cache's own column"
+            )
+    layout = row_layout(source, selection, dtype, columns)
+    per_process = int(memory_bytes) // int(workers)
+    reader = SourceReader(source, selection)
+    slack = min(SLACK, per_process // 8)
+    row = layout.row_nbytes
+    acts_row = layout.fields[0].row_nbytes
+    # Batches of the write pass: WRITE_BATCH_BYTES of activations, less under a small budget.
+    batch_rows = max(1, min(WRITE_BATCH_BYTES, per_process // 32) // acts_row)
+
+    # The write pass holds two buckets (one loading, one being written) and their sort
+    # order, the batches in flight, and the writer's own O_DIRECT buffers.
+    fixed_write = (WRITE_QUEUE + 2) * batch_rows * row + slack
+    per_bucket_row = 2 * row + 16  # rows of two buckets, plus argsort's indices and its work space
+
+    # The scatter pass holds, per example of a chunk: two read buffers (one loading), the
+    # rows beside the activations, two run buffers (one being written) and the index
+    # arithmetic (about 72 bytes per chosen token, 8 more per chosen layer).
+    side = (
+        8
+        + md.patches_per_ex
+        + md.tokens_per_ex * sum(np.dtype(source.manifest.columns[c].dtype).itemsize for c in columns)
+    )
+    # A cast goes through float32: the picked values, their float32 copy and the cast result.
+    cast = 0
+    if dtype != source.dtype:
+        cast = len(selection.layers) * md.d_model * (md.itemsize + 4 + DTYPES[dtype].itemsize)
+    per_token = 2 * row + 72 + 8 * len(selection.layers) + cast
+    per_example = 2 * reader.example_nbytes + 2 * side + md.tokens_per_ex + selection.per_example * per_token
+
+    # Chunks first (their token counts give the total), then the buckets from the total.
+    n_source = source.n_examples
+    bound = output_metadata(source, selection, int(seed), n_source * selection.per_example, dtype, patches_per_shard)
+    most_buckets = n_buckets or _n_buckets(bound, per_process, fixed_write, per_bucket_row)[0]
+    fixed_scatter = 2 * most_buckets * len(layout.fields) * REGION_ALIGN + slack
+    room = per_process - fixed_scatter
+    if room < per_example:
+        raise ShuffleError(
+            f"memory: {_mib(memory_bytes)} is too small for this source: one example needs "
+            f"{_mib(per_example + fixed_scatter)} in the scatter pass"
+            + (f" per process ({workers} processes)" if workers > 1 else "")
+        )
+    if examples_per_chunk is None:
+        examples_per_chunk = max(1, min(n_source, room // per_example))
+    n_chunks = -(-n_source // examples_per_chunk)
+    first = [0]
+    for c in range(n_chunks):
+        start = c * examples_per_chunk
+        first.append(first[-1] + reader.count(start, min(n_source, start + examples_per_chunk)))
+    output = output_metadata(source, selection, int(seed), first[-1], dtype, patches_per_shard)
+    sized_buckets, bucket_rows = _n_buckets(output, per_process, fixed_write, per_bucket_row)
+    base = Path(work_dir) if work_dir is not None else Path(root)
+    return ShufflePlan(
+        source=source,
+        selection=selection,
+        output=output,
+        root=Path(root),
+        work=base / f"{WORK_PREFIX}{output.hash}",
+        seed=int(seed),
+        memory_bytes=per_process,
+        workers=int(workers),
+        examples_per_chunk=int(examples_per_chunk),
+        chunk_first=tuple(first),
+        n_buckets=n_buckets or sized_buckets,
+        bucket_rows=bucket_rows,
+        batch_rows=batch_rows,
+        layout=layout,
+        columns=columns,
+        allow_nonfinite=bool(allow_nonfinite),
+    )
+
+
+def _n_buckets(output: Metadata, per_process: int, fixed_write: int, per_bucket_row: int) -> tuple[int, int]:
+    """``(K, most rows per bucket)`` for the write pass of ``output`` within ``per_process`` bytes."""
+    room = per_process - fixed_write - writer_overhead(output)
+    bucket_rows = room // per_bucket_row
+    if bucket_rows < 1:
+        raise ShuffleError(
+            f"memory: {_mib(per_process)} per process is too small: the write pass needs "
+            f"{_mib(fixed_write + writer_overhead(output) + per_bucket_row)} for its buffers and one bucket row"
+        )
+    n_tokens = output.n_examples
+    mean = bucket_rows - BUCKET_SIGMAS * math.sqrt(bucket_rows) - 1
+    n_buckets = 1 if n_tokens <= bucket_rows else -(-n_tokens // max(1, int(mean)))
+    if n_buckets > MAX_BUCKETS:
+        raise ShuffleError(f"memory: {_mib(per_process)} per process needs more than {MAX_BUCKETS} buckets; raise it")
+    return n_buckets, int(bucket_rows)
+
+
+def _mib(n: int) -> str:
+    """A byte count for messages: MiB when large, exact bytes when small."""
+    return f"{n / (1 << 20):,.0f} MiB" if n >= 10 << 20 else f"{n:,} bytes"

@@ -1,0 +1,208 @@
+"""The scratch files of a shuffle: one *run* per source chunk, cut into one *piece* per bucket.
+
+A shuffle's work folder (``.shuffle-<output hash>/``, this library's own layout, never
+published) holds:
+
+* ``plan.json``: what the runs were cut for (source, selection, seed, dtype, chunking,
+  bucket count, row layout). Runs made for another plan are discarded.
+* ``run<06d>.bin``: chunk ``c``'s chosen tokens, grouped by bucket: piece ``0`` first, then
+  piece ``1``... Piece ``k`` holds the chunk's tokens of bucket ``k`` in source order, one
+  region per field (activations, then sort key, source example, source token, label,
+  per-token columns), each region padded to `REGION_ALIGN` bytes. Written front to back in
+  large O_DIRECT requests, then fsynced.
+* ``run<06d>.json``: its record, written (atomically) only after the run is complete and
+  durable: the chunk's examples, rows per piece and each piece's xxh3_128. A run without a
+  record is redone; a piece whose digest differs when it is read back is an error.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import errno
+import math
+import mmap
+import os
+from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import numpy.typing as npt
+
+from ..fileio import pwrite_all, write_file_atomic
+from ..format import strict_json_loads
+
+#: Every field region of a piece starts at a multiple of this (aligned numpy views).
+REGION_ALIGN = 64
+#: Bytes per O_DIRECT write request of a run file (a multiple of the 4 KiB alignment).
+DIRECT_WRITE = 16 << 20
+DIRECT_ALIGN = 4096
+#: O_DIRECT requests in flight per run file (the writer's own setting).
+DIRECT_IN_FLIGHT = 2
+PLAN_FILE = "plan.json"
+LOCK_FILE = ".lock"
+
+
+def run_file(chunk: int) -> str:
+    return f"run{chunk:06d}.bin"
+
+
+def run_record_file(chunk: int) -> str:
+    return f"run{chunk:06d}.json"
+
+
+@dataclasses.dataclass(frozen=True)
+class Field:
+    """One per-row field of a run: its name, dtype and per-row shape."""
+
+    name: str
+    dtype: np.dtype[Any]
+    shape: tuple[int, ...] = ()
+
+    @property
+    def row_nbytes(self) -> int:
+        return math.prod(self.shape) * self.dtype.itemsize
+
+    def to_json(self) -> list[Any]:
+        return [self.name, self.dtype.str, list(self.shape)]
+
+
+@dataclasses.dataclass(frozen=True)
+class RowLayout:
+    """The fields every row of a run carries, in region order."""
+
+    fields: tuple[Field, ...]
+
+    @property
+    def row_nbytes(self) -> int:
+        return sum(f.row_nbytes for f in self.fields)
+
+    def regions(self, n: int) -> list[tuple[Field, int, int]]:
+        """``(field, offset, nbytes)`` of each region of a piece of ``n`` rows (offsets from its start)."""
+        out = []
+        offset = 0
+        for f in self.fields:
+            nbytes = n * f.row_nbytes
+            out.append((f, offset, nbytes))
+            offset += _aligned(nbytes)
+        return out
+
+    def piece_nbytes(self, n: int) -> int:
+        return sum(_aligned(n * f.row_nbytes) for f in self.fields)
+
+    def piece_offsets(self, counts: Sequence[int] | npt.NDArray[np.int64]) -> npt.NDArray[np.int64]:
+        """Byte offset of each piece in a run whose pieces hold ``counts`` rows, plus the run's length."""
+        sizes = [self.piece_nbytes(int(n)) for n in counts]
+        return np.concatenate([[0], np.cumsum(sizes, dtype=np.int64)]).astype(np.int64)
+
+    def to_json(self) -> list[Any]:
+        return [f.to_json() for f in self.fields]
+
+
+def _aligned(n: int) -> int:
+    return -(-n // REGION_ALIGN) * REGION_ALIGN
+
+
+@dataclasses.dataclass(frozen=True)
+class RunRecord:
+    """A complete run: chunk ``chunk`` covered examples ``[start, stop)``; rows and digest per piece."""
+
+    chunk: int
+    start: int
+    stop: int
+    counts: tuple[int, ...]
+    digests: tuple[str, ...]
+    nbytes: int
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "chunk": self.chunk,
+            "start": self.start,
+            "stop": self.stop,
+            "counts": list(self.counts),
+            "xxh3_128": list(self.digests),
+            "nbytes": self.nbytes,
+        }
+
+
+def load_record(work: Path, chunk: int, n_buckets: int, layout: RowLayout) -> RunRecord | None:
+    """Chunk ``chunk``'s record if it and its run file check out (sizes only), else None."""
+    path = work / run_record_file(chunk)
+    try:
+        obj = strict_json_loads(path.read_bytes())
+        record = RunRecord(
+            chunk=int(obj["chunk"]),
+            start=int(obj["start"]),
+            stop=int(obj["stop"]),
+            counts=tuple(int(n) for n in obj["counts"]),
+            digests=tuple(str(d) for d in obj["xxh3_128"]),
+            nbytes=int(obj["nbytes"]),
+        )
+        size = os.stat(work / run_file(chunk)).st_size
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+    if (
+        record.chunk != chunk
+        or len(record.counts) != n_buckets
+        or len(record.digests) != n_buckets
+        or int(layout.piece_offsets(record.counts)[-1]) != record.nbytes
+        or size != record.nbytes
+    ):
+        return None
+    return record
+
+
+def write_record(work: Path, record: RunRecord, durable: bool) -> None:
+    import orjson
+
+    write_file_atomic(work / run_record_file(record.chunk), orjson.dumps(record.to_json()), durable)
+
+
+def aligned_buffer(nbytes: int) -> mmap.mmap:
+    """Page-aligned anonymous memory (what O_DIRECT writes need), at least one page."""
+    return mmap.mmap(-1, max(nbytes, DIRECT_ALIGN))
+
+
+def write_run(path: Path, data: memoryview, durable: bool) -> None:
+    """Write ``data`` (page-aligned) to ``path``: whole 4 KiB blocks with O_DIRECT where the
+    filesystem allows it (the disk's sequential rate, no page-cache pollution), `DIRECT_IN_FLIGHT`
+    requests at a time, the tail through the page cache; fsync when ``durable``."""
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    try:
+        aligned = data.nbytes - data.nbytes % DIRECT_ALIGN
+        direct_fd = _open_direct(path) if aligned else None
+        done = 0
+        if direct_fd is not None:
+            try:
+                offsets = range(0, aligned, DIRECT_WRITE)
+                with ThreadPoolExecutor(DIRECT_IN_FLIGHT, "saev-shuffle-run") as pool:
+                    written = list(pool.map(lambda off: _write_direct(direct_fd, data, off, aligned), offsets))
+                done = aligned if all(written) else 0  # a refused request: everything again, buffered
+            finally:
+                os.close(direct_fd)
+        pwrite_all(fd, data[done:], done)
+        if durable:
+            os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _write_direct(fd: int, data: memoryview, offset: int, end: int) -> bool:
+    """One O_DIRECT request of up to `DIRECT_WRITE` bytes at ``offset``; False if the filesystem refuses it."""
+    try:
+        pwrite_all(fd, data[offset : min(end, offset + DIRECT_WRITE)], offset)
+    except OSError as err:
+        if err.errno != errno.EINVAL:
+            raise
+        return False
+    return True
+
+
+def _open_direct(path: Path) -> int | None:
+    if not hasattr(os, "O_DIRECT"):
+        return None
+    try:
+        return os.open(path, os.O_WRONLY | os.O_DIRECT)
+    except OSError:
+        return None  # tmpfs and some network filesystems refuse O_DIRECT

@@ -1,0 +1,99 @@
+"""The plan of an epoch (pure numpy): shares, windows, segments, stacked rows; no torch needed."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+from hypothesis import given
+from hypothesis import strategies as st
+
+import saev_shards as ss
+from saev_shards.loaders.order import Sequential, ShuffledWindows
+from saev_shards.loaders.plan import Blocks, index_window, plan_epoch
+from saev_shards.loaders.selection import TokenSelection
+
+from ...support import strategies
+from ...support.loaders import cache
+
+REPO = Path(__file__).resolve().parents[3]
+
+
+@given(
+    strategies.metadata(max_examples=30, min_examples=1),
+    st.integers(1, 4),
+    st.sampled_from([1, 50, 300, 1 << 20]),
+    st.sampled_from([1, 64, 1 << 22]),
+    st.booleans(),
+    st.integers(1, 17),
+)
+def test_windows_and_segments_cover_each_share_once(
+    md: ss.Metadata, world_size: int, window_rows: int, block_bytes: int, stack: bool, batch_size: int
+) -> None:
+    with cache(md) as (shards, _):
+        selection = TokenSelection(shards)
+        blocks = Blocks(shards, selection, block_bytes, stack_layers=stack)
+        assert blocks.total == shards.n_examples * len(selection.base_tokens) * (1 if stack else md.n_layers)
+        order = ShuffledWindows().block_order(len(blocks), 3, 1)
+        assert sorted(order.tolist()) == list(range(len(blocks)))
+        assert Sequential().block_order(len(blocks), 3, 1).tolist() == list(range(len(blocks)))
+        rows: list[tuple[int, ...]] = []
+        for rank in range(world_size):
+            plan = plan_epoch(blocks, order, rank, world_size, window_rows, batch_size, drop_last=False)
+            assert sum(w.n_units for w in plan.windows) == plan.n_units == plan.window_start[-1]
+            mine: list[tuple[int, ...]] = []
+            for w in plan.windows:
+                index = index_window(selection, blocks, w, np.random.default_rng(w.index))
+                assert len(index) == w.n_units
+                flat = index.flat.reshape(len(index), -1)
+                assert flat.shape[1] == (md.n_layers if stack else 1)
+                mine += [
+                    (int(e), int(t), *f.tolist()) for e, t, f in zip(index.examples, index.tokens, flat, strict=True)
+                ]
+            # The batches' segments tile [0, n_units) window by window, in order.
+            pieces = [plan.segments(*plan.batch_range(b)) for b in range(plan.n_batches)]
+            flat_pieces = [(w, a, b) for p in pieces for w, a, b in p]
+            assert sum(b - a for _, a, b in flat_pieces) == plan.n_units
+            assert all(0 <= a < b <= plan.windows[w].n_units for w, a, b in flat_pieces)
+            rows += [(rank, e, t) for e, t, *_ in mine]
+        keys = [(e, t) for _, e, t in rows]
+        if stack:  # one row per (example, token)
+            assert sorted(keys) == sorted(
+                {(e, t) for e in range(md.n_examples) for t in selection.base_tokens.tolist()}
+            )
+        else:  # one row per (example, layer, token): each (example, token) once per layer
+            assert sorted(keys) == sorted(
+                (e, t) for e in range(md.n_examples) for _ in range(md.n_layers) for t in selection.base_tokens.tolist()
+            )
+
+
+def test_planning_needs_no_torch(tmp_path: Path) -> None:
+    code = f"""
+import sys
+class Block:
+    def find_spec(self, name, path=None, target=None):
+        if name == "torch" or name.startswith("torch."):
+            raise ImportError("torch is blocked in this test")
+sys.meta_path.insert(0, Block())
+sys.path.insert(0, {str(REPO)!r})
+from pathlib import Path
+import saev_shards as ss, saev_shards.loaders, saev_shards.datasets
+from saev_shards.loaders.plan import Blocks, plan_epoch, index_window
+from saev_shards.loaders.selection import TokenSelection
+from saev_shards.loaders.order import ShuffledWindows
+from tests.support.caches import small_metadata, write_cache
+md = small_metadata()
+write_cache(Path({str(tmp_path)!r}), md, labels=True)
+shards = ss.open(Path({str(tmp_path)!r}) / md.hash)
+sel = TokenSelection(shards, ignore_labels=[1])
+blocks = Blocks(shards, sel, 100, stack_layers=True)
+plan = plan_epoch(blocks, ShuffledWindows().block_order(len(blocks), 0, 0), 0, 1, 10, 7, False)
+n = sum(len(index_window(sel, blocks, w, None)) for w in plan.windows)
+assert "torch" not in sys.modules
+print("ok", n)
+"""
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=False, cwd=REPO)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.startswith("ok")
