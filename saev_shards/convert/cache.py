@@ -139,6 +139,15 @@ def open_source(path: Path, options: Options, scan: Callable[[int, int], None] |
     return CacheSource(plan, shards)
 
 
+def check_saev_family(family: str) -> None:
+    """`ConvertOptionError` unless saev's loader accepts ``family``."""
+    if family not in SAEV_FAMILIES:
+        raise ConvertOptionError(
+            f"--family: saev reads only {', '.join(SAEV_FAMILIES)}; found family {family!r} "
+            "(name one of them with --family)"
+        )
+
+
 def saev_data(data: Any) -> str:
     """``data`` as saev stores it: a string is kept; anything else is base64 of its pickle."""
     if isinstance(data, str):
@@ -180,11 +189,7 @@ def target_metadata(plan: Plan, src: Metadata, to_protocol: str, dtype: str | No
                 }
             }
         return Metadata(**common, data=data, dataset=src.dataset, dtype=dtype or src.dtype, protocol=PROTOCOL)
-    if plan.family not in SAEV_FAMILIES:
-        raise ConvertOptionError(
-            f"--family: saev reads only {', '.join(SAEV_FAMILIES)}; the source's family is {plan.family!r} "
-            "(name the closest with --family)"
-        )
+    check_saev_family(plan.family)
     kept = _kept_fields(src.data) if not src.format.legacy else None
     if src.format.legacy:
         kept = {"data": src.data, "pixel_agg": src.pixel_agg, "protocol": src.protocol, "dialect": src.dialect}

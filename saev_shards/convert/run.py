@@ -21,7 +21,6 @@ from ..errors import ConvertError, ConvertOptionError, NonFiniteError, ShardsErr
 from ..metadata import Metadata
 from ..progress import Progress
 from ..protocol.common import PROTOCOL
-from ..protocol.saev_code import SAEV_FAMILIES
 from ..store import resolve, shards_root
 from ..writer import ShardWriter
 from . import cache
@@ -97,11 +96,8 @@ def metadata_for(plan: Plan, to: Target, dtype: str | None, patches_per_shard: i
             f"{tokens} tokens), more than the budget {budget:,}"
         )
     data = {"converted_from": {"kind": plan.kind, "version": CONVERT_VERSION}, "source": dict(plan.source)}
-    if to.protocol != PROTOCOL and plan.family not in SAEV_FAMILIES:
-        raise ConvertOptionError(
-            f"--family: saev reads only {', '.join(SAEV_FAMILIES)}; the source's family is {plan.family!r} "
-            "(name the closest with --family)"
-        )
+    if to.protocol != PROTOCOL:
+        cache.check_saev_family(plan.family)
     try:
         return Metadata(
             family=plan.family,
