@@ -42,6 +42,19 @@ class NotRegularFileError(ShardsError):
     """Raised when a file a cache must hold is a directory, a symbolic link, a FIFO, a device or a socket."""
 
 
+class LayerIndexError(ShardsError, IndexError):
+    """Raised when an index along the layer axis of ``shards[...]`` (a position, ``0..L-1``) is
+    out of range but is one of the recorded layer values; the message says how to select by value."""
+
+
+class NameNotFoundError(ShardsError, KeyError):
+    """Raised when a layer value, a column or a text field the cache does not have is asked
+    for; the message lists what it has."""
+
+    def __str__(self) -> str:  # KeyError would show the message in quotes
+        return str(self.args[0]) if self.args else ""
+
+
 class WriterError(ShardsError):
     """Raised when a `ShardWriter` is used wrongly (shapes, counts, order, state)."""
 

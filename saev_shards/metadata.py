@@ -9,7 +9,7 @@ from typing import Any
 import numpy as np
 
 from . import layout
-from .errors import MetadataError
+from .errors import MetadataError, NameNotFoundError
 from .protocol import DEFAULT_DIALECTS, DIALECTS, SUPPORTED_PROTOCOLS, Dialect, detect
 from .protocol.common import DEFAULT_DTYPE, DTYPES, PROTOCOL
 from .protocol.jsonfile import is_int, json_value_problem, short_repr, type_name
@@ -169,11 +169,14 @@ class Metadata:
         return self.format.shard_nbytes(self, shard)
 
     def layer_index(self, layer: int) -> int:
-        """Position of layer value ``layer`` in `layers`; `KeyError` naming the choices if absent."""
+        """Position of layer value ``layer`` in `layers`; `NameNotFoundError` (a `KeyError`) naming
+        the recorded values if absent."""
         try:
             return self.layers.index(layer)
         except ValueError:
-            raise KeyError(f"layer {layer!r} was not recorded; recorded layers are {list(self.layers)}") from None
+            raise NameNotFoundError(
+                f"layer {layer!r} was not recorded; recorded layer values are {list(self.layers)}"
+            ) from None
 
 
 #: `Metadata`'s fields, in declaration order.

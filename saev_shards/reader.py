@@ -7,9 +7,9 @@ import os
 import stat
 import threading
 import warnings
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import numpy as np
 import numpy.typing as npt
@@ -24,9 +24,11 @@ from .errors import (
     FileSizeError,
     HashMismatchError,
     InvalidCacheError,
+    LayerIndexError,
     ManifestError,
     MetadataError,
     MetadataFileError,
+    NameNotFoundError,
     NotRegularFileError,
     Problem,
     ProtocolVersionError,
@@ -346,13 +348,66 @@ class TextColumn(Sequence[Any]):
             raise InvalidCacheError(f"{self.path}: line {i + 1}: not valid JSON ({err})") from None
 
 
+V = TypeVar("V")
+
+
+class Fields(Mapping[str, V]):
+    """A cache's per-example columns or text fields by name (`Shards.columns`, `Shards.text`).
+
+    ``fields["name"]`` is the one spelling for both; ``fields("name")`` works too (earlier
+    versions had ``shards.text("name")``). A name the cache does not have raises
+    `NameNotFoundError` (a `KeyError` and a `ShardsError`) listing the names it has.
+    Values are opened on first use and kept.
+    """
+
+    def __init__(self, kind: str, where: Path, names: Sequence[str], load: Callable[[str], V]) -> None:
+        self._kind = kind
+        self._where = where
+        self._names = tuple(names)
+        self._load = load
+        self._values: dict[str, V] = {}
+
+    def __getitem__(self, name: str) -> V:
+        value = self._values.get(name) if isinstance(name, str) else None
+        if value is None:
+            if not isinstance(name, str) or name not in self._names:
+                raise NameNotFoundError(
+                    f"{self._where}: no {self._kind} {short_repr(name)}; this cache has "
+                    + (f"{self._kind}s {sorted(self._names)}" if self._names else f"no {self._kind}s")
+                )
+            value = self._values[name] = self._load(name)
+        return value
+
+    def __call__(self, name: str) -> V:
+        return self[name]
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._names)
+
+    def __len__(self) -> int:
+        return len(self._names)
+
+    def __repr__(self) -> str:
+        return f"<{self._kind}s {list(self._names)}>"
+
+
 class Shards:
     """An open cache: the logical tensor ``(n_examples, L, T, D)`` and everything beside it.
 
-    Index it like a numpy array (the layer axis takes positions in ``metadata.layers``),
-    or use `get` / `example` with layer *values*. Results are read-only views into the
-    memmapped shards whenever numpy would return a view, copies otherwise. bfloat16 caches
-    return raw uint16 bits; `to_float32` widens them.
+    Layers are named two ways, and each method says which it takes:
+
+    * ``shards[i, j, t]`` indexes the logical tensor like a numpy array: ``j`` is a layer
+      *position*, ``0..L-1`` in the order of ``metadata.layers``. A position out of range
+      that is a recorded layer value raises `LayerIndexError` saying so.
+    * `get`, `example`, `locate` and `layer_index` take layer *values* (the block numbers
+      in ``metadata.layers``, e.g. 11); ``shards[:, shards.layer_index(11)]`` selects a
+      layer by value in an index. `read_example` and `read_vectors` (the fast paths) take
+      positions.
+
+    Results are read-only views into the memmapped shards whenever numpy would return a
+    view, copies otherwise. bfloat16 caches return raw uint16 bits; `to_float32` widens them.
+    Per-example columns and text fields are mappings by name: ``shards.columns["lengths"]``,
+    ``shards.text["prompt"]`` (`Fields`).
 
     Memmaps and file handles open lazily and per process: a pickled `Shards` carries no
     data and no handles, and a forked or unpickled copy opens its own.
@@ -463,12 +518,18 @@ class Shards:
         )
 
     def layer_index(self, layer: int) -> int:
-        """Position of layer value ``layer``; `KeyError` naming the recorded layers if absent."""
+        """Position (``0..L-1``) of layer *value* ``layer``; `NameNotFoundError` (a `KeyError`)
+        naming the recorded layer values if absent."""
         try:
             return self._layer_idx[layer]
         except (KeyError, TypeError):
-            raise KeyError(
-                f"layer {layer!r} was not recorded; recorded layers are {list(self.metadata.layers)}"
+            layers = list(self.metadata.layers)
+            hint = ""
+            integer = isinstance(layer, (int, np.integer)) and not isinstance(layer, bool)
+            if integer and -len(layers) <= layer < len(layers):
+                hint = f" ({layer} is a layer position: shards[:, {layer}] takes positions)"
+            raise NameNotFoundError(
+                f"layer {short_repr(layer)} was not recorded; recorded layer values are {layers}{hint}"
             ) from None
 
     def _example(self, example: int) -> tuple[int, int]:
@@ -508,7 +569,37 @@ class Shards:
         )
 
     def __getitem__(self, key: Any) -> npt.NDArray[Any]:
-        return getitem(self, key)
+        """``logical[key]``: the layer axis takes positions ``0..L-1`` (class docstring)."""
+        try:
+            return getitem(self, key)
+        except IndexError as err:
+            value = self._layer_value_given_as_position(key)
+            if value is None:
+                raise
+            layers = list(self.metadata.layers)
+            raise LayerIndexError(
+                f"layer position {value} is out of range for {len(layers)} layers (positions 0..{len(layers) - 1}); "
+                f"{value} is a recorded layer value (layers {layers}): select it by value with "
+                f"shards[..., shards.layer_index({value}), ...] (position {self._layer_idx[value]}), "
+                f"or shards.example(i, {value})"
+            ) from err
+
+    def _layer_value_given_as_position(self, key: Any) -> int | None:
+        """The first recorded layer value that ``key``'s layer component (``key[1]``) holds out of
+        the position range, or None (only looked at once an index has failed)."""
+        if not isinstance(key, tuple) or len(key) < 2 or key[0] is Ellipsis or key[1] is Ellipsis:
+            return None
+        n_layers = self.shape[1]
+        try:
+            values = np.asarray(key[1]).reshape(-1)
+        except (TypeError, ValueError):
+            return None
+        if values.dtype.kind not in "iu":
+            return None
+        for v in values.tolist():
+            if not -n_layers <= v < n_layers and v in self._layer_idx:
+                return int(v)
+        return None
 
     def to_float32(self, values: npt.NDArray[Any]) -> npt.NDArray[np.float32]:
         """Values read from this cache as float32 (widens bfloat16 bits exactly)."""
@@ -665,13 +756,18 @@ class Shards:
         return self._aux["labels"]  # type: ignore[no-any-return]
 
     @property
-    def columns(self) -> dict[str, npt.NDArray[Any]]:
-        """Per-example numeric columns by name, as read-only memmaps."""
+    def columns(self) -> Fields[npt.NDArray[Any]]:
+        """Per-example numeric columns by name (``shards.columns["lengths"]``), as read-only
+        memmaps; a missing name raises `NameNotFoundError` listing the columns."""
         self._check_pid()
         if "columns" not in self._aux:
-            self._aux["columns"] = {
-                name: _map(self.path / c.name, np.dtype(c.dtype), c.shape) for name, c in self.manifest.columns.items()
-            }
+            cols = self.manifest.columns
+
+            def load(name: str) -> npt.NDArray[Any]:
+                c = cols[name]
+                return _map(self.path / c.name, np.dtype(c.dtype), c.shape)
+
+            self._aux["columns"] = Fields("column", self.path, list(cols), load)
         return self._aux["columns"]  # type: ignore[no-any-return]
 
     @property
@@ -679,12 +775,20 @@ class Shards:
         """The ``lengths`` column (valid token positions per example), or None."""
         return self.columns.get("lengths")
 
-    def text(self, name: str) -> TextColumn:
-        """Per-example values of text field ``name`` (lazy, indexable)."""
-        entry = self.manifest.text.get(name)
-        if entry is None:
-            raise KeyError(f"no text field {name!r}; this cache has {sorted(self.manifest.text)}")
-        return TextColumn(self.path / entry.name, entry.n_lines)
+    @property
+    def text(self) -> Fields[TextColumn]:
+        """Per-example JSON values of each text field by name (``shards.text["prompt"]``; lazy,
+        indexable); ``shards.text("prompt")``, the spelling of earlier versions, works too. A
+        missing name raises `NameNotFoundError` listing the text fields."""
+        self._check_pid()
+        if "text" not in self._aux:
+            entries = self.manifest.text
+
+            def load(name: str) -> TextColumn:
+                return TextColumn(self.path / entries[name].name, entries[name].n_lines)
+
+            self._aux["text"] = Fields("text field", self.path, list(entries), load)
+        return self._aux["text"]  # type: ignore[no-any-return]
 
     @property
     def stats(self) -> dict[str, Any] | None:

@@ -89,7 +89,7 @@ def test_metadata_properties() -> None:
     assert md.nbytes == 23 * md.example_nbytes
     assert [md.shard_n_examples(k) for k in range(md.n_shards)] == [5, 5, 5, 5, 3]
     assert md.layer_index(11) == 1
-    with pytest.raises(KeyError, match=r"layer 7 was not recorded; recorded layers are \[6, 11\]"):
+    with pytest.raises(KeyError, match=r"layer 7 was not recorded; recorded layer values are \[6, 11\]"):
         md.layer_index(7)
 
 
