@@ -7,13 +7,18 @@ import time
 from typing import TextIO
 
 
+def human_bytes(n: float) -> str:
+    """Bytes in decimal units, ``3.7 KB``: the one spelling of `Shards.__repr__`, the progress
+    bar and the command line."""
+    for unit in ("B", "KB", "MB", "GB", "TB"):
+        if abs(n) < 1000 or unit == "TB":
+            return f"{n:.0f} B" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1000
+    raise AssertionError("unreachable")
+
+
 def _human(n: float, unit: str) -> str:
-    if unit == "B":
-        for suffix in ("B", "KB", "MB", "GB", "TB"):
-            if abs(n) < 1000 or suffix == "TB":
-                return f"{n:.1f} {suffix}" if suffix != "B" else f"{n:.0f} B"
-            n /= 1000
-    return f"{n:,.0f} {unit}"
+    return human_bytes(n) if unit == "B" else f"{n:,.0f} {unit}"
 
 
 def _duration(seconds: float) -> str:

@@ -39,7 +39,7 @@ from .errors import (
 from .fileio import IO_CHUNK, file_kind, hash_file, pread_exact
 from .manifest import Manifest
 from .metadata import Metadata, parse_metadata
-from .progress import Progress
+from .progress import Progress, human_bytes
 from .protocol import is_cache_name
 from .protocol.common import (
     CHECKSUMS_FILE,
@@ -512,7 +512,7 @@ class Shards:
         return (
             f"<saev_shards.Shards {md.hash[:12]} {md.family}:{md.ckpt} shape=({n}, {l_}, {t}, {d}) "
             f"{md.dtype} layers={list(md.layers)} tokens={cls}{md.patches_per_ex} "
-            f"shards={self.n_shards}x{md.examples_per_shard} {_bytes(md.nbytes)} protocol={md.protocol}"
+            f"shards={self.n_shards}x{md.examples_per_shard} {human_bytes(md.nbytes)} protocol={md.protocol}"
             + (f" [{', '.join(extras)}]" if extras else "")
             + f" at {self.path}>"
         )
@@ -907,11 +907,3 @@ def _map(path: Path, dtype: np.dtype[Any], shape: tuple[int, ...]) -> np.memmap[
     if int(np.prod(shape, dtype=object)) * dtype.itemsize == 0:
         return np.zeros(shape, dtype).view(np.memmap)
     return np.memmap(path, dtype=dtype, mode="r", shape=shape)
-
-
-def _bytes(n: int) -> str:
-    for unit in ("B", "KB", "MB", "GB", "TB", "PB"):
-        if n < 1000 or unit == "PB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1000  # type: ignore[assignment]
-    return f"{n} B"

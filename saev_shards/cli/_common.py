@@ -12,6 +12,8 @@ from typing import Any, TextIO
 
 import orjson
 
+from ..progress import human_bytes  # noqa: F401  one spelling of sizes (progress.human_bytes)
+
 PROG = "saev-shards"
 
 # Exit codes: documented in --help (EXIT_CODES_HELP) and docs/cli.md.
@@ -109,15 +111,6 @@ class EscapingWriter(io.TextIOBase):
 
     def writable(self) -> bool:
         return True
-
-
-def human_bytes(n: float) -> str:
-    """Decimal units, as `Shards.__repr__` and the progress bar print them: ``3.7 KB``."""
-    for unit in ("B", "KB", "MB", "GB", "TB"):
-        if n < 1000 or unit == "TB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1000
-    return f"{n} B"
 
 
 def table(rows: Sequence[Sequence[str]], out: TextIO, indent: str = "", right: Sequence[int] = ()) -> None:
