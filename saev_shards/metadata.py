@@ -103,7 +103,16 @@ class Metadata:
         return hash(self.hash)
 
     def replace(self, **changes: Any) -> Metadata:
-        """A copy with some fields changed (a different cache, so a different hash)."""
+        """A copy with some fields changed (a different cache, so a different hash).
+
+        Changing ``protocol`` without naming a ``dialect`` takes the new protocol's default
+        dialect (``"2.1"``: saev's code), and drops ``pixel_agg`` where that dialect has none.
+        """
+        if "protocol" in changes and "dialect" not in changes:
+            changes["dialect"] = ""
+            default = DEFAULT_DIALECTS.get(changes["protocol"])
+            if "pixel_agg" not in changes and default is not None and not DIALECTS[default].has_pixel_agg:
+                changes["pixel_agg"] = None
         return dataclasses.replace(self, **changes)
 
     # -- derived sizes ------------------------------------------------------------

@@ -12,7 +12,7 @@ from typing import Any, TextIO
 
 import orjson
 
-from ..progress import human_bytes  # noqa: F401  one spelling of sizes (progress.human_bytes)
+from ..progress import human_bytes as human_bytes  # noqa: PLC0414 (re-exported: one spelling of sizes)
 
 PROG = "saev-shards"
 

@@ -278,3 +278,11 @@ def test_store_resolves_8_digit_names_by_prefix(tmp_path: Path) -> None:
     assert store.resolve("e2f8", roots=root) == root / PARTIAL.name
     assert store.resolve(EXACT.name, roots=root) == root / EXACT.name
     assert [c.path.name for c in store.list_caches(root)] == sorted([PARTIAL.name, EXACT.name])
+
+
+def test_replace_of_the_protocol_takes_its_default_dialect() -> None:
+    md = metadata_of(saev_fields())
+    v3 = md.replace(protocol="3.0", data={"name": "x"})
+    assert (v3.dialect, v3.pixel_agg, len(v3.hash)) == ("3.0", None, 64)
+    back = v3.replace(protocol="2.1", data=md.data, pixel_agg="prefer-fg")
+    assert back == md and back.hash == md.hash
