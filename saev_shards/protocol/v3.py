@@ -243,6 +243,8 @@ def _fast_shards(entries: list[Any]) -> ShardList | None:
             or set(map(type, digests)) - {str}
             or min(counts, default=0) < 0
             or min(sizes, default=0) < 0
+            # Lengths first: a digest holding a newline could otherwise pass the joined match.
+            or set(map(len, digests)) - {32}
             or not _DIGESTS_RE.fullmatch("\n".join(digests) + "\n" if digests else "")
         ):
             return None
