@@ -9,15 +9,29 @@ Not supported: ``np.newaxis`` and a boolean index spanning the example axis and 
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import numpy as np
 import numpy.typing as npt
 
-if TYPE_CHECKING:
-    from .reader import Shards
-
 NDIM = 4
+
+
+class ShardedArray(Protocol):
+    """What indexing needs of a cache (`saev_shards.Shards` is one): its logical shape, the
+    examples per shard, the stored numpy dtype, and each shard as an array."""
+
+    @property
+    def shape(self) -> tuple[int, int, int, int]: ...
+    @property
+    def n_examples(self) -> int: ...
+    @property
+    def examples_per_shard(self) -> int: ...
+    @property
+    def numpy_dtype(self) -> np.dtype[Any]: ...
+    def shard(self, k: int) -> npt.NDArray[Any]:
+        """Shard ``k``, shape ``(n_examples_k, L, T, D)``."""
+        ...
 
 
 def _is_array(c: object) -> bool:
@@ -85,7 +99,7 @@ def _expand_bools(rest: tuple[Any, ...]) -> tuple[Any, ...]:
     return tuple(out)
 
 
-def getitem(shards: Shards, key: Any) -> npt.NDArray[Any]:
+def getitem(shards: ShardedArray, key: Any) -> npt.NDArray[Any]:
     """``logical[key]`` for the cache behind ``shards``."""
     key = _normalize(key, shards.shape)
     first, rest = key[0], _expand_bools(key[1:])
@@ -104,12 +118,12 @@ def getitem(shards: Shards, key: Any) -> npt.NDArray[Any]:
     raise IndexError("only integers, slices (`:`), ellipsis (`...`) and integer or boolean arrays are valid indices")
 
 
-def _tail_dummy(shards: Shards, count: int) -> np.ndarray[Any, Any]:
+def _tail_dummy(shards: ShardedArray, count: int) -> np.ndarray[Any, Any]:
     shape = (count, *shards.shape[1:])
     return np.broadcast_to(np.zeros((), shards.numpy_dtype), shape)
 
 
-def _slice_first(shards: Shards, sl: slice, rest: tuple[Any, ...]) -> npt.NDArray[Any]:
+def _slice_first(shards: ShardedArray, sl: slice, rest: tuple[Any, ...]) -> npt.NDArray[Any]:
     n, eps = shards.n_examples, shards.examples_per_shard
     start, stop, step = sl.indices(n)
     pieces: list[tuple[int, slice]] = []
@@ -145,7 +159,7 @@ def _slice_first(shards: Shards, sl: slice, rest: tuple[Any, ...]) -> npt.NDArra
     return np.concatenate(parts, axis=axis)
 
 
-def _array_first(shards: Shards, idx: npt.NDArray[Any], rest: tuple[Any, ...]) -> npt.NDArray[Any]:
+def _array_first(shards: ShardedArray, idx: npt.NDArray[Any], rest: tuple[Any, ...]) -> npt.NDArray[Any]:
     n, eps = shards.n_examples, shards.examples_per_shard
     if idx.dtype == bool:
         if idx.ndim != 1:

@@ -9,6 +9,7 @@ whether it was written from numpy or from torch tensors.
 from __future__ import annotations
 
 import sys
+import warnings
 from typing import Any
 
 import numpy as np
@@ -73,7 +74,15 @@ def to_stored(x: object, dtype: str) -> tuple[npt.NDArray[Any], bool]:
     if torch is not None and arr.dtype in (np.float32, np.float64) and arr.flags.c_contiguous:
         # numpy's float->float16 cast is scalar code (~0.4 GB/s here); torch's is
         # vectorised and rounds identically. Only used when torch is already imported.
-        out = torch.from_numpy(arr).to(torch.float16 if dtype == "float16" else torch.float32)
+        if arr.flags.writeable:
+            tensor = torch.from_numpy(arr)
+        else:
+            # A read-only array (a memmap slice): torch warns that it cannot protect it. The
+            # cast below only reads it, so wrap it without the warning, and without a copy.
+            with warnings.catch_warnings():
+                warnings.filterwarnings("ignore", message="The given NumPy array is not writable")
+                tensor = torch.from_numpy(arr)
+        out = tensor.to(torch.float16 if dtype == "float16" else torch.float32)
         return out.numpy(), True
     with np.errstate(over="ignore"):  # overflow to inf is reported by the writer's own check
         return np.ascontiguousarray(arr, dtype=target), True

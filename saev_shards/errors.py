@@ -42,6 +42,19 @@ class NotRegularFileError(ShardsError):
     """Raised when a file a cache must hold is a directory, a symbolic link, a FIFO, a device or a socket."""
 
 
+class LayerIndexError(ShardsError, IndexError):
+    """Raised when an index along the layer axis of ``shards[...]`` (a position, ``0..L-1``) is
+    out of range but is one of the recorded layer values; the message says how to select by value."""
+
+
+class NameNotFoundError(ShardsError, KeyError):
+    """Raised when a layer value, a column or a text field the cache does not have is asked
+    for; the message lists what it has."""
+
+    def __str__(self) -> str:  # KeyError would show the message in quotes
+        return str(self.args[0]) if self.args else ""
+
+
 class WriterError(ShardsError):
     """Raised when a `ShardWriter` is used wrongly (shapes, counts, order, state)."""
 
@@ -69,6 +82,32 @@ class Problem:
 
     def __repr__(self) -> str:
         return f"Problem({self.kind.__name__}, {self.message!r})"
+
+
+class ProblemCollector:
+    """Every problem found in one file or value, gathered before anything is raised.
+
+    ``kind`` is the error class each problem is reported as (`add` may name another);
+    ``prefix`` starts every message (a file's absolute path and ``": "``). `raise_problems`
+    turns what was collected into one error.
+    """
+
+    def __init__(self, kind: type[InvalidCacheError], prefix: str = "") -> None:
+        self.kind = kind
+        self.prefix = prefix
+        self.problems: list[Problem] = []
+
+    def add(self, message: str, kind: type[InvalidCacheError] | None = None) -> None:
+        self.problems.append(Problem(kind or self.kind, self.prefix + message))
+
+    def extend(self, problems: Iterable[Problem]) -> None:
+        self.problems.extend(problems)
+
+    def __bool__(self) -> bool:
+        return bool(self.problems)
+
+    def __len__(self) -> int:
+        return len(self.problems)
 
 
 class InvalidCacheError(ShardsError):

@@ -53,11 +53,6 @@ def shard_n_examples(shard: int, n_examples: int, eps: int) -> int:
     return min(eps, n_examples - shard * eps)
 
 
-def vector_nbytes(d_model: int, itemsize: int) -> int:
-    """Bytes of one activation vector."""
-    return d_model * itemsize
-
-
 def example_nbytes(n_layers: int, tokens: int, d_model: int, itemsize: int) -> int:
     """Bytes of one example: its ``(L, T, D)`` block."""
     return n_layers * tokens * d_model * itemsize

@@ -9,38 +9,15 @@ from typing import Any
 import numpy as np
 
 from . import layout
-from .errors import MetadataError
-from .format import (
-    DEFAULT_DTYPE,
-    DTYPES,
-    DTYPES_BY_PROTOCOL,
-    LEGACY_PROTOCOL,
-    PROTOCOL,
-    SUPPORTED_PROTOCOLS,
-    content_hash,
-    is_int,
-    json_value_problem,
-    short_list,
-    short_repr,
-    type_name,
-)
+from .errors import MetadataError, NameNotFoundError
+from .protocol import DEFAULT_DIALECTS, DIALECTS, SUPPORTED_PROTOCOLS, Dialect, detect
+from .protocol.common import DEFAULT_DTYPE, DTYPES, PROTOCOL
+from .protocol.jsonfile import is_int, json_value_problem, short_repr, type_name
+from .protocol.saev_code import DEFAULT_PIXEL_AGG as SAEV_DEFAULT_PIXEL_AGG
+from .protocol.v3 import KEYS
 
-#: The exact key set of metadata.json, in the seed's order.
-KEYS = (
-    "family",
-    "ckpt",
-    "layers",
-    "patches_per_ex",
-    "cls_token",
-    "d_model",
-    "n_examples",
-    "patches_per_shard",
-    "data",
-    "dataset",
-    "dtype",
-    "protocol",
-)
-
+SAEV_DEFAULT_DIALECT = "saev"
+__all__ = ["FIELDS", "KEYS", "Metadata", "parse_metadata", "validate"]
 
 #: Layer values are block indices, held as numpy int64 by the statistics and the loaders.
 LAYER_MIN = -(2**63)
@@ -71,6 +48,13 @@ class Metadata:
     dataset: str
     dtype: str = DEFAULT_DTYPE
     protocol: str = PROTOCOL
+    #: saev's code only: how patch labels were aggregated from pixel labels ("majority" or
+    #: "prefer-fg"; saev writes "majority" when there are none). None in 3.0, which has no such key.
+    pixel_agg: str | None = None
+    #: How the bytes are laid out (`saev_shards.DIALECTS`): "3.0"; for protocol 2.1
+    #: "saev" (saev's code, the default), "saev-64" (its names before 2025-10-14) or
+    #: "saev-spec" (saev's protocol document, read only). Empty: the protocol's default.
+    dialect: str = ""
 
     def __post_init__(self) -> None:
         layers = self.layers
@@ -79,29 +63,56 @@ class Metadata:
         given: object = self.dtype
         if isinstance(given, np.dtype) or (isinstance(given, type) and issubclass(given, np.generic)):
             object.__setattr__(self, "dtype", np.dtype(given).name)  # np.float16 -> "float16"
-        problems = validate(self.to_dict())
+        if self.dialect == "" and isinstance(self.protocol, str) and self.protocol in DEFAULT_DIALECTS:
+            # The protocol's defaults: for 2.1, saev's code as saev itself writes a cache.
+            object.__setattr__(self, "dialect", DEFAULT_DIALECTS[self.protocol])
+            if self.pixel_agg is None and self.dialect == SAEV_DEFAULT_DIALECT:
+                object.__setattr__(self, "pixel_agg", SAEV_DEFAULT_PIXEL_AGG)
+        problems = validate(self.fields())
         if problems:
             raise MetadataError("invalid metadata: " + "; ".join(problems))
         # A private deep copy, so later changes to the caller's dict cannot change the hash.
         object.__setattr__(self, "data", copy.deepcopy(self.data))
 
     # -- identity -----------------------------------------------------------------
+    def fields(self) -> dict[str, Any]:
+        """Every field by name (`dataclasses.asdict` without its deep copies)."""
+        return {name: getattr(self, name) for name in FIELDS}
+
+    @property
+    def format(self) -> Dialect:
+        """The dialect's byte rules (`saev_shards.protocol.Dialect`)."""
+        return DIALECTS[self.dialect]
+
     def to_dict(self) -> dict[str, Any]:
-        """The JSON object stored as metadata.json (layers as a list)."""
-        d = {k: getattr(self, k) for k in KEYS}
-        d["layers"] = list(self.layers) if isinstance(self.layers, tuple) else self.layers
-        return d
+        """The JSON object stored as metadata.json, keys in the order written (layers as a list)."""
+        return self.format.to_json(self)
+
+    def to_bytes(self) -> bytes:
+        """metadata.json's bytes, as this cache's dialect writes them."""
+        return self.format.metadata_bytes(self)
 
     @property
     def hash(self) -> str:
-        """``sha256(json.dumps(metadata, sort_keys=True, separators=(',', ':')))``, 64 hex digits."""
-        return content_hash(self.to_dict())
+        """The directory name: for 3.0 (and saev's document) ``sha256(json.dumps(metadata,
+        sort_keys=True, separators=(',', ':')))``, 64 hex digits; for saev's code the first 8
+        (``"saev-64"``: all 64) of the sha256 of its compact orjson in field order (protocol.md 9)."""
+        return self.format.directory_name(self)
 
     def __hash__(self) -> int:
         return hash(self.hash)
 
     def replace(self, **changes: Any) -> Metadata:
-        """A copy with some fields changed (a different cache, so a different hash)."""
+        """A copy with some fields changed (a different cache, so a different hash).
+
+        Changing ``protocol`` without naming a ``dialect`` takes the new protocol's default
+        dialect (``"2.1"``: saev's code), and drops ``pixel_agg`` where that dialect has none.
+        """
+        if "protocol" in changes and "dialect" not in changes:
+            changes["dialect"] = ""
+            default = DEFAULT_DIALECTS.get(changes["protocol"])
+            if "pixel_agg" not in changes and default is not None and not DIALECTS[default].has_pixel_agg:
+                changes["pixel_agg"] = None
         return dataclasses.replace(self, **changes)
 
     # -- derived sizes ------------------------------------------------------------
@@ -152,7 +163,7 @@ class Metadata:
 
     @property
     def nbytes(self) -> int:
-        """Bytes of all activations (protocol 3.0 files hold exactly this much)."""
+        """Bytes of all activations (3.0's shard files hold exactly this much, 2.1's are padded)."""
         return self.n_examples * self.example_nbytes
 
     def shard_n_examples(self, shard: int) -> int:
@@ -162,53 +173,52 @@ class Metadata:
     def shard_nbytes(self, shard: int) -> int:
         """Exact length of shard file ``shard`` as this library writes it.
 
-        Protocol 2.1 pads the last shard to a full shard, as the saev reference writer does.
+        Protocol 2.1 pads the last shard to a full shard, as saev's writer does.
         """
-        if self.protocol == LEGACY_PROTOCOL:
-            count = self.examples_per_shard
-            layout.shard_n_examples(shard, self.n_examples, self.examples_per_shard)
-        else:
-            count = self.shard_n_examples(shard)
-        return count * self.example_nbytes
+        return self.format.shard_nbytes(self, shard)
 
     def layer_index(self, layer: int) -> int:
-        """Position of layer value ``layer`` in `layers`; `KeyError` naming the choices if absent."""
+        """Position of layer value ``layer`` in `layers`; `NameNotFoundError` (a `KeyError`) naming
+        the recorded values if absent."""
         try:
             return self.layers.index(layer)
         except ValueError:
-            raise KeyError(f"layer {layer!r} was not recorded; recorded layers are {list(self.layers)}") from None
+            raise NameNotFoundError(
+                f"layer {layer!r} was not recorded; recorded layer values are {list(self.layers)}"
+            ) from None
 
 
-def validate(d: dict[str, Any]) -> list[str]:
-    """Every problem with a metadata object, as messages naming the field (empty if valid).
+#: `Metadata`'s fields, in declaration order.
+FIELDS = (*KEYS[:-2], "dtype", "protocol", "pixel_agg", "dialect")
 
-    Values follow the rules of every JSON file of a cache (`format.json_value_problem`):
+
+def validate(d: dict[str, Any], absent: frozenset[str] = frozenset()) -> list[str]:
+    """Every problem with `Metadata` fields given as a dict (empty if valid), as messages
+    naming the field: the rules of every dialect, then the dialect's own
+    (`saev_shards.protocol.Dialect.value_problems`). Fields in ``absent`` (missing from a
+    file, and reported as such) are not checked.
+
+    Values follow the rules of every JSON file of a cache (`protocol.jsonfile.json_value_problem`):
     strings of valid Unicode, integers within 64 bits, finite numbers, at most
-    `format.MAX_JSON_DEPTH` levels of nesting, checked before anything recursive (the hash,
-    the deep copy, a message) touches a value.
+    `protocol.jsonfile.MAX_JSON_DEPTH` levels of nesting, checked before anything recursive
+    (the hash, the deep copy, a message) touches a value.
     """
     problems: list[str] = []
-    keys = set(d)
-    missing = [k for k in KEYS if k not in keys]
-    unknown = sorted(keys - set(KEYS), key=str)
-    if missing:
-        problems.append(f"missing keys {missing}")
-    if unknown:
-        problems.append(f"unknown keys {short_list(unknown)} (allowed: {list(KEYS)})")
 
     def want(key: str, ok: bool, expected: str) -> bool:
-        if key in d and not ok:
+        if key in absent:
+            return False
+        if not ok:
             v = d[key]
             problems.append(f"{key}: expected {expected}, found {type_name(v)} {short_repr(v, 60)}")
-            return False
-        return key in d
+        return ok
 
     for key in ("family", "ckpt", "dataset"):
-        if want(key, isinstance(d.get(key), str), "a string"):
+        if want(key, isinstance(d[key], str), "a string"):
             problem = json_value_problem(d[key])
             if problem:
                 problems.append(f"{key}: {problem}")
-    if want("layers", isinstance(d.get("layers"), (list, tuple)), "an array of integers"):
+    if want("layers", isinstance(d["layers"], (list, tuple)), "an array of integers"):
         layers = d["layers"]
         if not layers:
             problems.append("layers: expected at least one layer, found []")
@@ -219,31 +229,33 @@ def validate(d: dict[str, Any]) -> list[str]:
         elif len(set(layers)) != len(layers):
             problems.append(f"layers: expected distinct values, found {short_repr(list(layers), 60)}")
     for key, low in (("patches_per_ex", 0), ("d_model", 1), ("n_examples", 0), ("patches_per_shard", 1)):
-        if want(key, is_int(d.get(key)), "an integer") and d[key] < low:
+        if want(key, is_int(d[key]), "an integer") and d[key] < low:
             problems.append(f"{key}: expected an integer >= {low}, found {short_repr(d[key])}")
-    want("cls_token", isinstance(d.get("cls_token"), bool), "true or false")
-    protocol = d.get("protocol")
-    if want(
-        "protocol",
-        isinstance(protocol, str) and protocol in SUPPORTED_PROTOCOLS,
-        f"one of {list(SUPPORTED_PROTOCOLS)}",
-    ):
-        assert isinstance(protocol, str)
-        allowed = DTYPES_BY_PROTOCOL[protocol]
-        dtype = d.get("dtype")
-        want("dtype", isinstance(dtype, str) and dtype in allowed, f"one of {list(allowed)} for protocol {protocol}")
-    if "data" in d:
-        data = d["data"]
-        if protocol == LEGACY_PROTOCOL:
-            want("data", isinstance(data, (dict, str)), "an object or a string (protocol 2.1)")
-        else:
-            want("data", isinstance(data, dict), "an object")
-        # One level less than the file's limit: data sits inside the metadata object.
-        problem = json_value_problem([data])
+    want("cls_token", isinstance(d["cls_token"], bool), "true or false")
+    want("dtype", isinstance(d["dtype"], str), "a string")
+    if want("pixel_agg", d["pixel_agg"] is None or isinstance(d["pixel_agg"], str), "a string or None"):
+        problem = json_value_problem(d["pixel_agg"])
         if problem:
-            problems.append(f"data: {problem}")
+            problems.append(f"pixel_agg: {problem}")
+    # One level less than the file's limit: data sits inside the metadata object.
+    problem = None if "data" in absent else json_value_problem([d["data"]])
+    if problem:
+        problems.append(f"data: {problem}")
+    version = d["protocol"]
+    if (
+        want(
+            "protocol",
+            isinstance(version, str) and version in SUPPORTED_PROTOCOLS,
+            f"one of {list(SUPPORTED_PROTOCOLS)}",
+        )
+        and not absent
+    ):
+        if d["dialect"] in DIALECTS:
+            problems.extend(DIALECTS[d["dialect"]].value_problems(d))
+        else:
+            problems.append(f"dialect: expected one of {list(DIALECTS)}, found {short_repr(d['dialect'])}")
 
-    if not problems:
+    if not problems and not absent:
         tokens = layout.tokens_per_ex(d["patches_per_ex"], d["cls_token"])
         if tokens < 1:
             problems.append("patches_per_ex: must be >= 1 when cls_token is false (T would be 0)")
@@ -263,13 +275,21 @@ def validate(d: dict[str, Any]) -> list[str]:
     return problems
 
 
-def parse_metadata(obj: object) -> Metadata:
-    """Turn parsed metadata.json into `Metadata`, or raise `MetadataError` listing every problem."""
-    if not isinstance(obj, dict):
-        raise MetadataError(f"expected a JSON object, found {type_name(obj)}")
-    problems = validate(obj)
+def parse_metadata(obj: object, dirname: str | None = None) -> Metadata:
+    """Turn parsed metadata.json into `Metadata`, or raise `MetadataError` listing every problem.
+
+    The dialect is told by the keys and ``protocol`` (`saev_shards.protocol.detect`); for a
+    cache written by saev's code, ``dirname`` (the directory's name) tells its 64-digit
+    names from the 8-digit ones. `ProtocolVersionError` for a version this library does not read.
+    """
+    dialect = detect(obj, dirname)
+    assert isinstance(obj, dict)
+    given, problems = dialect.fields(obj)
+    fields: dict[str, Any] = dict.fromkeys(FIELDS)
+    fields.update(given)
+    absent = frozenset(FIELDS) - set(given) - {"pixel_agg"}
+    problems += validate(fields, absent)
     if problems:
         raise MetadataError("; ".join(problems))
-    fields = dict(obj)
     fields["layers"] = tuple(fields["layers"])
     return Metadata(**fields)

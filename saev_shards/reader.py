@@ -6,9 +6,10 @@ import contextlib
 import os
 import stat
 import threading
-from collections.abc import Callable, Iterator, Sequence
+import warnings
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import numpy as np
 import numpy.typing as npt
@@ -23,10 +24,11 @@ from .errors import (
     FileSizeError,
     HashMismatchError,
     InvalidCacheError,
-    JSONFileError,
+    LayerIndexError,
     ManifestError,
     MetadataError,
     MetadataFileError,
+    NameNotFoundError,
     NotRegularFileError,
     Problem,
     ProtocolVersionError,
@@ -35,28 +37,24 @@ from .errors import (
     raise_problems,
 )
 from .fileio import IO_CHUNK, file_kind, hash_file, pread_exact
-from .format import (
+from .manifest import Manifest
+from .metadata import Metadata, parse_metadata
+from .progress import Progress
+from .protocol import is_cache_name
+from .protocol.common import (
     CHECKSUMS_FILE,
-    HASH_RE,
-    LABELS_DTYPE,
     LABELS_FILE,
-    LEGACY_PROTOCOL,
     MANIFEST_FILE,
     MAX_METADATA_BYTES,
     METADATA_FILE,
     SHARD_NAME_RE,
     STATS_FILE,
-    check_version,
-    manifest_max_bytes,
-    read_json_file,
-    shard_name,
-    short_repr,
+    ProtocolWarning,
     stats_max_bytes,
-    warn_legacy,
 )
-from .manifest import ArrayEntry, Manifest, ShardEntry, ShardList, parse_checksums, parse_manifest, parse_stats
-from .metadata import Metadata, parse_metadata
-from .progress import Progress
+from .protocol.jsonfile import load_json, short_repr
+from .protocol.v3 import parse_stats
+from .units import human_bytes
 
 PathLike = str | os.PathLike[str]
 
@@ -94,39 +92,30 @@ def open(path: PathLike, *, check_hash: bool = True, roots: PathLike | Sequence[
     problems.extend(more)
     raise_problems(problems, where)
     assert manifest is not None
-    if md.protocol == LEGACY_PROTOCOL:
-        warn_legacy(where)
+    if md.format.legacy:
+        warnings.warn(
+            f"{where}: a protocol {md.protocol} cache ({md.format.summary}, float32), read with the "
+            f"compatibility rules of protocol.md section 9 (no checksums unless {CHECKSUMS_FILE} is "
+            "there; the last shard may be padded to a full shard)",
+            ProtocolWarning,
+            stacklevel=2,
+        )
     return Shards(root, md, manifest)
-
-
-def _read_json(
-    path: Path, max_bytes: int, kind: type[InvalidCacheError], every_number: bool = True
-) -> tuple[Any, list[Problem]]:
-    """``(parsed value, [])``, or ``(None, [the problem])`` worded for a file of ``kind``."""
-    try:
-        return read_json_file(path, max_bytes, every_number=every_number), []
-    except FileNotFoundError:
-        return None, [Problem(CacheNotFoundError, f"{path}: missing")]
-    except (JSONFileError, NotRegularFileError) as err:
-        return None, [Problem(kind, str(err))]
 
 
 def _load_metadata(root: Path, check_hash: bool) -> tuple[Metadata | None, list[Problem]]:
     path = root / METADATA_FILE
-    obj, problems = _read_json(path, MAX_METADATA_BYTES, MetadataFileError)
+    obj, problems = load_json(path, MAX_METADATA_BYTES, MetadataFileError)
     if problems:
         return None, problems
-    if isinstance(obj, dict) and "protocol" in obj:
-        try:
-            check_version(obj["protocol"])
-        except ProtocolVersionError as err:
-            raise ProtocolVersionError(f"{path}: {err}") from None
     try:
-        md = parse_metadata(obj)
+        md = parse_metadata(obj, root.name)
+    except ProtocolVersionError as err:
+        raise ProtocolVersionError(f"{path}: {err}") from None
     except MetadataError as err:
         return None, [Problem(MetadataFileError, f"{path}: {err}")]
     if check_hash and root.name != md.hash:
-        detail = "" if HASH_RE.fullmatch(root.name) else " (the directory name is not a 64-digit hash)"
+        detail = "" if is_cache_name(root.name) else f" (the directory name is not a {len(md.hash)}-digit hash)"
         problems.append(
             Problem(
                 HashMismatchError,
@@ -138,66 +127,14 @@ def _load_metadata(root: Path, check_hash: bool) -> tuple[Metadata | None, list[
 
 
 def _load_manifest(root: Path, md: Metadata) -> tuple[Manifest | None, list[Problem]]:
-    path = root / MANIFEST_FILE
-    # Every integer of shards.json is type-checked by parse_manifest: the scan may skip scalars.
-    obj, problems = _read_json(path, manifest_max_bytes(md.n_shards), ManifestError, every_number=False)
-    if problems:
-        return None, problems
-    manifest, problems = parse_manifest(obj, md.protocol, str(path))
+    manifest, problems = md.format.load_manifest(root, md)
     if manifest is None or problems:
         return manifest, problems
-    listed_extra: list[str] = []
-    if md.protocol == LEGACY_PROTOCOL:
-        manifest, listed_extra, more = _legacy_fixups(root, md, manifest)
-        problems.extend(more)
     problems.extend(_check_shards(root, md, manifest))
-    problems.extend(_check_other_files(root, md, manifest, listed_extra))
+    empty = manifest.empty_shards
+    problems.extend(_check_files(root, empty.names, empty.sizes))
+    problems.extend(_check_other_files(root, md, manifest))
     return manifest, problems
-
-
-def _legacy_fixups(root: Path, md: Metadata, manifest: Manifest) -> tuple[Manifest, list[str], list[Problem]]:
-    """Protocol 2.1: set aside the reference writer's trailing empty shards, attach sizes and digests.
-
-    Returns the manifest, the names of the trailing empty shards it listed (their files are
-    ignored, not unexpected) and the problems found. Only names of the expected form
-    ``acts<06d>.bin`` ever reach a system call.
-    """
-    problems: list[Problem] = []
-    shards = list(manifest.shards)
-    trailing: list[str] = []
-    while len(shards) > md.n_shards and shards[-1].n_examples == 0:
-        index = len(shards) - 1
-        if shards[-1].name == shard_name(index):
-            trailing.append(shards.pop().name)
-        else:
-            break  # named wrongly: kept, so _check_shards reports it
-    digests: dict[str, tuple[int, str]] = {}
-    sidecar = root / CHECKSUMS_FILE
-    if os.path.lexists(sidecar):  # absent: no checksums; present but a link or broken: an error
-        obj, problems = _read_json(sidecar, manifest_max_bytes(md.n_shards), ManifestError)
-        if not problems:
-            digests, problems = parse_checksums(obj, str(sidecar))
-    entries = []
-    full = md.examples_per_shard * md.example_nbytes
-    for i, s in enumerate(shards):
-        nbytes = s.n_examples * md.example_nbytes
-        if i == md.n_shards - 1 and s.name == shard_name(i) and _size(root / s.name) == full:
-            nbytes = full  # the reference writer pads the last shard to a full shard; accept both lengths
-        nbytes, digest = digests.get(s.name, (nbytes, None))
-        entries.append(ShardEntry(s.name, s.n_examples, nbytes, digest))
-    labels = None
-    if os.path.lexists(root / LABELS_FILE):
-        nbytes = md.n_examples * md.patches_per_ex
-        nbytes, digest = digests.get(LABELS_FILE, (nbytes, None))
-        labels = ArrayEntry(LABELS_FILE, LABELS_DTYPE.str, (md.n_examples, md.patches_per_ex), nbytes, digest)
-    return Manifest(shards=ShardList.of(entries), labels=labels), trailing, problems
-
-
-def _size(path: Path) -> int:
-    try:
-        return os.lstat(path).st_size
-    except OSError:
-        return -1
 
 
 def _check_shards(root: Path, md: Metadata, manifest: Manifest) -> list[Problem]:
@@ -214,7 +151,6 @@ def _check_shards(root: Path, md: Metadata, manifest: Manifest) -> list[Problem]
         )
     eps = md.examples_per_shard
     example_nbytes = md.example_nbytes
-    legacy = md.protocol == LEGACY_PROTOCOL
     # One pass of list comparisons for the common, valid manifest (10^4 shards in a few ms);
     # entry-by-entry messages only for entries that differ.
     count = len(manifest.shards)
@@ -223,12 +159,11 @@ def _check_shards(root: Path, md: Metadata, manifest: Manifest) -> list[Problem]
     extra = [0] * max(0, count - expected)
     want_counts = (([eps] * (expected - 1) + [last] if expected else []) + extra)[:count]
     names, counts, sizes = manifest.shards.names, manifest.shards.counts, manifest.shards.sizes
-    if legacy:
-        want_sizes = sizes
-    else:  # list arithmetic, not a loop: 10^4 shards
-        want_sizes = (([eps * example_nbytes] * (expected - 1) + [last * example_nbytes] if expected else []) + extra)[
-            :count
-        ]
+    # list arithmetic, not a loop: 10^4 shards
+    full = eps * example_nbytes
+    want_sizes = (([full] * (expected - 1) + [last * example_nbytes] if expected else []) + extra)[:count]
+    if md.format.padded_last and count == expected and expected and sizes[-1] == full:
+        want_sizes[-1] = full  # 2.1: the last shard's file padded to a full shard
     if names == want_names and counts == want_counts and sizes == want_sizes:
         problems.extend(_check_files(root, names, sizes))
         return problems
@@ -305,13 +240,13 @@ def _check_file(path: Path, nbytes: int) -> list[Problem]:
     return []
 
 
-def _check_other_files(root: Path, md: Metadata, manifest: Manifest, listed_extra: Sequence[str]) -> list[Problem]:
+def _check_other_files(root: Path, md: Metadata, manifest: Manifest) -> list[Problem]:
     problems: list[Problem] = []
     where = root / MANIFEST_FILE
     if manifest.labels is not None:
         want = (md.n_examples, md.patches_per_ex)
         lab = manifest.labels
-        if lab.shape != want or (md.protocol != LEGACY_PROTOCOL and lab.nbytes != md.n_examples * md.patches_per_ex):
+        if lab.shape != want or lab.nbytes != md.n_examples * md.patches_per_ex:
             problems.append(
                 Problem(ManifestError, f"{where}: labels: expected shape {list(want)} uint8, found {list(lab.shape)}")
             )
@@ -351,8 +286,8 @@ def _check_other_files(root: Path, md: Metadata, manifest: Manifest, listed_extr
             problems.extend(_check_file(root / manifest.stats.name, manifest.stats.nbytes))
     present = set(os.listdir(root))
     unlisted = present.difference(manifest.shards.names)  # set operations in C: 10^4 names
+    unlisted.difference_update(manifest.empty_shards.names)
     unlisted.difference_update(name for name, _, _ in manifest.other_files())
-    unlisted.difference_update(listed_extra)  # 2.1: the trailing empty shards shards.json lists
     problems.extend(
         Problem(UnexpectedFileError, f"{root / name}: data file not listed in {MANIFEST_FILE}")
         for name in sorted(unlisted)
@@ -414,13 +349,66 @@ class TextColumn(Sequence[Any]):
             raise InvalidCacheError(f"{self.path}: line {i + 1}: not valid JSON ({err})") from None
 
 
+V = TypeVar("V")
+
+
+class Fields(Mapping[str, V]):
+    """A cache's per-example columns or text fields by name (`Shards.columns`, `Shards.text`).
+
+    ``fields["name"]`` is the one spelling for both; ``fields("name")`` works too (earlier
+    versions had ``shards.text("name")``). A name the cache does not have raises
+    `NameNotFoundError` (a `KeyError` and a `ShardsError`) listing the names it has.
+    Values are opened on first use and kept.
+    """
+
+    def __init__(self, kind: str, where: Path, names: Sequence[str], load: Callable[[str], V]) -> None:
+        self._kind = kind
+        self._where = where
+        self._names = tuple(names)
+        self._load = load
+        self._values: dict[str, V] = {}
+
+    def __getitem__(self, name: str) -> V:
+        value = self._values.get(name) if isinstance(name, str) else None
+        if value is None:
+            if not isinstance(name, str) or name not in self._names:
+                raise NameNotFoundError(
+                    f"{self._where}: no {self._kind} {short_repr(name)}; this cache has "
+                    + (f"{self._kind}s {sorted(self._names)}" if self._names else f"no {self._kind}s")
+                )
+            value = self._values[name] = self._load(name)
+        return value
+
+    def __call__(self, name: str) -> V:
+        return self[name]
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._names)
+
+    def __len__(self) -> int:
+        return len(self._names)
+
+    def __repr__(self) -> str:
+        return f"<{self._kind}s {list(self._names)}>"
+
+
 class Shards:
     """An open cache: the logical tensor ``(n_examples, L, T, D)`` and everything beside it.
 
-    Index it like a numpy array (the layer axis takes positions in ``metadata.layers``),
-    or use `get` / `example` with layer *values*. Results are read-only views into the
-    memmapped shards whenever numpy would return a view, copies otherwise. bfloat16 caches
-    return raw uint16 bits; `to_float32` widens them.
+    Layers are named two ways, and each method says which it takes:
+
+    * ``shards[i, j, t]`` indexes the logical tensor like a numpy array: ``j`` is a layer
+      *position*, ``0..L-1`` in the order of ``metadata.layers``. A position out of range
+      that is a recorded layer value raises `LayerIndexError` saying so.
+    * `get`, `example`, `locate` and `layer_index` take layer *values* (the block numbers
+      in ``metadata.layers``, e.g. 11); ``shards[:, shards.layer_index(11)]`` selects a
+      layer by value in an index. `read_example` and `read_vectors` (the fast paths) take
+      positions.
+
+    Results are read-only views into the memmapped shards whenever numpy would return a
+    view, copies otherwise. bfloat16 caches return raw uint16 bits; `to_float32` widens them.
+    Per-example columns and text fields are mappings by name: ``shards.columns["lengths"]``,
+    ``shards.text["prompt"]`` (`Fields`).
 
     Memmaps and file handles open lazily and per process: a pickled `Shards` carries no
     data and no handles, and a forked or unpickled copy opens its own.
@@ -525,18 +513,24 @@ class Shards:
         return (
             f"<saev_shards.Shards {md.hash[:12]} {md.family}:{md.ckpt} shape=({n}, {l_}, {t}, {d}) "
             f"{md.dtype} layers={list(md.layers)} tokens={cls}{md.patches_per_ex} "
-            f"shards={self.n_shards}x{md.examples_per_shard} {_bytes(md.nbytes)} protocol={md.protocol}"
+            f"shards={self.n_shards}x{md.examples_per_shard} {human_bytes(md.nbytes)} protocol={md.protocol}"
             + (f" [{', '.join(extras)}]" if extras else "")
             + f" at {self.path}>"
         )
 
     def layer_index(self, layer: int) -> int:
-        """Position of layer value ``layer``; `KeyError` naming the recorded layers if absent."""
+        """Position (``0..L-1``) of layer *value* ``layer``; `NameNotFoundError` (a `KeyError`)
+        naming the recorded layer values if absent."""
         try:
             return self._layer_idx[layer]
         except (KeyError, TypeError):
-            raise KeyError(
-                f"layer {layer!r} was not recorded; recorded layers are {list(self.metadata.layers)}"
+            layers = list(self.metadata.layers)
+            hint = ""
+            integer = isinstance(layer, (int, np.integer)) and not isinstance(layer, bool)
+            if integer and -len(layers) <= layer < len(layers):
+                hint = f" ({layer} is a layer position: shards[:, {layer}] takes positions)"
+            raise NameNotFoundError(
+                f"layer {short_repr(layer)} was not recorded; recorded layer values are {layers}{hint}"
             ) from None
 
     def _example(self, example: int) -> tuple[int, int]:
@@ -576,7 +570,37 @@ class Shards:
         )
 
     def __getitem__(self, key: Any) -> npt.NDArray[Any]:
-        return getitem(self, key)
+        """``logical[key]``: the layer axis takes positions ``0..L-1`` (class docstring)."""
+        try:
+            return getitem(self, key)
+        except IndexError as err:
+            value = self._layer_value_given_as_position(key)
+            if value is None:
+                raise
+            layers = list(self.metadata.layers)
+            raise LayerIndexError(
+                f"layer position {value} is out of range for {len(layers)} layers (positions 0..{len(layers) - 1}); "
+                f"{value} is a recorded layer value (layers {layers}): select it by value with "
+                f"shards[..., shards.layer_index({value}), ...] (position {self._layer_idx[value]}), "
+                f"or shards.example(i, {value})"
+            ) from err
+
+    def _layer_value_given_as_position(self, key: Any) -> int | None:
+        """The first recorded layer value that ``key``'s layer component (``key[1]``) holds out of
+        the position range, or None (only looked at once an index has failed)."""
+        if not isinstance(key, tuple) or len(key) < 2 or key[0] is Ellipsis or key[1] is Ellipsis:
+            return None
+        n_layers = self.shape[1]
+        try:
+            values = np.asarray(key[1]).reshape(-1)
+        except (TypeError, ValueError):
+            return None
+        if values.dtype.kind not in "iu":
+            return None
+        for v in values.tolist():
+            if not -n_layers <= v < n_layers and v in self._layer_idx:
+                return int(v)
+        return None
 
     def to_float32(self, values: npt.NDArray[Any]) -> npt.NDArray[np.float32]:
         """Values read from this cache as float32 (widens bfloat16 bits exactly)."""
@@ -733,13 +757,18 @@ class Shards:
         return self._aux["labels"]  # type: ignore[no-any-return]
 
     @property
-    def columns(self) -> dict[str, npt.NDArray[Any]]:
-        """Per-example numeric columns by name, as read-only memmaps."""
+    def columns(self) -> Fields[npt.NDArray[Any]]:
+        """Per-example numeric columns by name (``shards.columns["lengths"]``), as read-only
+        memmaps; a missing name raises `NameNotFoundError` listing the columns."""
         self._check_pid()
         if "columns" not in self._aux:
-            self._aux["columns"] = {
-                name: _map(self.path / c.name, np.dtype(c.dtype), c.shape) for name, c in self.manifest.columns.items()
-            }
+            cols = self.manifest.columns
+
+            def load(name: str) -> npt.NDArray[Any]:
+                c = cols[name]
+                return _map(self.path / c.name, np.dtype(c.dtype), c.shape)
+
+            self._aux["columns"] = Fields("column", self.path, list(cols), load)
         return self._aux["columns"]  # type: ignore[no-any-return]
 
     @property
@@ -747,12 +776,20 @@ class Shards:
         """The ``lengths`` column (valid token positions per example), or None."""
         return self.columns.get("lengths")
 
-    def text(self, name: str) -> TextColumn:
-        """Per-example values of text field ``name`` (lazy, indexable)."""
-        entry = self.manifest.text.get(name)
-        if entry is None:
-            raise KeyError(f"no text field {name!r}; this cache has {sorted(self.manifest.text)}")
-        return TextColumn(self.path / entry.name, entry.n_lines)
+    @property
+    def text(self) -> Fields[TextColumn]:
+        """Per-example JSON values of each text field by name (``shards.text["prompt"]``; lazy,
+        indexable); ``shards.text("prompt")``, the spelling of earlier versions, works too. A
+        missing name raises `NameNotFoundError` listing the text fields."""
+        self._check_pid()
+        if "text" not in self._aux:
+            entries = self.manifest.text
+
+            def load(name: str) -> TextColumn:
+                return TextColumn(self.path / entries[name].name, entries[name].n_lines)
+
+            self._aux["text"] = Fields("text field", self.path, list(entries), load)
+        return self._aux["text"]  # type: ignore[no-any-return]
 
     @property
     def stats(self) -> dict[str, Any] | None:
@@ -772,7 +809,8 @@ class Shards:
             md = self.metadata
             path = self.path / entry.name
             # parse_stats type-checks every integer; a float is a float whatever its spelling.
-            raw, problems = _read_json(path, stats_max_bytes(md.n_layers, md.d_model), StatsFileError, False)
+            cap = stats_max_bytes(md.n_layers, md.d_model)
+            raw, problems = load_json(path, cap, StatsFileError, every_number=False)
             raise_problems(problems, str(self.path))
             self._aux["stats"] = parse_stats(raw, md.layers, md.d_model, str(path))
         return self._aux["stats"]  # type: ignore[no-any-return]
@@ -809,10 +847,10 @@ class Shards:
         `InvalidCacheError` for several kinds) listing every problem.
         """
         md_path = self.path / METADATA_FILE
-        obj, problems = _read_json(md_path, MAX_METADATA_BYTES, MetadataFileError)
+        obj, problems = load_json(md_path, MAX_METADATA_BYTES, MetadataFileError)
         if not problems:
             try:
-                current = parse_metadata(obj)
+                current = parse_metadata(obj, self.path.name)
             except MetadataError as err:
                 problems.append(Problem(MetadataFileError, f"{md_path}: {err}"))
             else:
@@ -857,8 +895,6 @@ class Shards:
                     problems.extend(self._stats_problems())
         raise_problems(problems, str(self.path))
         if unchecked:
-            import warnings
-
             warnings.warn(
                 f"{self.path}: {len(unchecked)} files have no recorded checksum (protocol 2.1 without "
                 f"{CHECKSUMS_FILE}); only their sizes were checked",
@@ -875,11 +911,3 @@ def _map(path: Path, dtype: np.dtype[Any], shape: tuple[int, ...]) -> np.memmap[
     if int(np.prod(shape, dtype=object)) * dtype.itemsize == 0:
         return np.zeros(shape, dtype).view(np.memmap)
     return np.memmap(path, dtype=dtype, mode="r", shape=shape)
-
-
-def _bytes(n: int) -> str:
-    for unit in ("B", "KB", "MB", "GB", "TB", "PB"):
-        if n < 1000 or unit == "PB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1000  # type: ignore[assignment]
-    return f"{n} B"

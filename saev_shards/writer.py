@@ -29,6 +29,7 @@ import mmap
 import os
 import queue
 import threading
+import warnings
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
@@ -42,6 +43,7 @@ import xxhash
 from . import dtypes, world
 from .errors import (
     AlreadyPublishedError,
+    MetadataError,
     NonFiniteError,
     WriterBusyError,
     WriterError,
@@ -59,26 +61,27 @@ from .fileio import (
     stream,
     take_lock,
     try_flock,
+    write_all,
     write_file_atomic,
 )
-from .format import (
-    CHECKSUMS_FILE,
+from .manifest import ArrayEntry, FileEntry, Manifest, ShardEntry, ShardList, TextEntry
+from .metadata import Metadata
+from .protocol.common import (
     COLUMN_DTYPES,
     FIELD_NAME_RE,
     LABELS_DTYPE,
     LABELS_FILE,
-    LEGACY_PROTOCOL,
     MANIFEST_FILE,
     METADATA_FILE,
     STATS_FILE,
+    ProtocolWarning,
     column_file,
-    pretty_json,
     shard_name,
-    strict_json_loads,
     text_file,
 )
-from .manifest import ArrayEntry, FileEntry, Manifest, ShardEntry, ShardList, TextEntry, parse_checksums, parse_manifest
-from .metadata import Metadata
+from .protocol.jsonfile import strict_json_loads
+from .protocol.saev_code import SAEV_ROOT_PARTS
+from .protocol.v3 import pretty_json
 
 STAGING_PREFIX = ".staging-"
 #: The lock file of a staging directory sits beside it: ``<root>/.staging-<HASH>.lock``.
@@ -566,8 +569,22 @@ class ShardWriter:
         self._range_lock_fd: int | None = None
         # True when staging already holds this cache finalized (killed before its rename).
         self._committed = False
-        if md.protocol == LEGACY_PROTOCOL and (stats or columns or tuple(text)):
-            raise WriterError("protocol 2.1 caches hold activations and labels only; use protocol 3.0")
+        if not md.format.holds_extras and (stats or columns or tuple(text)):
+            raise WriterError(
+                f"protocol {md.protocol} caches ({md.format.summary}) hold activations and labels only; "
+                "use protocol 3.0"
+            )
+        problems = md.format.write_problems(md)
+        if problems:
+            raise MetadataError(f"cannot write a {md.format.summary} cache: " + "; ".join(problems))
+        if md.format.legacy and self.root.absolute().parts[-2:] != SAEV_ROOT_PARTS:
+            warnings.warn(
+                f"{self.root.absolute()}: saev's readers look for caches in a folder ending in saev/shards/<name> "
+                "(its writers want a root ending in saev/shards); this cache opens here with saev_shards only, "
+                "move it (or link it) under .../saev/shards for saev",
+                ProtocolWarning,
+                stacklevel=2,
+            )
 
         # Streams known so far (caller thread): key -> spec. "acts" always exists.
         self._specs: dict[str, _StreamSpec] = {"acts": _StreamSpec("acts", md.numpy_dtype, md.shard_shape[1:])}
@@ -632,9 +649,9 @@ class ShardWriter:
                 if resume and commit.derived == self._derived_files():
                     self._committed = True  # finalized but not renamed: nothing left to write
                 else:
-                    _unfinalize(self.staging)  # back to part records (restart, or other streams)
+                    _unfinalize(self.staging, self.md)  # back to part records (restart, or other streams)
             self._clear_staging(single, resume)
-            expected = pretty_json(self.md.to_dict())
+            expected = self.md.to_bytes()
             md_path = self.staging / METADATA_FILE
             if md_path.exists():
                 if md_path.read_bytes() != expected:
@@ -939,9 +956,9 @@ class ShardWriter:
                 self._finish_part(spec.key, cur, {"n_lines": cur.count})
 
     def _finish_part(self, key: str, cur: _Cursor, extra: dict[str, Any]) -> None:
-        if key == "acts" and self.md.protocol == LEGACY_PROTOCOL and cur.k == self.md.n_shards - 1:
-            # The saev reference memmaps every shard at full size; pad so it can read ours.
-            pad = self.md.shard_nbytes(cur.k) - cur.nbytes
+        if key == "acts" and cur.expected_nbytes is not None and cur.nbytes < cur.expected_nbytes:
+            # Protocol 2.1: saev memmaps every shard at full size; pad the last so it can read ours.
+            pad = cur.expected_nbytes - cur.nbytes
             zeros = bytes(min(pad, IO_CHUNK))
             while pad:
                 cur.write(zeros[: min(pad, IO_CHUNK)])
@@ -1128,7 +1145,7 @@ def _forget_lock(root: Path, md: Metadata) -> None:
 
 
 class _Commit:
-    """What a finalized staging directory holds (its shards.json, and checksums.json for 2.1)."""
+    """What a finalized staging directory holds (its shards.json, and the dialect's sidecars)."""
 
     def __init__(self, files: dict[str, tuple[int, str | None]], derived: dict[str, str]) -> None:
         #: Every file to publish: name -> (nbytes, xxh3_128 or None for the JSON files).
@@ -1139,50 +1156,46 @@ class _Commit:
 
 def _read_commit(staging: Path, md: Metadata) -> _Commit | None:
     """The finished cache in ``staging`` if finalizing reached its commit point (shards.json
-    written) and it lists exactly ``md``'s shards; else None (nothing committed)."""
+    written) and it lists exactly ``md``'s shards, each with its digest; else None (nothing
+    committed)."""
     try:
-        manifest_bytes = (staging / MANIFEST_FILE).read_bytes()
-        metadata_size = (staging / METADATA_FILE).stat().st_size
-        manifest, problems = parse_manifest(strict_json_loads(manifest_bytes), md.protocol, str(staging))
-        files: dict[str, tuple[int, str | None]] = {
-            METADATA_FILE: (metadata_size, None),
-            MANIFEST_FILE: (len(manifest_bytes), None),
-        }
-        derived: dict[str, str] = {}
+        manifest, problems = md.format.load_manifest(staging, md)
         if manifest is None or problems:
             return None
-        if md.protocol == LEGACY_PROTOCOL:
-            checksums_bytes = (staging / CHECKSUMS_FILE).read_bytes()
-            listed, problems = parse_checksums(strict_json_loads(checksums_bytes), str(staging))
-            if problems:
-                return None
-            files[CHECKSUMS_FILE] = (len(checksums_bytes), None)
-            files.update(listed)
-            if LABELS_FILE in listed:
-                derived[LABELS_FILE] = f"{LABELS_DTYPE.str} {[md.patches_per_ex]}"
-            shards = [(e.name, e.n_examples, *listed.get(e.name, (-1, None))) for e in manifest.shards]
-        else:
-            files.update((name, (nbytes, digest)) for name, nbytes, digest in manifest.files())
-            shards = list(manifest.shards)
-            arrays = [*manifest.columns.values(), *([manifest.labels] if manifest.labels else [])]
-            derived.update((a.name, f"{a.dtype} {list(a.shape[1:])}") for a in arrays)
-            derived.update((t.name, "") for t in manifest.text.values())
-            if manifest.stats is not None:
-                derived[STATS_FILE] = ""
+        files: dict[str, tuple[int, str | None]] = {
+            name: (os.lstat(staging / name).st_size, None)
+            for name in (METADATA_FILE, MANIFEST_FILE, *md.format.sidecar_names)
+        }
     except (OSError, ValueError):
         return None
+    listed = manifest.files()
+    files.update((name, (nbytes, digest)) for name, nbytes, digest in listed)
+    derived: dict[str, str] = {}
+    arrays = [*manifest.columns.values(), *([manifest.labels] if manifest.labels else [])]
+    derived.update((a.name, f"{a.dtype} {list(a.shape[1:])}") for a in arrays)
+    derived.update((t.name, "") for t in manifest.text.values())
+    if manifest.stats is not None:
+        derived[STATS_FILE] = ""
     expected = [(shard_name(k), md.shard_n_examples(k), md.shard_nbytes(k)) for k in range(md.n_shards)]
-    if [(name, n, nbytes) for name, n, nbytes, _ in shards] != expected:
+    if list(zip(manifest.shards.names, manifest.shards.counts, manifest.shards.sizes, strict=True)) != expected:
         return None
-    if any(name not in files for name, *_ in shards):  # 2.1: checksums.json must list every shard
+    if list(manifest.empty_shards.names) != _empty_shard_names(md):
+        return None
+    if any(digest is None for _, _, digest in listed):  # 2.1: checksums.json must list every file
         return None
     return _Commit(files, derived)
 
 
-def _is_derived(name: str) -> bool:
-    """Files finalizing makes from the parts (and may make again): joins, stats, manifests."""
+def _empty_shard_names(md: Metadata) -> list[str]:
+    """The all-zero shard files the dialect's writer leaves after the last shard (protocol.md 9)."""
+    return [shard_name(md.n_shards + i) for i in range(md.format.empty_shards(md))]
+
+
+def _is_derived(name: str, md: Metadata) -> bool:
+    """Files finalizing makes from the parts (and may make again): joins, stats, empty shards,
+    the manifest and its sidecars."""
     return (
-        name in (LABELS_FILE, STATS_FILE, CHECKSUMS_FILE, MANIFEST_FILE)
+        name in (LABELS_FILE, STATS_FILE, MANIFEST_FILE, *md.format.sidecar_names, *_empty_shard_names(md))
         or (name.startswith("column.") and name.endswith(".bin"))
         or (name.startswith("text.") and name.endswith(".jsonl"))
     )
@@ -1198,12 +1211,12 @@ def _is_staging_only(name: str) -> bool:
     )
 
 
-def _unfinalize(staging: Path) -> None:
+def _unfinalize(staging: Path, md: Metadata) -> None:
     """Take a finalized staging directory back to its shards and part records (restoring
     write permission: a killed finalize may have frozen it)."""
     make_writable(staging)
     for name in os.listdir(staging):
-        if _is_derived(name):
+        if _is_derived(name, md):
             remove_path(staging / name)
 
 
@@ -1249,7 +1262,7 @@ def finalize(
 
 def _finalize_locked(root: Path, md: Metadata, staging: Path, final: Path, verify: bool, durable: bool) -> None:
     md_path = staging / METADATA_FILE
-    if not md_path.is_file() or md_path.read_bytes() != pretty_json(md.to_dict()):
+    if not md_path.is_file() or md_path.read_bytes() != md.to_bytes():
         raise WriterError(f"{md_path} does not match the metadata being finalized")
     make_owner_writable(staging)
     commit = _read_commit(staging, md)
@@ -1278,7 +1291,7 @@ def _assemble(md: Metadata, staging: Path, verify: bool, durable: bool) -> dict[
     manifest (shards.json last: its presence means every file is complete). Returns every
     file to publish: name -> (nbytes, xxh3_128 or None)."""
     for name in os.listdir(staging):
-        if _is_derived(name):  # from a finalize killed before its commit point
+        if _is_derived(name, md):  # from a finalize killed before its commit point
             remove_path(staging / name)
     records: list[dict[str, Any]] = []
     problems: list[str] = []
@@ -1349,21 +1362,41 @@ def _assemble(md: Metadata, staging: Path, verify: bool, durable: bool) -> dict[
         write_file_atomic(staging / STATS_FILE, data, durable, note=_FINALIZE_NOTE)
         stats_entry = FileEntry(STATS_FILE, len(data), xxhash.xxh3_128_hexdigest(data))
         fault_point("stats-written")
-    manifest = Manifest(shards=shards, labels=labels, columns=columns, text=text, stats=stats_entry)
+    empty = ShardList.of(_write_empty_shard(staging, md, name, durable) for name in _empty_shard_names(md))
+    manifest = Manifest(shards=shards, labels=labels, columns=columns, text=text, stats=stats_entry, empty_shards=empty)
     files: dict[str, tuple[int, str | None]] = dict(
         (name, (nbytes, digest)) for name, nbytes, digest in manifest.files()
     )
     files[METADATA_FILE] = ((staging / METADATA_FILE).stat().st_size, None)
-    if md.protocol == LEGACY_PROTOCOL:
-        checksums = pretty_json(manifest.checksums_json())
-        write_file_atomic(staging / CHECKSUMS_FILE, checksums, durable, note=_FINALIZE_NOTE)
-        files[CHECKSUMS_FILE] = (len(checksums), None)
+    sidecars = md.format.sidecars(manifest, md)
+    for name, data in sidecars.items():  # before shards.json: it commits what they say
+        write_file_atomic(staging / name, data, durable, note=_FINALIZE_NOTE)
+        files[name] = (len(data), None)
+    if sidecars:
         fault_point("checksums-written")
-    manifest_bytes = manifest.to_bytes(md.protocol)
+    manifest_bytes = md.format.manifest_bytes(manifest, md)
     write_file_atomic(staging / MANIFEST_FILE, manifest_bytes, durable, note=_FINALIZE_NOTE)  # the commit point
     files[MANIFEST_FILE] = (len(manifest_bytes), None)
     fault_point("manifest-written")
     return files
+
+
+def _write_empty_shard(staging: Path, md: Metadata, name: str, durable: bool) -> ShardEntry:
+    """An all-zero, full-size shard file listed with ``n_examples`` 0, as saev's writer leaves one."""
+    nbytes = md.examples_per_shard * md.example_nbytes
+    h = xxhash.xxh3_128()
+    zeros = memoryview(bytes(min(nbytes, IO_CHUNK)))
+    path = staging / name
+    with naming_disk_full(path, nbytes, _FINALIZE_NOTE), open(path, "wb", buffering=0) as out:
+        left = nbytes
+        while left:
+            piece = zeros[: min(left, IO_CHUNK)]
+            write_all(out, piece)
+            h.update(piece)
+            left -= len(piece)
+        if durable:
+            os.fsync(out.fileno())
+    return ShardEntry(name, 0, nbytes, h.hexdigest())
 
 
 def _join(staging: Path, md: Metadata, key: str, name: str, durable: bool, expected: int) -> tuple[int, str]:

@@ -21,6 +21,8 @@ EXAMPLES = """\
   saev-shards convert acts.npy --layers 6,11 --family clip --ckpt ViT-B-16/openai
   saev-shards convert ./activations --dry-run       # what would be written, and its hash
   path=$(saev-shards convert ./activations | tail -1)
+  saev-shards convert $SAEV_SCRATCH/saev/shards/e2f8cd3a --to 3.0    # a cache saev wrote -> protocol 3.0
+  saev-shards convert 3f2a9c... --to saev --root $SAEV_SCRATCH/saev/shards   # -> a cache saev reads as its own
 """
 
 DESCRIPTION = """\
@@ -55,7 +57,8 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser], invoked: 
     p = command(
         sub,
         "convert",
-        "convert activations from another format (pickle shards, zarr logs, SAELens, .npy) into a cache",
+        "convert activations from another format (pickle shards, zarr logs, SAELens, .npy) or another "
+        "cache into a cache (--to 3.0, or --to saev for saev's own loaders)",
         EXAMPLES,
         cmd_convert,
         description=DESCRIPTION,
@@ -63,9 +66,17 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser], invoked: 
     p.add_argument("src", help="the source: a folder or file")
     p.add_argument("--from", dest="kind", choices=list(SOURCES), help="source kind (default: detected)")
     p.add_argument(
-        "--to", default="3.0", choices=list(TARGETS), help="what to write (default: 3.0, this library's caches)"
+        "--to",
+        default="3.0",
+        choices=list(TARGETS),
+        help="what to write: 3.0 (this library's caches, the default) or saev (protocol 2.1 as saev's code "
+        "writes it, float32: activations and labels only)",
     )
-    p.add_argument("--dtype", choices=["float16", "bfloat16", "float32"], help="stored dtype (default: float16)")
+    p.add_argument(
+        "--dtype",
+        choices=["float16", "bfloat16", "float32"],
+        help="stored dtype (default: float16; a cache source keeps its own; saev: float32)",
+    )
     p.add_argument(
         "--root",
         metavar="DIR",

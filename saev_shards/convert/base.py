@@ -26,6 +26,7 @@ import numpy.typing as npt
 
 from ..errors import ConvertError, ConvertOptionError, SourceChecksumError
 from ..format import COLUMN_DTYPES, FIELD_NAME_RE
+from ..metadata import Metadata
 
 #: Version of the mapping from sources to caches; part of every converted cache's `data`, so a
 #: change in how a source is mapped gives new hashes instead of silently different bytes.
@@ -93,6 +94,8 @@ class Plan:
     layout: tuple[str, ...] = ()
     notes: tuple[str, ...] = ()
     labels: bool = False
+    #: A cache source's own metadata (kind "cache"): the target keeps its fields (`cache`).
+    cache: Metadata | None = None
 
     @property
     def example_nbytes_float32(self) -> int:

@@ -13,7 +13,7 @@ from pathlib import Path
 from types import ModuleType
 
 from ..errors import ConvertOptionError
-from ..format import DTYPES_BY_PROTOCOL, PROTOCOL
+from ..format import DTYPES_BY_PROTOCOL, LEGACY_PROTOCOL, PROTOCOL
 
 
 @dataclasses.dataclass(frozen=True)
@@ -47,6 +47,12 @@ SOURCES: dict[str, SourceKind] = {
     k.name: k
     for k in [
         SourceKind(
+            "cache",
+            "saev_shards.convert.cache",
+            "a cache of this library or of saev's code, any protocol (a folder named by its hash)",
+            None,
+        ),
+        SourceKind(
             "pickle",
             "saev_shards.convert.pickle_shards",
             "pickle shards (seed 001): metadata.json + shard_NNNN.pkl.gz or .pkl",
@@ -78,6 +84,14 @@ TARGETS: dict[str, Target] = {
             "float16",
             True,
             "an ordinary cache of this library (protocol 3.0)",
+        ),
+        Target(
+            "saev",
+            LEGACY_PROTOCOL,
+            DTYPES_BY_PROTOCOL[LEGACY_PROTOCOL],
+            "float32",
+            False,
+            "a cache saev's own code reads as its own (protocol 2.1 as saev writes it, float32)",
         ),
     ]
 }

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import re
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -19,8 +20,10 @@ from typing import Any
 from ..errors import ConvertError, ConvertOptionError, NonFiniteError, ShardsError, SourceNotFoundError
 from ..metadata import Metadata
 from ..progress import Progress
-from ..store import shards_root
+from ..protocol.common import PROTOCOL
+from ..store import resolve, shards_root
 from ..writer import ShardWriter
+from . import cache
 from .base import CONVERT_VERSION, Options, Plan, Report, Source
 from .registry import SourceKind, Target, detect, source_kind, target
 
@@ -62,8 +65,22 @@ class Result:
     already_published: bool
 
 
-def metadata_for(plan: Plan, to: Target, dtype: str, patches_per_shard: int | None) -> Metadata:
-    """The cache's metadata: the plan's shape and model, the source's description in ``data``."""
+def metadata_for(plan: Plan, to: Target, dtype: str | None, patches_per_shard: int | None) -> Metadata:
+    """The cache's metadata: the plan's shape and model, the source's description in ``data``
+    (a cache source keeps its own fields: `cache.target_metadata`). ``dtype`` None: the
+    target's default (a cache's own dtype where the target stores it)."""
+    if dtype is not None and dtype not in to.dtypes:
+        raise ConvertOptionError(f"--dtype: target {to.name} stores {', '.join(to.dtypes)}; found {dtype!r}")
+    if plan.cache is not None:
+        if dtype is None and plan.cache.dtype not in to.dtypes:
+            dtype = to.default_dtype
+        try:
+            return cache.target_metadata(plan, plan.cache, to.protocol, dtype, patches_per_shard)
+        except ConvertOptionError:
+            raise
+        except ShardsError as err:
+            raise ConvertError(f"{plan.path}: cannot be written as {to.name}: {err}") from None
+    dtype = dtype or to.default_dtype
     if dtype not in to.dtypes:
         raise ConvertOptionError(f"--dtype: target {to.name} stores {', '.join(to.dtypes)}; found {dtype!r}")
     tokens = plan.tokens
@@ -78,6 +95,9 @@ def metadata_for(plan: Plan, to: Target, dtype: str, patches_per_shard: int | No
             f"--patches-per-shard: one example holds {one_example:,} token vectors ({len(plan.layers)} layers x "
             f"{tokens} tokens), more than the budget {budget:,}"
         )
+    data = {"converted_from": {"kind": plan.kind, "version": CONVERT_VERSION}, "source": dict(plan.source)}
+    if to.protocol != PROTOCOL:
+        cache.check_saev_family(plan.family)
     try:
         return Metadata(
             family=plan.family,
@@ -88,7 +108,7 @@ def metadata_for(plan: Plan, to: Target, dtype: str, patches_per_shard: int | No
             d_model=plan.d_model,
             n_examples=plan.n_examples,
             patches_per_shard=budget,
-            data={"converted_from": {"kind": plan.kind, "version": CONVERT_VERSION}, "source": dict(plan.source)},
+            data=data if to.protocol == PROTOCOL else cache.saev_data(data),
             dataset=plan.dataset,
             dtype=dtype,
             protocol=to.protocol,
@@ -110,6 +130,8 @@ def prepare(
 ) -> Prepared:
     """Detect the source's kind (or take ``kind``), plan it and derive the cache's metadata."""
     path = Path(src).expanduser().absolute()
+    if not path.exists() and kind in (None, cache.KIND) and re.fullmatch(r"[0-9a-f]{4,64}", str(src)):
+        path = resolve(str(src))  # a cache's hash prefix, in the shards roots (CacheNotFoundError names them)
     if not path.exists():
         raise SourceNotFoundError(f"{path}: no such file or directory")
     the_target = target(to)
@@ -119,7 +141,7 @@ def prepare(
         raise ConvertOptionError(f"{path}: does not look like a {the_kind.name} source ({the_kind.summary})")
     out_root = shards_root(root).path
     opened: Source = module.open_source(path, options or Options(), scan=scan)
-    md = metadata_for(opened.plan, the_target, dtype or the_target.default_dtype, patches_per_shard)
+    md = metadata_for(opened.plan, the_target, dtype, patches_per_shard)
     return Prepared(the_kind, opened, the_target, md, out_root)
 
 
@@ -145,6 +167,10 @@ def run(
     report = Report()
     for note in plan.notes:
         report.note(note)
+    if isinstance(prepared.source, cache.CacheSource):
+        has_stats = prepared.source.shards.manifest.stats is not None
+        for note in cache.target_notes(prepared.source.shards.metadata, md, has_stats):
+            report.note(note)
     t0 = time.perf_counter()
     if prepared.path.exists():
         return Result(prepared.path, md, plan, report, md.n_examples, 0, 0.0, True)

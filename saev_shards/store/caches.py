@@ -25,14 +25,10 @@ from ..fileio import (
     take_lock,
     try_flock,
 )
-from ..format import (
-    HASH_RE,
-    MAX_METADATA_BYTES,
-    METADATA_FILE,
-    ProtocolWarning,
-    read_json_file,
-)
 from ..metadata import Metadata, parse_metadata
+from ..protocol import is_cache_name
+from ..protocol.common import MAX_METADATA_BYTES, METADATA_FILE, ProtocolWarning
+from ..protocol.jsonfile import read_json_file
 from ..writer import LOCK_SUFFIX, OLD_LOCK_FILE, STAGING_PREFIX
 from .roots import COPY_PREFIX, PathLike, _cache_names, _scan
 from .sidecar import sidecar_path
@@ -240,9 +236,9 @@ def remove(path: PathLike) -> None:
     """
     p = Path(path).expanduser().absolute()
     name = p.name
-    if not (HASH_RE.fullmatch(name) or name.startswith((STAGING_PREFIX, COPY_PREFIX))):
+    if not (is_cache_name(name) or name.startswith((STAGING_PREFIX, COPY_PREFIX))):
         raise CacheRefError(
-            f"refusing to remove {p}: expected a cache directory named by its 64-digit hash "
+            f"refusing to remove {p}: expected a cache directory named by its hash (64 or 8 hex digits) "
             f"(or a {STAGING_PREFIX}/{COPY_PREFIX} directory), found the name {name!r}"
         )
     if p.is_symlink():

@@ -30,9 +30,7 @@ from ..errors import (
     RootNotSetError,
     UnknownCacheError,
 )
-from ..format import (
-    HASH_RE,
-)
+from ..protocol import is_cache_name
 from ..writer import STAGING_PREFIX
 
 PathLike = str | os.PathLike[str]
@@ -139,8 +137,9 @@ def _scan(root: Path) -> Iterator[os.DirEntry[str]]:
 
 
 def _cache_names(root: Path) -> list[str]:
-    """Names of published cache directories in ``root`` (64-digit hashes; staging names excluded)."""
-    return sorted(e.name for e in _scan(root) if HASH_RE.fullmatch(e.name) and e.is_dir())
+    """Names of published cache directories in ``root`` (64-digit hashes, or the 8 digits of a
+    cache written by saev's code; staging names excluded)."""
+    return sorted(e.name for e in _scan(root) if is_cache_name(e.name) and e.is_dir())
 
 
 def _kind_of_ref(key: str) -> str:
@@ -210,6 +209,8 @@ def resolve(ref: PathLike, roots: Roots = None) -> Path:
             names = [key] if (root.path / key).is_dir() else []
         else:
             names = [n for n in _cache_names(root.path) if n.startswith(key)]
+            if key in names:  # a whole 8-digit name (saev's code) wins over longer names it starts
+                names = [key]
         for name in names:
             matches.setdefault(name, root.path / name)
     if len(matches) == 1:

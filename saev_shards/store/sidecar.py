@@ -30,8 +30,8 @@ from .. import reader
 from ..errors import StatsFileError
 from ..fileio import hash_file, write_file_atomic
 from ..format import MANIFEST_FILE, pretty_json, read_json_file, stats_max_bytes
-from ..manifest import parse_stats
 from ..progress import Progress
+from ..protocol.v3 import parse_stats
 from ..writer import STATS_CHUNK, _Stats
 
 #: The folder of a shards root that holds sidecars (not a cache: `ls` and `resolve` skip it).

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import os
 import shutil
@@ -31,14 +32,8 @@ from ..fileio import (
     take_lock,
     write_file_atomic,
 )
-from ..format import (
-    CHECKSUMS_FILE,
-    LEGACY_PROTOCOL,
-    MANIFEST_FILE,
-    METADATA_FILE,
-    SHARD_NAME_RE,
-)
 from ..progress import Progress
+from ..protocol.common import MANIFEST_FILE, METADATA_FILE
 from .caches import open_quietly, remove
 from .roots import COPY_PREFIX, PathLike, Roots, _scan, resolve, stage_root
 from .sidecar import carry_sidecar
@@ -178,17 +173,7 @@ def _copy_cache(
 
 def _files_to_copy(source: reader.Shards) -> list[tuple[str, int, str | None]]:
     """``(name, nbytes, xxh3_128 or None)`` of every data file a copy of ``source`` holds."""
-    files: list[tuple[str, int, str | None]] = list(source.manifest.files())
-    if source.metadata.protocol == LEGACY_PROTOCOL:
-        # The reference writer's trailing empty shard: ignored when reading, but listed in
-        # its shards.json, and the reference memmaps every listed shard; so it is copied too.
-        listed = {f for f, _, _ in files}
-        files += [
-            (e.name, e.stat().st_size, None)
-            for e in sorted(_scan(source.path), key=lambda e: e.name)
-            if SHARD_NAME_RE.fullmatch(e.name) and e.name not in listed
-        ]
-    return files
+    return list(source.manifest.files())  # with a 2.1 cache's empty shards: saev memmaps them
 
 
 def _bytes_missing(partial: Path, files: list[tuple[str, int, str | None]]) -> int:
@@ -238,9 +223,10 @@ def _copy_files(
             report.copied_bytes += nbytes
     expected = {fname: nbytes for fname, nbytes, _ in files}
     # The small JSON files go last: their presence never suggests the data is complete.
-    for fname in (METADATA_FILE, MANIFEST_FILE, CHECKSUMS_FILE):
+    sidecars = source.metadata.format.sidecar_names
+    for fname in (METADATA_FILE, MANIFEST_FILE, *sidecars):
         src = source.path / fname
-        if src.exists() or fname != CHECKSUMS_FILE:
+        if src.exists() or fname not in sidecars:
             data = src.read_bytes()
             write_file_atomic(partial / fname, data, durable)
             expected[fname] = len(data)
@@ -337,7 +323,11 @@ def _publish(source: reader.Shards, partial: Path, final: Path, durable: bool, e
     """Check the copy opens as the same cache and holds exactly ``expected``, freeze it and
     rename it into place."""
     copy = open_quietly(partial, check_hash=False)
-    if copy.metadata.hash != final.name:
-        raise HashMismatchError(f"{partial / METADATA_FILE}: expected hash {final.name}, found {copy.metadata.hash}")
+    found = copy.metadata.hash
+    if copy.metadata.dialect != source.metadata.dialect:  # saev's 64-digit names are told by the name
+        with contextlib.suppress(ShardsError):
+            found = copy.metadata.replace(dialect=source.metadata.dialect).hash
+    if found != final.name:
+        raise HashMismatchError(f"{partial / METADATA_FILE}: expected hash {final.name}, found {found}")
     if not publish_dir(partial, final, durable, expected=expected):
         remove(partial)  # another process published the same verified copy meanwhile

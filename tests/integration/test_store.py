@@ -505,14 +505,14 @@ def test_run_reads_the_seed_link_names_as_aliases(run_setup: dict[str, Any], tmp
 
 
 def test_stage_copies_a_reference_cache_whole(root: Path, tmp_path: Path):
-    """Protocol 2.1 as the saev reference writes it: no checksums, a trailing empty shard."""
-    md = small_metadata(protocol="2.1", dtype="float32", n_examples=20)  # exactly 4 full shards
-    write_cache(root, md)
+    """Protocol 2.1 as saev's writer writes it: no checksums, a trailing empty shard."""
+    md = small_metadata(protocol="2.1", dtype="float32", n_examples=20, data="x")  # exactly 4 full shards
+    with pytest.warns(ss.ProtocolWarning, match="saev/shards"):  # the root is not .../saev/shards
+        write_cache(root, md)
     src = writable_copy(root / md.hash, tmp_path / "reference")
     (src / "checksums.json").unlink()
-    (src / "acts000004.bin").write_bytes(bytes(md.examples_per_shard * md.example_nbytes))
-    entries = json.loads((src / "shards.json").read_bytes())
-    (src / "shards.json").write_text(json.dumps([*entries, {"name": "acts000004.bin", "n_examples": 0}]))
+    assert json.loads((src / "shards.json").read_bytes())[-1] == {"name": "acts000004.bin", "n_examples": 0}
+    assert (src / "acts000004.bin").read_bytes() == bytes(md.examples_per_shard * md.example_nbytes)
     with pytest.warns(ss.ProtocolWarning):
         report = store.copy_cache(src, tmp_path / "local")
     assert report.unverified == [f"acts{i:06d}.bin" for i in range(5)]

@@ -110,7 +110,7 @@ def make_pristine(base: Path) -> list[Pristine]:
     md3 = small_metadata()
     lengths = (1 + np.arange(md3.n_examples) % md3.tokens_per_ex).astype("int32")
     write_cache(base, md3, labels=True, text=True, lengths=lengths, stats=True)
-    md2 = small_metadata(dtype="float32", protocol="2.1", n_examples=10, data="gASVAAAA")
+    md2 = small_metadata(dtype="float32", protocol="2.1", n_examples=9, data="gASVAAAA")
     write_cache(base, md2, labels=True)
     out = []
     for md in (md3, md2):

@@ -110,22 +110,28 @@ def test_reads_reference_caches(path: Path) -> None:
 
 
 def test_reference_reader_reads_our_float32_caches(tmp_path: Path) -> None:
-    """A cache written with protocol 2.1 by us is read by the reference exactly as it wrote its own."""
+    """Our protocol 2.1 caches (saev's code dialect) hold the same data bytes as the document
+    dialect's reference caches, which still open with their own 64-digit names."""
     for n_examples, reference in ((5, LEGACY_PADDED),):
-        legacy = ss.Metadata(**{**json.loads((reference / "metadata.json").read_text()), "layers": (3, 7)})
-        assert legacy.hash == reference.name
+        fields = {**json.loads((reference / "metadata.json").read_text()), "layers": (3, 7)}
+        spec = ss.Metadata(**fields, dialect="saev-spec")
+        assert spec.hash == reference.name
+        legacy = spec.replace(dialect="saev", pixel_agg="majority")
+        assert len(legacy.hash) == 8
         values = golden_values(*legacy.shape)
-        with ss.ShardWriter(tmp_path, legacy, labels=True) as w:
+        root = tmp_path / "saev" / "shards"
+        with ss.ShardWriter(root, legacy, labels=True) as w:
             w.write(values, labels=golden_labels(n_examples, legacy.patches_per_ex))
-        ours = tmp_path / legacy.hash
-        _, got, labels = reference_read(ours)
-        np.testing.assert_array_equal(got, values)
-        np.testing.assert_array_equal(labels, golden_labels(n_examples, legacy.patches_per_ex))
+        ours = root / legacy.hash
+        saev_md = json.loads((ours / "metadata.json").read_text())
+        assert saev_md["content_tokens_per_example"] == fields["patches_per_ex"]
+        assert saev_md["max_tokens_per_shard"] == fields["patches_per_shard"]
         for name in ("acts000000.bin", "acts000001.bin", "acts000002.bin", "labels.bin"):
             assert (ours / name).read_bytes() == (reference / name).read_bytes(), name
         assert json.loads((ours / "shards.json").read_text()) == json.loads((reference / "shards.json").read_text())
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", ss.ProtocolWarning)
             shards = ss.open(ours)
+        np.testing.assert_array_equal(shards[:], values)
         assert shards.manifest.shards[0].xxh3_128 is not None  # our checksums.json sidecar
         shards.verify()

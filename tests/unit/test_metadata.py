@@ -89,7 +89,7 @@ def test_metadata_properties() -> None:
     assert md.nbytes == 23 * md.example_nbytes
     assert [md.shard_n_examples(k) for k in range(md.n_shards)] == [5, 5, 5, 5, 3]
     assert md.layer_index(11) == 1
-    with pytest.raises(KeyError, match=r"layer 7 was not recorded; recorded layers are \[6, 11\]"):
+    with pytest.raises(KeyError, match=r"layer 7 was not recorded; recorded layer values are \[6, 11\]"):
         md.layer_index(7)
 
 
@@ -150,14 +150,28 @@ def test_parse_rejects_unknown_and_missing_keys() -> None:
     assert list(small_metadata().to_dict()) == list(KEYS)
 
 
-def test_legacy_metadata_allows_string_data() -> None:
+def test_protocol_2_1_means_saevs_code_and_its_defaults() -> None:
     md = small_metadata(dtype="float32", protocol="2.1", data="gASVAAAA")
-    assert md.protocol == "2.1"
+    assert (md.protocol, md.dialect, md.pixel_agg) == ("2.1", "saev", "majority")
+    assert len(md.hash) == 8
+    with pytest.raises(ss.MetadataError, match=r"data: expected a string"):
+        small_metadata(dtype="float32", protocol="2.1")
+    with pytest.raises(ss.MetadataError, match=r"pixel_agg: expected one of \['majority', 'prefer-fg'\] or None"):
+        small_metadata(dtype="float32", protocol="2.1", data="x", pixel_agg="mean")
+    with pytest.raises(ss.MetadataError, match=r"pixel_agg: protocol 3.0 has no pixel_agg"):
+        small_metadata(pixel_agg="majority")
+    # Named explicitly, a dialect takes no defaults: pixel_agg stays None (as older saev wrote it).
+    assert small_metadata(dtype="float32", protocol="2.1", data="x", dialect="saev").pixel_agg is None
+
+
+def test_saev_document_dialect_hashes_like_3_0() -> None:
+    md = small_metadata(dtype="float32", protocol="2.1", dialect="saev-spec", data="gASVAAAA")
     assert md.hash == seed_hash(md.to_dict())
+    assert list(md.to_dict()) == list(KEYS)
 
 
 def test_legacy_last_shard_is_padded() -> None:
-    md = small_metadata(dtype="float32", protocol="2.1")
+    md = small_metadata(dtype="float32", protocol="2.1", data="x")
     assert md.shard_nbytes(md.n_shards - 1) == md.examples_per_shard * md.example_nbytes
     assert small_metadata().shard_nbytes(4) == 3 * small_metadata().example_nbytes
 

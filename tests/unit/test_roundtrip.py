@@ -107,7 +107,7 @@ def test_columns_text_and_stats(root: Path) -> None:
     assert prompts[-1] == f"example {md.n_examples - 1}: é"
     assert list(prompts)[3] == "example 3: é"
     with pytest.raises(KeyError, match="no text field 'missing'"):
-        shards.text("missing")
+        shards.text["missing"]
     stats = shards.stats
     assert stats is not None
     # Reference statistics over valid (non-padding) tokens, in float64.

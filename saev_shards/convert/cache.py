@@ -1,0 +1,222 @@
+"""A cache of this library or of saev's code, in any dialect (protocol.md sections 1-9): ``--to saev`` and back.
+
+The source is opened as any cache is (`saev_shards.open`: metadata, manifest and file
+sizes checked); every file with a recorded checksum is hashed before its data is used,
+one shard at a time, so memory stays bounded by one chunk. What the target keeps:
+
+* ``--to saev`` (protocol 2.1 as saev's code writes it): activations widened to float32,
+  labels; columns, text and statistics are dropped and reported. ``data`` must be a string
+  there (saev stores base64 of a pickle): a string is kept, an object is encoded as
+  ``base64(pickle.dumps(data, protocol=4))`` of its plain JSON values (lists, dicts,
+  strings, numbers), which saev's ``pickle.loads`` turns back into the same object. A
+  family outside saev's list needs ``--family``. ``pixel_agg`` is the source's (saev's
+  code), else "majority", as saev writes it when there are no labels to aggregate.
+* ``--to 3.0``: everything the source holds; the stored dtype stays the source's unless
+  ``--dtype`` says otherwise. A 2.1 cache's fields that 3.0 has no key for are kept in
+  ``data`` as ``{"saev": {"data", "pixel_agg", "protocol", "dialect"}}``, so converting
+  that 3.0 cache back ``--to saev`` gives the original metadata.json, name and bytes.
+
+The shard budget stays the source's unless ``--patches-per-shard`` is given.
+"""
+
+from __future__ import annotations
+
+import base64
+import dataclasses
+import itertools
+import pickle
+import warnings
+from collections.abc import Callable, Iterator
+from pathlib import Path, PurePosixPath
+from typing import Any
+
+import numpy as np
+
+from ..dtypes import to_float32
+from ..errors import ConvertError, ConvertOptionError, ShardsError, SourceChecksumError
+from ..fileio import hash_file
+from ..metadata import Metadata
+from ..protocol import is_cache_name
+from ..protocol.common import MANIFEST_FILE, METADATA_FILE, PROTOCOL, SAEV_CODE_PROTOCOLS, ProtocolWarning
+from ..protocol.saev_code import DEFAULT_PIXEL_AGG, SAEV_FAMILIES
+from ..reader import Shards
+from ..reader import open as open_cache
+from .base import Chunk, Options, Plan, Report
+
+KIND = "cache"
+#: The key of a 3.0 cache's ``data`` that keeps a 2.1 cache's fields 3.0 has no key for.
+SAEV_KEY = "saev"
+_SAEV_DIALECTS = ("saev", "saev-64")
+
+
+def detect(path: Path) -> bool:
+    """A folder named by a cache hash (64 or saev's 8 hex digits) holding metadata.json and shards.json."""
+    return (
+        path.is_dir()
+        and is_cache_name(path.name)
+        and (path / METADATA_FILE).is_file()
+        and (path / MANIFEST_FILE).is_file()
+    )
+
+
+@dataclasses.dataclass
+class CacheSource:
+    plan: Plan
+    shards: Shards
+
+    def chunks(self, start: int, report: Report) -> Iterator[Chunk]:
+        shards, md = self.shards, self.shards.metadata
+        manifest = shards.manifest
+        for name, nbytes, digest in manifest.other_files():
+            _verify(shards.path / name, nbytes, digest)
+        texts = {name: itertools.islice(shards.text(name), start, None) for name in self.plan.text}
+        step = self.plan.chunk_examples
+        eps = md.examples_per_shard
+        for k in range(start // eps if eps else 0, shards.n_shards):
+            shard = manifest.shards[k]
+            _verify(shards.path / shard.name, shard.nbytes, shard.xxh3_128)
+            first, end = max(start, k * eps), k * eps + shard.n_examples
+            for a in range(first, end, step):
+                b = min(end, a + step)
+                raw = shards.read_range(a, b)
+                acts = to_float32(raw, md.dtype) if md.dtype == "bfloat16" else raw
+                columns = {name: np.array(col[a:b]) for name, col in shards.columns.items()}
+                text = {name: list(itertools.islice(it, b - a)) for name, it in texts.items()}
+                labels = None if shards.labels is None else np.array(shards.labels[a:b])
+                yield Chunk(acts, columns, text, labels, source_nbytes=(b - a) * md.example_nbytes)
+
+
+def _verify(path: Path, nbytes: int, digest: str | None) -> None:
+    """Hash ``path`` before its data is used (sizes were checked when the cache was opened)."""
+    if digest is None:
+        return
+    size, found = hash_file(path, regular_only=True)
+    if size != nbytes or found != digest:
+        raise SourceChecksumError(
+            f"{path}: expected {nbytes} bytes with xxh3_128 {digest}, found {size} bytes with {found} "
+            "(the file changed or was damaged since the cache was written); nothing was converted from it"
+        )
+
+
+def open_source(path: Path, options: Options, scan: Callable[[int, int], None] | None = None) -> CacheSource:
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", ProtocolWarning)  # the dialect is printed in the layout lines
+        try:
+            shards = open_cache(path)
+        except ShardsError as err:
+            raise ConvertError(f"{path}: not a cache that opens: {err}") from None
+    md = shards.metadata
+    if options.layers is not None and tuple(options.layers) != md.layers:
+        raise ConvertOptionError(f"--layers: a cache keeps its layers {list(md.layers)}; found {list(options.layers)}")
+    if options.max_tokens is not None or options.cls_token:
+        raise ConvertOptionError(
+            "--max-tokens and --cls-token do not apply to a cache: its tokens are kept as they are"
+        )
+    manifest = shards.manifest
+    digests = all(d is not None for _, _, d in manifest.files())
+    plan = Plan(
+        kind=KIND,
+        path=path,
+        family=options.family or md.family,
+        ckpt=options.ckpt or md.ckpt,
+        dataset=md.dataset,
+        layers=md.layers,
+        tokens=md.tokens_per_ex,
+        cls_token=md.cls_token,
+        d_model=md.d_model,
+        n_examples=md.n_examples,
+        source={"hash": md.hash},
+        columns={name: (np.dtype(c.dtype), tuple(c.shape[1:])) for name, c in manifest.columns.items()},
+        text=tuple(manifest.text),
+        source_nbytes=sum(n for _, n, _ in manifest.files()),
+        checksums="xxh3_128 of every file, verified before its data is used"
+        if digests
+        else "none recorded (protocol 2.1 without checksums.json): sizes checked",
+        layout=(f"{md.format.summary}, {md.dtype}, shape {md.shape}, layers {list(md.layers)}",),
+        labels=manifest.labels is not None,
+        cache=md,
+    )
+    return CacheSource(plan, shards)
+
+
+def check_saev_family(family: str) -> None:
+    """`ConvertOptionError` unless saev's loader accepts ``family``."""
+    if family not in SAEV_FAMILIES:
+        raise ConvertOptionError(
+            f"--family: saev reads only {', '.join(SAEV_FAMILIES)}; found family {family!r} "
+            "(name one of them with --family)"
+        )
+
+
+def saev_data(data: Any) -> str:
+    """``data`` as saev stores it: a string is kept; anything else is base64 of its pickle."""
+    if isinstance(data, str):
+        return data
+    return base64.b64encode(pickle.dumps(data, protocol=4)).decode("ascii")
+
+
+def _kept_fields(data: Any) -> dict[str, Any] | None:
+    """The 2.1 fields a converted 3.0 cache keeps in ``data["saev"]``, if it has them."""
+    if not isinstance(data, dict) or set(data) != {SAEV_KEY}:
+        return None
+    kept = data[SAEV_KEY]
+    if not isinstance(kept, dict) or set(kept) != {"data", "pixel_agg", "protocol", "dialect"}:
+        return None
+    return kept
+
+
+def target_metadata(plan: Plan, src: Metadata, to_protocol: str, dtype: str | None, pps: int | None) -> Metadata:
+    """The converted cache's metadata (module docstring)."""
+    common: dict[str, Any] = dict(
+        family=plan.family,
+        ckpt=plan.ckpt,
+        layers=src.layers,
+        patches_per_ex=src.patches_per_ex,
+        cls_token=src.cls_token,
+        d_model=src.d_model,
+        n_examples=src.n_examples,
+        patches_per_shard=pps if pps is not None else src.patches_per_shard,
+    )
+    if to_protocol == PROTOCOL:
+        data = src.data
+        if src.format.legacy:
+            data = {
+                SAEV_KEY: {
+                    "data": src.data,
+                    "pixel_agg": src.pixel_agg,
+                    "protocol": src.protocol,
+                    "dialect": src.dialect,
+                }
+            }
+        return Metadata(**common, data=data, dataset=src.dataset, dtype=dtype or src.dtype, protocol=PROTOCOL)
+    check_saev_family(plan.family)
+    kept = _kept_fields(src.data) if not src.format.legacy else None
+    if src.format.legacy:
+        kept = {"data": src.data, "pixel_agg": src.pixel_agg, "protocol": src.protocol, "dialect": src.dialect}
+    data = saev_data(kept["data"] if kept is not None else src.data)
+    pixel_agg = (kept or {}).get("pixel_agg") or DEFAULT_PIXEL_AGG
+    protocol = kept["protocol"] if kept is not None and kept["protocol"] in SAEV_CODE_PROTOCOLS else "2.1"
+    dialect = kept["dialect"] if kept is not None and kept["dialect"] in _SAEV_DIALECTS else "saev"
+    return Metadata(
+        **common,
+        data=data,
+        dataset=str(PurePosixPath(src.dataset)),
+        dtype="float32",
+        protocol=protocol,
+        pixel_agg=pixel_agg,
+        dialect=dialect,
+    )
+
+
+def target_notes(src: Metadata, md: Metadata, has_stats: bool) -> list[str]:
+    """What a conversion from ``src`` to ``md`` changes, for the report."""
+    notes = []
+    if md.format.legacy and src.dtype != "float32":
+        notes.append(f"{src.dtype} activations widened to float32 (saev reads float32 only)")
+    if md.format.legacy and not isinstance(src.data, str) and _kept_fields(src.data) is None:
+        notes.append("data (an object) stored as base64 of its pickle, as saev stores its dataset config")
+    if md.format.legacy and has_stats:
+        notes.append("stats.json (saev has no room for statistics)")
+    if md.dataset != src.dataset:
+        notes.append(f"dataset {src.dataset!r} stored in its normal path form {md.dataset!r}")
+    return notes

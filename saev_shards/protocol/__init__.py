@@ -1,0 +1,85 @@
+"""The on-disk protocol (protocol.md, normative): every byte rule, one module per version.
+
+* `v3`: protocol 3.0, this library's own;
+* `saev_code`: protocol 2.1 as saev's code writes it (``"saev"``, 8-digit names, and
+  ``"saev-64"``, the 64-digit names of caches written before 2025-10-14);
+* `saev_spec`: protocol 2.1 as saev's protocol document describes it (read only);
+* `v21`: the files both 2.1 dialects share; `common`: names, dtypes and limits;
+  `jsonfile`: the one strict JSON loader every JSON file of a cache goes through.
+
+Each version is a `Dialect`; the reader, the writer and the store ask it (`dialect`,
+`detect`) rather than compare version strings.
+"""
+
+from __future__ import annotations
+
+from ..errors import MetadataError, ProtocolVersionError
+from . import saev_code, saev_spec, v3
+from .common import CACHE_NAME_RE, PROTOCOL, SAEV_CODE_PROTOCOLS, SUPPORTED_PROTOCOLS
+from .dialect import Dialect
+from .jsonfile import short_repr, type_name
+
+#: Every dialect by name (`Metadata.dialect`).
+DIALECTS: dict[str, Dialect] = {
+    d.name: d for d in (v3.DIALECT, saev_code.DIALECT, saev_code.DIALECT_64, saev_spec.DIALECT)
+}
+#: What ``protocol=`` alone means: the dialect a cache of that version is written in.
+DEFAULT_DIALECTS = {PROTOCOL: v3.DIALECT.name, **{p: saev_code.DIALECT.name for p in SAEV_CODE_PROTOCOLS}}
+
+
+def dialect(name: str) -> Dialect:
+    """The dialect called ``name``; `MetadataError` naming the choices otherwise."""
+    try:
+        return DIALECTS[name]
+    except (KeyError, TypeError):
+        raise MetadataError(f"dialect: expected one of {list(DIALECTS)}, found {short_repr(name)}") from None
+
+
+def check_version(version: object) -> str:
+    """Return ``version`` if this library reads it; raise `ProtocolVersionError` otherwise."""
+    if not isinstance(version, str) or version not in SUPPORTED_PROTOCOLS:
+        raise ProtocolVersionError(
+            f"unsupported protocol version {short_repr(version)}; this library reads "
+            f"{', '.join(repr(v) for v in SUPPORTED_PROTOCOLS)}"
+        )
+    return version
+
+
+def detect(obj: object, dirname: str | None = None) -> Dialect:
+    """The dialect a parsed metadata.json is written in.
+
+    By its ``protocol`` (`ProtocolVersionError` for one this library does not read); a 2.1
+    cache is saev's document's when it has the document's keys (``patches_per_ex`` or
+    ``patches_per_shard``), else saev's code's, whose 64-digit directory names (``dirname``)
+    mark the older ``"saev-64"``.
+    """
+    if not isinstance(obj, dict):
+        raise MetadataError(f"expected a JSON object, found {type_name(obj)}")
+    if "protocol" not in obj:
+        return v3.DIALECT  # reported as a missing key
+    version = check_version(obj["protocol"])
+    if version == PROTOCOL:
+        return v3.DIALECT
+    if version in saev_spec.DIALECT.protocols and ("patches_per_ex" in obj or "patches_per_shard" in obj):
+        return saev_spec.DIALECT
+    if dirname is not None and len(dirname) == 64:
+        return saev_code.DIALECT_64
+    return saev_code.DIALECT
+
+
+def is_cache_name(name: str) -> bool:
+    """Whether ``name`` can be a cache's directory name (64 hex digits, or saev's 8)."""
+    return CACHE_NAME_RE.fullmatch(name) is not None
+
+
+__all__ = [
+    "DEFAULT_DIALECTS",
+    "DIALECTS",
+    "PROTOCOL",
+    "SUPPORTED_PROTOCOLS",
+    "Dialect",
+    "check_version",
+    "detect",
+    "dialect",
+    "is_cache_name",
+]

@@ -1,0 +1,138 @@
+"""`Dialect`: what one protocol version asks of the bytes, as methods the reader, writer and
+store call instead of branching on versions.
+
+A dialect owns metadata.json (its keys, their order, its bytes) and the directory name
+computed from it, shards.json and its sidecars, and the sizes of the shard files. Each
+version's module (`v3`, `saev_code`, `saev_spec`) defines one; `saev_shards.protocol`
+keeps the registry and tells which one a cache is written in.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, ClassVar
+
+from ..errors import Problem
+from .common import DTYPES_BY_PROTOCOL
+from .jsonfile import short_list, short_repr, type_name
+
+if TYPE_CHECKING:
+    from ..manifest import Manifest
+    from ..metadata import Metadata
+
+
+class Dialect:
+    """The byte rules of one protocol version or dialect (see the module docstring).
+
+    Subclasses set the class attributes and implement `metadata_bytes`, `directory_name`,
+    `load_manifest` and `manifest_bytes`; the defaults here are protocol 3.0's where 3.0
+    has a rule, and nothing where it has none.
+    """
+
+    #: As `Metadata.dialect`: ``"3.0"``, ``"saev"``, ``"saev-64"`` or ``"saev-spec"``.
+    name: str = ""
+    #: What it is, for messages and listings.
+    summary: str = ""
+    #: Values of metadata.json's ``protocol`` this dialect is written with.
+    protocols: tuple[str, ...] = ()
+    #: metadata.json's keys, in the order written.
+    keys: tuple[str, ...] = ()
+    #: metadata.json key -> `Metadata` field, where they differ.
+    renames: ClassVar[Mapping[str, str]] = {}
+    #: Read with a `ProtocolWarning` (an older major version than this library's, protocol.md 8).
+    legacy: bool = False
+    #: Holds per-example columns, text and statistics besides activations and labels.
+    holds_extras: bool = False
+    #: The last shard's file may be zero-padded to a full shard (protocol.md 9).
+    padded_last: bool = False
+    #: JSON files besides metadata.json and shards.json a cache of this dialect may hold.
+    sidecar_names: tuple[str, ...] = ()
+    #: Types `Metadata.data` may have.
+    data_types: tuple[type, ...] = (dict,)
+    #: metadata.json records ``pixel_agg`` (saev's code only).
+    has_pixel_agg: bool = False
+
+    # -- metadata.json -------------------------------------------------------------------
+    def fields(self, obj: dict[str, Any]) -> tuple[dict[str, Any], list[str]]:
+        """metadata.json's object as `Metadata` fields (the keys it has, renamed, and ``dialect``),
+        and the problems with its key set (missing and unknown keys)."""
+        missing = [k for k in self.keys if k not in obj]
+        unknown = sorted(set(obj) - set(self.keys), key=str)
+        problems = []
+        if missing:
+            problems.append(f"missing keys {missing}")
+        if unknown:
+            problems.append(f"unknown keys {short_list(unknown)} (allowed: {list(self.keys)})")
+        fields = {self.renames.get(k, k): v for k, v in obj.items() if k in self.keys}
+        fields["dialect"] = self.name
+        return fields, problems
+
+    def to_json(self, md: Metadata) -> dict[str, Any]:
+        """The metadata.json object, keys in the order written (layers as a list)."""
+        out = {}
+        for key in self.keys:
+            value = getattr(md, self.renames.get(key, key))
+            out[key] = list(value) if isinstance(value, tuple) else value
+        return out
+
+    def metadata_bytes(self, md: Metadata) -> bytes:
+        """metadata.json as this dialect writes it."""
+        raise NotImplementedError
+
+    def directory_name(self, md: Metadata) -> str:
+        """The cache's directory name: a hash of its metadata."""
+        raise NotImplementedError
+
+    def value_problems(self, fields: Mapping[str, Any]) -> list[str]:
+        """What this dialect cannot hold among `Metadata` ``fields`` (checked whenever a `Metadata`
+        is made, after the rules every dialect shares)."""
+        problems = []
+        version = fields["protocol"]
+        if version not in self.protocols:
+            problems.append(
+                f"protocol: dialect {self.name!r} ({self.summary}) is written as {list(self.protocols)}, found "
+                f"{version!r} (name a dialect that fits, or none: dialect='' means the protocol's default)"
+            )
+        allowed = DTYPES_BY_PROTOCOL.get(version, ())
+        if fields["dtype"] not in allowed:
+            problems.append(
+                f"dtype: expected one of {list(allowed)} for protocol {version}, found {short_repr(fields['dtype'])}"
+            )
+        if not isinstance(fields["data"], self.data_types):
+            kinds = " or ".join("an object" if t is dict else "a string" for t in self.data_types)
+            problems.append(f"data: expected {kinds} ({self.summary}), found {type_name(fields['data'])}")
+        if fields["pixel_agg"] is not None and not self.has_pixel_agg:
+            problems.append(
+                f"pixel_agg: {self.summary} has no pixel_agg; expected None, found {short_repr(fields['pixel_agg'])}"
+            )
+        return problems
+
+    def write_problems(self, md: Metadata) -> list[str]:
+        """What keeps a cache of ``md`` from being written in this dialect (beyond `value_problems`)."""
+        return []
+
+    # -- the data files --------------------------------------------------------------------
+    def shard_nbytes(self, md: Metadata, shard: int) -> int:
+        """Exact length of shard file ``shard`` as written: its examples, no padding."""
+        return md.shard_n_examples(shard) * md.example_nbytes
+
+    def empty_shards(self, md: Metadata) -> int:
+        """All-zero, full-size shard files the writer leaves after the last shard (none)."""
+        return 0
+
+    def load_manifest(self, folder: Path, md: Metadata) -> tuple[Manifest | None, list[Problem]]:
+        """Read shards.json (and the sidecars) of the cache in ``folder``: the manifest and every
+        problem found in them. Files are not looked at beyond what the manifest format needs."""
+        raise NotImplementedError
+
+    def manifest_bytes(self, manifest: Manifest, md: Metadata) -> bytes:
+        """shards.json as this dialect writes it."""
+        raise NotImplementedError
+
+    def sidecars(self, manifest: Manifest, md: Metadata) -> dict[str, bytes]:
+        """JSON files written beside shards.json (before it), by name."""
+        return {}
+
+    def __repr__(self) -> str:
+        return f"<dialect {self.name}: {self.summary}>"

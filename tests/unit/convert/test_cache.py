@@ -1,0 +1,103 @@
+"""``convert --to saev|3.0`` of caches: saev's code's dialect both ways (protocol.md section 9)."""
+
+from __future__ import annotations
+
+import base64
+import pickle
+import shutil
+import warnings
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+import saev_shards as ss
+from saev_shards.convert import Options, convert
+from saev_shards.errors import ConvertOptionError, SourceChecksumError
+
+from ...support.caches import small_metadata, tree_bytes, write_cache
+
+DATA = Path(__file__).resolve().parents[2] / "data"
+PARTIAL = DATA / "saev-code-partial" / "saev" / "shards" / "e2f8cd3a"
+EXACT = DATA / "saev-code-exact" / "saev" / "shards" / "3a3c1749"
+
+
+def open_quiet(path: Path) -> ss.Shards:
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", ss.ProtocolWarning)
+        return ss.open(path)
+
+
+@pytest.mark.parametrize("source", [PARTIAL, EXACT])
+def test_saev_to_3_and_back_gives_the_original_bytes(tmp_path: Path, source: Path) -> None:
+    v3 = convert(source, root=tmp_path / "v3", durable=False)
+    shards = ss.open(v3.path)
+    assert (shards.metadata.protocol, shards.metadata.dtype) == ("3.0", "float32")  # the source's dtype kept
+    assert shards.metadata.data == {
+        "saev": {
+            "data": open_quiet(source).metadata.data,
+            "pixel_agg": "majority",
+            "protocol": "2.1",
+            "dialect": "saev",
+        }
+    }
+    np.testing.assert_array_equal(shards[:], open_quiet(source)[:])
+    back = convert(v3.path, to="saev", root=tmp_path / "saev" / "shards", durable=False)
+    assert back.path.name == source.name
+    ours = tree_bytes(back.path)
+    assert ours.pop("checksums.json")
+    assert ours == tree_bytes(source)
+
+
+def test_float16_to_saev_and_back_keeps_the_float16_values(tmp_path: Path) -> None:
+    md = small_metadata(n_examples=9, dtype="float16", family="clip")
+    lengths = np.full(md.n_examples, md.tokens_per_ex, np.int32)
+    write_cache(tmp_path / "src", md, labels=True, lengths=lengths, text=True, stats=True)
+    source = ss.open(tmp_path / "src" / md.hash)
+    saev = convert(source.path, to="saev", root=tmp_path / "saev" / "shards", durable=False)
+    lines = saev.report.lines()
+    assert any("float16 activations widened to float32" in line for line in lines)
+    assert any("column lengths" in line and "text prompt" in line for line in lines)
+    assert any("stats.json" in line for line in lines)
+    assert any("base64 of its pickle" in line for line in lines)
+    widened = open_quiet(saev.path)
+    assert (widened.metadata.dialect, widened.dtype, len(widened.metadata.hash)) == ("saev", "float32", 8)
+    np.testing.assert_array_equal(widened[:], source[:].astype(np.float32))
+    assert widened.labels is not None and source.labels is not None
+    np.testing.assert_array_equal(widened.labels, source.labels)
+    # data (an object) is stored as saev stores its config: base64 of a pickle, here of the same object.
+    assert pickle.loads(base64.b64decode(widened.metadata.data)) == md.data
+    again = convert(saev.path, root=tmp_path / "v3", dtype="float16", durable=False)
+    np.testing.assert_array_equal(ss.open(again.path)[:], source[:])
+
+
+def test_saev_needs_a_family_it_knows(tmp_path: Path) -> None:
+    md = small_metadata(n_examples=3, dtype="float32", family="vit-b")
+    write_cache(tmp_path / "src", md)
+    with pytest.raises(ConvertOptionError, match="--family: saev reads only"):
+        convert(tmp_path / "src" / md.hash, to="saev", root=tmp_path / "saev" / "shards", durable=False)
+    done = convert(
+        tmp_path / "src" / md.hash,
+        to="saev",
+        root=tmp_path / "saev" / "shards",
+        options=Options(family="siglip"),
+        durable=False,
+    )
+    assert open_quiet(done.path).metadata.family == "siglip"
+    with pytest.raises(ConvertOptionError, match="--dtype: target saev stores float32"):
+        convert(tmp_path / "src" / md.hash, to="saev", dtype="float16", root=tmp_path / "x", durable=False)
+
+
+def test_a_damaged_source_shard_is_caught_before_use(tmp_path: Path) -> None:
+    md = small_metadata(n_examples=9, dtype="float32")
+    write_cache(tmp_path / "src", md)
+    source = tmp_path / "copy" / md.hash
+    shutil.copytree(tmp_path / "src" / md.hash, source)
+    shard = source / "acts000001.bin"
+    shard.chmod(0o644)
+    data = bytearray(shard.read_bytes())
+    data[5] ^= 0x40
+    shard.write_bytes(bytes(data))
+    with pytest.raises(SourceChecksumError, match=r"acts000001\.bin"):
+        convert(source, root=tmp_path / "out", dtype="float16", durable=False)
+    assert not any(p.name == md.hash for p in (tmp_path / "out").iterdir() if not p.name.startswith("."))
