@@ -63,6 +63,7 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser], invoked: 
         cmd_convert,
         description=DESCRIPTION,
     )
+    p.set_defaults(interrupted_hint="the sealed shards are kept: run the same command again to resume")
     p.add_argument("src", help="the source: a folder or file")
     p.add_argument("--from", dest="kind", choices=list(SOURCES), help="source kind (default: detected)")
     p.add_argument(
@@ -171,18 +172,14 @@ def cmd_convert(args: argparse.Namespace) -> int:
         out.write(message + "\n")
         out.flush()
 
-    try:
-        result = run(
-            prepared,
-            allow_nonfinite=args.allow_nonfinite,
-            stats=args.stats,
-            restart=args.restart,
-            progress=args.progress,
-            log=say,
-        )
-    except KeyboardInterrupt:
-        warn("stopped; the sealed shards are kept: run the same command again to resume")
-        raise
+    result = run(
+        prepared,
+        allow_nonfinite=args.allow_nonfinite,
+        stats=args.stats,
+        restart=args.restart,
+        progress=args.progress,
+        log=say,
+    )
     for line in result.report.lines():
         warn(f"not carried over: {line}")
     if result.already_published:
