@@ -167,7 +167,7 @@ def cmd_ls(args: argparse.Namespace) -> int:
             table(rows, out, indent="  ")
         for u in unpublished:
             state = "a writer holds it" if u.live else "stale: `saev-shards clean` removes it"
-            what = "staging" if u.kind == "staging" else "partial copy"
+            what = store.KIND_NAMES[u.kind]
             out.write(
                 f"  unpublished (being written, or interrupted): {u.path.name}  "
                 f"{what}, {human_bytes(u.nbytes)}, {human_age(u.age)} old, {state}\n"

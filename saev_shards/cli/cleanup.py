@@ -1,4 +1,4 @@
-"""Commands that delete: ``rm`` (published caches) and ``clean`` (stale staging and copies).
+"""Commands that delete: ``rm`` (published caches) and ``clean`` (stale staging, copies and shuffle scratch).
 
 Both follow one rule: they list what they would delete, with sizes, then ask; ``--yes``
 deletes without asking, ``--dry-run`` only lists. An answer other than ``y``/``yes`` (or
@@ -15,7 +15,7 @@ from pathlib import Path
 
 from .. import store
 from ..errors import RootNotSetError
-from ..format import HASH_RE
+from ..protocol import is_cache_name
 from ._common import (
     EXIT_OK,
     EXIT_PROBLEM,
@@ -64,8 +64,10 @@ def cmd_rm(args: argparse.Namespace) -> int:
     # Resolve every reference first: a typo in the third deletes nothing.
     paths = list(dict.fromkeys(store.resolve(ref, roots_arg(args)) for ref in args.refs))
     for p in paths:
-        if not HASH_RE.fullmatch(p.name):  # a path given directly: it must be named like a cache
-            raise Failure(EXIT_USAGE, f"refusing to remove {p}: expected a cache directory named by its 64-digit hash")
+        if not is_cache_name(p.name):  # a path given directly: it must be named like a cache
+            raise Failure(
+                EXIT_USAGE, f"refusing to remove {p}: expected a cache directory named by its hash (64 or 8 hex digits)"
+            )
     try:
         links = {p: store.runs_linking(p, args.runs_root) for p in paths}
     except RootNotSetError as err:
@@ -128,10 +130,9 @@ def cmd_clean(args: argparse.Namespace) -> int:
     for u in live:
         out.write(f"keeping {u.path}: a live process holds its lock (a writer or a copy at work), or it is not yours\n")
     if not stale:
-        out.write("nothing to clean: no stale staging or copy folders\n")
+        out.write("nothing to clean: no stale staging, copy or shuffle folders\n")
         return EXIT_OK
-    kinds = {"staging": "staging", "copy": "partial copy", "lock": "lock file"}
-    rows = [(kinds[u.kind], human_bytes(u.nbytes), f"{human_age(u.age)} old", str(u.path)) for u in stale]
+    rows = [(store.KIND_NAMES[u.kind], human_bytes(u.nbytes), f"{human_age(u.age)} old", str(u.path)) for u in stale]
     total = f"{plural(len(stale), 'stale folder')}, {human_bytes(sum(u.nbytes for u in stale))}"
     out.write(("would remove " if args.dry_run else "to remove: ") + total + "\n")
     table(rows, out, indent="  ", right=(1,))
@@ -173,14 +174,15 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser], invoked: 
     p = command(
         sub,
         "clean",
-        "remove stale staging and partial-copy folders (their writer is gone), with sizes and ages",
+        "remove stale staging, partial-copy and shuffle scratch folders (their writer is gone), with sizes and ages",
         "  saev-shards clean --dry-run          # what is stale, how big, how old\n"
         "  saev-shards clean                    # lists, then asks\n"
         "  saev-shards clean /local/ssd/saev/shards --yes\n",
         cmd_clean,
         description=(
-            "Remove .staging-<hash> folders (and their lock files) and .copying-<hash> folders whose writer is "
-            "gone: a live writer or copy holds an flock on its lock, and such folders are kept. Looks in the "
+            "Remove .staging-<hash> folders (and their lock files), .copying-<hash> folders and the "
+            ".shuffle-<hash> scratch folders of shuffles whose writer is gone: a live writer, copy or shuffle "
+            "holds an flock on its lock, and such folders are kept. Looks in the "
             "given roots, else in every shards root and the stage root. Lists what it would remove with sizes "
             "and ages and asks; --yes removes without asking, --dry-run only lists. Removing the staging folder "
             "of an interrupted dump means it starts over instead of resuming."

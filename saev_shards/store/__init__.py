@@ -20,6 +20,7 @@
 from __future__ import annotations
 
 from .caches import (
+    KIND_NAMES,
     CacheEntry,
     Unpublished,
     is_live,
@@ -68,6 +69,7 @@ from .staging import StageReport, copy_cache, stage
 __all__ = [
     "CHECKPOINT_FILES",
     "COPY_PREFIX",
+    "KIND_NAMES",
     "LINK_ALIASES",
     "LINK_NAMES",
     "MIN_PREFIX",

@@ -29,6 +29,8 @@ from ..metadata import Metadata, parse_metadata
 from ..protocol import is_cache_name
 from ..protocol.common import MAX_METADATA_BYTES, METADATA_FILE, ProtocolWarning
 from ..protocol.jsonfile import read_json_file
+from ..shuffle.plan import WORK_PREFIX as SHUFFLE_PREFIX
+from ..shuffle.runs import LOCK_FILE as SHUFFLE_LOCK_FILE
 from ..writer import LOCK_SUFFIX, OLD_LOCK_FILE, STAGING_PREFIX
 from .roots import COPY_PREFIX, PathLike, _cache_names, _scan
 from .sidecar import sidecar_path
@@ -92,14 +94,19 @@ def list_unpublished(root: PathLike) -> list[Path]:
     )
 
 
+#: What each kind of `Unpublished` folder is, in words.
+KIND_NAMES = {"staging": "staging", "copy": "partial copy", "shuffle": "shuffle scratch", "lock": "lock file"}
+
+
 @dataclasses.dataclass(frozen=True)
 class Unpublished:
     """A folder (or lock file) in a root that is not a cache: a writer's staging folder
-    (``.staging-<hash>``), a partial copy (``.copying-<hash>``), or a staging lock file whose
-    folder is gone (``.staging-<hash>.lock``)."""
+    (``.staging-<hash>``), a partial copy (``.copying-<hash>``), the scratch folder of a
+    shuffle (``.shuffle-<hash>``, its buckets and runs), or a staging lock file whose folder is
+    gone (``.staging-<hash>.lock``)."""
 
     path: Path
-    #: "staging", "copy" or "lock".
+    #: "staging", "copy", "shuffle" or "lock" (`KIND_NAMES` says each in words).
     kind: str
     #: Bytes of the regular files in it (the file itself for a lock).
     nbytes: int
@@ -121,7 +128,7 @@ class Unpublished:
 
 
 def unpublished(root: PathLike) -> list[Unpublished]:
-    """Every staging folder, partial copy and orphaned staging lock file in ``root``, with its
+    """Every staging folder, partial copy, shuffle scratch folder and orphaned staging lock file in ``root``, with its
     size, its age and whether a live process holds its lock (`is_live`)."""
     base = Path(root).absolute()
     out = []
@@ -136,6 +143,8 @@ def unpublished(root: PathLike) -> list[Unpublished]:
             kind = "staging"
         elif e.name.startswith(COPY_PREFIX) and e.is_dir(follow_symlinks=False):
             kind = "copy"
+        elif e.name.startswith(SHUFFLE_PREFIX) and e.is_dir(follow_symlinks=False):
+            kind = "shuffle"
         else:
             continue
         try:
@@ -163,10 +172,12 @@ def _size_and_mtime(path: Path) -> tuple[int, float]:
 
 
 def _lock_of(path: Path, kind: str) -> tuple[Path, bool]:
-    """What a live holder of ``path`` locks: the lock file beside a staging folder, or the
-    folder of a copy itself (``directory``)."""
+    """What a live holder of ``path`` locks: the lock file beside a staging folder, the lock
+    file inside a shuffle's scratch folder, or the folder of a copy itself (``directory``)."""
     if kind == "staging":
         return path.with_name(path.name + LOCK_SUFFIX), False
+    if kind == "shuffle":
+        return path / SHUFFLE_LOCK_FILE, False
     return path, kind == "copy"
 
 
@@ -196,7 +207,7 @@ def _held(lock: Path, *, directory: bool) -> bool:
 
 
 def remove_unpublished(item: Unpublished) -> bool:
-    """Delete a stale staging folder (and its lock file), partial copy or orphaned lock file,
+    """Delete a stale staging folder (and its lock file), partial copy, shuffle scratch folder or orphaned lock file,
     holding its lock while deleting, so no writer can start on it meanwhile. Returns False,
     deleting nothing, when a live process holds the lock."""
     lock, directory = _lock_of(item.path, item.kind)
@@ -210,7 +221,7 @@ def remove_unpublished(item: Unpublished) -> bool:
     try:
         if item.kind == "staging" and _held(item.path / OLD_LOCK_FILE, directory=False):  # an older writer's
             return False
-        if item.kind in ("staging", "copy") and item.path.is_dir():
+        if item.kind in ("staging", "copy", "shuffle") and item.path.is_dir():
             make_writable(item.path)  # a writer killed while publishing leaves it read-only
             shutil.rmtree(item.path)
         if item.kind in ("staging", "lock"):

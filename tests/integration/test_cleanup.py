@@ -113,7 +113,7 @@ def test_clean_removes_only_what_no_live_writer_holds(tmp_path: Path):
     assert code == 0 and list(root.iterdir()) == [] and (local / ".copying-dddd").is_dir()
     code, out, _ = run(env, "clean", "--yes")  # the shards and stage roots: the copy's holder is gone too
     assert code == 0 and f"removed {local / '.copying-dddd'}\n" in out and list(local.iterdir()) == []
-    assert run(env, "clean", "--yes")[1] == "nothing to clean: no stale staging or copy folders\n"
+    assert run(env, "clean", "--yes")[1] == "nothing to clean: no stale staging, copy or shuffle folders\n"
 
 
 def test_rm_and_clean_as_a_user_whom_modes_bind():
@@ -209,3 +209,36 @@ def test_writing_a_published_cache_again_says_how_to_read_or_remove_it(tmp_path:
         f"read it with ss.open(path) (or by a prefix of its hash in the shards root, ss.open('{md.hash[:8]}')), "
         f"or remove it with `saev-shards rm {md.hash[:12]}` to write it again" in str(caught.value)
     )
+
+
+def test_clean_removes_the_scratch_folder_of_a_shuffle_that_died_and_keeps_a_live_one(tmp_path: Path):
+    from saev_shards.shuffle import plan_shuffle, run_plan
+
+    env = environment(tmp_path)
+    root = tmp_path / "scratch" / "saev" / "shards"
+    md = small_metadata(n_examples=40, d_model=16)
+    write_cache(root, md)
+
+    def die_after_first_run(kind: str, index: int) -> None:
+        if kind == "run":
+            raise KeyboardInterrupt  # as Ctrl-C would: the scratch folder stays for a resume
+
+    plan = plan_shuffle(root / md.hash, seed=1, n_buckets=4, examples_per_chunk=7, memory_bytes=64 << 10)
+    with pytest.raises(KeyboardInterrupt):
+        run_plan(plan, durable=False, after_step=die_after_first_run)
+    assert plan.work.parent == root and plan.work.is_dir()
+    code, out, _ = run(env, "ls")
+    assert code == 0 and f"{plan.work.name}  shuffle scratch, " in out and "stale" in out, out
+    # While a shuffle holds its lock, the folder is live and kept.
+    held = os.open(plan.work / ".lock", os.O_RDWR)
+    try:
+        assert fileio.try_flock(held)
+        code, out, _ = run(env, "clean", "--yes")
+        assert code == 0 and f"keeping {plan.work}: a live process holds its lock" in out and plan.work.is_dir()
+    finally:
+        os.close(held)
+    code, out, _ = run(env, "clean", "--dry-run")
+    assert code == 0 and "would remove 1 stale folder" in out and "shuffle scratch" in out, out
+    code, out, _ = run(env, "clean", "--yes")
+    assert code == 0 and f"removed {plan.work}\n" in out and not plan.work.exists()
+    assert sorted(p.name for p in root.iterdir()) == [md.hash]
