@@ -15,7 +15,8 @@ from ..protocol.common import LABELS_FILE, METADATA_FILE, STATS_FILE, column_fil
 from ..protocol.jsonfile import strict_json_loads
 from .finalize import _read_commit, _unfinalize
 from .staging import _take_writer_lock, part_file, part_record, range_lock, staging_dir
-from .streams import _StreamSpec
+from .stats import _Stats
+from .streams import _Parts, _StreamSpec
 
 
 def _open_staging(
@@ -90,6 +91,19 @@ def _derived_files(specs: Mapping[str, _StreamSpec], stats: bool) -> dict[str, s
     if stats:
         out[STATS_FILE] = ""
     return out
+
+
+def _resume(parts: _Parts, shards: range, stop: int, specs: Mapping[str, _StreamSpec]) -> int:
+    """Take the sealed shards at the start of ``shards`` into ``parts`` (their part info and
+    statistics); returns the first example to write (``stop`` when every shard is sealed)."""
+    md = parts.md
+    sealed = _sealed_records(parts.staging, md, shards, specs, parts.stats is not None)
+    for k, record in zip(shards, sealed, strict=False):
+        parts.done[k] = {"acts": record["acts"], **record["streams"]}
+        if parts.stats is not None:
+            parts.stats.shards[k] = _Stats.from_json(record["stats"], md.n_layers, md.d_model)
+    resumed = shards.start + len(sealed)
+    return stop if resumed == shards.stop else resumed * md.examples_per_shard
 
 
 def _sealed_records(

@@ -27,9 +27,9 @@ from ..protocol.common import (
 from ..protocol.saev_code import SAEV_ROOT_PARTS
 from .direct import _release_buffers
 from .finalize import finalize
-from .resume import _derived_files, _open_staging, _sealed_records
+from .resume import _derived_files, _open_staging, _resume
 from .staging import staging_dir
-from .stats import _Stats, _StatsPass
+from .stats import _StatsPass
 from .streams import _Parts, _Pipeline, _StreamSpec
 
 
@@ -131,13 +131,7 @@ class ShardWriter:
         if committed:  # finalized but not renamed: nothing left to write
             self.next_example = self.stop
         elif resume:
-            sealed = _sealed_records(self.staging, md, self.shards, self._specs, stats)
-            for k, record in zip(self.shards, sealed, strict=False):
-                self._parts.done[k] = {"acts": record["acts"], **record["streams"]}
-                if self._stats is not None:
-                    self._stats.shards[k] = _Stats.from_json(record["stats"], md.n_layers, md.d_model)
-            resumed = self.shards.start + len(sealed)
-            self.next_example = self.stop if resumed == self.shards.stop else resumed * eps
+            self.next_example = _resume(self._parts, self.shards, self.stop, self._specs)
         for key in self._specs:
             self._next[key] = self.next_example
         self._pipeline = _Pipeline(background)
@@ -235,10 +229,7 @@ class ShardWriter:
                 raise WriterError(f"column {name!r}: expected an array with a batch axis, found a scalar")
             spec = self._specs.get(key) or self._declare(key, arr.dtype, arr.shape[1:])
             assert spec.dtype is not None
-            if arr.dtype != spec.dtype and np.can_cast(arr.dtype, spec.dtype, "same_kind"):
-                cast = arr.astype(spec.dtype)
-                if np.array_equal(cast.astype(arr.dtype), arr, equal_nan=arr.dtype.kind == "f"):
-                    arr = cast
+            arr = _exact_cast(arr, spec.dtype)
             if name == "lengths":
                 self._check_lengths(arr)
             self._append_array(spec, arr)
@@ -308,7 +299,7 @@ class ShardWriter:
                 )
                 raise WriterError(f"closing with missing examples ({parts}); nothing was published")
         except BaseException:
-            self._abort()
+            self.abort()
             raise
         self._closed = True
         _release_buffers()
@@ -325,9 +316,6 @@ class ShardWriter:
 
     def abort(self) -> None:
         """Stop writing and publish nothing. Sealed shards stay in staging for ``resume``."""
-        self._abort()
-
-    def _abort(self) -> None:
         self._closed = True
         try:
             pipeline = getattr(self, "_pipeline", None)
@@ -358,12 +346,12 @@ class ShardWriter:
         if exc_type is None:
             self.close()
         else:
-            self._abort()
+            self.abort()
 
     def __del__(self) -> None:
         if not getattr(self, "_closed", True):
             with contextlib.suppress(BaseException):
-                self._abort()
+                self.abort()
 
     def __repr__(self) -> str:
         return (
@@ -447,3 +435,12 @@ def _json_lines(name: str, values: Sequence[Any]) -> list[bytes]:
         except TypeError as err:
             raise WriterError(f"text {name!r}: value {v!r} is not JSON-serialisable ({err})") from err
     return lines
+
+
+def _exact_cast(arr: npt.NDArray[Any], dtype: np.dtype[Any]) -> npt.NDArray[Any]:
+    """``arr`` as ``dtype`` where the cast keeps every value (int64 lengths into int32), else as is."""
+    if arr.dtype != dtype and np.can_cast(arr.dtype, dtype, "same_kind"):
+        cast = arr.astype(dtype)
+        if np.array_equal(cast.astype(arr.dtype), arr, equal_nan=arr.dtype.kind == "f"):
+            return cast
+    return arr
