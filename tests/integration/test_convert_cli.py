@@ -140,7 +140,8 @@ _KILLER = textwrap.dedent(
     import os, signal, sys
     import saev_shards.convert.base as base
     import saev_shards.cli.convert as cli_convert
-    import saev_shards.writer as writer
+    import importlib
+    writer = importlib.import_module("saev_shards.writer.finalize")  # the module, not the function
     from saev_shards.cli import main
 
     base.CHUNK_BYTES = int(os.environ["TEST_CHUNK_BYTES"])  # many small chunks

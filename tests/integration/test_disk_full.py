@@ -19,7 +19,7 @@ import pytest
 import saev_shards as ss
 from saev_shards import dump as dump_mod
 from saev_shards import fileio, store
-from saev_shards import writer as writer_module
+from saev_shards.writer import direct as direct_module
 from saev_shards.writer import lock_path, staging_dir
 
 from ..support.caches import small_metadata, tree_bytes
@@ -73,7 +73,7 @@ def test_shards_fill_the_disk(
     """ext4 in a loop image goes through O_DIRECT (its block shrunk to 64 KiB so 1 MB shards
     use it), tmpfs through the page cache: both name the shard and keep the sealed ones."""
     if kind == "ext4":
-        monkeypatch.setattr(writer_module, "DIRECT_BLOCK", 64 << 10)
+        monkeypatch.setattr(direct_module, "DIRECT_BLOCK", 64 << 10)
     with small_filesystem(tmp_path / "fs", 8 if kind == "tmpfs" else 16, kind) as fs:
         root = fs / "shards"
         filler = fill(fs, leave=3 * MIB)

@@ -23,8 +23,8 @@ from hypothesis import strategies as st
 
 import saev_shards as ss
 from saev_shards import fileio
-from saev_shards import writer as writer_module
 from saev_shards.dtypes import float32_to_bf16
+from saev_shards.writer import direct as direct_module
 from saev_shards.writer import lock_path, staging_dir
 
 from ..support.caches import float_input, labels_for, logical_tensor, small_metadata, tree_bytes, write_cache
@@ -405,7 +405,7 @@ def test_sequential_file_writes_exact_bytes(monkeypatch_block: None, chunks: lis
         path = Path(tmp) / "f.bin"
         rng = np.random.default_rng(len(chunks))
         data = [rng.integers(0, 256, n, dtype=np.uint8).tobytes() for n in chunks]
-        f = writer_module._SequentialFile(path, direct=direct)
+        f = direct_module._SequentialFile(path, direct=direct)
         for d in data:
             f.write(memoryview(d))
         f.close(durable=False)
@@ -414,16 +414,16 @@ def test_sequential_file_writes_exact_bytes(monkeypatch_block: None, chunks: lis
 
 @pytest.fixture
 def monkeypatch_block() -> Iterator[None]:
-    saved = writer_module.DIRECT_BLOCK
-    writer_module.DIRECT_BLOCK = 8192  # two alignment units, so every path is hit with small data
+    saved = direct_module.DIRECT_BLOCK
+    direct_module.DIRECT_BLOCK = 8192  # two alignment units, so every path is hit with small data
     yield
-    writer_module.DIRECT_BLOCK = saved
+    direct_module.DIRECT_BLOCK = saved
 
 
 def test_large_shards_go_through_o_direct(root: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """A 20 MB shard (one 16 MiB block, an aligned rest, an unaligned tail) and a 10 MB one."""
     md = small_metadata(d_model=1000, n_examples=1500, patches_per_shard=10_000)
-    assert md.shard_nbytes(0) == 20_000_000 > writer_module.DIRECT_BLOCK
+    assert md.shard_nbytes(0) == 20_000_000 > direct_module.DIRECT_BLOCK
     opened_direct = []
     real_open = os.open
 

@@ -1,0 +1,66 @@
+"""Writing a cache: `ShardWriter` stages it and publishes it atomically (protocol.md section 6).
+
+* Everything goes to ``<root>/.staging-<HASH>/``; nothing appears at ``<root>/<HASH>``
+  until every file is complete and fsynced, then one ``rename`` publishes it.
+* Data arrives as *streams*: activations, and optionally labels, per-example numeric
+  columns and per-example text. Each stream is cut at shard boundaries into per-shard
+  part files. When every stream has covered a shard, a small part record
+  (``part<06d>.json``) seals it, with sizes and xxh3_128 digests computed while writing.
+* Sealed shards survive a crash: a writer opened with ``resume=True`` starts after the
+  last sealed shard. Several writers (``rank``/``world_size``) each write a disjoint,
+  contiguous block of shards into the same staging directory; `finalize` checks every
+  part record, joins the per-shard parts into the final files and publishes.
+* A lock file beside the staging directory, ``<root>/.staging-<HASH>.lock``, stays valid
+  until the rename is done: a single writer or `finalize` holds it exclusively, each of
+  several writers shares it. Every state a kill can leave resumes (protocol.md section 6).
+* The output is a pure function of the data: the same input gives byte-identical
+  files, however it was batched and however many writers produced it.
+
+The modules, in the order data meets them:
+
+* `shard_writer`: `ShardWriter`, the caller-thread API (checks, casts, reserves examples).
+* `resume`: where a writer starts (lock, earlier runs cleared or kept, sealed shards).
+* `streams`: the I/O thread: one loop cuts every stream into part files and seals shards.
+* `stats`: per-shard statistics, summed in a thread of their own.
+* `direct`: the O_DIRECT sequential file and its buffer pool (bytes to disk, nothing more).
+* `finalize`: check the part records, join the parts, write the manifest, publish.
+* `staging`: names in and around the staging directory, and its lock.
+
+Note: ``saev_shards.writer.finalize`` is the function; the module is reached with
+``importlib.import_module("saev_shards.writer.finalize")`` (or ``from saev_shards.writer.finalize import ...``).
+"""
+
+from .direct import DIRECT_ALIGN, DIRECT_BLOCK, DIRECT_IN_FLIGHT
+from .finalize import finalize
+from .shard_writer import ShardWriter, rank_shards, world_from_env
+from .staging import (
+    LOCK_SUFFIX,
+    OLD_LOCK_FILE,
+    STAGING_PREFIX,
+    lock_path,
+    part_file,
+    part_record,
+    range_lock,
+    staging_dir,
+)
+from .stats import STATS_CHUNK, _Stats
+
+__all__ = [
+    "DIRECT_ALIGN",
+    "DIRECT_BLOCK",
+    "DIRECT_IN_FLIGHT",
+    "LOCK_SUFFIX",
+    "OLD_LOCK_FILE",
+    "STAGING_PREFIX",
+    "STATS_CHUNK",
+    "ShardWriter",
+    "_Stats",
+    "finalize",
+    "lock_path",
+    "part_file",
+    "part_record",
+    "range_lock",
+    "rank_shards",
+    "staging_dir",
+    "world_from_env",
+]
