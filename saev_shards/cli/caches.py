@@ -10,7 +10,6 @@ from typing import Any
 import orjson
 
 from .. import store
-from ..reader import open as open_cache
 from ._common import (
     EXIT_NOT_FOUND,
     EXIT_OK,
@@ -31,7 +30,7 @@ from ._common import (
 
 
 def cmd_info(args: argparse.Namespace) -> int:
-    shards = open_cache(store.resolve(args.ref, roots_arg(args)))
+    shards = store.open_cache(args.ref, roots=roots_arg(args))
     info = store.summary(shards)
     out = sys.stdout
     if args.json:
@@ -198,7 +197,7 @@ def _entry_json(e: store.CacheEntry) -> dict[str, Any]:
 
 
 def cmd_verify(args: argparse.Namespace) -> int:
-    shards = open_cache(store.resolve(args.ref, roots_arg(args)))
+    shards = store.open_cache(args.ref, roots=roots_arg(args))
     files = shards.manifest.files()
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
@@ -215,7 +214,7 @@ def cmd_verify(args: argparse.Namespace) -> int:
 
 
 def cmd_stats(args: argparse.Namespace) -> int:
-    shards = open_cache(store.resolve(args.ref, roots_arg(args)))
+    shards = store.open_cache(args.ref, roots=roots_arg(args))
     err = sys.stderr
     name = shards.path.name[:12]
     if shards.manifest.stats is not None:

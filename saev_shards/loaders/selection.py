@@ -15,7 +15,7 @@ import numpy.typing as npt
 from .._layers import string_layers_problem
 from ..errors import LoaderError
 from ..reader import Shards
-from ..reader import open as open_shards
+from ..store import open_cache
 
 #: Label reported for a [CLS] token: labels.bin has no CLS column, and 255 is the one
 #: value a uint8 label can take that no patch label set we know uses.
@@ -29,10 +29,10 @@ _COUNT_CHUNK = 1 << 16
 
 
 def as_shards(shards: Shards | str | os.PathLike[str]) -> Shards:
-    """An open `Shards` from a `Shards` or a cache path."""
+    """An open `Shards` from a `Shards`, a cache path, or a hash or hash prefix (`saev_shards.open`)."""
     if isinstance(shards, Shards):
         return shards
-    return open_shards(shards)
+    return open_cache(shards)
 
 
 def parse_layers(shards: Shards, layers: int | Sequence[int] | None) -> tuple[int, ...]:

@@ -30,7 +30,7 @@ from ..protocol import is_cache_name
 from ..protocol.common import MAX_METADATA_BYTES, METADATA_FILE, ProtocolWarning
 from ..protocol.jsonfile import read_json_file
 from ..writer import LOCK_SUFFIX, OLD_LOCK_FILE, STAGING_PREFIX
-from .roots import COPY_PREFIX, PathLike, _cache_names, _scan
+from .roots import COPY_PREFIX, PathLike, Roots, _cache_names, _scan, resolve
 from .sidecar import sidecar_path
 
 # --------------------------------------------------------------------------------------
@@ -248,6 +248,20 @@ def remove(path: PathLike) -> None:
         raise UnknownCacheError(f"no cache at {p}: no such directory")
     make_writable(p)
     shutil.rmtree(p)
+
+
+def open_cache(ref: PathLike, *, check_hash: bool = True, roots: Roots = None) -> reader.Shards:
+    """Open the cache ``ref`` names: a path, or a full hash or unique hash prefix (at least 4
+    hex digits) of a cache in the shards roots (``roots``, else ``$SAEV_SHARDS_ROOT``, else
+    ``$SAEV_SCRATCH/saev/shards``; see `resolve`). An existing path always wins.
+
+    This is `saev_shards.open`: the reference is resolved here, then `reader.open` (which
+    takes paths only) checks and opens the directory; see it for what is checked.
+    """
+    path = Path(ref).absolute()
+    if not path.exists():  # a hash, a prefix, or a mistake: `resolve` says which
+        path = resolve(ref, roots)
+    return reader.open(path, check_hash=check_hash)
 
 
 def open_quietly(path: Path, check_hash: bool = True) -> reader.Shards:
