@@ -298,6 +298,10 @@ def summary(shards: reader.Shards) -> dict[str, Any]:
         "hash": md.hash,
         "path": str(shards.path),
         "protocol": md.protocol,
+        # How metadata.json is spelled: the protocol's own ("3.0") or one of saev's (protocol 2.1).
+        "dialect": md.dialect,
+        "dialect_summary": md.format.summary,
+        "pixel_agg": md.pixel_agg,
         "family": md.family,
         "ckpt": md.ckpt,
         "dataset": md.dataset,
