@@ -14,6 +14,7 @@ import numpy.typing as npt
 
 from .._layers import string_layers_problem
 from ..errors import LoaderError
+from ..protocol.jsonfile import is_int
 from ..reader import Shards
 from ..store import open_cache
 
@@ -48,7 +49,7 @@ def parse_layers(shards: Shards, layers: int | Sequence[int] | None) -> tuple[in
         raise LoaderError(f"layers: expected at least one layer of {list(recorded)}, found none")
     values = []
     for layer in chosen:
-        if isinstance(layer, bool) or not isinstance(layer, (int, np.integer)) or int(layer) not in recorded:
+        if not is_int(layer, numpy_ok=True) or int(layer) not in recorded:
             raise LoaderError(f"layers: expected recorded layer values {list(recorded)}, found {layer!r}")
         values.append(int(layer))
     if len(set(values)) != len(values):

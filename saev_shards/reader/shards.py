@@ -32,7 +32,7 @@ from ..manifest import Manifest
 from ..metadata import Metadata, parse_metadata
 from ..progress import Progress
 from ..protocol.common import CHECKSUMS_FILE, MAX_METADATA_BYTES, METADATA_FILE, STATS_FILE
-from ..protocol.jsonfile import load_json, short_repr
+from ..protocol.jsonfile import is_int, load_json, short_repr
 from ..units import human_bytes
 from .reads import ReadPaths
 from .sidecars import Sidecars
@@ -110,7 +110,7 @@ class Shards(ReadPaths, Sidecars):
         except (KeyError, TypeError):
             layers = list(self.metadata.layers)
             hint = ""
-            integer = isinstance(layer, (int, np.integer)) and not isinstance(layer, bool)
+            integer = is_int(layer, numpy_ok=True)
             if integer and -len(layers) <= layer < len(layers):
                 hint = f" ({layer} is a layer position: shards[:, {layer}] takes positions)"
             raise NameNotFoundError(
