@@ -56,8 +56,9 @@ from .errors import (
 from .format import LEGACY_PROTOCOL, PROTOCOL, SUPPORTED_PROTOCOLS, ProtocolWarning, content_hash
 from .manifest import Manifest
 from .metadata import Metadata
-from .reader import Shards, TextColumn, open
+from .reader import Shards, TextColumn
 from .shuffle import shuffle_cache
+from .store import open_cache as open
 from .writer import ShardWriter, finalize
 
 __version__ = "0.1.0"

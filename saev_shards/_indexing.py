@@ -14,6 +14,8 @@ from typing import Any, Protocol
 import numpy as np
 import numpy.typing as npt
 
+from .protocol.jsonfile import is_int
+
 NDIM = 4
 
 
@@ -38,8 +40,20 @@ def _is_array(c: object) -> bool:
     return isinstance(c, (list, tuple, np.ndarray)) or (hasattr(c, "__array__") and not np.isscalar(c))
 
 
-def _is_int(c: object) -> bool:
-    return isinstance(c, (int, np.integer)) and not isinstance(c, (bool, np.bool_))
+#: The range wording of the cache's example axis (``wrap_index(..., CACHE_RANGE)``).
+CACHE_RANGE = "for a cache of {n} examples"
+
+
+def wrap_index(index: int, n: int, noun: str, within: str = "[0, {n})") -> int:
+    """``index`` into a sequence of ``n`` items as ``0..n-1``, negative counting from the end
+    like Python's; `IndexError` ``"<noun> <index> out of range <within>"`` otherwise
+    (``within`` formatted with ``n``). The one place the reader, the text fields and the
+    map-style datasets wrap an index."""
+    if 0 <= index < n:
+        return index
+    if -n <= index < 0:
+        return index + n
+    raise IndexError(f"{noun} {index} out of range {within.format(n=n)}")
 
 
 def _normalize(key: Any, shape: tuple[int, ...]) -> tuple[Any, ...]:
@@ -105,7 +119,7 @@ def getitem(shards: ShardedArray, key: Any) -> npt.NDArray[Any]:
     first, rest = key[0], _expand_bools(key[1:])
     n = shards.n_examples
     rest_has_array = any(isinstance(c, np.ndarray) for c in rest)
-    if _is_int(first) and not rest_has_array:
+    if is_int(first, numpy_ok=True) and not rest_has_array:
         i = int(first)
         if not -n <= i < n:
             raise IndexError(f"index {i} is out of bounds for axis 0 with size {n}")
@@ -113,7 +127,7 @@ def getitem(shards: ShardedArray, key: Any) -> npt.NDArray[Any]:
         return np.asarray(shards.shard(k)[(local, *rest)])
     if isinstance(first, slice):
         return _slice_first(shards, first, rest)
-    if isinstance(first, np.ndarray) or _is_int(first):
+    if isinstance(first, np.ndarray) or is_int(first, numpy_ok=True):
         return _array_first(shards, np.asarray(first), rest)
     raise IndexError("only integers, slices (`:`), ellipsis (`...`) and integer or boolean arrays are valid indices")
 

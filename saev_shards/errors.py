@@ -30,7 +30,8 @@ class ProtocolVersionError(MetadataError):
 
 
 class DtypeError(MetadataError):
-    """Raised when a dtype is not one the protocol allows."""
+    """Raised when a dtype is not one the protocol allows (`Metadata` and `parse_metadata`,
+    when the dtype is the only field that is wrong; several problems raise `MetadataError`)."""
 
 
 class JSONFileError(ShardsError):

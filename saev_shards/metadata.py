@@ -9,7 +9,7 @@ from typing import Any
 import numpy as np
 
 from . import layout
-from .errors import MetadataError, NameNotFoundError
+from .errors import DtypeError, MetadataError, NameNotFoundError
 from .protocol import DEFAULT_DIALECTS, DIALECTS, SUPPORTED_PROTOCOLS, Dialect, detect
 from .protocol.common import DEFAULT_DTYPE, DTYPES, PROTOCOL
 from .protocol.jsonfile import is_int, json_value_problem, short_repr, type_name
@@ -70,7 +70,7 @@ class Metadata:
                 object.__setattr__(self, "pixel_agg", SAEV_DEFAULT_PIXEL_AGG)
         problems = validate(self.fields())
         if problems:
-            raise MetadataError("invalid metadata: " + "; ".join(problems))
+            raise _metadata_error(problems, "invalid metadata: ")
         # A private deep copy, so later changes to the caller's dict cannot change the hash.
         object.__setattr__(self, "data", copy.deepcopy(self.data))
 
@@ -290,6 +290,13 @@ def parse_metadata(obj: object, dirname: str | None = None) -> Metadata:
     absent = frozenset(FIELDS) - set(given) - {"pixel_agg"}
     problems += validate(fields, absent)
     if problems:
-        raise MetadataError("; ".join(problems))
+        raise _metadata_error(problems)
     fields["layers"] = tuple(fields["layers"])
     return Metadata(**fields)
+
+
+def _metadata_error(problems: list[str], prefix: str = "") -> MetadataError:
+    """The error for ``problems`` (messages naming the field): `DtypeError` (a `MetadataError`)
+    when the dtype is all that is wrong, so a caller can tell a refused dtype from the rest."""
+    cls = DtypeError if all(p.startswith("dtype:") for p in problems) else MetadataError
+    return cls(prefix + "; ".join(problems))

@@ -10,7 +10,6 @@ from typing import Any
 import orjson
 
 from .. import store
-from ..reader import open as open_cache
 from ._common import (
     EXIT_NOT_FOUND,
     EXIT_OK,
@@ -31,7 +30,7 @@ from ._common import (
 
 
 def cmd_info(args: argparse.Namespace) -> int:
-    shards = open_cache(store.resolve(args.ref, roots_arg(args)))
+    shards = store.open_cache(args.ref, roots=roots_arg(args))
     info = store.summary(shards)
     out = sys.stdout
     if args.json:
@@ -42,19 +41,19 @@ def cmd_info(args: argparse.Namespace) -> int:
     shard_list = shards.manifest.shards
     partial_last = shard_list and shard_list[-1].n_examples != info["examples_per_shard"]
     last = f" (last: {shard_list[-1].n_examples})" if partial_last else ""
-    cls = "CLS + " if info["cls_token"] else ""
     data = orjson.dumps(info["data"]).decode()
     rows = [
         ("cache", info["hash"]),
         ("path", info["path"]),
-        ("protocol", info["protocol"]),
+        ("protocol", _protocol_row(info)),
+        *([("pixel_agg", info["pixel_agg"])] if info["pixel_agg"] is not None else []),
         ("model", f"{info['family']} {info['ckpt']}"),
         ("dataset", info["dataset"] or "-"),
         ("data", data if len(data) <= 100 else data[:97] + "..."),
         ("shape", f"({n}, {layers}, {tokens}, {d})  examples x layers x tokens x d_model"),
         ("dtype", f"{info['dtype']} ({itemsize} bytes per value)"),
         ("layers", str(info["layers"])),
-        ("tokens", f"{tokens} per example ({cls}{info['patches_per_ex']})"),
+        ("tokens", _tokens_row(info)),
         ("shards", f"{info['n_shards']} x {info['examples_per_shard']} examples{last}"),
         (
             "bytes",
@@ -83,6 +82,20 @@ def cmd_info(args: argparse.Namespace) -> int:
         ]
         table(per_layer, out, indent="  ", right=range(1, 6))
     return EXIT_OK
+
+
+def _protocol_row(info: dict[str, Any]) -> str:
+    """``3.0`` for the protocol's own spelling; the dialect too where it is one of saev's."""
+    if info["dialect"] == info["protocol"]:
+        return str(info["protocol"])
+    return f"{info['protocol']}, dialect {info['dialect']} ({info['dialect_summary']})"
+
+
+def _tokens_row(info: dict[str, Any]) -> str:
+    tokens, patches = info["tokens_per_ex"], info["patches_per_ex"]
+    if info["cls_token"]:
+        return f"{tokens} per example (CLS + {patches})"
+    return f"{tokens} per example ({patches} patches, no CLS token)"
 
 
 def _stats_row(info: dict[str, Any]) -> str:
@@ -198,7 +211,7 @@ def _entry_json(e: store.CacheEntry) -> dict[str, Any]:
 
 
 def cmd_verify(args: argparse.Namespace) -> int:
-    shards = open_cache(store.resolve(args.ref, roots_arg(args)))
+    shards = store.open_cache(args.ref, roots=roots_arg(args))
     files = shards.manifest.files()
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
@@ -215,7 +228,7 @@ def cmd_verify(args: argparse.Namespace) -> int:
 
 
 def cmd_stats(args: argparse.Namespace) -> int:
-    shards = open_cache(store.resolve(args.ref, roots_arg(args)))
+    shards = store.open_cache(args.ref, roots=roots_arg(args))
     err = sys.stderr
     name = shards.path.name[:12]
     if shards.manifest.stats is not None:

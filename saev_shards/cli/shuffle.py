@@ -10,7 +10,6 @@ import time
 from .. import store
 from ..errors import DiskFullError, ShuffleError
 from ..format import DTYPES
-from ..reader import open as open_cache
 from ..shuffle import DEFAULT_MEMORY, plan_shuffle, run_plan
 from ..shuffle.source import TOKEN_CHOICES
 from ._common import (
@@ -48,7 +47,7 @@ def parse_layers(text: str) -> list[int]:
 
 
 def cmd_shuffle(args: argparse.Namespace) -> int:
-    source = open_cache(store.resolve(args.ref, roots_arg(args)))
+    source = store.open_cache(args.ref, roots=roots_arg(args))
     layers = [v for group in args.layers for v in group] if args.layers else None
     try:
         plan = plan_shuffle(

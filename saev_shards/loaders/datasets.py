@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import numpy.typing as npt
 
+from .._indexing import wrap_index
 from ..errors import LoaderError
 from ..reader import Shards
 from .selection import CLS_LABEL, TokenSelection, as_shards, parse_layers, parse_out_dtype
@@ -74,11 +75,7 @@ class TokenDataset(_MapDataset):
 
     def locate(self, index: int) -> tuple[int, int]:
         """``(example, token)`` of item ``index``."""
-        i = int(index)
-        if i < 0:
-            i += self._len
-        if not 0 <= i < self._len:
-            raise IndexError(f"index {index} out of range for a dataset of {self._len} tokens")
+        i = wrap_index(int(index), self._len, "index", "for a dataset of {n} tokens")
         sel = self.selection
         if not sel.varies:
             per_example = len(sel.base_tokens)
@@ -135,12 +132,7 @@ class ExampleDataset(_MapDataset):
         return self.shards.n_examples * len(self.layers)
 
     def __getitem__(self, index: int) -> dict[str, Any]:
-        n = len(self)
-        i = int(index)
-        if i < 0:
-            i += n
-        if not 0 <= i < n:
-            raise IndexError(f"index {index} out of range for a dataset of {n} (example, layer) slices")
+        i = wrap_index(int(index), len(self), "index", "for a dataset of {n} (example, layer) slices")
         example, which = divmod(i, len(self.layers))
         raw = self.shards.read_example(example, self.layer_positions[which])
         item: dict[str, Any] = {
@@ -201,12 +193,7 @@ class LayerPairDataset(_MapDataset):
     def __getitem__(self, index: int) -> dict[str, Any]:
         import torch
 
-        n = len(self)
-        example = int(index)
-        if example < 0:
-            example += n
-        if not 0 <= example < n:
-            raise IndexError(f"index {index} out of range for a dataset of {n} examples")
+        example = wrap_index(int(index), len(self), "index", "for a dataset of {n} examples")
         which = self.pair(example)
         md = self.shards.metadata
         raw = np.empty((2, md.tokens_per_ex, md.d_model), dtype=self.shards.numpy_dtype)

@@ -14,8 +14,9 @@ import numpy.typing as npt
 
 from .._layers import string_layers_problem
 from ..errors import LoaderError
+from ..protocol.jsonfile import is_int
 from ..reader import Shards
-from ..reader import open as open_shards
+from ..store import open_cache
 
 #: Label reported for a [CLS] token: labels.bin has no CLS column, and 255 is the one
 #: value a uint8 label can take that no patch label set we know uses.
@@ -29,10 +30,10 @@ _COUNT_CHUNK = 1 << 16
 
 
 def as_shards(shards: Shards | str | os.PathLike[str]) -> Shards:
-    """An open `Shards` from a `Shards` or a cache path."""
+    """An open `Shards` from a `Shards`, a cache path, or a hash or hash prefix (`saev_shards.open`)."""
     if isinstance(shards, Shards):
         return shards
-    return open_shards(shards)
+    return open_cache(shards)
 
 
 def parse_layers(shards: Shards, layers: int | Sequence[int] | None) -> tuple[int, ...]:
@@ -48,7 +49,7 @@ def parse_layers(shards: Shards, layers: int | Sequence[int] | None) -> tuple[in
         raise LoaderError(f"layers: expected at least one layer of {list(recorded)}, found none")
     values = []
     for layer in chosen:
-        if isinstance(layer, bool) or not isinstance(layer, (int, np.integer)) or int(layer) not in recorded:
+        if not is_int(layer, numpy_ok=True) or int(layer) not in recorded:
             raise LoaderError(f"layers: expected recorded layer values {list(recorded)}, found {layer!r}")
         values.append(int(layer))
     if len(set(values)) != len(values):

@@ -23,6 +23,7 @@ import numpy.typing as npt
 
 from .. import world
 from ..errors import LoaderError
+from ..protocol.jsonfile import is_int
 from ..reader import Shards
 from .batch import Batch
 from .device import DeviceRun, Slots
@@ -106,7 +107,7 @@ class TokenLoader:
         import torch
 
         self.shards = as_shards(shards)
-        if isinstance(batch_size, bool) or not isinstance(batch_size, (int, np.integer)) or batch_size < 1:
+        if not is_int(batch_size, numpy_ok=True) or batch_size < 1:
             raise LoaderError(f"batch_size: expected an integer >= 1, found {batch_size!r}")
         if int(seed) < 0:
             raise LoaderError(f"seed: expected an integer >= 0, found {seed}")

@@ -273,6 +273,9 @@ def type_name(value: object) -> str:
     return type(value).__name__
 
 
-def is_int(value: object) -> bool:
-    """True for JSON integers (Python ints that are not bools)."""
+def is_int(value: object, *, numpy_ok: bool = False) -> bool:
+    """True for JSON integers (Python ints that are not bools); with ``numpy_ok``, numpy
+    integer scalars too (an index into a cache may be one; a JSON value never is)."""
+    if numpy_ok and isinstance(value, np.integer):
+        return True
     return isinstance(value, int) and not isinstance(value, bool)

@@ -40,7 +40,8 @@ from ..fileio import check_free_space, remove_path, try_flock, write_file_atomic
 from ..format import strict_json_loads
 from ..progress import Progress
 from ..reader import Shards
-from ..reader import open as open_cache
+from ..reader import open as open_path
+from ..store import open_cache
 from ..writer import ShardWriter, finalize, staging_dir
 from .append import write_buckets
 from .order import bucket_of, shuffle_order, sort_keys
@@ -172,7 +173,7 @@ def run_plan(
     if plan.path.exists():
         if plan.work.is_dir():
             _remove_work(plan)  # killed after publishing, before cleaning up
-        return open_cache(plan.path)
+        return open_path(plan.path)
     plan.work.mkdir(parents=True, exist_ok=True)
     lock_fd = os.open(plan.work / LOCK_FILE, os.O_RDWR | os.O_CREAT, 0o644)
     try:
@@ -187,7 +188,7 @@ def run_plan(
         _remove_work(plan)
     finally:
         os.close(lock_fd)
-    return open_cache(plan.path)
+    return open_path(plan.path)
 
 
 def _no_step(kind: str, index: int) -> None:

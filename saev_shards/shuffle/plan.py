@@ -18,6 +18,7 @@ import numpy as np
 from ..errors import ShuffleError
 from ..format import DTYPES, LABELS_DTYPE, PROTOCOL
 from ..metadata import Metadata
+from ..protocol.jsonfile import is_int
 from ..reader import Shards
 from ..writer import DIRECT_BLOCK, DIRECT_IN_FLIGHT
 from .order import MAX_BUCKETS
@@ -206,11 +207,11 @@ def make_plan(
     ``n_buckets`` and ``examples_per_chunk`` override the sizing (tests use them to force many
     buckets on small caches); the output does not depend on them.
     """
-    if isinstance(seed, bool) or not isinstance(seed, (int, np.integer)) or not 0 <= int(seed) < 2**63:
+    if not is_int(seed, numpy_ok=True) or not 0 <= int(seed) < 2**63:
         raise ShuffleError(f"seed: expected an integer in [0, 2**63), found {seed!r}")
-    if isinstance(workers, bool) or not isinstance(workers, (int, np.integer)) or workers < 1:
+    if not is_int(workers, numpy_ok=True) or workers < 1:
         raise ShuffleError(f"workers: expected an integer >= 1, found {workers!r}")
-    if isinstance(memory_bytes, bool) or not isinstance(memory_bytes, (int, np.integer)) or memory_bytes < 1:
+    if not is_int(memory_bytes, numpy_ok=True) or memory_bytes < 1:
         raise ShuffleError(f"memory: expected a number of bytes >= 1, found {memory_bytes!r}")
     dtype = source.dtype if dtype is None else str(dtype)
     if dtype not in DTYPES:
@@ -219,7 +220,7 @@ def make_plan(
     md = source.metadata
     if patches_per_shard is None:
         patches_per_shard = md.patches_per_shard
-    if isinstance(patches_per_shard, bool) or not isinstance(patches_per_shard, (int, np.integer)):
+    if not is_int(patches_per_shard, numpy_ok=True):
         raise ShuffleError(f"patches_per_shard: expected an integer, found {patches_per_shard!r}")
     patches_per_shard = int(patches_per_shard)
     for name, value in (("n_buckets", n_buckets), ("examples_per_chunk", examples_per_chunk)):

@@ -18,6 +18,7 @@ import numpy.typing as npt
 
 from ..errors import ShuffleError
 from ..fileio import pread_exact
+from ..protocol.jsonfile import is_int
 from ..reader import Shards
 
 #: Token choices: the patches (content tokens), the [CLS] token, or both.
@@ -64,7 +65,7 @@ def parse_selection(shards: Shards, layers: object, tokens: object) -> Selection
     recorded = md.layers
     if layers is None:
         chosen: tuple[object, ...] = tuple(recorded)
-    elif isinstance(layers, (int, np.integer)) and not isinstance(layers, bool):
+    elif is_int(layers, numpy_ok=True):
         chosen = (layers,)
     elif isinstance(layers, (list, tuple)):
         chosen = tuple(layers)
@@ -74,6 +75,7 @@ def parse_selection(shards: Shards, layers: object, tokens: object) -> Selection
         raise ShuffleError(f"layers: expected at least one of the recorded layers {list(recorded)}, found none")
     values = []
     for layer in chosen:
+        # (spelled out, not `is_int`: mypy narrows `layer` to an integer only from isinstance)
         if isinstance(layer, bool) or not isinstance(layer, (int, np.integer)) or int(layer) not in recorded:
             raise ShuffleError(f"layers: expected values among the recorded layers {list(recorded)}, found {layer!r}")
         values.append(int(layer))

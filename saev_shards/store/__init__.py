@@ -1,7 +1,7 @@
 """The shard store: where caches and runs live, how a hash names a cache, local copies, runs.
 
 * `roots`: the shards, runs and stage roots, and `resolve` (a path, a full hash or a
-  unique prefix -> one cache);
+  unique prefix -> one cache); `open_cache` (`saev_shards.open`) resolves, then opens;
 * `caches`: what a root holds: `list_caches`, `unpublished` (staging and copying folders
   with size, age and whether their writer is alive), `remove`, `remove_unpublished`, `summary`;
 * `sidecar`: statistics computed for an existing cache, kept in ``<root>/.stats/`` and
@@ -26,6 +26,7 @@ from .caches import (
     is_live,
     list_caches,
     list_unpublished,
+    open_cache,
     open_quietly,
     remove,
     remove_unpublished,
@@ -100,6 +101,7 @@ __all__ = [
     "is_live",
     "list_caches",
     "list_unpublished",
+    "open_cache",
     "open_quietly",
     "open_run",
     "remove",

@@ -32,7 +32,7 @@ from ..protocol.jsonfile import read_json_file
 from ..shuffle.plan import WORK_PREFIX as SHUFFLE_PREFIX
 from ..shuffle.runs import LOCK_FILE as SHUFFLE_LOCK_FILE
 from ..writer import LOCK_SUFFIX, OLD_LOCK_FILE, STAGING_PREFIX
-from .roots import COPY_PREFIX, PathLike, _cache_names, _scan
+from .roots import COPY_PREFIX, PathLike, Roots, _cache_names, _scan, resolve
 from .sidecar import sidecar_path
 
 # --------------------------------------------------------------------------------------
@@ -261,6 +261,20 @@ def remove(path: PathLike) -> None:
     shutil.rmtree(p)
 
 
+def open_cache(ref: PathLike, *, check_hash: bool = True, roots: Roots = None) -> reader.Shards:
+    """Open the cache ``ref`` names: a path, or a full hash or unique hash prefix (at least 4
+    hex digits) of a cache in the shards roots (``roots``, else ``$SAEV_SHARDS_ROOT``, else
+    ``$SAEV_SCRATCH/saev/shards``; see `resolve`). An existing path always wins.
+
+    This is `saev_shards.open`: the reference is resolved here, then `reader.open` (which
+    takes paths only) checks and opens the directory; see it for what is checked.
+    """
+    path = Path(ref).absolute()
+    if not path.exists():  # a hash, a prefix, or a mistake: `resolve` says which
+        path = resolve(ref, roots)
+    return reader.open(path, check_hash=check_hash)
+
+
 def open_quietly(path: Path, check_hash: bool = True) -> reader.Shards:
     """`open` without the protocol 2.1 warning: for copies of a source that already warned."""
     with warnings.catch_warnings():
@@ -295,6 +309,10 @@ def summary(shards: reader.Shards) -> dict[str, Any]:
         "hash": md.hash,
         "path": str(shards.path),
         "protocol": md.protocol,
+        # How metadata.json is spelled: the protocol's own ("3.0") or one of saev's (protocol 2.1).
+        "dialect": md.dialect,
+        "dialect_summary": md.format.summary,
+        "pixel_agg": md.pixel_agg,
         "family": md.family,
         "ckpt": md.ckpt,
         "dataset": md.dataset,

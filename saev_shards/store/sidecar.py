@@ -3,7 +3,9 @@
 A published cache is immutable, so `saev-shards stats HASH` (`compute_stats` +
 `write_sidecar`) does not add stats.json to it: it writes ``<root>/.stats/<hash>.json`` in
 the root that holds the cache (protocol.md section 2.9), and `Shards.stats` reads it when
-the cache has no stats.json of its own (`find_stats`). The file is a JSON object:
+the cache has no stats.json of its own (`find_stats`, which lives with the reader in
+`saev_shards.reader.sidecars` so the reader never imports the store; re-exported here).
+The file is a JSON object:
 
 * ``cache``: the cache's hash (the file is named by it too);
 * ``manifest_xxh3_128``: the digest of the cache's shards.json when the statistics were
@@ -28,56 +30,11 @@ import xxhash
 
 from .. import reader
 from ..errors import StatsFileError
-from ..fileio import hash_file, write_file_atomic
-from ..format import MANIFEST_FILE, pretty_json, read_json_file, stats_max_bytes
+from ..fileio import write_file_atomic
+from ..format import pretty_json
 from ..progress import Progress
-from ..protocol.v3 import parse_stats
+from ..reader.sidecars import SIDECAR_DIR, SIDECAR_KEYS, find_stats, manifest_digest, sidecar_path
 from ..writer import STATS_CHUNK, _Stats
-
-#: The folder of a shards root that holds sidecars (not a cache: `ls` and `resolve` skip it).
-SIDECAR_DIR = ".stats"
-SIDECAR_KEYS = ("cache", "manifest_xxh3_128", "stats", "stats_xxh3_128")
-
-
-def sidecar_path(shards: reader.Shards) -> Path:
-    """Where the statistics sidecar of ``shards`` lives: ``<root>/.stats/<hash>.json``."""
-    return shards.path.parent / SIDECAR_DIR / f"{shards.metadata.hash}.json"
-
-
-def _manifest_digest(shards: reader.Shards) -> str:
-    return hash_file(shards.path / MANIFEST_FILE, regular_only=True)[1]
-
-
-def find_stats(shards: reader.Shards) -> dict[str, Any] | None:
-    """The sidecar statistics of ``shards`` (as `Shards.stats` returns them), None if there
-    is no sidecar; `StatsFileError` if it exists but does not check out."""
-    path = sidecar_path(shards)
-    if not os.path.lexists(path):
-        return None
-    md = shards.metadata
-    again = f"; remove it, or make it again with `saev-shards stats {md.hash[:12]} --force`"
-    try:
-        obj = read_json_file(path, stats_max_bytes(md.n_layers, md.d_model) + 4096)
-    except (OSError, ValueError) as err:
-        why = str(err).removeprefix(f"{path}: ")
-        raise StatsFileError(f"{path}: unreadable statistics sidecar: {why}{again}") from None
-    if not isinstance(obj, dict) or sorted(obj) != sorted(SIDECAR_KEYS):
-        found = sorted(obj) if isinstance(obj, dict) else type(obj).__name__
-        raise StatsFileError(f"{path}: expected an object with keys {list(SIDECAR_KEYS)}, found {found}{again}")
-    if obj["cache"] != md.hash:
-        raise StatsFileError(f"{path}: cache: expected {md.hash}, found {obj['cache']!r}{again}")
-    digest = _manifest_digest(shards)
-    if obj["manifest_xxh3_128"] != digest:
-        raise StatsFileError(
-            f"{path}: manifest_xxh3_128: expected {digest} (of {shards.path / MANIFEST_FILE}), "
-            f"found {obj['manifest_xxh3_128']!r}: computed for other data{again}"
-        )
-    found_digest = xxhash.xxh3_128_hexdigest(pretty_json(obj["stats"]))
-    if obj["stats_xxh3_128"] != found_digest:
-        raise StatsFileError(
-            f"{path}: stats_xxh3_128: expected {obj['stats_xxh3_128']!r}, found {found_digest}: damaged{again}"
-        )
-    return parse_stats(obj["stats"], md.layers, md.d_model, str(path))
 
 
 def compute_stats(
@@ -115,7 +72,7 @@ def write_sidecar(shards: reader.Shards, stats: dict[str, Any]) -> Path:
     path.parent.mkdir(exist_ok=True)
     obj = {
         "cache": shards.metadata.hash,
-        "manifest_xxh3_128": _manifest_digest(shards),
+        "manifest_xxh3_128": manifest_digest(shards),
         "stats": stats,
         "stats_xxh3_128": xxhash.xxh3_128_hexdigest(pretty_json(stats)),
     }
@@ -139,3 +96,15 @@ def carry_sidecar(source: reader.Shards, copy: Path) -> bool:
     dest.parent.mkdir(exist_ok=True)
     write_file_atomic(dest, src.read_bytes(), durable=True)
     return True
+
+
+__all__ = [
+    "SIDECAR_DIR",
+    "SIDECAR_KEYS",
+    "carry_sidecar",
+    "compute_stats",
+    "find_stats",
+    "manifest_digest",
+    "sidecar_path",
+    "write_sidecar",
+]

@@ -624,3 +624,27 @@ def test_docs_walkthrough_is_the_real_output():
     excerpt = section.split("```console\n", 1)[1].split("```", 1)[0]
     for step in excerpt.strip("\n").split("\n\n"):
         assert step + "\n" in proc.stdout, step
+
+
+def test_info_of_a_saev_cache_shows_its_dialect_pixel_agg_and_no_cls():
+    saev_cache = Path(__file__).resolve().parents[1] / "data" / "saev-code-exact" / "saev" / "shards" / "3a3c1749"
+    command = [sys.executable, "-m", "saev_shards", "info", str(saev_cache)]
+    r = subprocess.run(command, check=False, capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
+    fields = dict(line.split(None, 1) for line in r.stdout.splitlines() if line and not line.startswith(" "))
+    assert fields["protocol"] == "2.1, dialect saev (protocol 2.1 as saev's code writes it)"
+    assert fields["pixel_agg"] == "majority"
+    assert fields["tokens"] == "4 per example (4 patches, no CLS token)"
+    r = subprocess.run([*command, "--json"], check=True, capture_output=True, text=True, timeout=120)
+    info = json.loads(r.stdout)
+    assert (info["protocol"], info["dialect"], info["pixel_agg"]) == ("2.1", "saev", "majority")
+    assert info["cls_token"] is False
+
+
+def test_info_of_a_protocol_3_cache_has_no_dialect_or_pixel_agg_row(st: Store):
+    r = st.run("info", st.plain.hash)
+    assert r.code == 0, r.err
+    fields = dict(line.split(None, 1) for line in r.out.splitlines() if line and not line.startswith(" "))
+    assert fields["protocol"] == "3.0" and "pixel_agg" not in fields
+    info = json.loads(st.run("info", st.plain.hash, "--json").out)
+    assert (info["dialect"], info["pixel_agg"]) == ("3.0", None)

@@ -13,6 +13,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 import saev_shards as ss
+from saev_shards._indexing import CACHE_RANGE, wrap_index
 
 from ..support import strategies
 from ..support.caches import small_metadata, write_cache
@@ -124,3 +125,22 @@ def test_views_are_read_only_and_zero_copy_within_a_shard(cache: tuple[ss.Shards
     assert np.shares_memory(example, shards.shard(1))
     with pytest.raises(ValueError, match="read-only"):
         example[0, 0] = 1
+
+
+@given(st.integers(-30, 30), st.integers(0, 12))
+def test_wrap_index_is_python_sequence_indexing(index: int, n: int):
+    items = list(range(n))
+    try:
+        expected: Any = items[index]
+    except IndexError:
+        expected = IndexError
+    if expected is IndexError:
+        with pytest.raises(IndexError, match=rf"^example {index} out of range \[0, {n}\)$"):
+            wrap_index(index, n, "example")
+    else:
+        assert wrap_index(index, n, "example") == expected
+
+
+def test_wrap_index_words_the_range_given():
+    with pytest.raises(IndexError, match=r"^example -24 out of range for a cache of 23 examples$"):
+        wrap_index(-24, 23, "example", CACHE_RANGE)

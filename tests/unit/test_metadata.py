@@ -199,3 +199,19 @@ def test_values_real_caches_hold_are_accepted(root: Path) -> None:
     )  # fmt: skip
     write_cache(root, md)
     assert ss.open(root / md.hash).metadata == md
+
+
+def test_a_refused_dtype_raises_dtype_error_a_metadata_error():
+    with pytest.raises(ss.DtypeError, match=r"dtype: expected one of \['float16', 'bfloat16', 'float32'\]") as info:
+        small_metadata(dtype="int8")
+    assert isinstance(info.value, ss.MetadataError)
+    with pytest.raises(ss.DtypeError, match="dtype: expected a string, found int 3"):
+        small_metadata(dtype=3)
+    # Several kinds of problem: a plain MetadataError listing them all.
+    with pytest.raises(ss.MetadataError, match=r"d_model.*dtype|dtype.*d_model") as several:
+        small_metadata(dtype="int8", d_model=0)
+    assert type(several.value) is ss.MetadataError
+    # From a file: the same distinction.
+    fields = small_metadata().to_dict()
+    with pytest.raises(ss.DtypeError):
+        parse_metadata({**fields, "dtype": "float64"})

@@ -1,0 +1,102 @@
+"""Per-process handles of an open cache: shard memmaps and file descriptors, opened lazily.
+
+A `Shards` object crosses process boundaries two ways, and neither may share a handle:
+forked (a DataLoader worker: `_check_pid` sees the new pid and drops the parent's) and
+pickled (spawn: `__getstate__` drops them, `__setstate__` starts empty). The read paths
+(`reads`) and the files beside the activations (`sidecars`) build on this class.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import threading
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import numpy.typing as npt
+
+from ..manifest import Manifest
+from ..metadata import Metadata
+
+#: Attributes that belong to one process: never pickled, rebuilt after fork or unpickling.
+_PER_PROCESS = ("_maps", "_fds", "_aux", "_pid", "_out_cache", "_lock")
+
+
+class ShardHandles:
+    """Memmaps and file descriptors of a cache's shards, one set per process (`Shards` is one)."""
+
+    path: Path
+    metadata: Metadata
+    manifest: Manifest
+    numpy_dtype: np.dtype[Any]
+
+    def _reset(self) -> None:
+        self._pid = os.getpid()
+        self._maps: dict[int, npt.NDArray[Any]] = {}
+        self._fds: dict[int, int] = {}
+        self._aux: dict[str, Any] = {}
+        self._lock = threading.Lock()  # guards opening handles; a new one after fork or unpickling
+        # The last `out` buffer given to read_example and its byte view (reused while it is).
+        self._out_cache: tuple[npt.NDArray[Any], memoryview] | None = None
+
+    def _check_pid(self) -> None:
+        if self._pid != os.getpid():  # forked: never use the parent's handles
+            self._reset()
+
+    def __getstate__(self) -> dict[str, Any]:
+        state = self.__dict__.copy()
+        for key in _PER_PROCESS:
+            state.pop(key, None)
+        return state
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state)
+        self._reset()
+
+    def close(self) -> None:
+        """Drop this process's memmaps and file descriptors (reopened on next use)."""
+        if self._pid == os.getpid():
+            for fd in self._fds.values():
+                os.close(fd)
+        self._reset()
+
+    def __del__(self) -> None:
+        with contextlib.suppress(Exception):  # at interpreter shutdown os may be gone
+            self.close()
+
+    def shard_path(self, k: int) -> Path:
+        """Absolute path of shard file ``k``."""
+        return self.path / self.manifest.shards[k].name
+
+    def shard(self, k: int) -> npt.NDArray[Any]:
+        """Shard ``k`` as a read-only array backed by a memory map, shape ``(n_examples_k, L, T, D)``."""
+        self._check_pid()
+        mm = self._maps.get(k)
+        if mm is None:
+            with self._lock:
+                mm = self._maps.get(k)
+                if mm is None:
+                    mm = self._open_map(k)
+                    self._maps[k] = mm
+        return mm
+
+    def _open_map(self, k: int) -> npt.NDArray[Any]:
+        entry = self.manifest.shards[k]
+        shape = (entry.n_examples, *self.metadata.shard_shape[1:])
+        if entry.n_examples == 0 or self.metadata.example_nbytes == 0:
+            return np.zeros(shape, self.numpy_dtype)  # mmap cannot map 0 bytes
+        # A plain ndarray over the map: np.memmap's Python-level __getitem__ costs ~1 us per index.
+        return np.memmap(self.path / entry.name, dtype=self.numpy_dtype, mode="r", shape=shape).view(np.ndarray)
+
+    def _fd(self, k: int) -> int:
+        self._check_pid()
+        fd = self._fds.get(k)
+        if fd is None:
+            with self._lock:  # two threads opening one shard would leak a descriptor
+                fd = self._fds.get(k)
+                if fd is None:
+                    fd = os.open(self.shard_path(k), os.O_RDONLY)
+                    self._fds[k] = fd
+        return fd

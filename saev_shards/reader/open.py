@@ -1,0 +1,285 @@
+"""`open`: a cache directory, validated up front without reading shards (protocol.md section 7).
+
+Every check collects `Problem`s and `open` raises them together; the checks are plain
+functions over the parsed metadata and manifest, so `Shards` starts from a cache known to
+be whole. Paths only: resolving a hash or a prefix is the store's job (`store.open_cache`),
+and this package never imports the store.
+"""
+
+from __future__ import annotations
+
+import os
+import stat
+import warnings
+from collections.abc import Sequence
+from pathlib import Path
+
+import numpy as np
+
+from ..errors import (
+    CacheNotFoundError,
+    FileSizeError,
+    HashMismatchError,
+    ManifestError,
+    MetadataError,
+    MetadataFileError,
+    Problem,
+    ProtocolVersionError,
+    UnexpectedFileError,
+    raise_problems,
+)
+from ..fileio import file_kind
+from ..manifest import Manifest
+from ..metadata import Metadata, parse_metadata
+from ..protocol import is_cache_name
+from ..protocol.common import (
+    CHECKSUMS_FILE,
+    LABELS_FILE,
+    MANIFEST_FILE,
+    MAX_METADATA_BYTES,
+    METADATA_FILE,
+    SHARD_NAME_RE,
+    STATS_FILE,
+    ProtocolWarning,
+    stats_max_bytes,
+)
+from ..protocol.jsonfile import load_json, short_repr
+from .shards import Shards
+
+PathLike = str | os.PathLike[str]
+
+
+def open(path: PathLike, *, check_hash: bool = True) -> Shards:
+    """Open the cache at the directory ``path``, checking everything that can be checked
+    without reading shards.
+
+    ``path`` is a path, nothing else: `saev_shards.open` (`store.open_cache`) also takes a
+    full hash or a unique hash prefix, resolves it in the shards roots and calls this. A
+    path through symbolic links (a run's ``links/train-shards``) is resolved once;
+    `Shards.path` is the real directory, and its name is what must equal the hash.
+
+    Checks (protocol.md section 7): both JSON files are strict JSON (`protocol.jsonfile`)
+    of bounded size with exact key sets and types, a known protocol version, the directory
+    name equals the metadata hash (unless ``check_hash=False``), shard names and counts,
+    every listed file exists, is a regular file (not a symbolic link) and has exactly the
+    expected size, and no unlisted data file exists. Every problem is collected and raised
+    at once (see `errors`).
+    """
+    root = Path(os.path.realpath(Path(path).absolute()))
+    where = str(root)
+    if not root.exists():
+        raise CacheNotFoundError(f"no cache at {where}: no such file or directory")
+    if not root.is_dir():
+        raise CacheNotFoundError(f"{where} is not a directory")
+    md, problems = _load_metadata(root, check_hash)
+    if md is None:
+        raise_problems(problems, where)
+        raise AssertionError("unreachable")
+    manifest, more = _load_manifest(root, md)
+    problems.extend(more)
+    raise_problems(problems, where)
+    assert manifest is not None
+    if md.format.legacy:
+        warnings.warn(
+            f"{where}: a protocol {md.protocol} cache ({md.format.summary}, float32), read with the "
+            f"compatibility rules of protocol.md section 9 (no checksums unless {CHECKSUMS_FILE} is "
+            "there; the last shard may be padded to a full shard)",
+            ProtocolWarning,
+            stacklevel=2,
+        )
+    return Shards(root, md, manifest)
+
+
+def _load_metadata(root: Path, check_hash: bool) -> tuple[Metadata | None, list[Problem]]:
+    path = root / METADATA_FILE
+    obj, problems = load_json(path, MAX_METADATA_BYTES, MetadataFileError)
+    if problems:
+        return None, problems
+    try:
+        md = parse_metadata(obj, root.name)
+    except ProtocolVersionError as err:
+        raise ProtocolVersionError(f"{path}: {err}") from None
+    except MetadataError as err:
+        return None, [Problem(MetadataFileError, f"{path}: {err}")]
+    if check_hash and root.name != md.hash:
+        detail = "" if is_cache_name(root.name) else f" (the directory name is not a {len(md.hash)}-digit hash)"
+        problems.append(
+            Problem(
+                HashMismatchError,
+                f"{root}: directory name is not the hash of its metadata.json{detail}; "
+                f"expected {md.hash}, found {short_repr(root.name)}",
+            )
+        )
+    return md, problems
+
+
+def _load_manifest(root: Path, md: Metadata) -> tuple[Manifest | None, list[Problem]]:
+    manifest, problems = md.format.load_manifest(root, md)
+    if manifest is None or problems:
+        return manifest, problems
+    problems.extend(_check_shards(root, md, manifest))
+    empty = manifest.empty_shards
+    problems.extend(_check_files(root, empty.names, empty.sizes))
+    problems.extend(_check_other_files(root, md, manifest))
+    return manifest, problems
+
+
+def _check_shards(root: Path, md: Metadata, manifest: Manifest) -> list[Problem]:
+    problems: list[Problem] = []
+    where = root / MANIFEST_FILE
+    expected = md.n_shards
+    if len(manifest.shards) != expected:
+        problems.append(
+            Problem(
+                ManifestError,
+                f"{where}: expected {expected} shards for n_examples={md.n_examples} and "
+                f"examples_per_shard={md.examples_per_shard}, found {len(manifest.shards)}",
+            )
+        )
+    eps = md.examples_per_shard
+    example_nbytes = md.example_nbytes
+    # One pass of list comparisons for the common, valid manifest (10^4 shards in a few ms);
+    # entry-by-entry messages only for entries that differ.
+    count = len(manifest.shards)
+    want_names = _shard_names(min(count, 1_000_000))
+    last = md.n_examples - (expected - 1) * eps
+    extra = [0] * max(0, count - expected)
+    want_counts = (([eps] * (expected - 1) + [last] if expected else []) + extra)[:count]
+    names, counts, sizes = manifest.shards.names, manifest.shards.counts, manifest.shards.sizes
+    # list arithmetic, not a loop: 10^4 shards
+    full = eps * example_nbytes
+    want_sizes = (([full] * (expected - 1) + [last * example_nbytes] if expected else []) + extra)[:count]
+    if md.format.padded_last and count == expected and expected and sizes[-1] == full:
+        want_sizes[-1] = full  # 2.1: the last shard's file padded to a full shard
+    if names == want_names and counts == want_counts and sizes == want_sizes:
+        problems.extend(_check_files(root, names, sizes))
+        return problems
+    ok_names: list[str] = []
+    ok_sizes: list[int] = []
+    for i, s in enumerate(manifest.shards):
+        if i >= len(want_names) or s.name != want_names[i]:
+            want = want_names[i] if i < len(want_names) else "(none: too many shards)"
+            hint = "" if SHARD_NAME_RE.fullmatch(s.name) else " (shard names are plain acts<06d>.bin, no paths)"
+            problems.append(
+                Problem(ManifestError, f"{where}: shard {i}: expected name {want!r}, found {short_repr(s.name)}{hint}")
+            )
+        elif s.n_examples != want_counts[i]:
+            problems.append(
+                Problem(ManifestError, f"{where}: {s.name}: expected n_examples={want_counts[i]}, found {s.n_examples}")
+            )
+        elif s.nbytes != want_sizes[i]:
+            problems.append(
+                Problem(ManifestError, f"{where}: {s.name}: expected nbytes={want_sizes[i]}, found {s.nbytes}")
+            )
+        else:
+            ok_names.append(s.name)
+            ok_sizes.append(s.nbytes)
+    problems.extend(_check_files(root, ok_names, ok_sizes))
+    return problems
+
+
+_SHARD_NAMES: list[str] = []
+
+
+def _shard_names(count: int) -> list[str]:
+    """``[acts000000.bin, ...]`` of length ``count``, built once per process and extended as needed."""
+    if len(_SHARD_NAMES) < count:
+        _SHARD_NAMES.extend(f"acts{i:06d}.bin" for i in range(len(_SHARD_NAMES), count))
+    return _SHARD_NAMES[:count]
+
+
+def _check_files(root: Path, names: Sequence[str], sizes: Sequence[int]) -> list[Problem]:
+    """``lstat`` each file ``names[i]`` in ``root`` (relative to a directory fd: no path parsing)
+    and check it is a regular file (a symbolic link is not) of ``sizes[i]`` bytes; one pass,
+    problems worded only on failure. ``names`` are validated names: plain ``acts<06d>.bin``."""
+    if not names:
+        return []
+    dir_fd = os.open(root, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        regular = stat.S_ISREG
+        bad = [
+            i
+            for i, (name, nbytes) in enumerate(zip(names, sizes, strict=True))
+            if (st := os.stat(name, dir_fd=dir_fd, follow_symlinks=False)).st_size != nbytes or not regular(st.st_mode)
+        ]
+    except OSError:
+        bad = list(range(len(names)))  # something is missing: the slow path words each problem
+    finally:
+        os.close(dir_fd)
+    problems: list[Problem] = []
+    for i in bad:
+        problems.extend(_check_file(root / names[i], sizes[i]))
+    return problems
+
+
+def _check_file(path: Path, nbytes: int) -> list[Problem]:
+    try:
+        st = os.lstat(path)
+    except FileNotFoundError:
+        return [Problem(CacheNotFoundError, f"{path}: missing")]
+    except OSError as err:
+        return [Problem(CacheNotFoundError, f"{path}: cannot stat ({err.strerror})")]
+    if not stat.S_ISREG(st.st_mode):
+        return [Problem(ManifestError, f"{path}: expected a regular file, found {file_kind(st.st_mode)}")]
+    if st.st_size != nbytes:
+        hint = " (file seems not fully written?)" if st.st_size < nbytes else ""
+        return [Problem(FileSizeError, f"{path}: expected {nbytes} bytes, found {st.st_size}{hint}")]
+    return []
+
+
+def _check_other_files(root: Path, md: Metadata, manifest: Manifest) -> list[Problem]:
+    problems: list[Problem] = []
+    where = root / MANIFEST_FILE
+    if manifest.labels is not None:
+        want = (md.n_examples, md.patches_per_ex)
+        lab = manifest.labels
+        if lab.shape != want or lab.nbytes != md.n_examples * md.patches_per_ex:
+            problems.append(
+                Problem(ManifestError, f"{where}: labels: expected shape {list(want)} uint8, found {list(lab.shape)}")
+            )
+        else:
+            problems.extend(_check_file(root / lab.name, lab.nbytes))
+    for name, col in manifest.columns.items():
+        itemsize = np.dtype(col.dtype).itemsize
+        want_nbytes = int(np.prod(col.shape, dtype=object)) * itemsize
+        if col.shape[0] != md.n_examples or col.nbytes != want_nbytes:
+            problems.append(
+                Problem(
+                    ManifestError,
+                    f"{where}: columns.{name}: expected shape ({md.n_examples}, ...) and nbytes = "
+                    f"prod(shape) * {itemsize}, found shape {list(col.shape)} nbytes {col.nbytes}",
+                )
+            )
+        else:
+            problems.extend(_check_file(root / col.name, col.nbytes))
+    for name, txt in manifest.text.items():
+        if txt.n_lines != md.n_examples:
+            problems.append(
+                Problem(ManifestError, f"{where}: text.{name}: expected n_lines={md.n_examples}, found {txt.n_lines}")
+            )
+        else:
+            problems.extend(_check_file(root / txt.name, txt.nbytes))
+    if manifest.stats is not None:
+        cap = stats_max_bytes(md.n_layers, md.d_model)
+        if manifest.stats.nbytes > cap:
+            problems.append(
+                Problem(
+                    ManifestError,
+                    f"{where}: stats.nbytes: expected at most {cap:,} bytes for {md.n_layers} layers of "
+                    f"{md.d_model} dimensions, found {manifest.stats.nbytes:,}",
+                )
+            )
+        else:
+            problems.extend(_check_file(root / manifest.stats.name, manifest.stats.nbytes))
+    present = set(os.listdir(root))
+    unlisted = present.difference(manifest.shards.names)  # set operations in C: 10^4 names
+    unlisted.difference_update(manifest.empty_shards.names)
+    unlisted.difference_update(name for name, _, _ in manifest.other_files())
+    problems.extend(
+        Problem(UnexpectedFileError, f"{root / name}: data file not listed in {MANIFEST_FILE}")
+        for name in sorted(unlisted)
+        if SHARD_NAME_RE.fullmatch(name)
+        or name in (LABELS_FILE, STATS_FILE)
+        or (name.startswith(("column.", "text.")) and name.endswith((".bin", ".jsonl")))
+    )
+    return problems
