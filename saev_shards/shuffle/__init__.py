@@ -42,11 +42,13 @@ from ..progress import Progress
 from ..reader import Shards
 from ..reader import open as open_path
 from ..store import open_cache
+from ..store.roots import SHUFFLE_LOCK_FILE as LOCK_FILE
+from ..store.roots import SHUFFLE_PREFIX as WORK_PREFIX
 from ..writer import ShardWriter, finalize, staging_dir
 from .append import write_buckets
 from .order import bucket_of, shuffle_order, sort_keys
-from .plan import DEFAULT_MEMORY, SOURCE_EXAMPLE, SOURCE_TOKEN, WORK_PREFIX, ShufflePlan, make_plan
-from .runs import LOCK_FILE, PLAN_FILE, load_record, run_file, run_record_file
+from .plan import DEFAULT_MEMORY, SOURCE_EXAMPLE, SOURCE_TOKEN, ShufflePlan, make_plan
+from .runs import PLAN_FILE, load_record, run_file, run_record_file
 from .scatter import CLS_LABEL, scatter
 
 __all__ = [

@@ -20,6 +20,7 @@ from ..format import DTYPES, LABELS_DTYPE, PROTOCOL
 from ..metadata import Metadata
 from ..protocol.jsonfile import is_int
 from ..reader import Shards
+from ..store.roots import SHUFFLE_PREFIX as WORK_PREFIX
 from ..writer import DIRECT_BLOCK, DIRECT_IN_FLIGHT
 from .order import MAX_BUCKETS
 from .runs import REGION_ALIGN, Field, RowLayout
@@ -42,7 +43,6 @@ SOURCE_EXAMPLE = "source_example"
 SOURCE_TOKEN = "source_token"  # noqa: S105 (a column name, not a password)
 #: Names the ``data.shuffle.order`` key gives the order (`order` module): a new order gets a new name.
 ORDER_NAME = "splitmix64-sort"
-WORK_PREFIX = ".shuffle-"
 
 
 @dataclasses.dataclass(frozen=True, eq=False)

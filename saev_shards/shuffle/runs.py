@@ -41,7 +41,6 @@ DIRECT_ALIGN = 4096
 #: O_DIRECT requests in flight per run file (the writer's own setting).
 DIRECT_IN_FLIGHT = 2
 PLAN_FILE = "plan.json"
-LOCK_FILE = ".lock"
 
 
 def run_file(chunk: int) -> str:

@@ -29,10 +29,8 @@ from ..metadata import Metadata, parse_metadata
 from ..protocol import is_cache_name
 from ..protocol.common import MAX_METADATA_BYTES, METADATA_FILE, ProtocolWarning
 from ..protocol.jsonfile import read_json_file
-from ..shuffle.plan import WORK_PREFIX as SHUFFLE_PREFIX
-from ..shuffle.runs import LOCK_FILE as SHUFFLE_LOCK_FILE
 from ..writer import LOCK_SUFFIX, OLD_LOCK_FILE, STAGING_PREFIX
-from .roots import COPY_PREFIX, PathLike, Roots, _cache_names, _scan, resolve
+from .roots import COPY_PREFIX, SHUFFLE_LOCK_FILE, SHUFFLE_PREFIX, PathLike, Roots, _cache_names, _scan, resolve
 from .sidecar import sidecar_path
 
 # --------------------------------------------------------------------------------------

@@ -47,6 +47,10 @@ NFS_ENV = "SAEV_NFS"
 MIN_PREFIX = 4
 #: Local copies in progress live here until verified and renamed (ignored by listings).
 COPY_PREFIX = ".copying-"
+#: The scratch folder of a shuffle (buckets and runs) until it publishes, and the lock a
+#: running shuffle holds inside it (`saev_shards.shuffle`; `clean` judges liveness by it).
+SHUFFLE_PREFIX = ".shuffle-"
+SHUFFLE_LOCK_FILE = ".lock"
 _HEX_RE = re.compile(r"[0-9a-fA-F]+")
 #: Candidates listed in an ambiguous-prefix error before "and N more".
 _MAX_CANDIDATES = 20
