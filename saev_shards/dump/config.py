@@ -3,8 +3,8 @@
 Each field of `DumpConfig`, `ModelConfig` and `DatasetConfig` declares what it accepts
 (``expected``, a predicate) beside its default, so the checks live where the fields are
 declared. `parse_config` checks every field of every section and the few rules that span
-fields (`_RULES`), and raises one `ConfigError` listing every problem at once, each named
-by its key (``model.pad_id: expected an integer, found 'x'``).
+fields (`_RULES`) into one `errors.Problems`, and raises one `ConfigError` listing every
+problem at once, each named by its key (``model.pad_id: expected an integer, found 'x'``).
 
 What can only be known from the model (how many blocks it has, its maximum positions, its
 width) is checked when the model is loaded (`saev_shards.dump.model.check_model`), still
