@@ -7,6 +7,9 @@ The base class subclasses `ValueError`, and the "not found" kinds also subclass
 all problems are of one kind, that kind is raised; when they are of several kinds,
 `InvalidCacheError` is raised. Either way `.problems` lists them, grouped by kind, and
 the message names every file involved by its absolute path.
+
+Every check that can find several problems (metadata, the manifest parsers, stats.json,
+the dump configuration) gathers them in one `Problems` and raises once with all of them.
 """
 
 from __future__ import annotations
