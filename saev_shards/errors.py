@@ -7,6 +7,9 @@ The base class subclasses `ValueError`, and the "not found" kinds also subclass
 all problems are of one kind, that kind is raised; when they are of several kinds,
 `InvalidCacheError` is raised. Either way `.problems` lists them, grouped by kind, and
 the message names every file involved by its absolute path.
+
+Every check that can find several problems (metadata, the manifest parsers, stats.json,
+the dump configuration) gathers them in one `Problems` and raises once with all of them.
 """
 
 from __future__ import annotations
@@ -73,42 +76,115 @@ class WriterBusyError(WriterError):
 
 
 class Problem:
-    """One problem found in a cache: its kind (an error class) and a message."""
+    """One problem found: its kind (the error class it is reported as) and its message.
 
-    __slots__ = ("kind", "message")
+    Problems of the ``expected X, found Y`` form also keep their parts: ``field`` (where it
+    is: a key, a dotted path in a file, a file), ``expected`` and ``found``; the message is
+    always the full text shown to the user.
+    """
 
-    def __init__(self, kind: type[InvalidCacheError], message: str) -> None:
+    __slots__ = ("expected", "field", "found", "kind", "message")
+
+    def __init__(
+        self,
+        kind: type[ShardsError],
+        message: str,
+        *,
+        field: str | None = None,
+        expected: str | None = None,
+        found: str | None = None,
+    ) -> None:
         self.kind = kind
         self.message = message
+        self.field = field
+        self.expected = expected
+        self.found = found
 
     def __repr__(self) -> str:
         return f"Problem({self.kind.__name__}, {self.message!r})"
 
 
-class ProblemCollector:
-    """Every problem found in one file or value, gathered before anything is raised.
+class Problems:
+    """The one problem collector: every problem found in a file, a value or a configuration,
+    gathered before anything is raised, then raised once with all of them listed.
 
     ``kind`` is the error class each problem is reported as (`add` may name another);
-    ``prefix`` starts every message (a file's absolute path and ``": "``). `raise_problems`
-    turns what was collected into one error.
+    ``prefix`` starts every message (e.g. a file's absolute path and ``": "``).
+
+    As a context manager it raises on a clean exit when anything was collected::
+
+        with Problems(ConfigError, head=f"{where}: ") as problems:
+            problems.expected("layers", "a list of integers", repr(value))
+
+    raises ``ConfigError("<where>: layers: expected a list of integers, found ...")``.
+    `raise_if_any` tells how the problems are joined into one error.
     """
 
-    def __init__(self, kind: type[InvalidCacheError], prefix: str = "") -> None:
+    def __init__(
+        self,
+        kind: type[ShardsError],
+        prefix: str = "",
+        *,
+        head: str | None = None,
+        sep: str = "; ",
+        path: str | None = None,
+    ) -> None:
         self.kind = kind
         self.prefix = prefix
+        self.head = head
+        self.sep = sep
+        self.path = path
         self.problems: list[Problem] = []
 
-    def add(self, message: str, kind: type[InvalidCacheError] | None = None) -> None:
-        self.problems.append(Problem(kind or self.kind, self.prefix + message))
+    def add(self, message: str, kind: type[ShardsError] | None = None, *, field: str | None = None) -> None:
+        """One problem, worded by the caller (``prefix`` is put before it)."""
+        self.problems.append(Problem(kind or self.kind, self.prefix + message, field=field))
+
+    def expected(self, field: str, expected: str, found: str, kind: type[ShardsError] | None = None) -> None:
+        """The house form: ``"<field>: expected <expected>, found <found>"``."""
+        message = f"{self.prefix}{field}: expected {expected}, found {found}"
+        self.problems.append(Problem(kind or self.kind, message, field=field, expected=expected, found=found))
 
     def extend(self, problems: Iterable[Problem]) -> None:
         self.problems.extend(problems)
+
+    def messages(self) -> list[str]:
+        return [p.message for p in self.problems]
 
     def __bool__(self) -> bool:
         return bool(self.problems)
 
     def __len__(self) -> int:
         return len(self.problems)
+
+    def raise_if_any(self, head: str | None = None, *, limit: int | None = None) -> None:
+        """Raise every problem collected as one error; nothing when there is none.
+
+        With a ``head`` (here or given to the constructor) the error is ``kind(head +
+        sep.join(messages))``, the first ``limit`` messages when a limit is given. Without one,
+        problems of the cache kinds (`InvalidCacheError`) are raised by `raise_problems`:
+        grouped by kind, with ``.problems`` listing each; other kinds get the messages joined.
+        """
+        if not self.problems:
+            return
+        head = self.head if head is None else head
+        if head is None and all(issubclass(p.kind, InvalidCacheError) for p in self.problems):
+            raise_problems(self.problems, self.path)
+        messages = self.messages()[:limit]
+        kinds = {p.kind for p in self.problems}
+        cls = kinds.pop() if len(kinds) == 1 else self.kind
+        raise cls((head or "") + self.sep.join(messages))
+
+    def __enter__(self) -> Problems:
+        return self
+
+    def __exit__(self, exc_type: type[BaseException] | None, *_: object) -> None:
+        if exc_type is None:
+            self.raise_if_any()
+
+
+#: The name used before the collector served every kind of error.
+ProblemCollector = Problems
 
 
 class InvalidCacheError(ShardsError):
@@ -262,7 +338,7 @@ def _format(problems: Sequence[Problem], path: str | None) -> str:
     head = f"{path}: " if path else ""
     groups: dict[str, list[str]] = {}
     for p in problems:
-        groups.setdefault(p.kind.title, []).append(p.message)
+        groups.setdefault(getattr(p.kind, "title", p.kind.__name__), []).append(p.message)
     lines = [f"{head}{len(problems)} problems"]
     for title, messages in groups.items():
         lines.append(f"  {title} ({len(messages)}):")
@@ -282,11 +358,12 @@ def raise_problems(problems: Iterable[Problem], path: str | None = None) -> None
     if not found:
         return
     kinds = {p.kind for p in found}
-    cls: type[InvalidCacheError] = kinds.pop() if len(kinds) == 1 else InvalidCacheError
+    kind = kinds.pop() if len(kinds) == 1 else InvalidCacheError
+    cls = kind if issubclass(kind, InvalidCacheError) else InvalidCacheError
     raise cls(found, path)
 
 
-_KIND_ORDER: dict[type[InvalidCacheError], int] = {
+_KIND_ORDER: dict[type[ShardsError], int] = {
     CacheNotFoundError: 0,
     MetadataFileError: 1,
     HashMismatchError: 2,

@@ -9,7 +9,7 @@ from typing import Any
 import numpy as np
 
 from . import layout
-from .errors import DtypeError, MetadataError, NameNotFoundError
+from .errors import DtypeError, MetadataError, NameNotFoundError, Problems
 from .protocol import DEFAULT_DIALECTS, DIALECTS, SUPPORTED_PROTOCOLS, Dialect, detect
 from .protocol.common import DEFAULT_DTYPE, DTYPES, PROTOCOL
 from .protocol.jsonfile import is_int, json_value_problem, short_repr, type_name
@@ -17,7 +17,7 @@ from .protocol.saev_code import DEFAULT_PIXEL_AGG as SAEV_DEFAULT_PIXEL_AGG
 from .protocol.v3 import KEYS
 
 SAEV_DEFAULT_DIALECT = "saev"
-__all__ = ["FIELDS", "KEYS", "Metadata", "parse_metadata", "validate"]
+__all__ = ["FIELDS", "KEYS", "Metadata", "check_fields", "parse_metadata", "validate"]
 
 #: Layer values are block indices, held as numpy int64 by the statistics and the loaders.
 LAYER_MIN = -(2**63)
@@ -68,9 +68,8 @@ class Metadata:
             object.__setattr__(self, "dialect", DEFAULT_DIALECTS[self.protocol])
             if self.pixel_agg is None and self.dialect == SAEV_DEFAULT_DIALECT:
                 object.__setattr__(self, "pixel_agg", SAEV_DEFAULT_PIXEL_AGG)
-        problems = validate(self.fields())
-        if problems:
-            raise _metadata_error(problems, "invalid metadata: ")
+        with Problems(MetadataError, head="invalid metadata: ") as problems:
+            check_fields(self.fields(), problems)
         # A private deep copy, so later changes to the caller's dict cannot change the hash.
         object.__setattr__(self, "data", copy.deepcopy(self.data))
 
@@ -194,53 +193,61 @@ FIELDS = (*KEYS[:-2], "dtype", "protocol", "pixel_agg", "dialect")
 
 def validate(d: dict[str, Any], absent: frozenset[str] = frozenset()) -> list[str]:
     """Every problem with `Metadata` fields given as a dict (empty if valid), as messages
-    naming the field: the rules of every dialect, then the dialect's own
-    (`saev_shards.protocol.Dialect.value_problems`). Fields in ``absent`` (missing from a
-    file, and reported as such) are not checked.
+    naming the field (`check_fields` into a fresh `errors.Problems`)."""
+    problems = Problems(MetadataError)
+    check_fields(d, problems, absent)
+    return problems.messages()
+
+
+def check_fields(d: dict[str, Any], problems: Problems, absent: frozenset[str] = frozenset()) -> None:
+    """Add every problem with `Metadata` fields given as a dict to ``problems``: the rules of
+    every dialect, then the dialect's own (`saev_shards.protocol.Dialect.check_values`).
+    Fields in ``absent`` (missing from a file, and reported as such) are not checked.
 
     Values follow the rules of every JSON file of a cache (`protocol.jsonfile.json_value_problem`):
     strings of valid Unicode, integers within 64 bits, finite numbers, at most
     `protocol.jsonfile.MAX_JSON_DEPTH` levels of nesting, checked before anything recursive
     (the hash, the deep copy, a message) touches a value.
     """
-    problems: list[str] = []
+    before = len(problems)
 
-    def want(key: str, ok: bool, expected: str) -> bool:
+    def want(key: str, ok: bool, expected: str, kind: type[MetadataError] = MetadataError) -> bool:
         if key in absent:
             return False
         if not ok:
             v = d[key]
-            problems.append(f"{key}: expected {expected}, found {type_name(v)} {short_repr(v, 60)}")
+            problems.expected(key, expected, f"{type_name(v)} {short_repr(v, 60)}", kind=kind)
         return ok
+
+    def json_value(key: str, value: object) -> None:
+        problem = json_value_problem(value)
+        if problem:
+            problems.add(f"{key}: {problem}", field=key)
 
     for key in ("family", "ckpt", "dataset"):
         if want(key, isinstance(d[key], str), "a string"):
-            problem = json_value_problem(d[key])
-            if problem:
-                problems.append(f"{key}: {problem}")
+            json_value(key, d[key])
     if want("layers", isinstance(d["layers"], (list, tuple)), "an array of integers"):
         layers = d["layers"]
         if not layers:
-            problems.append("layers: expected at least one layer, found []")
+            problems.expected("layers", "at least one layer", "[]")
         elif not all(is_int(x) for x in layers):
-            problems.append(f"layers: expected integers, found {short_repr(layers, 60)}")
+            problems.expected("layers", "integers", short_repr(layers, 60))
         elif not all(LAYER_MIN <= x <= LAYER_MAX for x in layers):
-            problems.append(f"layers: expected integers within signed 64 bits, found {short_repr(layers, 60)}")
+            problems.expected("layers", "integers within signed 64 bits", short_repr(layers, 60))
         elif len(set(layers)) != len(layers):
-            problems.append(f"layers: expected distinct values, found {short_repr(list(layers), 60)}")
+            problems.expected("layers", "distinct values", short_repr(list(layers), 60))
     for key, low in (("patches_per_ex", 0), ("d_model", 1), ("n_examples", 0), ("patches_per_shard", 1)):
         if want(key, is_int(d[key]), "an integer") and d[key] < low:
-            problems.append(f"{key}: expected an integer >= {low}, found {short_repr(d[key])}")
+            problems.expected(key, f"an integer >= {low}", short_repr(d[key]))
     want("cls_token", isinstance(d["cls_token"], bool), "true or false")
-    want("dtype", isinstance(d["dtype"], str), "a string")
+    # A dtype problem is a `DtypeError` (a `MetadataError`): raised as such when it is the only
+    # problem, so a caller can tell a refused dtype from the rest.
+    want("dtype", isinstance(d["dtype"], str), "a string", DtypeError)
     if want("pixel_agg", d["pixel_agg"] is None or isinstance(d["pixel_agg"], str), "a string or None"):
-        problem = json_value_problem(d["pixel_agg"])
-        if problem:
-            problems.append(f"pixel_agg: {problem}")
-    # One level less than the file's limit: data sits inside the metadata object.
-    problem = None if "data" in absent else json_value_problem([d["data"]])
-    if problem:
-        problems.append(f"data: {problem}")
+        json_value("pixel_agg", d["pixel_agg"])
+    if "data" not in absent:
+        json_value("data", [d["data"]])  # one level less than the file's limit: data sits inside the object
     version = d["protocol"]
     if (
         want(
@@ -251,28 +258,33 @@ def validate(d: dict[str, Any], absent: frozenset[str] = frozenset()) -> list[st
         and not absent
     ):
         if d["dialect"] in DIALECTS:
-            problems.extend(DIALECTS[d["dialect"]].value_problems(d))
+            DIALECTS[d["dialect"]].check_values(d, problems)
         else:
-            problems.append(f"dialect: expected one of {list(DIALECTS)}, found {short_repr(d['dialect'])}")
+            problems.expected("dialect", f"one of {list(DIALECTS)}", short_repr(d["dialect"]))
 
-    if not problems and not absent:
-        tokens = layout.tokens_per_ex(d["patches_per_ex"], d["cls_token"])
-        if tokens < 1:
-            problems.append("patches_per_ex: must be >= 1 when cls_token is false (T would be 0)")
-            return problems
-        try:
-            eps = layout.examples_per_shard(d["patches_per_shard"], tokens, len(d["layers"]))
-        except MetadataError as err:
-            problems.append(str(err))
-            return problems
-        example_bytes = len(d["layers"]) * tokens * d["d_model"] * DTYPES[d["dtype"]].itemsize
-        if eps * example_bytes > layout.MAX_NBYTES or d["n_examples"] * example_bytes > layout.MAX_NBYTES:
-            problems.append("sizes: a shard or the whole cache would exceed 2**63-1 bytes")
-        if layout.n_shards(d["n_examples"], eps) > 1_000_000:
-            problems.append(
-                "n_examples: more than 1,000,000 shards would not fit the 6-digit shard names; raise patches_per_shard"
-            )
-    return problems
+    if len(problems) == before and not absent:
+        _check_sizes(d, problems)
+
+
+def _check_sizes(d: dict[str, Any], problems: Problems) -> None:
+    """The sizes the fields imply (only once every field is valid on its own)."""
+    tokens = layout.tokens_per_ex(d["patches_per_ex"], d["cls_token"])
+    if tokens < 1:
+        problems.add("patches_per_ex: must be >= 1 when cls_token is false (T would be 0)", field="patches_per_ex")
+        return
+    try:
+        eps = layout.examples_per_shard(d["patches_per_shard"], tokens, len(d["layers"]))
+    except MetadataError as err:
+        problems.add(str(err))
+        return
+    example_bytes = len(d["layers"]) * tokens * d["d_model"] * DTYPES[d["dtype"]].itemsize
+    if eps * example_bytes > layout.MAX_NBYTES or d["n_examples"] * example_bytes > layout.MAX_NBYTES:
+        problems.add("sizes: a shard or the whole cache would exceed 2**63-1 bytes", field="sizes")
+    if layout.n_shards(d["n_examples"], eps) > 1_000_000:
+        problems.add(
+            "n_examples: more than 1,000,000 shards would not fit the 6-digit shard names; raise patches_per_shard",
+            field="n_examples",
+        )
 
 
 def parse_metadata(obj: object, dirname: str | None = None) -> Metadata:
@@ -284,19 +296,11 @@ def parse_metadata(obj: object, dirname: str | None = None) -> Metadata:
     """
     dialect = detect(obj, dirname)
     assert isinstance(obj, dict)
-    given, problems = dialect.fields(obj)
-    fields: dict[str, Any] = dict.fromkeys(FIELDS)
-    fields.update(given)
-    absent = frozenset(FIELDS) - set(given) - {"pixel_agg"}
-    problems += validate(fields, absent)
-    if problems:
-        raise _metadata_error(problems)
+    with Problems(MetadataError, head="") as problems:
+        given = dialect.fields(obj, problems)
+        fields: dict[str, Any] = dict.fromkeys(FIELDS)
+        fields.update(given)
+        absent = frozenset(FIELDS) - set(given) - {"pixel_agg"}
+        check_fields(fields, problems, absent)
     fields["layers"] = tuple(fields["layers"])
     return Metadata(**fields)
-
-
-def _metadata_error(problems: list[str], prefix: str = "") -> MetadataError:
-    """The error for ``problems`` (messages naming the field): `DtypeError` (a `MetadataError`)
-    when the dtype is all that is wrong, so a caller can tell a refused dtype from the rest."""
-    cls = DtypeError if all(p.startswith("dtype:") for p in problems) else MetadataError
-    return cls(prefix + "; ".join(problems))

@@ -3,8 +3,8 @@
 Each field of `DumpConfig`, `ModelConfig` and `DatasetConfig` declares what it accepts
 (``expected``, a predicate) beside its default, so the checks live where the fields are
 declared. `parse_config` checks every field of every section and the few rules that span
-fields (`_RULES`), and raises one `ConfigError` listing every problem at once, each named
-by its key (``model.pad_id: expected an integer, found 'x'``).
+fields (`_RULES`) into one `errors.Problems`, and raises one `ConfigError` listing every
+problem at once, each named by its key (``model.pad_id: expected an integer, found 'x'``).
 
 What can only be known from the model (how many blocks it has, its maximum positions, its
 width) is checked when the model is loaded (`saev_shards.dump.model.check_model`), still
@@ -24,7 +24,7 @@ import numpy as np
 import tomllib
 
 from .._layers import string_layers_problem
-from ..errors import ConfigError
+from ..errors import ConfigError, Problems
 from ..format import COLUMN_DTYPES, DTYPES_BY_PROTOCOL, FIELD_NAME_RE, PROTOCOL, is_int
 
 #: The protocol's default shard budget (protocol.md section 3).
@@ -161,71 +161,76 @@ def _expand_shorthand(key: str, value: Any) -> Any:
     return value
 
 
-def _check_fields(cls: type[Any], obj: Mapping[str, Any], prefix: str, problems: list[str]) -> dict[str, Any]:
+def _check_fields(cls: type[Any], obj: Mapping[str, Any], prefix: str, problems: Problems) -> dict[str, Any]:
     """The values of ``obj`` whose keys ``cls`` declares and whose checks pass; problems for the rest."""
     declared = {f.name: f for f in dataclasses.fields(cls)}
     unknown = sorted(set(obj) - set(declared))
     if unknown:
-        problems.append(f"{prefix}unknown keys {unknown} (allowed: {sorted(declared)})")
+        problems.add(f"{prefix}unknown keys {unknown} (allowed: {sorted(declared)})", field=prefix[:-1] or None)
     good: dict[str, Any] = {}
     for name, f in declared.items():
         if name in _SECTIONS and not prefix:
             continue  # sections are checked on their own
         if name not in obj:
             if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING:
-                problems.append(f"missing key {prefix}{name!r}" if prefix else f"missing key {name!r}")
+                problems.add(
+                    f"missing key {prefix}{name!r}" if prefix else f"missing key {name!r}", field=prefix + name
+                )
             continue
         value = obj[name]
         as_string = string_layers_problem(f"{prefix}{name}", value) if name == "layers" else None
         if as_string is not None:
-            problems.append(as_string)
+            problems.add(as_string, field=prefix + name)
         elif not f.metadata["check"](value):
-            problems.append(f"{prefix}{name}: expected {f.metadata['expected']}, found {value!r}")
+            problems.expected(prefix + name, f.metadata["expected"], repr(value))
         else:
             good[name] = value
     return good
 
 
-# Rules that span fields: each returns its problems (empty when the rule holds).
+# Rules that span fields: each adds its problems (none when the rule holds).
 
 
-def _one_model_source(top: Mapping[str, Any], model: Mapping[str, Any], ds: Mapping[str, Any]) -> list[str]:
+def _one_model_source(
+    top: Mapping[str, Any], model: Mapping[str, Any], ds: Mapping[str, Any], problems: Problems
+) -> None:
     sources = [k for k in ("path", "package", "factory") if model.get(k) is not None]
     if len(sources) != 1 and "model" in top:
-        return [f"model: give exactly one of path, package or factory, found {sources or 'none'}"]
-    return []
+        problems.add(f"model: give exactly one of path, package or factory, found {sources or 'none'}", field="model")
 
 
-def _dataset_path(top: Mapping[str, Any], model: Mapping[str, Any], ds: Mapping[str, Any]) -> list[str]:
+def _dataset_path(top: Mapping[str, Any], model: Mapping[str, Any], ds: Mapping[str, Any], problems: Problems) -> None:
     kind = ds.get("kind", "stdlib")
     if kind in ("jsonl", "lines") and not isinstance(ds.get("path"), str):
-        return [f"dataset.path: a {kind} dataset needs a file path"]
-    return []
+        problems.add(f"dataset.path: a {kind} dataset needs a file path", field="dataset.path")
 
 
-def _dataset_columns(top: Mapping[str, Any], model: Mapping[str, Any], ds: Mapping[str, Any]) -> list[str]:
-    problems = []
+def _dataset_columns(
+    top: Mapping[str, Any], model: Mapping[str, Any], ds: Mapping[str, Any], problems: Problems
+) -> None:
     columns = ds.get("columns", {})
     columns = columns if isinstance(columns, Mapping) else {}
     for name, dt in columns.items():
         if not isinstance(name, str) or not FIELD_NAME_RE.fullmatch(name) or name in RESERVED_COLUMNS:
-            problems.append(f"dataset.columns: bad or reserved column name {name!r}")
+            problems.add(f"dataset.columns: bad or reserved column name {name!r}", field="dataset.columns")
         try:
             ok = np.dtype(dt).newbyteorder("<").str in COLUMN_DTYPES or np.dtype(dt).str in COLUMN_DTYPES
         except TypeError:
             ok = False
         if not ok:
-            problems.append(f"dataset.columns.{name}: dtype {dt!r} is not one of {list(COLUMN_DTYPES)}")
+            problems.add(
+                f"dataset.columns.{name}: dtype {dt!r} is not one of {list(COLUMN_DTYPES)}",
+                field=f"dataset.columns.{name}",
+            )
     text_fields = ds.get("text_fields", [])
     if _names(text_fields):
-        problems.extend(
-            f"dataset.text_fields: bad, reserved or duplicate name {name!r}"
-            for name in text_fields
-            if not FIELD_NAME_RE.fullmatch(name) or name in RESERVED_TEXT or name in columns
-        )
+        for name in text_fields:
+            if not FIELD_NAME_RE.fullmatch(name) or name in RESERVED_TEXT or name in columns:
+                problems.add(
+                    f"dataset.text_fields: bad, reserved or duplicate name {name!r}", field="dataset.text_fields"
+                )
     if ds.get("kind", "stdlib") == "stdlib" and (columns or text_fields):
-        problems.append("dataset: columns and text_fields apply to jsonl datasets only")
-    return problems
+        problems.add("dataset: columns and text_fields apply to jsonl datasets only", field="dataset")
 
 
 _RULES = (_one_model_source, _dataset_path, _dataset_columns)
@@ -238,23 +243,21 @@ def parse_config(obj: object, *, base: str | os.PathLike[str] | None = None, whe
     """
     if not isinstance(obj, Mapping):
         raise ConfigError(f"{where}: expected an object (table), found {type(obj).__name__}")
-    problems: list[str] = []
-    top = _check_fields(DumpConfig, obj, "", problems)
-    sections: dict[str, Mapping[str, Any]] = {}
-    good_sections: dict[str, dict[str, Any]] = {}
-    for key, cls in _SECTIONS.items():
-        raw = _expand_shorthand(key, obj.get(key, {"kind": "stdlib"} if key == "dataset" else {}))
-        if not isinstance(raw, Mapping):
-            problems.append(f"{key}: expected a table or a string, found {type(raw).__name__}")
-            raw = {}
-        sections[key] = raw
-        good_sections[key] = _check_fields(cls, raw, f"{key}.", problems)
-    if "model" not in obj:
-        problems.append("missing key 'model'")
-    for rule in _RULES:
-        problems.extend(rule(obj, sections["model"], sections["dataset"]))
-    if problems:
-        raise ConfigError(f"{where}: " + "; ".join(problems))
+    with Problems(ConfigError, head=f"{where}: ") as problems:
+        top = _check_fields(DumpConfig, obj, "", problems)
+        sections: dict[str, Mapping[str, Any]] = {}
+        good_sections: dict[str, dict[str, Any]] = {}
+        for key, cls in _SECTIONS.items():
+            raw = _expand_shorthand(key, obj.get(key, {"kind": "stdlib"} if key == "dataset" else {}))
+            if not isinstance(raw, Mapping):
+                problems.expected(key, "a table or a string", type(raw).__name__)
+                raw = {}
+            sections[key] = raw
+            good_sections[key] = _check_fields(cls, raw, f"{key}.", problems)
+        if "model" not in obj:
+            problems.add("missing key 'model'", field="model")
+        for rule in _RULES:
+            rule(obj, sections["model"], sections["dataset"], problems)
     base_dir = Path(base) if base is not None else None
 
     def build(cls: type[Any], values: dict[str, Any]) -> Any:

@@ -13,9 +13,10 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, ClassVar
 
-from ..errors import Problem
+from ..errors import DtypeError, MetadataError, Problem, Problems
+from .checks import check_keys
 from .common import DTYPES_BY_PROTOCOL
-from .jsonfile import short_list, short_repr, type_name
+from .jsonfile import short_repr, type_name
 
 if TYPE_CHECKING:
     from ..manifest import Manifest
@@ -54,19 +55,13 @@ class Dialect:
     has_pixel_agg: bool = False
 
     # -- metadata.json -------------------------------------------------------------------
-    def fields(self, obj: dict[str, Any]) -> tuple[dict[str, Any], list[str]]:
-        """metadata.json's object as `Metadata` fields (the keys it has, renamed, and ``dialect``),
-        and the problems with its key set (missing and unknown keys)."""
-        missing = [k for k in self.keys if k not in obj]
-        unknown = sorted(set(obj) - set(self.keys), key=str)
-        problems = []
-        if missing:
-            problems.append(f"missing keys {missing}")
-        if unknown:
-            problems.append(f"unknown keys {short_list(unknown)} (allowed: {list(self.keys)})")
+    def fields(self, obj: dict[str, Any], problems: Problems) -> dict[str, Any]:
+        """metadata.json's object as `Metadata` fields (the keys it has, renamed, and ``dialect``);
+        the problems with its key set (missing and unknown keys) go to ``problems``."""
+        check_keys(problems, obj, self.keys, show_allowed=True)
         fields = {self.renames.get(k, k): v for k, v in obj.items() if k in self.keys}
         fields["dialect"] = self.name
-        return fields, problems
+        return fields
 
     def to_json(self, md: Metadata) -> dict[str, Any]:
         """The metadata.json object, keys in the order written (layers as a list)."""
@@ -84,33 +79,38 @@ class Dialect:
         """The cache's directory name: a hash of its metadata."""
         raise NotImplementedError
 
-    def value_problems(self, fields: Mapping[str, Any]) -> list[str]:
-        """What this dialect cannot hold among `Metadata` ``fields`` (checked whenever a `Metadata`
-        is made, after the rules every dialect shares)."""
-        problems = []
+    def check_values(self, fields: Mapping[str, Any], problems: Problems) -> None:
+        """Add what this dialect cannot hold among `Metadata` ``fields`` (checked whenever a
+        `Metadata` is made, after the rules every dialect shares)."""
         version = fields["protocol"]
         if version not in self.protocols:
-            problems.append(
+            problems.add(
                 f"protocol: dialect {self.name!r} ({self.summary}) is written as {list(self.protocols)}, found "
-                f"{version!r} (name a dialect that fits, or none: dialect='' means the protocol's default)"
+                f"{version!r} (name a dialect that fits, or none: dialect='' means the protocol's default)",
+                field="protocol",
             )
         allowed = DTYPES_BY_PROTOCOL.get(version, ())
         if fields["dtype"] not in allowed:
-            problems.append(
-                f"dtype: expected one of {list(allowed)} for protocol {version}, found {short_repr(fields['dtype'])}"
+            problems.expected(
+                "dtype", f"one of {list(allowed)} for protocol {version}", short_repr(fields["dtype"]), DtypeError
             )
         if not isinstance(fields["data"], self.data_types):
             kinds = " or ".join("an object" if t is dict else "a string" for t in self.data_types)
-            problems.append(f"data: expected {kinds} ({self.summary}), found {type_name(fields['data'])}")
+            problems.expected("data", f"{kinds} ({self.summary})", type_name(fields["data"]))
         if fields["pixel_agg"] is not None and not self.has_pixel_agg:
-            problems.append(
-                f"pixel_agg: {self.summary} has no pixel_agg; expected None, found {short_repr(fields['pixel_agg'])}"
+            problems.add(
+                f"pixel_agg: {self.summary} has no pixel_agg; expected None, found {short_repr(fields['pixel_agg'])}",
+                field="pixel_agg",
             )
-        return problems
+
+    def check_writable(self, md: Metadata, problems: Problems) -> None:
+        """Add what keeps a cache of ``md`` from being written in this dialect (beyond `check_values`)."""
 
     def write_problems(self, md: Metadata) -> list[str]:
-        """What keeps a cache of ``md`` from being written in this dialect (beyond `value_problems`)."""
-        return []
+        """`check_writable`'s messages (what the writer joins into its `MetadataError`)."""
+        problems = Problems(MetadataError)
+        self.check_writable(md, problems)
+        return problems.messages()
 
     # -- the data files --------------------------------------------------------------------
     def shard_nbytes(self, md: Metadata, shard: int) -> int:

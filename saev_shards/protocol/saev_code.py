@@ -20,7 +20,7 @@ fixtures under tests/data/saev-code-* were written by it):
 
 The files beside metadata.json are `v21`'s. Reading is lenient where saev was over time
 (any family string; ``pixel_agg`` null, as older versions wrote it); writing refuses what
-saev's current loader would reject (`write_problems`).
+saev's current loader would reject (`check_writable`).
 """
 
 from __future__ import annotations
@@ -32,6 +32,7 @@ from typing import TYPE_CHECKING, Any, ClassVar
 
 import orjson
 
+from ..errors import Problems
 from .common import SAEV_CODE_PROTOCOLS
 from .jsonfile import short_repr
 from .v21 import V21Files
@@ -87,27 +88,28 @@ class SaevCode(V21Files):
     def directory_name(self, md: Metadata) -> str:
         return hashlib.sha256(orjson.dumps(self.to_json(md))).hexdigest()[: self.digits]
 
-    def value_problems(self, fields: Mapping[str, Any]) -> list[str]:
-        problems = super().value_problems(fields)
+    def check_values(self, fields: Mapping[str, Any], problems: Problems) -> None:
+        super().check_values(fields, problems)
         pixel_agg = fields["pixel_agg"]
         if pixel_agg is not None and pixel_agg not in PIXEL_AGGS:
-            problems.append(f"pixel_agg: expected one of {list(PIXEL_AGGS)} or None, found {short_repr(pixel_agg)}")
-        return problems
+            problems.expected("pixel_agg", f"one of {list(PIXEL_AGGS)} or None", short_repr(pixel_agg))
 
-    def write_problems(self, md: Metadata) -> list[str]:
-        problems = []
+    def check_writable(self, md: Metadata, problems: Problems) -> None:
         if md.family not in SAEV_FAMILIES:
-            problems.append(f"family: saev reads only {', '.join(SAEV_FAMILIES)}; found {md.family!r}")
+            problems.add(f"family: saev reads only {', '.join(SAEV_FAMILIES)}; found {md.family!r}", field="family")
         if md.pixel_agg is None and self.digits == SHORT_NAME_DIGITS:
-            problems.append(
+            problems.add(
                 f"pixel_agg: saev requires one of {list(PIXEL_AGGS)} (how patch labels were aggregated; "
-                "saev itself writes 'majority' when there are no labels); found None (pass pixel_agg=...)"
+                "saev itself writes 'majority' when there are no labels); found None (pass pixel_agg=...)",
+                field="pixel_agg",
             )
         normal = str(PurePosixPath(md.dataset))
         if md.dataset != normal:
             # saev's loader makes a pathlib.Path of it, so the value it sees (and hashes) is the normal form.
-            problems.append(f"dataset: saev stores a path; expected its normal form {normal!r}, found {md.dataset!r}")
-        return problems
+            problems.add(
+                f"dataset: saev stores a path; expected its normal form {normal!r}, found {md.dataset!r}",
+                field="dataset",
+            )
 
     def empty_shards(self, md: Metadata) -> int:
         """saev's writer opens the next shard file as soon as one is full, and lists it at the

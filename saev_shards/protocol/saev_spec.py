@@ -17,6 +17,7 @@ from .v3 import KEYS, content_hash, pretty_json
 from .v21 import V21Files
 
 if TYPE_CHECKING:
+    from ..errors import Problems
     from ..metadata import Metadata
 
 
@@ -35,11 +36,12 @@ class SaevSpec(V21Files):
     def directory_name(self, md: Metadata) -> str:
         return content_hash(self.to_json(md))
 
-    def write_problems(self, md: Metadata) -> list[str]:
-        return [
+    def check_writable(self, md: Metadata, problems: Problems) -> None:
+        problems.add(
             "dialect: saev's code does not read caches of its protocol document ('saev-spec'); "
-            "write protocol '2.1' in dialect 'saev' (the default), which saev reads as its own"
-        ]
+            "write protocol '2.1' in dialect 'saev' (the default), which saev reads as its own",
+            field="dialect",
+        )
 
 
 DIALECT = SaevSpec()

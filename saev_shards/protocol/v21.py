@@ -114,7 +114,7 @@ def parse_shard_list(obj: object, checks: JSONChecks) -> list[tuple[str, int]] |
         assert isinstance(e, dict)
         count = checks.count(f"{where}.n_examples", e["n_examples"])
         if not isinstance(e["name"], str):
-            checks.add(f"{where}.name: expected a string, found {type_name(e['name'])}")
+            checks.expected(f"{where}.name", "a string", type_name(e["name"]))
         elif count is not None:
             entries.append((e["name"], count))
     return entries
@@ -134,7 +134,7 @@ def parse_checksums(obj: object, path: str) -> tuple[dict[str, tuple[int, str]],
     assert isinstance(obj, dict)
     files = obj["files"]
     if not isinstance(files, dict):
-        checks.add(f"files: expected an object, found {type_name(files)}")
+        checks.expected("files", "an object", type_name(files))
         return out, checks.problems
     for name, e in files.items():
         where = f"files[{short_repr(name)}]"

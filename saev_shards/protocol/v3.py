@@ -21,9 +21,9 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import numpy.typing as npt
 
-from ..errors import ManifestError, Problem, StatsFileError
+from ..errors import ManifestError, Problem, Problems, StatsFileError
 from ..manifest import ArrayEntry, FileEntry, Manifest, ShardEntry, ShardList, TextEntry
-from .checks import JSONChecks
+from .checks import JSONChecks, check_keys
 from .common import (
     COLUMN_DTYPES,
     FIELD_NAME_RE,
@@ -38,7 +38,7 @@ from .common import (
     text_file,
 )
 from .dialect import Dialect
-from .jsonfile import is_int, load_json, short_list, short_repr, type_name
+from .jsonfile import is_int, load_json, short_repr, type_name
 
 if TYPE_CHECKING:
     from collections.abc import Sequence
@@ -167,7 +167,7 @@ def parse_manifest(obj: object, path: str) -> tuple[Manifest | None, list[Proble
     assert isinstance(obj, dict)
     shards_obj = obj["shards"]
     if not isinstance(shards_obj, list):
-        c.add(f"shards: expected an array, found {type_name(shards_obj)}")
+        c.expected("shards", "an array", type_name(shards_obj))
         return None, c.problems
     shards = _fast_shards(shards_obj)
     if shards is None:
@@ -176,7 +176,7 @@ def parse_manifest(obj: object, path: str) -> tuple[Manifest | None, list[Proble
     if obj["labels"] is not None:
         labels = _parse_array(c, "labels", obj["labels"], LABELS_FILE)
         if labels is not None and labels.dtype != LABELS_DTYPE.str:
-            c.add(f"labels.dtype: expected {LABELS_DTYPE.str!r}, found {short_repr(labels.dtype)}")
+            c.expected("labels.dtype", repr(LABELS_DTYPE.str), short_repr(labels.dtype))
     columns: dict[str, ArrayEntry] = {}
     if isinstance(obj["columns"], dict):
         for key, e in obj["columns"].items():
@@ -187,7 +187,7 @@ def parse_manifest(obj: object, path: str) -> tuple[Manifest | None, list[Proble
             if entry is not None:
                 columns[key] = entry
     else:
-        c.add(f"columns: expected an object, found {type_name(obj['columns'])}")
+        c.expected("columns", "an object", type_name(obj["columns"]))
     text: dict[str, TextEntry] = {}
     if isinstance(obj["text"], dict):
         for key, e in obj["text"].items():
@@ -204,7 +204,7 @@ def parse_manifest(obj: object, path: str) -> tuple[Manifest | None, list[Proble
             if name is not None and n_lines is not None and nbytes is not None and digest is not None:
                 text[key] = TextEntry(name, n_lines, nbytes, digest)
     else:
-        c.add(f"text: expected an object, found {type_name(obj['text'])}")
+        c.expected("text", "an object", type_name(obj["text"]))
     stats = None
     if obj["stats"] is not None and c.keys("stats", obj["stats"], FILE_KEYS):
         s = obj["stats"]
@@ -274,7 +274,7 @@ def _slow_shards(entries: list[Any], c: JSONChecks) -> list[ShardEntry]:
             and XXH3_RE.fullmatch(digest)
         ):
             if not isinstance(name, str):
-                c.add(f"{where}.name: expected a string, found {type_name(name)}")
+                c.expected(f"{where}.name", "a string", type_name(name))
             c.count(f"{where}.n_examples", n_ex)
             c.count(f"{where}.nbytes", nbytes)
             c.digest(f"{where}.xxh3_128", digest)
@@ -290,11 +290,11 @@ def _parse_array(c: JSONChecks, where: str, e: object, expected_name: str) -> Ar
     name = c.name(f"{where}.name", e["name"], expected_name)
     dtype = e["dtype"]
     if dtype not in COLUMN_DTYPES:
-        c.add(f"{where}.dtype: expected one of {list(COLUMN_DTYPES)}, found {short_repr(dtype)}")
+        c.expected(f"{where}.dtype", f"one of {list(COLUMN_DTYPES)}", short_repr(dtype))
         dtype = None
     shape = e["shape"]
     if not (isinstance(shape, list) and shape and all(is_int(x) and x >= 0 for x in shape)):
-        c.add(f"{where}.shape: expected a non-empty array of integers >= 0, found {short_repr(shape)}")
+        c.expected(f"{where}.shape", "a non-empty array of integers >= 0", short_repr(shape))
         shape = None
     nbytes = c.count(f"{where}.nbytes", e["nbytes"])
     digest = c.digest(f"{where}.xxh3_128", e["xxh3_128"])
@@ -310,22 +310,17 @@ _INT64_MAX = 2**63 - 1
 def parse_stats(obj: object, layers: Sequence[int], d_model: int, path: str) -> dict[str, npt.NDArray[Any]]:
     """Check parsed stats.json against protocol.md 2.6 and return its arrays (integer counts
     as int64, the rest as float64); `StatsFileError` listing every problem."""
-    problems: list[str] = []
     if not isinstance(obj, dict):
         raise StatsFileError(f"{path}: expected an object, found {type_name(obj)}")
-    missing = [k for k in STATS_KEYS if k not in obj]
-    unknown = sorted(set(obj) - set(STATS_KEYS))
-    if missing:
-        problems.append(f"missing keys {missing}")
-    if unknown:
-        problems.append(f"unknown keys {short_list(unknown)}")
+    problems = Problems(StatsFileError, head=f"{path}: ")
+    check_keys(problems, obj, STATS_KEYS)
     n_layers = len(layers)
     out: dict[str, npt.NDArray[Any]] = {}
     given_layers = obj.get("layers")
     if "layers" in obj and not (
         isinstance(given_layers, list) and all(map(is_int, given_layers)) and given_layers == list(layers)
     ):
-        problems.append(f"layers: expected {list(layers)} (metadata.json's layers), found {short_repr(given_layers)}")
+        problems.expected("layers", f"{list(layers)} (metadata.json's layers)", short_repr(given_layers))
     elif "layers" in obj:
         out["layers"] = np.asarray(layers, dtype=np.int64)
     for key in ("count", "nonfinite"):
@@ -337,7 +332,7 @@ def parse_stats(obj: object, layers: Sequence[int], d_model: int, path: str) -> 
             and len(value) == n_layers
             and all(is_int(x) and 0 <= x <= _INT64_MAX for x in value)
         ):
-            problems.append(f"{key}: expected {n_layers} integers >= 0 (one per layer), found {short_repr(value)}")
+            problems.expected(key, f"{n_layers} integers >= 0 (one per layer)", short_repr(value))
         else:
             out[key] = np.asarray(value, dtype=np.int64)
     for key, shape in (("norm_mean", (n_layers,)), ("norm_sq_mean", (n_layers,)), ("mean", (n_layers, d_model)),
@@ -347,11 +342,10 @@ def parse_stats(obj: object, layers: Sequence[int], d_model: int, path: str) -> 
         array = _numbers(obj[key], shape)
         if array is None:
             what = f"{n_layers} numbers" if len(shape) == 1 else f"{n_layers} arrays of {d_model} numbers"
-            problems.append(f"{key}: expected {what} (shape {list(shape)}), found {short_repr(obj[key])}")
+            problems.expected(key, f"{what} (shape {list(shape)})", short_repr(obj[key]))
         else:
             out[key] = array
-    if problems:
-        raise StatsFileError(f"{path}: " + "; ".join(problems))
+    problems.raise_if_any()
     return out
 
 

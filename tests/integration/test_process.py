@@ -35,12 +35,27 @@ def test_pickle_is_small_and_handle_free(root: Path) -> None:
     np.testing.assert_array_equal(clone[1234], logical[1234])
 
 
+def _open_files(folder: Path) -> dict[int, str]:
+    """This process's descriptors on files in ``folder`` (memory maps hold one each)."""
+    out = {}
+    for fd in os.listdir("/proc/self/fd"):
+        try:
+            target = os.readlink(f"/proc/self/fd/{fd}")
+        except OSError:  # the listing's own descriptor, closed by now
+            continue
+        if os.path.dirname(target) == str(folder):
+            out[int(fd)] = os.path.basename(target)
+    return out
+
+
 def _child_reads(shards: ss.Shards, queue: Any) -> None:
-    inherited = len(shards._maps)
-    queue.put((os.getpid(), inherited, shards[17].tolist(), shards.read_example(1999, 1).sum().item()))
+    before = _open_files(shards.path)
+    row = shards.shard(0)[3].tolist()  # through a memory map of shard 0
+    total = shards.read_example(1999, 1).sum().item()  # through a pread descriptor of the last shard
+    queue.put((os.getpid(), before, _open_files(shards.path), row, total))
 
 
-def _run(context: str, shards: ss.Shards) -> tuple[int, int, Any, float]:
+def _run(context: str, shards: ss.Shards) -> tuple[int, dict[int, str], dict[int, str], Any, float]:
     ctx = mp.get_context(context)
     queue = ctx.Queue()
     proc = ctx.Process(target=_child_reads, args=(shards, queue))  # type: ignore[attr-defined]
@@ -52,19 +67,34 @@ def _run(context: str, shards: ss.Shards) -> tuple[int, int, Any, float]:
 
 
 def test_fork_and_spawn_open_their_own(root: Path) -> None:
+    """A forked child inherits the parent's descriptors and maps, yet reads through its own:
+    it notices the new pid and opens fresh ones before touching a handle. Spawn starts bare."""
     md = small_metadata(n_examples=2000, d_model=64)
     logical = write_cache(root, md, batches=[500])
     shards = ss.open(root / md.hash)
-    _ = shards[:]  # the parent holds memmaps of every shard
-    assert len(shards._maps) == md.n_shards
+    names = [s.name for s in shards.manifest.shards]
+    # The parent maps every shard and holds the arrays (a forked child keeps this frame, so
+    # the inherited maps and their descriptors stay open there: no descriptor number is reused).
+    held = [shards.shard(k) for k in range(md.n_shards)]
+    shards.read_example(1999, 1)  # and a pread descriptor of the last shard
+    parents = _open_files(shards.path)
+    assert sorted(set(parents.values())) == names
     for context in ("fork", "spawn"):
-        pid, inherited, row, total = _run(context, shards)
+        pid, before, after, row, total = _run(context, shards)
         assert pid != os.getpid()
-        # fork copies the object, but it notices the new pid before using any handle
-        assert row == logical[17].tolist()
+        assert row == logical[3].tolist()
         assert total == float(logical[1999, 1].sum())
-        if context == "spawn":
-            assert inherited == 0
+        if context == "fork":
+            assert before == parents  # the parent's handles came along with the fork ...
+            assert after.items() >= before.items()  # ... and are still open there
+        else:
+            assert before == {}
+        # Either way the child read through descriptors it opened itself: a map of shard 0
+        # and a pread descriptor of the last shard (reusing the parent's would open none).
+        opened = {fd: name for fd, name in after.items() if fd not in before}
+        assert {names[0], names[-1]} <= set(opened.values()), (context, opened)
+        assert set(opened.values()) <= set(names)
+    assert len(held) == md.n_shards
 
 
 def test_core_imports_without_torch() -> None:

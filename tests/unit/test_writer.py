@@ -47,9 +47,14 @@ def test_publishes_read_only(root: Path) -> None:
 def test_already_published_is_an_error(root: Path) -> None:
     md = small_metadata()
     write_cache(root, md)
+    before = tree_bytes(root / md.hash)
     with pytest.raises(ss.AlreadyPublishedError, match="already published"):
         ss.ShardWriter(root, md)
     assert isinstance(ss.AlreadyPublishedError("x"), FileExistsError)
+    # The refused second write touched nothing: the published cache is as it was, no staging.
+    assert tree_bytes(root / md.hash) == before
+    assert not staging_dir(root, md).exists()
+    assert sorted(p.name for p in root.iterdir()) == [md.hash]
 
 
 @pytest.mark.parametrize(
@@ -294,19 +299,33 @@ def test_resume_after_abort_is_byte_identical(tmp_path: Path) -> None:
     assert tree_bytes(root / md.hash) == tree_bytes(expected_root / md.hash)
 
 
-def test_resume_rewrites_a_corrupted_shard(root: Path) -> None:
+def test_resume_rewrites_a_corrupted_shard(tmp_path: Path) -> None:
+    """Resuming keeps the shards whose bytes match their records, rewrites the first one that
+    does not and everything after it, and publishes exactly the cache of an uninterrupted run."""
     md = small_metadata()
     logical = logical_tensor(md)
+    clean = tmp_path / "clean"
+    write_cache(clean, md)
+    root = tmp_path / "resumed"
     w = ss.ShardWriter(root, md, durable=False)
-    w.write(logical[:15])
+    w.write(logical[:15])  # shards 0, 1 and 2 complete
     w.abort()
-    shard1 = staging_dir(root, md) / "acts000001.bin"
+    staging = staging_dir(root, md)
+    kept = (staging / "acts000000.bin").stat().st_ino
+    shard1 = staging / "acts000001.bin"
     data = bytearray(shard1.read_bytes())
     data[7] ^= 0xFF
     shard1.write_bytes(bytes(data))
     w = ss.ShardWriter(root, md, resume=True, durable=False)
-    assert w.next_example == 5  # shard 1's checksum no longer matches its record
-    w.abort()
+    assert w.next_example == 5  # shard 1's checksum no longer matches its record: resume from it
+    w.write(logical[5:])
+    w.close()
+    published = root / md.hash
+    assert (published / "acts000000.bin").stat().st_ino == kept  # the intact shard was not rewritten
+    assert tree_bytes(published) == tree_bytes(clean / md.hash)  # the corrupted byte is gone
+    shards = ss.open(published)
+    shards.verify()
+    np.testing.assert_array_equal(shards[:], logical)
 
 
 def test_fresh_start_discards_stale_staging(root: Path) -> None:

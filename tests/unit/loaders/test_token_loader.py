@@ -427,13 +427,32 @@ def test_epoch_examples_match_the_batches(make_cache: Any) -> None:
         np.testing.assert_array_equal(loader.epoch_examples(epoch, 7), got[:7])
 
 
-def test_gather_threads_split_large_batches(make_cache: Any) -> None:
+def test_batches_spanning_windows_are_gathered_on_the_pool(make_cache: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A batch larger than a window is gathered by one ``numpy.take`` per window it touches,
+    every one on the gather pool's threads (at most ``gather_threads`` of them), none on the
+    consumer's; the batches hold every vector once."""
+    import threading
+
     md = small_metadata(n_examples=700, patches_per_shard=400)  # 5,600 vectors, 50 examples per shard
     shards, logical = make_cache(md, batches=(100,))
+    takes: list[str] = []
+    real_take: Any = np.take
+
+    def take(a: Any, indices: Any, axis: Any = None, out: Any = None, mode: str = "raise") -> Any:
+        if out is not None:  # a batch gather (planning never gathers into an out array)
+            takes.append(threading.current_thread().name)
+        return real_take(a, indices, axis=axis, out=out, mode=mode)
+
+    monkeypatch.setattr(np, "take", take)
+    loader = ShuffledLoader(shards, batch_size=5000, gather_threads=3, buffer_bytes=20_000, block_bytes=2_000)
+    assert loader._window_rows < loader.batch_size  # each batch spans several windows
     seen: list[tuple[int, int, int]] = []
-    for b in ShuffledLoader(shards, batch_size=5000, gather_threads=3, buffer_bytes=20_000, block_bytes=2_000):
+    for b in loader:
         seen += check_batch(b, md, logical)
     assert sorted(seen) == sorted(expected_vectors(md))
+    assert len(takes) > len(loader)  # one take per window a batch touches: more than one per batch
+    assert all(name.startswith("saev-loader-gather") for name in takes), set(takes)
+    assert 1 <= len(set(takes)) <= 3
 
 
 def test_ordered_ranks_split_the_order(make_cache: Any) -> None:
@@ -449,15 +468,57 @@ def test_ordered_ranks_split_the_order(make_cache: Any) -> None:
     assert parts[0] + parts[1] + parts[2] == whole == expected_vectors(md)
 
 
-def test_pin_memory_and_batch_to(make_cache: Any) -> None:
+@pytest.mark.parametrize("cuda", [False, True])
+def test_pin_memory_is_taken_only_with_cuda(make_cache: Any, monkeypatch: pytest.MonkeyPatch, cuda: bool) -> None:
+    """``pin_memory=True`` allocates every chunk from the pinned allocator when CUDA is there,
+    and is ignored without it (as documented): the allocator is never called, batches come
+    out whole. CUDA's presence is declared here; the real allocator runs in the GPU test below."""
+    from saev_shards.loaders import pipeline
+
+    md = small_metadata()
+    shards, logical = make_cache(md)
+    calls: list[tuple[int, ...]] = []
+
+    def recording_pinned(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+        calls.append(shape)
+        return torch.empty(shape, dtype=dtype)
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: cuda)
+    monkeypatch.setattr(pipeline, "pinned_empty", recording_pinned)
+    for asked in (False, True):
+        calls.clear()
+        loader = ShuffledLoader(shards, batch_size=16, pin_memory=asked)
+        assert loader.pin_memory == (asked and cuda)
+        seen = [v for b in loader for v in check_batch(b, md, logical)]
+        assert sorted(seen) == sorted(expected_vectors(md))
+        assert bool(calls) == (asked and cuda), calls
+    # With a device the loader stages in pinned memory itself; pin_memory does not apply there.
+    assert not ShuffledLoader(shards, batch_size=16, pin_memory=True, device="cpu").pin_memory
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (pinned host memory)")
+def test_pin_memory_pins_batches_on_a_gpu_node(make_cache: Any) -> None:
+    md = small_metadata()
+    shards, logical = make_cache(md)
+    loader = ShuffledLoader(shards, batch_size=16, pin_memory=True)
+    assert loader.pin_memory
+    seen = []
+    for batch in loader:
+        assert batch.acts.is_pinned()
+        seen += check_batch(batch, md, logical)
+        moved = batch.to("cuda", non_blocking=True)
+        assert torch.equal(moved.acts.cpu(), batch.acts) and moved.labels is None
+    assert sorted(seen) == sorted(expected_vectors(md))
+
+
+def test_batch_to_keeps_the_values(make_cache: Any) -> None:
     md = small_metadata()
     shards, _ = make_cache(md)
-    loader = ShuffledLoader(shards, batch_size=16, pin_memory=True, out_dtype="float32")
-    assert loader.pin_memory == torch.cuda.is_available()  # ignored without CUDA
-    for batch in loader:
+    for batch in ShuffledLoader(shards, batch_size=16, out_dtype="float32"):
         moved = batch.to("cpu")
         assert torch.equal(moved.acts, batch.acts) and moved.labels is None
-        assert batch.acts.is_pinned() == torch.cuda.is_available()
+        assert torch.equal(moved.examples, batch.examples) and torch.equal(moved.tokens, batch.tokens)
+        assert not batch.acts.is_pinned()
 
 
 # -- every chosen layer from one read ----------------------------------------------------
