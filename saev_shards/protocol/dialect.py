@@ -13,7 +13,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, ClassVar
 
-from ..errors import DtypeError, MetadataError, Problem, Problems
+from ..errors import DtypeError, Problem, Problems
 from .checks import check_keys
 from .common import DTYPES_BY_PROTOCOL
 from .jsonfile import short_repr, type_name
@@ -105,12 +105,6 @@ class Dialect:
 
     def check_writable(self, md: Metadata, problems: Problems) -> None:
         """Add what keeps a cache of ``md`` from being written in this dialect (beyond `check_values`)."""
-
-    def write_problems(self, md: Metadata) -> list[str]:
-        """`check_writable`'s messages (what the writer joins into its `MetadataError`)."""
-        problems = Problems(MetadataError)
-        self.check_writable(md, problems)
-        return problems.messages()
 
     # -- the data files --------------------------------------------------------------------
     def shard_nbytes(self, md: Metadata, shard: int) -> int:

@@ -24,7 +24,7 @@ from typing import Any
 
 import xxhash
 
-from ..errors import AlreadyPublishedError, WriterError
+from ..errors import AlreadyPublishedError, Problems, WriterError
 from ..fileio import (
     IO_CHUNK,
     fault_point,
@@ -110,6 +110,10 @@ def _finalize_locked(root: Path, md: Metadata, staging: Path, final: Path, verif
         raise AlreadyPublishedError(f"{final} was published by someone else meanwhile")
 
 
+#: Problems listed in a finalize error (the rest are counted in its head or left out).
+_LISTED = 50
+
+
 def _validate(md: Metadata, staging: Path, commit: _Commit | None, verify: bool) -> list[dict[str, Any]]:
     """Every check before finalizing: the metadata, then either the committed files'
     digests (``verify``) or every shard's part record and the parts it names. Returns the
@@ -119,43 +123,40 @@ def _validate(md: Metadata, staging: Path, commit: _Commit | None, verify: bool)
         raise WriterError(f"{md_path} does not match the metadata being finalized")
     if commit is not None:
         if verify:
-            bad = [
-                f"{staging / name}: xxh3_128 differs from {MANIFEST_FILE}"
-                for name, (_, digest) in sorted(commit.files.items())
-                if digest is not None and (staging / name).is_file() and hash_file(staging / name)[1] != digest
-            ]
-            if bad:
-                raise WriterError(f"{staging}: cannot finalize:\n  " + "\n  ".join(bad[:50]))
+            bad = Problems(WriterError, sep="\n  ")
+            for name, (_, digest) in sorted(commit.files.items()):
+                if digest is not None and (staging / name).is_file() and hash_file(staging / name)[1] != digest:
+                    bad.add(f"{staging / name}: xxh3_128 differs from {MANIFEST_FILE}", field=name)
+            bad.raise_if_any(f"{staging}: cannot finalize:\n  ", limit=_LISTED)
         return []
     records: list[dict[str, Any]] = []
-    problems: list[str] = []
+    incomplete = Problems(WriterError, sep="\n  ")
     for k in range(md.n_shards):
         try:
             records.append(strict_json_loads((staging / part_record(k)).read_bytes()))
         except FileNotFoundError:
-            problems.append(f"shard {k}: not written (no {part_record(k)})")
+            incomplete.add(f"shard {k}: not written (no {part_record(k)})", field=f"shard {k}")
         except (OSError, ValueError) as err:
-            problems.append(f"shard {k}: unreadable part record ({err})")
-    if problems:
-        raise WriterError(
-            f"{staging}: cannot finalize, {len(problems)} shards incomplete:\n  " + "\n  ".join(problems[:50])
-        )
+            incomplete.add(f"shard {k}: unreadable part record ({err})", field=f"shard {k}")
+    incomplete.raise_if_any(f"{staging}: cannot finalize, {len(incomplete)} shards incomplete:\n  ", limit=_LISTED)
     stream_sets = {tuple(sorted(r["streams"])) for r in records}
     if len(stream_sets) > 1:
         raise WriterError(f"{staging}: shards were written with different streams: {sorted(stream_sets)}")
+    files = Problems(WriterError, sep="\n  ")
     for r in records:
         k = r["shard"]
         for key, info in [("acts", r["acts"]), *r["streams"].items()]:
             path = staging / part_file(k, key)
             size = path.stat().st_size if path.exists() else -1
             if size != info["nbytes"]:
-                problems.append(f"{path}: expected {info['nbytes']} bytes, found {size if size >= 0 else 'no file'}")
+                files.expected(str(path), f"{info['nbytes']} bytes", str(size) if size >= 0 else "no file")
             elif verify and hash_file(path)[1] != info["xxh3_128"]:
-                problems.append(f"{path}: xxh3_128 differs from its part record")
+                files.add(f"{path}: xxh3_128 differs from its part record", field=str(path))
         if r["acts"]["nbytes"] != md.shard_nbytes(k):
-            problems.append(f"shard {k}: expected {md.shard_nbytes(k)} bytes, record says {r['acts']['nbytes']}")
-    if problems:
-        raise WriterError(f"{staging}: cannot finalize:\n  " + "\n  ".join(problems[:50]))
+            files.add(
+                f"shard {k}: expected {md.shard_nbytes(k)} bytes, record says {r['acts']['nbytes']}", field=f"shard {k}"
+            )
+    files.raise_if_any(f"{staging}: cannot finalize:\n  ", limit=_LISTED)
     for key, info in records[0]["streams"].items() if records else ():
         if any(
             r["streams"][key].get("dtype") != info.get("dtype") or r["streams"][key].get("shape") != info.get("shape")

@@ -16,7 +16,7 @@ import numpy.typing as npt
 import orjson
 
 from .. import dtypes, world
-from ..errors import MetadataError, NonFiniteError, WriterError
+from ..errors import MetadataError, NonFiniteError, Problems, WriterError
 from ..metadata import Metadata
 from ..protocol.common import (
     COLUMN_DTYPES,
@@ -396,9 +396,8 @@ def _check_writable(root: Path, md: Metadata, extras: bool) -> None:
         raise WriterError(
             f"protocol {md.protocol} caches ({md.format.summary}) hold activations and labels only; use protocol 3.0"
         )
-    problems = md.format.write_problems(md)
-    if problems:
-        raise MetadataError(f"cannot write a {md.format.summary} cache: " + "; ".join(problems))
+    with Problems(MetadataError, head=f"cannot write a {md.format.summary} cache: ") as problems:
+        md.format.check_writable(md, problems)
     if md.format.legacy and root.absolute().parts[-2:] != SAEV_ROOT_PARTS:
         warnings.warn(
             f"{root.absolute()}: saev's readers look for caches in a folder ending in saev/shards/<name> "

@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import re
+from pathlib import Path
 from typing import Any
 
 import pytest
 
+import saev_shards as ss
 from saev_shards.dump import parse_config
 from saev_shards.errors import (
     ConfigError,
@@ -134,13 +136,19 @@ def test_parsed_metadata_lists_key_and_value_problems_together() -> None:
     assert message.endswith("; d_model: expected an integer >= 1, found -3")
 
 
-def test_dialect_write_problems_are_the_collectors_messages() -> None:
+def test_a_dialect_adds_what_it_cannot_write_to_the_collector() -> None:
     md = small_metadata(dtype="float32", protocol="2.1", data="x", family="llama", dataset="a//b")
-    assert DIALECTS["saev"].write_problems(md) == [
+    problems = Problems(MetadataError)
+    DIALECTS["saev"].check_writable(md, problems)
+    assert problems.messages() == [
         "family: saev reads only bird-mae, clip, dinov2, dinov3, fake-clip, pe-core, pe-spatial, siglip; found 'llama'",
         "dataset: saev stores a path; expected its normal form 'a/b', found 'a//b'",
     ]
-    assert DIALECTS["3.0"].write_problems(small_metadata()) == []
+    clean = Problems(MetadataError)
+    DIALECTS["3.0"].check_writable(small_metadata(), clean)
+    assert not clean
+    with pytest.raises(MetadataError, match=r"^cannot write a .* cache: family: saev reads only .*; dataset: saev"):
+        ss.ShardWriter(Path("/nonexistent/saev/shards"), md)
 
 
 def test_stats_lists_every_problem_in_one_error() -> None:
