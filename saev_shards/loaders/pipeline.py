@@ -262,17 +262,25 @@ class Recycler:
 def cast_into(raw: npt.NDArray[Any], stored: str, out: str, dest: npt.NDArray[Any]) -> None:
     """Write stored values ``raw`` into ``dest`` (the numpy view of an ``out`` tensor) as ``out``.
 
-    numpy casts release the GIL and run on the calling thread alone (torch's casts fan out
-    to its intra-op threads, which gather threads would oversubscribe). Rounding matches
-    torch's: nearest, ties to even, NaN to 0x7FC0 for bfloat16.
+    Widening bfloat16 is a shift in numpy (GIL released, this thread only). Widening float16
+    goes through torch: its vectorised conversion is about 5x faster than numpy's on this
+    machine even on one thread (measured: 5.0 ms vs 26.6 ms for 16,384 x 768 values), which
+    outweighs its intra-op threads sharing the cores with the gather threads (float32
+    output from float16 caches, page-cached, 2 cores: 1.0 GB/s with numpy's cast, 1.8 GB/s
+    with torch's). Rounding matches torch's: nearest, ties to even, NaN to 0x7FC0 for
+    bfloat16.
     """
     if out == "float32":
         if stored == "bfloat16":
             np.left_shift(raw, np.uint32(16), out=dest.view(np.uint32), dtype=np.uint32)
         else:
-            np.copyto(dest, raw)
+            _torch_widen(raw, dest)
         return
-    wide = raw.view(np.uint16).astype(np.uint32) << 16 if stored == "bfloat16" else raw.astype(np.float32)
+    if stored == "bfloat16":
+        wide = raw.view(np.uint16).astype(np.uint32) << 16
+    else:
+        wide = np.empty(raw.shape, np.float32)
+        _torch_widen(raw, wide)
     if stored == "bfloat16":
         wide = wide.view(np.float32)
     if out == "bfloat16":
@@ -280,6 +288,13 @@ def cast_into(raw: npt.NDArray[Any], stored: str, out: str, dest: npt.NDArray[An
     else:
         with np.errstate(over="ignore"):  # beyond float16's range is inf, as torch gives
             np.copyto(dest, wide, casting="unsafe")
+
+
+def _torch_widen(raw: npt.NDArray[Any], dest: npt.NDArray[Any]) -> None:
+    """``dest[...] = raw`` for float16 ``raw`` into float32 ``dest`` (torch's conversion)."""
+    import torch
+
+    torch.from_numpy(dest).copy_(torch.from_numpy(raw))
 
 
 # --------------------------------------------------------------------------------------
