@@ -277,12 +277,10 @@ def cast_into(raw: npt.NDArray[Any], stored: str, out: str, dest: npt.NDArray[An
             _torch_widen(raw, dest)
         return
     if stored == "bfloat16":
-        wide = raw.view(np.uint16).astype(np.uint32) << 16
+        wide = (raw.view(np.uint16).astype(np.uint32) << 16).view(np.float32)
     else:
         wide = np.empty(raw.shape, np.float32)
         _torch_widen(raw, wide)
-    if stored == "bfloat16":
-        wide = wide.view(np.float32)
     if out == "bfloat16":
         dest[...] = float32_to_bf16(wide)
     else:
