@@ -48,65 +48,44 @@ def fault_metadata(**changes: Any) -> ss.Metadata:
     return small_metadata(n_examples=59, **changes)
 
 
-def write_run(
-    root: Path, md: ss.Metadata, resume: bool, *, batch: int = 4, durable: bool = False, pause: float = 0.0
-) -> str:
-    """Write (or, with ``resume``, finish) the fault-suite cache; returns the published path.
+def _fault_writer(root: Path, md: ss.Metadata, **kwargs: Any) -> ss.ShardWriter:
+    """A writer of the fault-suite cache: labels, a lengths column, text and statistics."""
+    columns = {"lengths": (np.int16, ())}
+    return ss.ShardWriter(root, md, labels=True, columns=columns, text=["prompt"], stats=True, **kwargs)
 
-    ``pause``: seconds to sleep after each batch (spreads a run for timed kills)."""
-    logical = logical_tensor(md)
-    source = float_input(md, logical)
+
+def _feed(w: ss.ShardWriter, md: ss.Metadata, batch: int, pause: float = 0.0) -> None:
+    """Write the writer's examples from where it resumes to its share's end, ``batch`` at a time."""
+    source = float_input(md, logical_tensor(md))
     labels = labels_for(md)
     lengths = (np.arange(md.n_examples) % md.tokens_per_ex + 1).astype(np.int16)
-    writer = ss.ShardWriter(
-        root,
-        md,
-        resume=resume,
-        labels=True,
-        columns={"lengths": (np.int16, ())},
-        text=["prompt"],
-        stats=True,
-        durable=durable,
-    )
-    with writer as w:
-        for a in range(w.next_example, md.n_examples, batch):
-            b = min(a + batch, md.n_examples)
-            w.write(
-                source[a:b],
-                labels=labels[a:b],
-                columns={"lengths": lengths[a:b]},
-                text={"prompt": [f"example {i}: é" for i in range(a, b)]},
-            )
-            time.sleep(pause)
-    return str(writer.path)
-
-
-def write_rank(root: Path, md: ss.Metadata, rank: int, world_size: int, resume: bool = False) -> str:
-    """Write one rank's share of the fault-suite cache and close (publishes nothing)."""
-    logical = logical_tensor(md)
-    source = float_input(md, logical)
-    labels = labels_for(md)
-    lengths = (np.arange(md.n_examples) % md.tokens_per_ex + 1).astype(np.int16)
-    w = ss.ShardWriter(
-        root,
-        md,
-        rank=rank,
-        world_size=world_size,
-        resume=resume,
-        labels=True,
-        columns={"lengths": (np.int16, ())},
-        text=["prompt"],
-        stats=True,
-        durable=False,
-    )
-    for a in range(w.next_example, w.stop, 4):
-        b = min(a + 4, w.stop)
+    for a in range(w.next_example, w.stop, batch):
+        b = min(a + batch, w.stop)
         w.write(
             source[a:b],
             labels=labels[a:b],
             columns={"lengths": lengths[a:b]},
             text={"prompt": [f"example {i}: é" for i in range(a, b)]},
         )
+        time.sleep(pause)
+
+
+def write_run(
+    root: Path, md: ss.Metadata, resume: bool, *, batch: int = 4, durable: bool = False, pause: float = 0.0
+) -> str:
+    """Write (or, with ``resume``, finish) the fault-suite cache; returns the published path.
+
+    ``pause``: seconds to sleep after each batch (spreads a run for timed kills)."""
+    writer = _fault_writer(root, md, resume=resume, durable=durable)
+    with writer as w:
+        _feed(w, md, batch, pause)
+    return str(writer.path)
+
+
+def write_rank(root: Path, md: ss.Metadata, rank: int, world_size: int, resume: bool = False) -> str:
+    """Write one rank's share of the fault-suite cache and close (publishes nothing)."""
+    w = _fault_writer(root, md, rank=rank, world_size=world_size, resume=resume, durable=False)
+    _feed(w, md, 4)
     return str(w.close())
 
 
