@@ -56,10 +56,6 @@ def _add_confirm_options(p: argparse.ArgumentParser) -> None:
 # rm
 
 
-def _tree_bytes(path: Path) -> int:
-    return sum(f.stat().st_size for f in path.rglob("*") if f.is_file() and not f.is_symlink())
-
-
 def cmd_rm(args: argparse.Namespace) -> int:
     # Resolve every reference first: a typo in the third deletes nothing.
     paths = list(dict.fromkeys(store.resolve(ref, roots_arg(args)) for ref in args.refs))
@@ -90,7 +86,7 @@ def cmd_rm(args: argparse.Namespace) -> int:
             f"refusing to remove {plural(len(linked), 'cache')} that runs link to "
             "(pass --force to remove anyway; those links then dangle): " + "; ".join(lines),
         )
-    sizes = {p: _tree_bytes(p) for p in paths}
+    sizes = {p: store.folder_nbytes(p) for p in paths}
     note = {p: f"  (linked by {plural(len(runs), 'run link')})" for p, runs in linked.items()}
     rows = [(p.name[:12], human_bytes(sizes[p]), str(p) + note.get(p, "")) for p in paths]
     total = f"{plural(len(paths), 'cache')}, {human_bytes(sum(sizes.values()))}"

@@ -156,6 +156,11 @@ def unpublished(root: PathLike) -> list[Unpublished]:
     return out
 
 
+def folder_nbytes(path: Path) -> int:
+    """Bytes of the regular files in a cache or unpublished folder (what removing it frees)."""
+    return _size_and_mtime(path)[0]
+
+
 def _size_and_mtime(path: Path) -> tuple[int, float]:
     st = os.lstat(path)
     if not os.path.isdir(path):
