@@ -14,9 +14,13 @@ from pathlib import Path
 from ..errors import AlreadyPublishedError, WriterBusyError
 from ..fileio import fault_point, take_lock
 from ..metadata import Metadata
-from ..protocol.common import shard_name
+from ..protocol.common import scales_name, shard_name
 
 STAGING_PREFIX = ".staging-"
+#: The activations' stream, and that of a float8_e4m3 cache's scales (cut at shard boundaries
+#: with the activations).
+ACTS = "acts"
+SCALES = "scales"
 #: The lock file of a staging directory sits beside it: ``<root>/.staging-<HASH>.lock``.
 LOCK_SUFFIX = ".lock"
 #: Where older versions kept the lock (inside the staging directory); removed when met.
@@ -44,9 +48,12 @@ def part_record(k: int) -> str:
 
 
 def part_file(k: int, stream: str) -> str:
-    """Name of stream ``stream``'s part of shard ``k`` (activations use the final name)."""
+    """Name of stream ``stream``'s part of shard ``k`` (activations and their scales, which
+    are published as written, use their final names)."""
     if stream == "acts":
         return shard_name(k)
+    if stream == SCALES:
+        return scales_name(k)
     suffix = ".jsonl" if stream.startswith("text.") else ".bin"
     return f"part{k:06d}.{stream}{suffix}"
 

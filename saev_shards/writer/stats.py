@@ -37,15 +37,23 @@ class _Stats:
         self.norm_sq_sum = np.zeros(n_layers, np.float64)
         self.nonfinite = np.zeros(n_layers, np.int64)
 
-    def update(self, acts: npt.NDArray[Any], dtype: str, lengths: npt.NDArray[Any] | None) -> None:
-        """Add the tokens of ``acts`` (stored dtype, shape (B, L, T, D)); padding excluded by ``lengths``."""
+    def update(
+        self,
+        acts: npt.NDArray[Any],
+        dtype: str,
+        lengths: npt.NDArray[Any] | None,
+        scales: npt.NDArray[Any] | None = None,
+    ) -> None:
+        """Add the tokens of ``acts`` (stored dtype, shape (B, L, T, D); float8_e4m3 with its
+        ``scales`` (B, L, T), dequantized to float32); padding excluded by ``lengths``."""
         n_tokens = acts.shape[2]
         positions = np.arange(n_tokens)
         for start in range(0, acts.shape[0], STATS_CHUNK):
             block = acts[start : start + STATS_CHUNK]
+            block_scales = None if scales is None else scales[start : start + STATS_CHUNK]
             has_nonfinite = dtypes.nonfinite_mask_any(block, dtype)
             for li in range(block.shape[1]):
-                x = dtypes.to_float32(block[:, li], dtype)  # (b, T, D) float32
+                x = dtypes.to_float32(block[:, li], dtype, None if block_scales is None else block_scales[:, li])
                 for b in range(block.shape[0]):  # one example at a time: fixed shapes, fixed order
                     xb = x[b]  # (T, D)
                     valid = None
@@ -134,10 +142,12 @@ class _StatsPass:
         self._pool = ThreadPoolExecutor(1, "saev-shards-stats")
         self._pending: collections.deque[tuple[int, Future[None]]] = collections.deque()
 
-    def submit(self, k: int, acts: npt.NDArray[Any], lengths: npt.NDArray[Any] | None) -> None:
-        """Add ``acts`` (examples of shard ``k``) in the background."""
+    def submit(
+        self, k: int, acts: npt.NDArray[Any], lengths: npt.NDArray[Any] | None, scales: npt.NDArray[Any] | None = None
+    ) -> None:
+        """Add ``acts`` (examples of shard ``k``, with their scales for float8_e4m3) in the background."""
         stats = self.shards.setdefault(k, _Stats(self.n_layers, self.d_model))
-        self._pending.append((k, self._pool.submit(stats.update, acts, self.dtype, lengths)))
+        self._pending.append((k, self._pool.submit(stats.update, acts, self.dtype, lengths, scales)))
         while len(self._pending) > _STATS_BACKLOG:
             self._pending.popleft()[1].result()
 
