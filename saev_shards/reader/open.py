@@ -25,6 +25,7 @@ from ..errors import (
     MetadataFileError,
     Problem,
     ProtocolVersionError,
+    ProtocolWarning,
     UnexpectedFileError,
     raise_problems,
 )
@@ -43,7 +44,6 @@ from ..protocol.common import (
     SCALES_NAME_RE,
     SHARD_NAME_RE,
     STATS_FILE,
-    ProtocolWarning,
     blocks_max_bytes,
     scales_name,
     stats_max_bytes,

@@ -31,7 +31,7 @@ from ..errors import (
     UnknownCacheError,
 )
 from ..protocol import is_cache_name
-from ..writer import STAGING_PREFIX
+from ..protocol.staging import STAGING_PREFIX
 
 PathLike = str | os.PathLike[str]
 Roots = PathLike | Sequence[PathLike] | None

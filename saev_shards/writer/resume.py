@@ -22,9 +22,10 @@ from ..protocol.common import (
     text_file,
 )
 from ..protocol.jsonfile import strict_json_loads
+from ..protocol.staging import ACTS, SCALES, part_file, part_record, range_lock, staging_dir
+from ..statistics import StatsAccumulator
 from .finalize import _read_commit, _unfinalize
-from .staging import ACTS, SCALES, _take_writer_lock, part_file, part_record, range_lock, staging_dir
-from .stats import _Stats
+from .staging import _take_writer_lock
 from .streams import _Parts, _StreamSpec
 
 
@@ -113,7 +114,7 @@ def _resume(parts: _Parts, shards: range, stop: int, specs: Mapping[str, _Stream
         if record.get("scales") is not None:
             parts.done[k][SCALES] = record["scales"]
         if parts.stats is not None:
-            parts.stats.shards[k] = _Stats.from_json(record["stats"], md.n_layers, md.d_model)
+            parts.stats.shards[k] = StatsAccumulator.from_json(record["stats"], md.n_layers, md.d_model)
     resumed = shards.start + len(sealed)
     return stop if resumed == shards.stop else resumed * md.examples_per_shard
 

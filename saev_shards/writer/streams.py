@@ -27,8 +27,8 @@ import orjson
 from ..errors import WriterBusyError
 from ..fileio import IO_CHUNK, BlockHasher, fault_point, naming_disk_full, try_flock, write_file_atomic
 from ..metadata import Metadata
+from ..protocol.staging import SCALES, part_file, part_record
 from . import direct
-from .staging import SCALES, part_file, part_record
 from .stats import _StatsPass
 
 #: Streams whose part files are published as they are written (not joined by finalize).
