@@ -61,31 +61,49 @@ def to_float32(raw: npt.NDArray[Any], dtype: str, scales: npt.NDArray[Any] | Non
     return np.asarray(raw, dtype=np.float32)
 
 
+#: The dtypes values can be read as, by name (bfloat16 as its raw uint16 bits, as it is stored).
+READ_DTYPES: dict[str, np.dtype[Any]] = {
+    "float16": np.dtype("<f2"),
+    "float32": np.dtype("<f4"),
+    "bfloat16": np.dtype("<u2"),
+}
+
+
 def convert(
     raw: npt.NDArray[Any],
     stored: str,
     dtype: str,
     scales: npt.NDArray[Any] | None = None,
     out: npt.NDArray[Any] | None = None,
+    *,
+    elementwise: bool = False,
 ) -> npt.NDArray[Any]:
-    """Stored values of ``stored`` as ``dtype`` (``"float16"``, ``"float32"``, ``"bfloat16"`` as
-    uint16 bits), into ``out`` when given: dequantized for float8_e4m3 (`float8.dequantize`,
-    with the ``scales`` of its vectors; `DtypeRangeError` when float16 cannot hold them), cast
-    otherwise (rounding to nearest, ties to even). Without ``out``, ``raw`` itself when it
-    already is ``dtype``, else a fresh array."""
+    """Stored values of ``stored`` as ``dtype`` (one of `READ_DTYPES`), into ``out`` when given:
+    dequantized for float8_e4m3 (`float8.dequantize`, with the ``scales`` of its vectors, shape
+    ``raw.shape[:-1]``, or with ``elementwise`` each value's vector's scale in ``raw``'s shape;
+    `DtypeRangeError` when float16 cannot hold them), cast otherwise (rounding to nearest, ties
+    to even). Without ``out``, ``raw`` itself when it already is ``dtype``, else a fresh array."""
     if stored == FLOAT8:
         if scales is None:
             raise ValueError("float8_e4m3 values need their scales to be read")
-        return float8.dequantize(raw, scales, dtype, out)
-    if stored == dtype:
+        wide = "float32" if dtype == "bfloat16" else dtype
+        if elementwise:
+            converted = float8.dequantize_elementwise(raw, scales, wide)
+        else:
+            converted = float8.dequantize(raw, scales, wide, None if dtype == "bfloat16" else out)
+            if out is not None and dtype != "bfloat16":
+                return out
+        if dtype == "bfloat16":
+            converted = float32_to_bf16(converted)
+    elif stored == dtype:
         converted = raw
     else:
-        wide = to_float32(raw, stored)
+        wide_values = to_float32(raw, stored)
         if dtype == "bfloat16":
-            converted = float32_to_bf16(wide)
+            converted = float32_to_bf16(wide_values)
         else:
             with np.errstate(over="ignore"):  # beyond float16's range is inf, as a cast always gives
-                converted = wide.astype(DTYPES[dtype])
+                converted = wide_values.astype(DTYPES[dtype])
     if out is None:
         return converted
     out[...] = converted

@@ -52,11 +52,10 @@ FLOAT16_MAX = 65504.0
 _FLOAT16_OVERFLOW = np.float32(65520.0)
 #: Values per step of the chunked loops: their float32 scratch stays in L2 (256 KiB).
 _CHUNK_VALUES = 1 << 16
-#: Dtypes values can be dequantized into (bfloat16 as its raw uint16 bits, as the reader's).
+#: Dtypes values are dequantized into here (`saev_shards.dtypes.convert` rounds float32 on to bfloat16).
 OUT_DTYPES: dict[str, np.dtype[Any]] = {
     "float16": np.dtype("<f2"),
     "float32": np.dtype("<f4"),
-    "bfloat16": np.dtype("<u2"),
 }
 
 
@@ -232,8 +231,8 @@ def dequantize(
     checked: bool = False,
 ) -> npt.NDArray[Any]:
     """E4M3 ``values`` ``(..., D)`` (`FLOAT8_DTYPE` or their uint8 bytes) with their float32
-    ``scales`` ``(...)``, dequantized into ``dtype`` (``"float16"``, ``"float32"``, or
-    ``"bfloat16"`` as uint16 bits): ``RN32(float32(q) * s)``, rounded to ``dtype``.
+    ``scales`` ``(...)``, dequantized into ``dtype`` (``"float16"`` or ``"float32"``):
+    ``RN32(float32(q) * s)``, rounded to ``dtype``.
 
     Into ``out`` (a C-contiguous array of that dtype and shape) when given. `DtypeRangeError`
     when float16 cannot hold the values (`check_range`; ``checked``: the caller has checked).
@@ -275,12 +274,7 @@ def dequantize(
 
 
 def _narrow(wide: npt.NDArray[np.float32], dest: npt.NDArray[Any], dtype: str) -> None:
-    """``dest[...] = wide`` rounded to ``dtype`` (to nearest, ties to even)."""
-    if dtype == "bfloat16":
-        from .dtypes import float32_to_bf16
-
-        dest[...] = float32_to_bf16(wide)
-        return
+    """``dest[...] = wide`` rounded to float16 (to nearest, ties to even)."""
     torch = sys.modules.get("torch")
     if torch is not None:  # vectorised, and rounds as numpy does; used when torch is already imported
         torch.from_numpy(dest).copy_(torch.from_numpy(wide))

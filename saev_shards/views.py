@@ -35,7 +35,6 @@ import orjson
 
 from . import dtypes
 from .errors import ShardsError
-from .float8 import OUT_DTYPES
 from .optional import require
 from .protocol.common import FLOAT8
 
@@ -52,7 +51,7 @@ class _Window:
     def __init__(self, shards: Shards) -> None:
         self.shards = shards
         self.shape = shards.shape
-        self.dtype = shards.numpy_dtype if shards.read_dtype == shards.dtype else OUT_DTYPES[shards.read_dtype]
+        self.dtype = shards.numpy_dtype if shards.read_dtype == shards.dtype else dtypes.READ_DTYPES[shards.read_dtype]
         self.ndim = 4
 
     def __getitem__(self, key: Any) -> npt.NDArray[Any]:

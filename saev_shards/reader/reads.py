@@ -28,7 +28,6 @@ from .. import dtypes, layout
 from .._indexing import CACHE_RANGE, wrap_index
 from ..errors import FileSizeError
 from ..fileio import pread_exact
-from ..float8 import OUT_DTYPES
 from ..protocol.common import FLOAT8, SCALES_DTYPE
 from .handles import ShardHandles
 
@@ -105,7 +104,9 @@ class ReadPaths(ShardHandles):
         md = self.metadata
         want = self._want(out, dtype)
         if out is None:
-            out = np.empty((len(ex), *md.shard_shape[2:]), self.numpy_dtype if want == self.dtype else OUT_DTYPES[want])
+            out = np.empty(
+                (len(ex), *md.shard_shape[2:]), self.numpy_dtype if want == self.dtype else dtypes.READ_DTYPES[want]
+            )
         for j in range(len(ex)):
             self.read_example(int(ex[j]), int(li[j]), out[j], dtype=want)
         return out
@@ -115,12 +116,12 @@ class ReadPaths(ShardHandles):
         if out is not None:
             if out.dtype == self.numpy_dtype:
                 return self.dtype
-            for name, np_dtype in OUT_DTYPES.items():
+            for name, np_dtype in dtypes.READ_DTYPES.items():
                 if out.dtype == np_dtype:
                     return name
             raise ValueError(
                 f"out: expected a {self.numpy_dtype} array (the stored values) or one of "
-                f"{[str(d) for d in OUT_DTYPES.values()]}, found {out.dtype}"
+                f"{[str(d) for d in dtypes.READ_DTYPES.values()]}, found {out.dtype}"
             )
         if dtype is None:
             return self.read_dtype
@@ -330,9 +331,9 @@ def check_read_dtype(stored: str, dtype: object) -> str:
     (except float8_e4m3, whose values are useless without their scales: `Shards.raw`), or one
     of float16, float32, bfloat16 (uint16 bits)."""
     name = str(dtype).removeprefix("torch.") if not isinstance(dtype, np.dtype) else dtype.name
-    if name in OUT_DTYPES or (name == stored and stored != FLOAT8):
+    if name in dtypes.READ_DTYPES or (name == stored and stored != FLOAT8):
         return name
     raise ValueError(
-        f"dtype: expected one of {list(OUT_DTYPES)} for a {stored} cache, found {dtype!r}"
+        f"dtype: expected one of {list(dtypes.READ_DTYPES)} for a {stored} cache, found {dtype!r}"
         + ("; the stored values and their scales are Shards.raw and Shards.scales" if stored == FLOAT8 else "")
     )

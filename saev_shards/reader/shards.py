@@ -29,7 +29,6 @@ from ..errors import (
     raise_problems,
 )
 from ..fileio import IO_CHUNK, BlockHasher, hash_file
-from ..float8 import dequantize_elementwise
 from ..manifest import Blocks, Manifest
 from ..metadata import Metadata, parse_metadata
 from ..progress import Progress
@@ -121,7 +120,7 @@ class Shards(ReadPaths, Sidecars):
         value's vector, broadcast to ``raw``'s shape (float8_e4m3 only)."""
         want = self.read_dtype if dtype is None else check_read_dtype(self.dtype, dtype)
         if self.dtype == FLOAT8:
-            return dequantize_elementwise(raw, scales(), want)
+            return convert(raw, self.dtype, want, scales(), elementwise=True)
         return convert(raw, self.dtype, want)
 
     def __repr__(self) -> str:
