@@ -148,6 +148,14 @@ def _quantize_numpy(x: npt.NDArray[np.float32]) -> tuple[npt.NDArray[Any], npt.N
 
 
 def _quantize_torch(t: Any) -> tuple[npt.NDArray[Any], npt.NDArray[np.float32]]:
+    q, scales = quantize_tensor(t)
+    return q.cpu().numpy().view(FLOAT8_DTYPE), scales.cpu().numpy()
+
+
+def quantize_tensor(t: Any) -> tuple[Any, Any]:
+    """`quantize` for a torch tensor, on its own device: ``(bytes, scales)``, the E4M3 bytes as
+    a uint8 tensor of ``t``'s shape and the float32 scales ``t.shape[:-1]``, both on ``t``'s
+    device (so that one byte per value crosses to the host: `saev_shards.dump`)."""
     import torch
 
     t = t.detach()
@@ -178,9 +186,7 @@ def _quantize_torch(t: Any) -> tuple[npt.NDArray[Any], npt.NDArray[np.float32]]:
             s = torch.where(bad, torch.full_like(s, float("nan")), s)
             q[a : a + rows] = piece
         scales[a : a + rows] = s
-    q_np = q.cpu().numpy().view(FLOAT8_DTYPE).reshape(shape)
-    s_np = scales.cpu().numpy().reshape(shape[:-1])
-    return q_np, s_np
+    return q.reshape(shape), scales.reshape(shape[:-1])
 
 
 # -- dequantizing ----------------------------------------------------------------------------

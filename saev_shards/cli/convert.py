@@ -157,7 +157,7 @@ def cmd_convert(args: argparse.Namespace) -> int:
         (
             "cache",
             f"{md.hash[:12]} ({n:,}, {n_layers}, {tokens}, {d_model}) {md.dtype}, {plural(md.n_shards, 'shard')}, "
-            f"{human_bytes(md.nbytes)} of activations, protocol {md.protocol}",
+            f"{human_bytes(md.nbytes + md.scales_nbytes)} of activations, protocol {md.protocol}",
         ),
     ]
     width = max(len(k) for k, _ in lines)

@@ -80,7 +80,7 @@ def cmd_shuffle(args: argparse.Namespace) -> int:
     except DiskFullError as error:
         raise CommandError(EXIT_SYSTEM, str(error)) from error
     seconds = time.perf_counter() - start
-    nbytes = shuffled.metadata.nbytes
+    nbytes = shuffled.metadata.nbytes + shuffled.metadata.scales_nbytes
     err.write(
         f"{plan.output.hash[:12]}: shuffled {plan.n_tokens:,} tokens ({human_bytes(nbytes)}) in {seconds:.1f} s, "
         f"{human_bytes(nbytes / max(seconds, 1e-9))}/s\n"

@@ -117,6 +117,9 @@ class Chunk:
     labels: npt.NDArray[Any] | None = None
     #: Bytes of the source this chunk consumed (for the progress line).
     source_nbytes: int = 0
+    #: A float8_e4m3 cache source: ``acts`` are its stored values and these their scales
+    #: ``(B, L, T)``, copied as they are into a float8_e4m3 cache, dequantized for another dtype.
+    scales: npt.NDArray[Any] | None = None
 
 
 class Report:

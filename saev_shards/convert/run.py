@@ -17,10 +17,11 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from .. import dtypes
 from ..errors import ConvertError, ConvertOptionError, NonFiniteError, ShardsError, SourceNotFoundError
 from ..metadata import Metadata
 from ..progress import Progress
-from ..protocol.common import PROTOCOL, V3_PROTOCOLS
+from ..protocol.common import FLOAT8, PROTOCOL, V3_PROTOCOLS
 from ..store import resolve, shards_root
 from ..writer import ShardWriter
 from . import cache
@@ -146,7 +147,9 @@ def prepare(
 
 
 def _nonfinite_message(err: NonFiniteError, dtype: str) -> str:
-    wider = "float32" if dtype != "float32" else None
+    # A wider dtype holds what overflowed float16 (or bfloat16); float8_e4m3 scales every vector,
+    # so only inf or NaN in the source itself is refused there.
+    wider = "float32" if dtype in ("float16", "bfloat16") else None
     hint = f"re-run with --dtype {wider} (or bfloat16), or " if wider else "re-run with "
     return f"{err}; {hint}--allow-nonfinite to store them as they are (nothing was published)"
 
@@ -206,11 +209,15 @@ def run(
                 cols: dict[str, Any] = {k: v for k, v in chunk.columns.items() if k in columns}
                 if with_lengths and "lengths" not in cols:
                     raise ConvertError(f"{plan.path}: internal: a chunk came without its lengths")
+                acts, scales = chunk.acts, chunk.scales
+                if scales is not None and md.dtype != FLOAT8:  # a float8_e4m3 source into another dtype
+                    acts, scales = dtypes.convert(acts, FLOAT8, "float32", scales), None
                 writer.write(
-                    chunk.acts,
+                    acts,
                     labels=chunk.labels if plan.labels else None,
                     columns=cols or None,
                     text={k: v for k, v in chunk.text.items() if k in text} or None,
+                    scales=scales,
                 )
                 written += n
                 bar.update(n * md.example_nbytes, extra=f"{start + written:,}/{md.n_examples:,} examples")

@@ -239,7 +239,7 @@ def space_needed(the_plan: Plan, root: Path, rank: int, world_size: int, *, rest
     for k in rank_shards(md.n_shards, rank, world_size):
         if k not in sealed:
             a, b = k * eps, min((k + 1) * eps, md.n_examples)
-            files += [md.shard_nbytes(k), record, *((b - a) * size for size in column_sizes)]
+            files += [md.shard_nbytes(k), md.shard_scales_nbytes(k), record, *((b - a) * size for size in column_sizes)]
             files += _text_files(the_plan, examples[a:b])
     return bytes_on_disk(files, root)
 
@@ -273,7 +273,9 @@ def describe(the_plan: Plan, root: Path | Root, rank: int, world_size: int) -> s
         f"cls_token={str(md.cls_token).lower()}",
         f"shards    {md.n_shards} x {eps} examples (last {last}), "
         f"{human_bytes(md.shard_nbytes(0) if md.n_shards else 0)} each",
-        f"bytes     {human_bytes(md.nbytes)} activations + {human_bytes(col_bytes)} columns "
+        f"bytes     {human_bytes(md.nbytes + md.scales_nbytes)} activations"
+        + (f" (with {human_bytes(md.scales_nbytes)} of scales)" if md.scales_nbytes else "")
+        + f" + {human_bytes(col_bytes)} columns "
         f"+ >= {human_bytes(text_bytes)} text",
         f"writer    rank {rank} of {world_size}: shards [{share.start}, {share.stop}), "
         f"examples [{share.start * eps}, {min(share.stop * eps, md.n_examples)})",

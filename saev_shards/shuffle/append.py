@@ -232,10 +232,12 @@ class _WriterThread:
         acts: Any = batch["acts"][:n].reshape(n, md.n_layers, 1, md.d_model)
         if md.dtype == "bfloat16":
             acts = _bfloat16_input(acts)
+        # float8_e4m3: the values' bytes and their scales, quantized in the scatter pass
+        scales = batch["scales"][:n].reshape(n, md.n_layers, 1) if "scales" in batch else None
         columns = {SOURCE_EXAMPLE: batch[SOURCE_EXAMPLE][:n], SOURCE_TOKEN: batch[SOURCE_TOKEN][:n]}
         columns.update({name: batch[f"column.{name}"][:n] for name in self.plan.columns})
         labels = batch["label"][:n].reshape(n, 1) if "label" in batch else None
-        self.writer.write(acts, labels=labels, columns=columns)
+        self.writer.write(acts, labels=labels, columns=columns, scales=scales)
 
     def _check(self) -> None:
         if self.error is not None:
