@@ -323,6 +323,8 @@ def summary(shards: reader.Shards) -> dict[str, Any]:
         "data": md.data,
         "shape": list(md.shape),
         "dtype": md.dtype,
+        # float8_e4m3 values are read dequantized, as float16 unless another dtype is asked for.
+        "read_dtype": shards.read_dtype,
         "layers": list(md.layers),
         "patches_per_ex": md.patches_per_ex,
         "cls_token": md.cls_token,
@@ -333,8 +335,11 @@ def summary(shards: reader.Shards) -> dict[str, Any]:
         "examples_per_shard": md.examples_per_shard,
         "n_shards": shards.n_shards,
         "nbytes": md.nbytes,
+        "scales_nbytes": md.scales_nbytes,
         "disk_nbytes": _disk_bytes(shards.path),
         "checksums": all(d is not None for _, _, d in man.files()),
+        # Protocol 3.1: the bytes each digest of blocks.json covers (None without blocks.json).
+        "block_size": shards.block_size,
         "shards": [
             {"name": s.name, "n_examples": s.n_examples, "nbytes": s.nbytes, "xxh3_128": s.xxh3_128} for s in man.shards
         ],
