@@ -218,8 +218,8 @@ def check_range(scales: npt.NDArray[Any], dtype: str, where: str = "") -> None:
     """
     if dtype != "float16" or scales.size == 0:
         return
-    with np.errstate(invalid="ignore"):
-        largest = np.float32(FLOAT8_MAX) * np.max(scales)  # a NaN scale (a NaN vector) never counts
+    # fmax skips NaN scales (vectors stored as NaN: NaN in any dtype), so they hide no other.
+    largest = np.float32(FLOAT8_MAX) * np.fmax.reduce(scales, axis=None)
     if largest >= _FLOAT16_OVERFLOW:
         raise DtypeRangeError(
             f"{where}float8_e4m3 values of up to {float(largest):.6g} do not fit float16 (largest finite "

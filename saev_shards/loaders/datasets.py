@@ -88,8 +88,11 @@ class TokenDataset(_MapDataset):
         example, token = self.locate(index)
         shard, local = divmod(example, self.shards.examples_per_shard)
         raw = np.array(self.shards.shard(shard)[local, self.layer_position, token])
+        scales = None
+        if self.shards.scales is not None:  # float8_e4m3: the vector's scale, by the same arithmetic
+            scales = np.array(self.shards.scale_shard(shard)[local, self.layer_position, token])
         item: dict[str, Any] = {
-            "acts": to_tensor(raw, self.shards.dtype, self.out_dtype),
+            "acts": to_tensor(raw, self.shards.dtype, self.out_dtype, scales),
             "example": example,
             "token": token,
         }
@@ -134,9 +137,11 @@ class ExampleDataset(_MapDataset):
     def __getitem__(self, index: int) -> dict[str, Any]:
         i = wrap_index(int(index), len(self), "index", "for a dataset of {n} (example, layer) slices")
         example, which = divmod(i, len(self.layers))
-        raw = self.shards.read_example(example, self.layer_positions[which])
+        position = self.layer_positions[which]
+        raw = self.shards.read_example_raw(example, position)
+        scales = self.shards.read_example_scales(example, position) if self.shards.scales is not None else None
         item: dict[str, Any] = {
-            "acts": to_tensor(raw, self.shards.dtype, self.out_dtype),
+            "acts": to_tensor(raw, self.shards.dtype, self.out_dtype, scales),
             "example": example,
             "layer": self.layers[which],
         }
@@ -197,11 +202,15 @@ class LayerPairDataset(_MapDataset):
         which = self.pair(example)
         md = self.shards.metadata
         raw = np.empty((2, md.tokens_per_ex, md.d_model), dtype=self.shards.numpy_dtype)
+        scales = np.empty((2, md.tokens_per_ex), np.float32) if self.shards.scales is not None else None
         for j in range(2):
-            self.shards.read_example(example, int(self.layer_positions[which[j]]), raw[j])
+            position = int(self.layer_positions[which[j]])
+            self.shards.read_example_raw(example, position, raw[j])
+            if scales is not None:
+                self.shards.read_example_scales(example, position, scales[j])
         values = np.array(self.layers, dtype=np.int64)[which]
         return {
-            "acts": to_tensor(raw, self.shards.dtype, self.out_dtype),
+            "acts": to_tensor(raw, self.shards.dtype, self.out_dtype, scales),
             "example": example,
             "layers": torch.from_numpy(values),
         }

@@ -33,6 +33,9 @@ from .plan import BLOCK_BYTES, Blocks, EpochPlan, index_window, plan_epoch
 from .selection import TokenSelection, as_shards, parse_out_dtype
 from .tensors import require_torch
 
+#: A host window buffer: the stored values ``(rows * T, D)``, and a float8_e4m3 cache's scales ``(rows * T,)``.
+_WindowBuffer = tuple[npt.NDArray[Any], npt.NDArray[np.float32] | None]
+
 #: Most threads the defaults pick: a node's memory bandwidth is saturated well before.
 MAX_DEFAULT_THREADS = 16
 
@@ -162,7 +165,7 @@ class TokenLoader:
         self._resume_batch = 0
         self._position: tuple[int, int] | None = None  # (epoch, batches yielded) of the live iteration
         self._runs: weakref.WeakSet[HostRun | DeviceRun] = weakref.WeakSet()
-        self._spare: list[npt.NDArray[Any]] = []
+        self._spare: list[_WindowBuffer] = []
         self._slots: Slots | None = None
         self._spare_lock = threading.Lock()
 
@@ -300,7 +303,8 @@ class TokenLoader:
             release = lambda: self._give_slots(slots)  # noqa: E731
         else:
             buffers = self._take_buffers(schedule.n_slots, rows) if len(schedule) else []
-            run = HostRun(cfg, plan, schedule, epoch, self._window_rng, buffers)
+            values, scales = [b for b, _ in buffers], [s for _, s in buffers if s is not None]
+            run = HostRun(cfg, plan, schedule, epoch, self._window_rng, values, scales)
             release = lambda: self._give_buffers(buffers)  # noqa: E731
         self._runs.add(run)
         try:
@@ -316,17 +320,20 @@ class TokenLoader:
         """``(T, D)`` slices one window buffer holds: a window and one more block."""
         return min(self._window_rows + self._blocks.max_rows, int(self._blocks.rows.sum()))
 
-    def _take_buffers(self, n: int, rows: int) -> list[npt.NDArray[Any]]:
+    def _take_buffers(self, n: int, rows: int) -> list[_WindowBuffer]:
+        """``n`` window buffers of ``rows`` ``(T, D)`` slices (stored values, and a float8_e4m3
+        cache's scales beside them), reused from the last epoch where they fit."""
         cfg = self._config
         shape = (rows * cfg.tokens, cfg.d_model)
         with self._spare_lock:
             spare, self._spare = self._spare, []
-        buffers = [b for b in spare if b.shape == shape]
+        buffers = [b for b in spare if b[0].shape == shape]
         while len(buffers) < n:
-            buffers.append(np.empty(shape, dtype=cfg.numpy_dtype))
+            scales = np.empty(shape[0], dtype=np.float32) if cfg.float8 else None
+            buffers.append((np.empty(shape, dtype=cfg.numpy_dtype), scales))
         return buffers[:n]
 
-    def _give_buffers(self, buffers: list[npt.NDArray[Any]]) -> None:
+    def _give_buffers(self, buffers: list[_WindowBuffer]) -> None:
         with self._spare_lock:
             self._spare = buffers
 
