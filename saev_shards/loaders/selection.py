@@ -57,6 +57,25 @@ def parse_layers(shards: Shards, layers: int | Sequence[int] | None) -> tuple[in
     return tuple(values)
 
 
+def check_layers_not_mixed(shards: Shards, layer_values: Sequence[int], stack_layers: bool, mix_layers: bool) -> None:
+    """Refuse batches that would mix layers by accident: with more than one layer chosen, the
+    caller stacks them (``stack_layers=True``) or says mixing is meant (``mix_layers=True``).
+
+    An SAE trained on a batch that is half one layer, half another (at different scales) is
+    wrong and nothing else says so; the message names the three ways out.
+    """
+    if len(layer_values) <= 1 or stack_layers or mix_layers:
+        return
+    recorded = list(shards.metadata.layers)
+    chosen = list(layer_values)
+    which = "records layers" if chosen == recorded else f"records layers {recorded}; you chose"
+    raise LoaderError(
+        f"this cache {which} {chosen}, and a batch would mix them: choose one layer with layers={chosen[-1]}, "
+        f"stack them with stack_layers=True (each row one token at every chosen layer), or pass mix_layers=True "
+        f"to mix layers in one batch on purpose"
+    )
+
+
 def parse_out_dtype(shards: Shards, out_dtype: object) -> str:
     """The dtype name of returned activations: the stored one for None, else one of `OUT_DTYPES`."""
     if out_dtype is None:

@@ -30,7 +30,7 @@ from .device import DeviceRun, Slots
 from .order import Order, parse_order
 from .pipeline import Config, HostRun, Schedule
 from .plan import BLOCK_BYTES, Blocks, EpochPlan, index_window, plan_epoch
-from .selection import TokenSelection, as_shards, parse_out_dtype
+from .selection import TokenSelection, as_shards, check_layers_not_mixed, parse_out_dtype
 from .tensors import require_torch
 
 #: Most threads the defaults pick: a node's memory bandwidth is saturated well before.
@@ -60,7 +60,9 @@ def default_read_threads(device_side: bool = False) -> int:
 class TokenLoader:
     """Batches ``(B, D)`` of single token vectors; every chosen token once per epoch.
 
-    ``layers``: None (all recorded), a layer value or a sequence of them. ``tokens``:
+    ``layers``: None (all recorded), a layer value or a sequence of them; more than one layer
+    needs ``stack_layers=True`` or ``mix_layers=True`` (a batch never mixes layers by accident,
+    so on a cache of several layers choose one, stack them, or say so). ``tokens``:
     ``"content"``, ``"cls"`` or ``"all"``. ``ignore_labels`` skips content tokens whose label is
     listed; ``skip_padding`` skips positions ``>= lengths[i]`` when the cache has a lengths
     column. ``out_dtype``: None (stored; bfloat16 comes back as torch.bfloat16), ``"float32"``,
@@ -101,6 +103,7 @@ class TokenLoader:
         gather_threads: int | None = None,
         order: str | Order = "shuffled",
         stack_layers: bool = False,
+        mix_layers: bool = False,
         device: Any = None,
     ) -> None:
         require_torch(type(self).__name__)
@@ -131,6 +134,7 @@ class TokenLoader:
         self.layers = self.selection.layer_values
         self.out_dtype = parse_out_dtype(self.shards, out_dtype)
         self.stack_layers = bool(stack_layers)
+        check_layers_not_mixed(self.shards, self.layers, self.stack_layers, bool(mix_layers))
         self.device = None if device is None else _parse_device(device)
         self.pin_memory = bool(pin_memory) and torch.cuda.is_available() and self.device is None
         self.buffer_bytes = int(buffer_bytes)
