@@ -631,6 +631,11 @@ def test_info_of_a_saev_cache_shows_its_dialect_pixel_agg_and_no_cls():
     command = [sys.executable, "-m", "saev_shards", "info", str(saev_cache)]
     r = subprocess.run(command, check=False, capture_output=True, text=True, timeout=120)
     assert r.returncode == 0, r.stderr
+    # One short line, once (it was ~300 characters, sometimes twice per command).
+    assert r.stderr == (
+        "saev-shards: warning: 3a3c1749: protocol 2.1 cache (saev dialect), read by protocol.md section 9 "
+        "(no checksums unless checksums.json)\n"
+    )
     fields = dict(line.split(None, 1) for line in r.stdout.splitlines() if line and not line.startswith(" "))
     assert fields["protocol"] == "2.1, dialect saev (protocol 2.1 as saev's code writes it)"
     assert fields["pixel_agg"] == "majority"
