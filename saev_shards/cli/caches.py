@@ -140,7 +140,16 @@ def cmd_ls(args: argparse.Namespace) -> int:
                     "exists": exists,
                     "caches": [_entry_json(e) for e in entries],
                     "unpublished": [
-                        {"path": str(u.path), "kind": u.kind, "nbytes": u.nbytes, "age_s": round(u.age), "live": u.live}
+                        {
+                            "path": str(u.path),
+                            "kind": u.kind,
+                            "nbytes": u.nbytes,
+                            "age_s": round(u.age),
+                            "live": u.live,
+                            "resumable": u.resumable,
+                            "sealed": u.sealed,
+                            "n_shards": u.n_shards,
+                        }
                         for u in unpublished
                     ],
                 }
@@ -179,11 +188,10 @@ def cmd_ls(args: argparse.Namespace) -> int:
                 )
             table(rows, out, indent="  ")
         for u in unpublished:
-            state = "a writer holds it" if u.live else "stale: `saev-shards clean` removes it"
             what = store.KIND_NAMES[u.kind]
             out.write(
                 f"  unpublished (being written, or interrupted): {u.path.name}  "
-                f"{what}, {human_bytes(u.nbytes)}, {human_age(u.age)} old, {state}\n"
+                f"{what}, {human_bytes(u.nbytes)}, {human_age(u.age)} old, {u.state}\n"
             )
     return code
 

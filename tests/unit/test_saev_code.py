@@ -119,7 +119,8 @@ def test_golden_saev_caches_read_exactly(path: Path) -> None:
     fields = orjson.loads((path / "metadata.json").read_bytes())
     assert tuple(fields) == SAEV_KEYS
     assert path.name == saev_name(fields)
-    with pytest.warns(ss.ProtocolWarning, match=r"^[0-9a-f]{8}: protocol 2\.1 cache \(saev dialect\), read by protocol\.md section 9"):
+    warned = r"^[0-9a-f]{8}: protocol 2\.1 cache \(saev dialect\), read by protocol\.md section 9"
+    with pytest.warns(ss.ProtocolWarning, match=warned):
         shards = ss.open(path)
     md = shards.metadata
     assert md == metadata_of(fields)
