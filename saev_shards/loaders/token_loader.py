@@ -8,6 +8,7 @@ and `OrderedLoader` are the token loader with the shuffled and the ordered strat
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import hashlib
 import inspect
@@ -35,6 +36,18 @@ from .tensors import require_torch
 
 #: Most threads the defaults pick: a node's memory bandwidth is saturated well before.
 MAX_DEFAULT_THREADS = 16
+
+#: Every running epoch in this process. An iterator still alive when the interpreter exits
+#: is closed at exit, while the modules its threads use still exist: closing it later, when
+#: the interpreter finalizes the generator, would print "Exception ignored in ..." noise.
+_LIVE_RUNS: weakref.WeakSet[HostRun | DeviceRun] = weakref.WeakSet()
+
+
+@atexit.register
+def _close_live_runs() -> None:
+    for run in list(_LIVE_RUNS):
+        with contextlib.suppress(Exception):
+            run.close()
 
 
 def usable_cores() -> int:
@@ -307,6 +320,7 @@ class TokenLoader:
             run = HostRun(cfg, plan, schedule, epoch, self._window_rng, buffers)
             release = lambda: self._give_buffers(buffers)  # noqa: E731
         self._runs.add(run)
+        _LIVE_RUNS.add(run)
         try:
             for i, batch in enumerate(run, start=start + 1):
                 if self._position is not None and self._position[0] == epoch:

@@ -419,6 +419,22 @@ def test_early_break_and_gc_stop_threads(make_cache: Any) -> None:
         next(it)
 
 
+@pytest.mark.parametrize("device", [None, "cpu"])
+def test_a_live_iterator_at_interpreter_exit_prints_nothing(make_cache: Any, device: str | None) -> None:
+    """A notebook or script that ends with an iterator mid-epoch exits quietly (it printed
+    "Exception ignored in: <generator object TokenLoader._iterate ...> AttributeError")."""
+    shards, _ = make_cache(small_metadata(n_examples=200, patches_per_shard=400))
+    code = (
+        "from saev_shards.loaders import ShuffledLoader\n"
+        f"loader = ShuffledLoader({str(shards.path)!r}, batch_size=4, layers=6, buffer_bytes=2000, "
+        f"block_bytes=200, device={device!r})\n"
+        "it = iter(loader)\nnext(it)\nstacked = iter(ShuffledLoader(loader.shards, batch_size=4, stack_layers=True))\n"
+        "next(stacked)\nprint('ok')\n"
+    )
+    run = subprocess.run([sys.executable, "-c", code], check=False, capture_output=True, text=True, timeout=120)
+    assert (run.returncode, run.stdout, run.stderr) == (0, "ok\n", "")
+
+
 def test_read_errors_reach_the_consumer(make_cache: Any, monkeypatch: pytest.MonkeyPatch) -> None:
     shards, _ = make_cache(small_metadata(n_examples=23))
 
