@@ -248,4 +248,4 @@ def test_missing_optional_package_names_the_extra(tmp_path: Path) -> None:
     )
     assert proc.returncode == 2, proc.stderr
     line = one_line(Result(proc.returncode, proc.stdout, proc.stderr))
-    assert "converting zarr activation logs needs zarr" in line and "pip install 'saev-shards[convert]'" in line
+    assert "converting zarr activation logs needs zarr" in line and f"pip install -e '{REPO}[convert]'" in line

@@ -701,4 +701,5 @@ def test_loaders_without_torch_say_to_install_the_torch_extra(make_cache: Any) -
         "TokenDataset",
         "ExampleDataset",
     ], proc.stdout
-    assert all(line.endswith("install it with: pip install 'saev-shards[torch]'") for line in lines), proc.stdout
+    checkout = Path(ss.__file__).resolve().parents[1]  # an editable install names its checkout
+    assert all(line.endswith(f"install it with: pip install -e '{checkout}[torch]'") for line in lines), proc.stdout
