@@ -81,7 +81,7 @@ class ShardWriter:
         allow_nonfinite: bool = False,
         stats: bool = False,
         labels: bool = False,
-        columns: Mapping[str, tuple[Any, tuple[int, ...]]] | None = None,
+        columns: Mapping[str, tuple[Any, Sequence[int]]] | None = None,
         text: Iterable[str] = (),
         background: bool = True,
         durable: bool = True,
