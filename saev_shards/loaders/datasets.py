@@ -54,6 +54,9 @@ class TokenDataset(_MapDataset):
         ignore_labels: Iterable[int] = (),
         skip_padding: bool = True,
         out_dtype: str | None = None,
+        *,
+        exclude_token_ids: Iterable[int] = (),
+        max_norm_multiple: float | None = None,
     ) -> None:
         require_torch(type(self).__name__)
         self.shards = as_shards(shards)
@@ -65,7 +68,9 @@ class TokenDataset(_MapDataset):
                     f"one layer; ExampleDataset and the token loaders can stack them), found None"
                 )
             layer = recorded[0]
-        self.selection = TokenSelection(self.shards, layer, tokens, ignore_labels, skip_padding)
+        self.selection = TokenSelection(
+            self.shards, layer, tokens, ignore_labels, skip_padding, exclude_token_ids, max_norm_multiple
+        )
         self.layer = self.selection.layer_values[0]
         self.layer_position = int(self.selection.layer_positions[0])
         self.out_dtype = parse_out_dtype(self.shards, out_dtype)

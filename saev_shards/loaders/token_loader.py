@@ -89,6 +89,13 @@ class TokenLoader:
     gathers on the host (``pin_memory`` pins the batches); ``"cuda"`` copies whole windows to
     the GPU and shuffles there, batches come out on it (``"cpu"`` runs that path on the CPU).
 
+    Token masks: ``exclude_token_ids`` drops the positions whose ``token_ids`` column value is
+    listed (BOS, padding); ``max_norm_multiple=k`` drops the positions whose vector at any
+    chosen layer has a norm above ``k`` times its layer's median norm (`saev_shards.norms`:
+    exact, computed once per process with a progress bar when ``progress``). Both are
+    deterministic; every remaining token is still yielded once per epoch and resumes
+    exactly; `dropped` counts what they took.
+
     Iterating runs one epoch. Breaking out of the loop, `close`, or garbage collection stops
     the background threads. Memory: two windows of about ``buffer_bytes`` each (on the
     device as well with ``device``), plus ``gather_threads + prefetch`` batches in flight.
@@ -118,6 +125,9 @@ class TokenLoader:
         stack_layers: bool = False,
         mix_layers: bool = False,
         device: Any = None,
+        exclude_token_ids: Iterable[int] = (),
+        max_norm_multiple: float | None = None,
+        progress: bool | None = None,
     ) -> None:
         require_torch(type(self).__name__)
         import torch
@@ -143,7 +153,9 @@ class TokenLoader:
         #: Where this process's share came from (`saev_shards.world.World`).
         self.world = world.detect(rank, world_size, slurm_array=False, error=LoaderError)
         self.rank, self.world_size = self.world.rank, self.world.world_size
-        self.selection = TokenSelection(self.shards, layers, tokens, ignore_labels, skip_padding)
+        self.selection = TokenSelection(
+            self.shards, layers, tokens, ignore_labels, skip_padding, exclude_token_ids, max_norm_multiple, progress
+        )
         self.layers = self.selection.layer_values
         self.out_dtype = parse_out_dtype(self.shards, out_dtype)
         self.stack_layers = bool(stack_layers)
@@ -216,7 +228,27 @@ class TokenLoader:
         }
         if self.stack_layers:  # only when set: states saved before the option still load
             config["stack_layers"] = True
+        if len(sel.exclude_token_ids):  # the token masks too: only when set
+            config["exclude_token_ids"] = sel.exclude_token_ids.tolist()
+        if sel.norm_filter is not None:
+            config["max_norm_multiple"] = sel.norm_filter.multiple
         return config
+
+    @property
+    def dropped(self) -> dict[str, int]:
+        """Token positions the token masks drop per epoch and chosen layer, by mask
+        (``{"exclude_token_ids": n, "max_norm_multiple": m}``; empty without masks): what
+        remains is yielded exactly once per epoch, as always."""
+        return self.selection.dropped
+
+    @property
+    def norm_medians(self) -> dict[int, float]:
+        """Layer value -> its median norm, for the chosen layers (with ``max_norm_multiple``; else empty)."""
+        nf = self.selection.norm_filter
+        if nf is None:
+            return {}
+        md = self.shards.metadata
+        return {md.layers[p]: float(nf.medians[p]) for p in nf.layer_positions}
 
     @property
     def fingerprint(self) -> str:

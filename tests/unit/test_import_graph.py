@@ -25,7 +25,7 @@ ENTRY = "<entry points>"
 LAYERS: tuple[tuple[str, ...], ...] = (
     ("errors",),
     ("units", "layout", "optional", "world", "fileio", "progress", "_layers"),
-    ("protocol", "manifest", "metadata", "format", "dtypes", "_indexing", "statistics"),
+    ("protocol", "manifest", "metadata", "format", "dtypes", "_indexing", "statistics", "norms"),
     ("reader", "views", "writer"),
     ("store",),
     ("loaders", "datasets", "shuffle", "convert", "dump", "recorder", "corpus", "sae"),
