@@ -110,8 +110,10 @@ def test_masks_match_numpy_filtering_and_resume_mid_epoch(
     resumed.load_state_dict(state)
     assert [tuple(b.examples.tolist()) for b in resumed] == whole[3:]
     # The ordered walk and the token dataset agree on what remains.
-    ordered = epoch(loaders.OrderedLoader(shards, batch_size=5, layers=layers, mix_layers=True,
-                                          exclude_token_ids=exclude, max_norm_multiple=k), md, ref["stored"])  # fmt: skip
+    walk = loaders.OrderedLoader(
+        shards, batch_size=5, layers=layers, mix_layers=True, exclude_token_ids=exclude, max_norm_multiple=k
+    )
+    ordered = epoch(walk, md, ref["stored"])
     assert ordered == sorted(kept, key=lambda v: (v[0], md.layers.index(v[1]), v[2]))
     if len(layers) == 1:
         ds = loaders.TokenDataset(shards, layer=layers[0], exclude_token_ids=exclude, max_norm_multiple=k)
@@ -131,13 +133,14 @@ def test_a_loader_without_masks_keeps_its_fingerprint(tmp_path: Path) -> None:
 
 def test_mask_arguments_are_checked(tmp_path: Path) -> None:
     shards, _ = masked_cache(tmp_path, n=10)
+    bad: Any
     for bad in (1, 0.5, float("nan"), "10", True):
         with pytest.raises(LoaderError, match="max_norm_multiple: expected"):
             loaders.ShuffledLoader(shards, layers=11, max_norm_multiple=bad)
     with pytest.raises(LoaderError, match="exclude_token_ids: expected"):
-        loaders.ShuffledLoader(shards, layers=11, exclude_token_ids="101")
+        loaders.ShuffledLoader(shards, layers=11, exclude_token_ids="101")  # type: ignore[arg-type]
     with pytest.raises(LoaderError, match="exclude_token_ids: expected integer token ids"):
-        loaders.ShuffledLoader(shards, layers=11, exclude_token_ids=[1.5])
+        loaders.ShuffledLoader(shards, layers=11, exclude_token_ids=[1.5])  # type: ignore[list-item]
     plain = small_metadata(n_examples=3)
     with ss.ShardWriter(tmp_path / "plain", plain, durable=False) as w:
         w.write(np.zeros(plain.shape, np.float16))
