@@ -194,3 +194,34 @@ def test_medians_are_computed_once_per_process(tmp_path: Path, monkeypatch: pyte
     loaders.ShuffledLoader(shards, layers=6, max_norm_multiple=8)
     assert passes == ["median norms (1 of 2)", "median norms (2 of 2)", "norms above 4 x the median",
                       "norms above 8 x the median"]  # fmt: skip
+
+
+def test_shuffle_drops_what_the_loaders_drop_and_records_it(tmp_path: Path) -> None:
+    """`shuffle_cache` with the token masks keeps exactly the loaders' remaining tokens, records
+    the masks and what they dropped in ``data``, and a shuffle without them keeps its hash."""
+    from saev_shards.shuffle import plan_shuffle, shuffle_cache
+
+    shards, ref = masked_cache(tmp_path / "src")
+    md = shards.metadata
+    _, kept, dropped = reference(shards, ref, [11], [BOS], 2.0)
+    out = shuffle_cache(shards, tmp_path / "out", layers=11, exclude_token_ids=[BOS, BOS], max_norm_multiple=2,
+                        memory_bytes=1 << 20, durable=False)  # fmt: skip
+    source_example = out.columns["source_example"]
+    source_token = out.columns["source_token"]
+    rows = {(int(e), 11, int(t)) for e, t in zip(source_example, source_token, strict=True)}
+    assert rows == kept and out.n_examples == len(kept)
+    np.testing.assert_array_equal(out[:, 0, 0], ref["stored"][np.asarray(source_example), 1, np.asarray(source_token)])
+    recorded = out.metadata.data["shuffle"]
+    assert recorded["exclude_token_ids"] == [BOS]
+    assert recorded["max_norm_multiple"] == {
+        "multiple": 2.0,
+        "median_norms": {"11": float(norms.median_norms(shards)[1])},
+    }
+    assert recorded["dropped"] == dropped
+    # Without masks: the metadata (and so the hash) of every shuffle before them.
+    plain = plan_shuffle(shards, tmp_path / "out", layers=11, memory_bytes=1 << 20)
+    assert set(plain.output.data["shuffle"]) == {"source", "layers", "tokens", "skip_padding", "seed", "order"}
+    assert plain.output.hash != out.metadata.hash
+    with pytest.raises(ss.ShuffleError, match="max_norm_multiple: expected a finite number above 1"):
+        shuffle_cache(shards, tmp_path / "out", layers=11, max_norm_multiple=0.5)
+    assert md.hash == shards.metadata.hash
