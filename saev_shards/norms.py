@@ -44,8 +44,18 @@ _MEDIANS: dict[tuple[str, str], npt.NDArray[np.float32]] = {}
 
 
 def _blocks(shards: Shards, what: str, progress: bool | None) -> Iterator[tuple[int, npt.NDArray[np.float32]]]:
-    """``(start, norms)`` for consecutive runs of examples: norms float32 ``(b, L, T)``, +inf
-    where a vector holds a non-finite value, NaN outside the population (padding)."""
+    """``(start, norms)`` for consecutive runs of examples (see `vector_blocks`)."""
+    for start, _, norms in vector_blocks(shards, what, progress):
+        yield start, norms
+
+
+def vector_blocks(
+    shards: Shards, what: str, progress: bool | None
+) -> Iterator[tuple[int, npt.NDArray[np.float32], npt.NDArray[np.float32]]]:
+    """``(start, x, norms)`` for consecutive runs of examples, reading the cache once in order
+    with bounded memory (`PASS_BYTES` a step): ``x`` float32 ``(b, L, T, D)``, norms float32
+    ``(b, L, T)``, +inf where a vector holds a non-finite value, NaN outside the population
+    (padding)."""
     md = shards.metadata
     per_example = max(1, md.example_nbytes)
     step = max(1, PASS_BYTES // per_example)
@@ -63,7 +73,7 @@ def _blocks(shards: Shards, what: str, progress: bool | None) -> Iterator[tuple[
                 outside = positions[None, :] >= lengths[start:stop, None]
                 norms[np.broadcast_to(outside[:, None, :], norms.shape)] = np.nan
             bar.update((stop - start) * per_example)
-            yield start, norms
+            yield start, x, norms
 
 
 def _in_population(norms: npt.NDArray[np.float32]) -> npt.NDArray[np.bool_]:

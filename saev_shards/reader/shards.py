@@ -201,6 +201,14 @@ class Shards(ReadPaths, Sidecars):
 
         return to_xarray(self, examples_per_chunk)
 
+    def report(self, out: str | Path | None = None, *, progress: bool | None = None) -> Any:
+        """One picture of this cache (`saev_shards.report`: norms by layer, dimensions with outliers
+        marked, CLS and content tokens, lengths and truncation, shard sizes), from one streaming
+        pass; saved to ``out`` (``.png`` or ``.html``) when given. Needs the ``plot`` extra."""
+        from ..report import report
+
+        return report(self, out, progress=progress)
+
     # -- integrity -----------------------------------------------------------------------
     def verify(self, *, progress: bool | None = False, on_bytes: Callable[[int], None] | None = None) -> int:
         """Recompute every file's size and xxh3_128 digest, and the metadata hash; check

@@ -26,7 +26,7 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     ("errors",),
     ("units", "layout", "optional", "world", "fileio", "progress", "_layers"),
     ("protocol", "manifest", "metadata", "format", "dtypes", "_indexing", "statistics", "norms"),
-    ("reader", "views", "writer"),
+    ("reader", "views", "writer", "report"),
     ("store",),
     ("loaders", "datasets", "shuffle", "convert", "dump", "recorder", "corpus", "sae"),
     ("saev_shards",),  # the package's own __init__: the facade that re-exports the library
