@@ -97,7 +97,7 @@ def test_the_png_and_the_html_render(tmp_path: Path) -> None:
     shards.report(tmp_path / "r.html")
     page = (tmp_path / "r.html").read_text()
     assert page.startswith("<!doctype html>") and "data:image/png;base64," in page and "<td>11</td>" in page
-    with pytest.raises(ss.ShardsError, match="ending in .png or .html"):
+    with pytest.raises(ss.ShardsError, match=r"ending in \.png or \.html"):
         shards.report(tmp_path / "r.pdf")
 
 
