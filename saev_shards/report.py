@@ -247,13 +247,13 @@ def draw(r: CacheReport, title: str = "") -> Any:
             ax.legend()
         elif panel == "lengths":
             assert r.lengths is not None
-            top = (
-                r.tokens_per_ex if r.true_lengths is None else max(r.tokens_per_ex, int(r.true_lengths.max(initial=0)))
-            )
+            # Up to twice T: longer true lengths are counted in the last bin, so the kept ones stay readable.
+            top = 2 * r.tokens_per_ex if r.true_lengths is not None else r.tokens_per_ex
             bins = np.arange(0, top + 2) - 0.5
             ax.hist(r.lengths, bins=bins, label="kept (lengths)")
             if r.true_lengths is not None:
-                ax.hist(r.true_lengths, bins=bins, histtype="step", label="before truncation (true_lengths)")
+                shown = np.minimum(r.true_lengths, top)
+                ax.hist(shown, bins=bins, histtype="step", label=f"before truncation (true_lengths; >= {top} at {top})")
                 ax.axvline(r.tokens_per_ex, color="red", linestyle=":")
             cut = (
                 f", {r.truncated} of {len(r.lengths)} truncated to T={r.tokens_per_ex}"
