@@ -196,12 +196,13 @@ def test_ls_lists_caches_sizes_and_unpublished_folders(st: Store, tmp_path: Path
     assert listing[0]["unpublished"][0].pop("age_s") >= 0
     assert listing == [
         {"root": str(tmp_path), "source": "argument", "exists": True, "caches": [], "unpublished": [
-            {"path": str(tmp_path / ".copying-abcd"), "kind": "copy", "nbytes": 0, "live": False}]}
+            {"path": str(tmp_path / ".copying-abcd"), "kind": "copy", "nbytes": 0, "live": False,
+             "resumable": False, "sealed": 0, "n_shards": None}]}
     ]  # fmt: skip
     r = st.run("ls", str(tmp_path))
     assert re.fullmatch(
         r"  unpublished \(being written, or interrupted\): \.copying-abcd  partial copy, 0 B, \d+ s old, "
-        r"stale: `saev-shards clean` removes it",
+        r"stale, nothing to resume: `saev-shards clean` removes it",
         r.out.splitlines()[-1],
     )
     r = st.run("ls", str(tmp_path / "nowhere"))
