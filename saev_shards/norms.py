@@ -2,9 +2,9 @@
 
 What ``max_norm_multiple=k`` drops (the loaders, `saev-shards shuffle`) is defined here:
 
-* The *norm* of a vector is ``sqrt(sum(x * x))`` computed in float32 from its stored value
-  (float16 and bfloat16 widened exactly); a vector holding a non-finite value has norm
-  ``+inf``.
+* The *norm* of a vector is ``sqrt(sum(x * x))`` computed in float32 from its value read
+  as float32 (float16 and bfloat16 widened exactly, float8_e4m3 times its scale); a vector
+  holding a non-finite value has norm ``+inf``.
 * The *population* of a layer is the one stats.json describes (protocol.md 2.6): every
   position ``< lengths[i]`` where the cache has a ``lengths`` column (every position
   otherwise), [CLS] included, non-finite vectors left out.
@@ -64,8 +64,7 @@ def vector_blocks(
     with Progress(md.nbytes, what, enabled=progress) as bar:
         for start in range(0, md.n_examples, step):
             stop = min(md.n_examples, start + step)
-            raw = shards.read_range(start, stop)
-            x = shards.to_float32(raw)  # (b, L, T, D)
+            x = shards.read_range(start, stop, dtype="float32")  # (b, L, T, D), float8 dequantized
             with np.errstate(over="ignore", invalid="ignore"):
                 norms = np.sqrt((x * x).sum(axis=3, dtype=np.float32))  # one fixed order per vector
             norms[~np.isfinite(x).all(axis=3)] = np.inf

@@ -38,12 +38,12 @@ def masked_cache(root: Path, n: int = 40, seed: int = 0, dtype: str = "float16")
     with ss.ShardWriter(root, md, durable=False, columns={"lengths": ("int32", ()), "token_ids": ("int32", (6,))}) as w:
         w.write(acts, columns={"lengths": lengths, "token_ids": ids})
     shards = ss.open(root / md.hash)
-    return shards, {"stored": shards[:], "lengths": lengths, "ids": ids}
+    return shards, {"stored": shards.read_range(0, n, dtype="float32"), "lengths": lengths, "ids": ids}
 
 
 def reference(shards: ss.Shards, ref: dict[str, Any], layers: list[int], exclude: list[int], k: float | None):
     """numpy: the exact lower median norm per layer and the kept (example, layer, token)."""
-    x = shards.to_float32(ref["stored"])  # (N, L, T, D)
+    x = ref["stored"]  # (N, L, T, D) float32 (float8 dequantized)
     vector_norms = np.sqrt((x * x).sum(axis=3, dtype=np.float32))  # (N, L, T)
     valid = np.arange(x.shape[2])[None, :] < ref["lengths"][:, None]  # (N, T): the stats population
     medians = []
@@ -75,17 +75,22 @@ def epoch(loader: loaders.TokenLoader, md: ss.Metadata, stored: Any) -> list[tup
 
 
 @pytest.mark.parametrize(
-    ("layers", "exclude", "k"),
-    [([11], [BOS], None), ([11], [], 3.0), ([6, 11], [BOS, PAD], 2.5), ([6], [BOS], 1.5)],
+    ("layers", "exclude", "k", "dtype"),
+    [
+        ([11], [BOS], None, "float16"),
+        ([11], [], 3.0, "float16"),
+        ([6, 11], [BOS, PAD], 2.5, "float16"),
+        ([6], [BOS], 1.5, "bfloat16"),
+    ],
 )
 def test_masks_match_numpy_filtering_and_resume_mid_epoch(
-    tmp_path: Path, layers: list[int], exclude: list[int], k: float | None
+    tmp_path: Path, layers: list[int], exclude: list[int], k: float | None, dtype: str
 ) -> None:
-    shards, ref = masked_cache(tmp_path)
+    shards, ref = masked_cache(tmp_path, dtype=dtype)
     md = shards.metadata
     medians, kept, dropped = reference(shards, ref, layers, exclude, k)
     kwargs: dict[str, Any] = dict(
-        batch_size=7, layers=layers, seed=3, buffer_bytes=600, block_bytes=200, mix_layers=True,
+        batch_size=7, layers=layers, seed=3, buffer_bytes=600, block_bytes=200, mix_layers=True, out_dtype="float32",
         exclude_token_ids=exclude, max_norm_multiple=k,
     )  # fmt: skip
     loader = loaders.ShuffledLoader(shards, **kwargs)
@@ -111,13 +116,32 @@ def test_masks_match_numpy_filtering_and_resume_mid_epoch(
     assert [tuple(b.examples.tolist()) for b in resumed] == whole[3:]
     # The ordered walk and the token dataset agree on what remains.
     walk = loaders.OrderedLoader(
-        shards, batch_size=5, layers=layers, mix_layers=True, exclude_token_ids=exclude, max_norm_multiple=k
+        shards,
+        batch_size=5,
+        layers=layers,
+        mix_layers=True,
+        exclude_token_ids=exclude,
+        max_norm_multiple=k,
+        out_dtype="float32",
     )
     ordered = epoch(walk, md, ref["stored"])
     assert ordered == sorted(kept, key=lambda v: (v[0], md.layers.index(v[1]), v[2]))
     if len(layers) == 1:
         ds = loaders.TokenDataset(shards, layer=layers[0], exclude_token_ids=exclude, max_norm_multiple=k)
         assert {(ds[i]["example"], layers[0], ds[i]["token"]) for i in range(len(ds))} == kept
+
+
+def test_float8_norms_are_those_of_the_dequantized_values(tmp_path: Path) -> None:
+    """A float8_e4m3 cache's norms are those of its values times their scales (read as float32)."""
+    shards, ref = masked_cache(tmp_path, dtype="float8_e4m3")
+    medians, kept, dropped = reference(shards, ref, [11], [], 2.0)
+    np.testing.assert_array_equal(norms.median_norms(shards), medians)
+    nf = norms.norm_filter(shards, 2.0, [1])
+    n = shards.n_examples
+    valid = np.arange(6)[None, :] < ref["lengths"][:, None]
+    gone = nf.dropped(np.arange(n, dtype=np.int64))
+    assert int((valid & gone).sum()) == dropped["max_norm_multiple"]
+    assert {(int(e), 11, int(t)) for e, t in zip(*np.nonzero(valid & ~gone), strict=True)} == kept
 
 
 def test_a_loader_without_masks_keeps_its_fingerprint(tmp_path: Path) -> None:
