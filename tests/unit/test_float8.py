@@ -234,8 +234,8 @@ def test_large_batches_quantized_on_several_threads_give_the_same_bytes() -> Non
     x[1500:1510] *= np.float32(1e-40)  # subnormal scales
     with np.errstate(over="ignore"):  # float16 input: inf where x is too large (stored as NaN vectors)
         half = x.astype(np.float16)
-    for given in (x, half, torch.from_numpy(x)):
-        q, s = float8.quantize(given)
-        want_q, want_s = float8.quantize_numpy(np.asarray(given))
+    for source in (x, half, torch.from_numpy(x)):
+        q, s = float8.quantize(source)
+        want_q, want_s = float8.quantize_numpy(np.asarray(source))
         np.testing.assert_array_equal(q.view(np.uint8), want_q.view(np.uint8))
         np.testing.assert_array_equal(s, want_s)
