@@ -342,7 +342,9 @@ def bench_loader(caches: dict[str, ss.Shards], quick: bool, rounds: int) -> None
         def fn() -> float:
             if cold:
                 bl.drop_cache(caches[dtype].path)
-            make = functools.partial(loaders.ShuffledLoader, caches[dtype], BATCH, buffer_bytes=buffer, out_dtype=out)
+            make = functools.partial(
+                loaders.ShuffledLoader, caches[dtype], BATCH, buffer_bytes=buffer, out_dtype=out, mix_layers=True
+            )
             return epoch_tokens_per_s(make)
 
         return fn
@@ -410,7 +412,9 @@ def bench_device(caches: dict[str, ss.Shards], quick: bool) -> None:
             bl.warm_cache(caches[dtype].path)
             buffer = (64 if quick else 512) << 20
             tps = epoch_tokens_per_s(
-                functools.partial(loaders.ShuffledLoader, caches[dtype], BATCH, buffer_bytes=buffer, device="cuda")
+                functools.partial(
+                    loaders.ShuffledLoader, caches[dtype], BATCH, buffer_bytes=buffer, device="cuda", mix_layers=True
+                )
             )
         table.add(dtype, per_token, tps)
     table.note(

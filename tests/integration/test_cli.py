@@ -158,7 +158,7 @@ def test_info_text(st: Store):
     assert fields["labels"] == "uint8 (23, 4)"
     assert fields["columns"] == "lengths int32 (23,)"
     assert fields["text"] == "prompt (23 lines)"
-    assert fields["checksums"] == "xxh3_128 for every file"
+    assert fields["checksums"] == "xxh3_128 for every file and every 16 MiB block of it (blocks.json)"
     stats = [line.split() for line in r.out.splitlines() if line.startswith("  ")]
     assert stats[0] == ["layer", "tokens", "mean", "|x|", "mean", "|x|^2", "mean", "var", "non-finite"]
     counted = int(ss.open(st.shards_root / st.full.hash).stats["count"][0])  # type: ignore[index]

@@ -30,11 +30,11 @@ def test_batches_are_the_dequantized_values(cache8: tuple[ss.Shards, Any]) -> No
     shards, logical = cache8
     md = shards.metadata
     for cls in (ShuffledLoader, OrderedLoader):
-        batches = list(cls(shards, batch_size=7, buffer_bytes=300, block_bytes=64))
+        batches = list(cls(shards, batch_size=7, buffer_bytes=300, block_bytes=64, mix_layers=True))
         assert batches and all(b.acts.dtype == torch.float16 for b in batches)  # the default for float8
         seen = [key for b in batches for key in check_batch(b, md, logical)]
         assert len(seen) == len(set(seen))
-    wide = next(iter(ShuffledLoader(shards, batch_size=50, out_dtype="float32")))
+    wide = next(iter(ShuffledLoader(shards, batch_size=50, out_dtype="float32", mix_layers=True)))
     assert wide.acts.dtype == torch.float32
     positions = [md.layers.index(int(v)) for v in wide.layers]
     np.testing.assert_array_equal(wide.acts.numpy(), logical[wide.examples.numpy(), positions, wide.tokens.numpy()])
@@ -45,8 +45,9 @@ def test_batches_are_the_dequantized_values(cache8: tuple[ss.Shards, Any]) -> No
 def test_host_and_device_batches_are_equal(cache8: tuple[ss.Shards, Any], stack_layers: bool, out_dtype: Any) -> None:
     shards, _ = cache8
     kwargs: dict[str, Any] = dict(
-        batch_size=9, seed=2, buffer_bytes=500, block_bytes=100, stack_layers=stack_layers, out_dtype=out_dtype
-    )
+        batch_size=9, seed=2, buffer_bytes=500, block_bytes=100, stack_layers=stack_layers, out_dtype=out_dtype,
+        mix_layers=not stack_layers,
+    )  # fmt: skip
     host = list(ShuffledLoader(shards, **kwargs))
     dev = list(ShuffledLoader(shards, device="cpu", **kwargs))
     assert_same_batches(host, dev)
@@ -68,7 +69,7 @@ def test_one_byte_per_value_is_read_and_moved(cache8: tuple[ss.Shards, Any], mon
             return result
 
         monkeypatch.setattr(shards, name, counting)
-    list(ShuffledLoader(shards, batch_size=8, tokens="all", skip_padding=False))
+    list(ShuffledLoader(shards, batch_size=8, tokens="all", skip_padding=False, mix_layers=True))
     assert (
         sum(read) == md.nbytes + md.scales_nbytes == md.n_examples * md.n_layers * md.tokens_per_ex * (md.d_model + 4)
     )
@@ -82,7 +83,7 @@ def test_one_byte_per_value_is_read_and_moved(cache8: tuple[ss.Shards, Any], mon
     from saev_shards.loaders import token_loader
 
     monkeypatch.setattr(token_loader, "Slots", keeping)
-    list(ShuffledLoader(shards, batch_size=8, device="cpu"))
+    list(ShuffledLoader(shards, batch_size=8, device="cpu", mix_layers=True))
     [slots] = made
     assert slots.acts[0].dtype == torch.uint8 and slots.staging[0].dtype == torch.uint8
     assert slots.scales[0].dtype == torch.float32 and len(slots.scales[0]) == len(slots.acts[0])
@@ -97,8 +98,8 @@ def test_float16_overflow_is_an_error_on_both_paths(root: Path) -> None:
     shards = ss.open(root / md.hash)
     for dev in (None, "cpu"):
         with pytest.raises(ss.DtypeRangeError, match="do not fit float16"):
-            list(ShuffledLoader(shards, batch_size=4, tokens="all", device=dev))
-        wide = list(ShuffledLoader(shards, batch_size=4, tokens="all", device=dev, out_dtype="float32"))
+            list(ShuffledLoader(shards, batch_size=4, layers=6, tokens="all", device=dev))
+        wide = list(ShuffledLoader(shards, batch_size=4, layers=6, tokens="all", device=dev, out_dtype="float32"))
         assert max(float(b.acts.max()) for b in wide) == pytest.approx(1e6, rel=1 / 16)
         # Batches without the vector are fine in float16 (layer 11 holds no large value).
         assert all(torch.isfinite(b.acts).all() for b in ShuffledLoader(shards, batch_size=4, layers=11, device=dev))
