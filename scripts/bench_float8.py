@@ -206,7 +206,7 @@ def bench_sae(reference: ss.Shards, work: Path, steps: int, batch_size: int) -> 
             residual = float(((x_hat - x) * scale).pow(2).sum())
             centred = float((held_out - held_out.mean(0)).pow(2).sum())
         results[dtype] = residual / centred
-        table.add(dtype, history[-1][1], results[dtype], float("nan"), seconds)
+        table.add(dtype, f"{history[-1][1]:.4f}", f"{results[dtype]:.4f}", "", seconds)
     for row, dtype in zip(table.rows, results, strict=True):
         row[3] = f"{results[dtype] - results['float16']:+.4f}"
     met = abs(results["float8_e4m3"] - results["float16"]) <= 0.005
@@ -441,7 +441,7 @@ def main(quick: bool = False, keep: bool = False) -> None:
         reference = dump_reference(work, 600 if quick else 4000)
         caches = {dtype: converted(reference, work, dtype) for dtype in DTYPES}
         bench_error(reference, caches)
-        bench_sae(reference, work / "sae", steps=150 if quick else 2000, batch_size=512 if quick else 1024)
+        bench_sae(reference, work / "sae", steps=150 if quick else 1500, batch_size=512)
         speed_root = work / "speed"
         speed_root.mkdir(exist_ok=True)
         speed = bench_writer(speed_root, 300 if quick else 3000, rounds)
