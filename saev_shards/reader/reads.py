@@ -1,5 +1,8 @@
 """The copying read paths of `Shards`: ``pread`` into caller buffers, no memmaps.
 
+Every read goes through the cache's storage (`ShardHandles.files`): ``os.preadv`` on
+descriptors for a local cache, verified ranged reads for a remote one (`remote.files`).
+
 `read_example` is the loaders' hot path (one ``preadv`` per ``(example, layer)`` slice into
 a reused buffer; keep its common case free of calls), `read_range` streams whole examples
 (one sequential ``pread`` per shard touched), `read_vectors` gathers single vectors in
@@ -52,8 +55,8 @@ class ReadPaths(ShardHandles):
         if fd is None:
             fd = self._fd(k)
         nbytes = self._slice_nbytes
-        if os.preadv(fd, [view], (i * n_layers + layer_idx) * nbytes) != nbytes:
-            pread_exact(fd, view, (i * n_layers + layer_idx) * nbytes)  # a short read: finish it
+        if self._preadv(fd, [view], (i * n_layers + layer_idx) * nbytes) != nbytes:
+            pread_exact(fd, view, (i * n_layers + layer_idx) * nbytes, self._preadv)  # a short read: finish it
         return out
 
     def _byte_view_of(self, out: npt.NDArray[Any]) -> memoryview:
@@ -86,7 +89,7 @@ class ReadPaths(ShardHandles):
             k, local = layout.shard_of(e, eps)
             count = min(stop, (k + 1) * eps) - e
             nbytes = count * example_nbytes
-            pread_exact(self._fd(k), view[pos : pos + nbytes], local * example_nbytes)
+            pread_exact(self._fd(k), view[pos : pos + nbytes], local * example_nbytes, self._preadv)
             pos += nbytes
             e += count
         return out
@@ -135,15 +138,17 @@ class ReadPaths(ShardHandles):
         ends = np.r_[starts[1:], n]
         rows = out.reshape(n, -1).view(np.uint8)
         row_views = [memoryview(rows[j]) for j in order.tolist()]
+        preadv = self._preadv
         for a, b, k, off in zip(
             starts.tolist(), ends.tolist(), s_sorted[starts].tolist(), o_sorted[starts].tolist(), strict=True
         ):
             fd = self._fd(k)
             for c in range(a, b, _IOV_MAX):
                 part = row_views[c : min(b, c + _IOV_MAX)]
-                got = os.preadv(fd, part, off + (c - a) * vec)
+                got = preadv(fd, part, off + (c - a) * vec)
                 if got != len(part) * vec:
-                    raise FileSizeError(f"{self.shard_path(k)}: short read at byte {off} (file truncated after open?)")
+                    where = self.files.where(self.manifest.shards[k].name)
+                    raise FileSizeError(f"{where}: short read at byte {off} (file truncated after open?)")
         return out
 
     def read_examples(
