@@ -399,11 +399,13 @@ class RemoteFiles:
         found = xxhash.xxh3_128_hexdigest(view) if view.nbytes == unit.nbytes else ""
         return _Entry(None, data) if found == unit.digest else _mismatch(unit, view.nbytes, found)
 
-    def stream(self, name: str) -> Iterator[Any]:
-        """The bytes of ``name`` in order, straight from the server (not checked, not cached)."""
+    def stream(self, name: str, start: int = 0) -> Iterator[Any]:
+        """The bytes of ``name`` from ``start`` on, in order, straight from the server (not
+        checked, not cached: the caller hashes them)."""
         import obstore
 
-        result = self.client.call("read", name, obstore.get)
+        options: Any = {"range": {"offset": start}} if start else None
+        result = self.client.call("read", name, obstore.get, options=options)
         yield from self.client.call("read", name, lambda _s, _k: iter(result.stream(min_chunk_size=STREAM_CHUNK)))
 
     def verify_file(self, name: str, tick: Callable[[int], None]) -> tuple[int, str, list[int]]:

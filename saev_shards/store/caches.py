@@ -29,8 +29,9 @@ from ..metadata import Metadata, parse_metadata
 from ..protocol import is_cache_name
 from ..protocol.common import MAX_METADATA_BYTES, METADATA_FILE, ProtocolWarning
 from ..protocol.jsonfile import read_json_file
+from ..remote.url import is_url
 from ..writer import LOCK_SUFFIX, OLD_LOCK_FILE, STAGING_PREFIX
-from .roots import COPY_PREFIX, SHUFFLE_LOCK_FILE, SHUFFLE_PREFIX, PathLike, Roots, _cache_names, _scan, resolve
+from .roots import COPY_PREFIX, SHUFFLE_LOCK_FILE, SHUFFLE_PREFIX, PathLike, Roots, _cache_names, _scan
 from .sidecar import sidecar_path
 
 # --------------------------------------------------------------------------------------
@@ -270,12 +271,18 @@ def open_cache(ref: PathLike, *, check_hash: bool = True, roots: Roots = None) -
     ``$SAEV_SCRATCH/saev/shards``; see `resolve`). An existing path always wins.
 
     This is `saev_shards.open`: the reference is resolved here, then `reader.open` (which
-    takes paths only) checks and opens the directory; see it for what is checked.
+    takes paths only) checks and opens the directory; see it for what is checked. A URL
+    (``s3://bucket/root/<hash or prefix>``), or a hash (prefix) found only in a remote root,
+    opens the remote cache (`reader.open_remote`).
     """
-    path = Path(ref).absolute()
-    if not path.exists():  # a hash, a prefix, or a mistake: `resolve` says which
-        path = resolve(ref, roots)
-    return reader.open(path, check_hash=check_hash)
+    from .remote import locate
+
+    if is_url(ref):
+        return reader.open(locate(ref, roots), check_hash=check_hash)
+    found: Path | str = Path(ref).absolute()
+    if not Path(found).exists():  # a hash, a prefix, or a mistake: `locate` says which
+        found = locate(ref, roots)
+    return reader.open(found, check_hash=check_hash)
 
 
 def open_quietly(path: Path, check_hash: bool = True) -> reader.Shards:
