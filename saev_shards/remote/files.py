@@ -277,7 +277,7 @@ class RemoteFiles:
     def _warm(self, units: list[Unit], wait: bool = True) -> None:
         """Fetch the units not held yet, several at once (``wait``: until all are there)."""
         with self._lock:
-            todo = [u for u in units if u.key not in self._held]
+            todo = [u for u in units if u.key not in self._held and (wait or u.key not in self._inflight)]
             if self._pool is None and todo:
                 self._pool = ThreadPoolExecutor(requests_in_flight(), thread_name_prefix="saev-remote")
             pool = self._pool

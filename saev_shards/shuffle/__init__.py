@@ -41,7 +41,7 @@ from ..format import strict_json_loads
 from ..progress import Progress
 from ..reader import Shards
 from ..reader import open as open_path
-from ..store import open_cache
+from ..store import open_cache, shards_roots
 from ..store.roots import SHUFFLE_LOCK_FILE as LOCK_FILE
 from ..store.roots import SHUFFLE_PREFIX as WORK_PREFIX
 from ..writer import ShardWriter, finalize, staging_dir
@@ -96,9 +96,11 @@ def plan_shuffle(
     not depend on them). See `shuffle_cache` for the rest; `run_plan` carries a plan out.
     """
     shards = source if isinstance(source, Shards) else open_cache(source)
+    if root is None:  # beside the source; a remote source's output goes to the local shards root
+        root = shards.path.parent if shards.url is None else shards_roots()[0].path
     return make_plan(
         shards,
-        Path(root) if root is not None else shards.path.parent,
+        Path(root),
         layers=layers,
         tokens=tokens,
         seed=seed,

@@ -317,7 +317,11 @@ def summary(shards: reader.Shards) -> dict[str, Any]:
         ]
     return {
         "hash": md.hash,
-        "path": str(shards.path),
+        "path": shards.location,
+        # A remote cache: its URL, and how its reads are verified (per block with blocks.json,
+        # else per whole file); None for a local cache.
+        "url": shards.url,
+        "remote_verification": _remote_verification(shards),
         "protocol": md.protocol,
         # How metadata.json is spelled: the protocol's own ("3.0") or one of saev's (protocol 2.1).
         "dialect": md.dialect,
@@ -339,7 +343,7 @@ def summary(shards: reader.Shards) -> dict[str, Any]:
         "examples_per_shard": md.examples_per_shard,
         "n_shards": shards.n_shards,
         "nbytes": md.nbytes,
-        "disk_nbytes": _disk_bytes(shards.path),
+        "disk_nbytes": _disk_bytes(shards.path) if shards.url is None else _remote_bytes(shards),
         "checksums": all(d is not None for _, _, d in man.files()),
         "shards": [
             {"name": s.name, "n_examples": s.n_examples, "nbytes": s.nbytes, "xxh3_128": s.xxh3_128} for s in man.shards
@@ -349,13 +353,31 @@ def summary(shards: reader.Shards) -> dict[str, Any]:
         "text": {k: {"n_lines": t.n_lines} for k, t in sorted(man.text.items())},
         "stats": per_layer,
         # Where they come from: the cache's stats.json, or a sidecar written by `saev-shards stats`.
-        "stats_file": None if stats is None else str(_stats_file(shards)),
+        "stats_file": None if stats is None else _stats_file(shards),
     }
 
 
-def _stats_file(shards: reader.Shards) -> Path:
+def _stats_file(shards: reader.Shards) -> str:
     entry = shards.manifest.stats
-    return shards.path / entry.name if entry is not None else sidecar_path(shards)
+    if shards.url is not None:
+        root = shards.url.rsplit("/", 1)[0]
+        return shards.files.where(entry.name) if entry is not None else f"{root}/.stats/{shards.metadata.hash}.json"
+    return str(shards.path / entry.name if entry is not None else sidecar_path(shards))
+
+
+def _remote_verification(shards: reader.Shards) -> str | None:
+    """How reads of a remote cache are checked: ``"per block"`` or ``"per file"``; None locally."""
+    if shards.url is None:
+        return None
+    per_block = getattr(shards.files, "per_block", None)
+    names = [name for name, _, _ in shards.manifest.files()]
+    return "per block" if per_block is not None and names and all(per_block(n) for n in names) else "per file"
+
+
+def _remote_bytes(shards: reader.Shards) -> int:
+    """Bytes a remote cache's objects hold: its data files (from the manifest) and JSON files."""
+    data = sum(n for _, n, _ in shards.manifest.files())
+    return data + sum(p.stat().st_size for p in shards.path.iterdir() if p.is_file())
 
 
 def _dtype(spelling: str) -> str:
