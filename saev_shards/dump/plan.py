@@ -18,9 +18,10 @@ from ..errors import ConfigError, RecorderError, RootNotSetError, ShardsError
 from ..fileio import bytes_on_disk
 from ..format import MANIFEST_FILE
 from ..metadata import Metadata
+from ..protocol.staging import part_record, staging_dir
 from ..store import Root, shards_root
 from ..units import human_bytes
-from ..writer import part_record, rank_shards, staging_dir
+from ..writer import rank_shards
 from .config import RESERVED_TEXT, DumpConfig, as_config
 from .model import Loaded, check_limits, load_model, what_failed
 

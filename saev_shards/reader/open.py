@@ -27,6 +27,7 @@ from ..errors import (
     MetadataFileError,
     Problem,
     ProtocolVersionError,
+    ProtocolWarning,
     UnexpectedFileError,
     raise_problems,
 )
@@ -42,7 +43,6 @@ from ..protocol.common import (
     METADATA_FILE,
     SHARD_NAME_RE,
     STATS_FILE,
-    ProtocolWarning,
     manifest_max_bytes,
     stats_max_bytes,
 )

@@ -35,20 +35,21 @@ from typing import Any
 
 import orjson
 
-from ..errors import WriterBusyError
-from ..fileio import check_free_space, remove_path, try_flock, write_file_atomic
+from ..errors import AlreadyPublishedError, DiskFullError, ShardsError, WriterBusyError
+from ..fileio import check_free_space, fault_point, naming_disk_full, remove_path, take_lock, write_file_atomic
 from ..format import strict_json_loads
 from ..progress import Progress
+from ..protocol.staging import staging_dir
 from ..reader import Shards
 from ..reader import open as open_path
 from ..store import open_cache, shards_roots
 from ..store.roots import SHUFFLE_LOCK_FILE as LOCK_FILE
 from ..store.roots import SHUFFLE_PREFIX as WORK_PREFIX
-from ..writer import ShardWriter, finalize, staging_dir
+from ..writer import ShardWriter, finalize
 from .append import write_buckets
 from .order import bucket_of, shuffle_order, sort_keys
 from .plan import DEFAULT_MEMORY, SOURCE_EXAMPLE, SOURCE_TOKEN, ShufflePlan, make_plan
-from .runs import PLAN_FILE, load_record, run_file, run_record_file
+from .runs import PLAN_FILE, RUN_DISK_FULL_NOTE, load_record, run_file, run_record_file
 from .scatter import CLS_LABEL, scatter
 
 __all__ = [
@@ -172,27 +173,78 @@ def shuffle_cache(
 def run_plan(
     plan: ShufflePlan, *, progress: bool | None = None, durable: bool = True, after_step: StepHook | None = None
 ) -> Shards:
-    """Carry out ``plan`` (resuming whatever an earlier run of it left) and return the output opened."""
+    """Carry out ``plan`` (resuming whatever an earlier run of it left) and return the output opened.
+
+    The scratch folder is this shuffle's own: it is removed once the output is published (by
+    this process or by another one that got there first), and after an error that a rerun
+    of the same plan would meet again (`_keeps_runs`). After a full disk, an interruption or
+    another system error only the sealed runs stay, so that running it again resumes;
+    `saev-shards clean` removes them once no shuffle holds the folder's lock.
+    """
     step = after_step or _no_step
     if plan.path.exists():
-        if plan.work.is_dir():
-            _remove_work(plan)  # killed after publishing, before cleaning up
+        _remove_stale_work(plan)  # killed after publishing, before cleaning up
         return open_path(plan.path)
-    plan.work.mkdir(parents=True, exist_ok=True)
-    lock_fd = os.open(plan.work / LOCK_FILE, os.O_RDWR | os.O_CREAT, 0o644)
+    fault_point("shuffle-checked")  # the race tests pause a second shuffle here
+    lock_fd = _lock_work(plan)
     try:
-        if not try_flock(lock_fd):
-            raise WriterBusyError(f"{plan.work}: another process is running this shuffle")
-        _adopt_plan(plan, durable)
-        _check_space(plan)
-        _scatter_pass(plan, progress, durable, step)
-        step("scattered", 0)
-        _write_pass(plan, progress, durable, step)
-        step("published", 0)
+        try:
+            # Checked again under the lock: another shuffle of the same plan may have
+            # published (and removed this folder with its lock) since the check above.
+            if not plan.path.exists():
+                _carry_out(plan, progress, durable, step)
+        except AlreadyPublishedError:
+            pass  # the same bytes, published meanwhile by a shuffle with another scratch folder
         _remove_work(plan)
+    except BaseException as err:
+        if plan.path.exists() or not _keeps_runs(err):
+            _remove_work(plan)
+        raise
     finally:
         os.close(lock_fd)
     return open_path(plan.path)
+
+
+def _carry_out(plan: ShufflePlan, progress: bool | None, durable: bool, step: StepHook) -> None:
+    _adopt_plan(plan, durable)
+    _check_space(plan)
+    _scatter_pass(plan, progress, durable, step)
+    step("scattered", 0)
+    _write_pass(plan, progress, durable, step)
+    step("published", 0)
+
+
+def _lock_work(plan: ShufflePlan) -> int:
+    """Take the scratch folder's lock (creating both); `WriterBusyError` when another shuffle holds it.
+
+    A shuffle that publishes removes the folder, lock file included, while it holds the
+    lock; `take_lock` then starts over with whatever is at the name now, and a folder that
+    disappeared meanwhile is made again (a few times at most: each round is another
+    shuffle publishing)."""
+    lock = plan.work / LOCK_FILE
+    for _ in range(100):
+        with naming_disk_full(plan.work):
+            plan.work.mkdir(parents=True, exist_ok=True)
+            try:
+                fd = take_lock(lock)
+            except FileNotFoundError:  # the folder was removed between the two calls
+                continue
+        if fd is None:
+            raise WriterBusyError(f"{plan.work}: another process is running this shuffle")
+        return fd
+    raise WriterBusyError(f"{plan.work}: removed and made again 100 times while taking its lock")
+
+
+def _keeps_runs(err: BaseException) -> bool:
+    """Whether the sealed runs stay after ``err``: an error of this library that a rerun of the
+    same plan would meet again, or that makes the runs useless (values not finite, a
+    changed or damaged source, runs that fail their digests), removes the scratch folder;
+    so does any error once the output is published. A full disk, another process holding
+    the output's staging lock, an interruption, a system error or an unexpected one keep
+    the sealed runs, so that running the shuffle again resumes from them."""
+    if isinstance(err, (DiskFullError, WriterBusyError)):
+        return True
+    return not isinstance(err, ShardsError)
 
 
 def _no_step(kind: str, index: int) -> None:
@@ -216,12 +268,25 @@ def _adopt_plan(plan: ShufflePlan, durable: bool) -> None:
     for name in os.listdir(plan.work):
         if name.startswith("run"):
             remove_path(plan.work / name)
-    write_file_atomic(path, orjson.dumps(wanted), durable)
+    write_file_atomic(path, orjson.dumps(wanted), durable, note=RUN_DISK_FULL_NOTE)
 
 
 def _remove_work(plan: ShufflePlan) -> None:
     if plan.work.name.startswith(WORK_PREFIX):  # never delete a folder we did not name
         remove_path(plan.work)
+
+
+def _remove_stale_work(plan: ShufflePlan) -> None:
+    """Remove the scratch folder of a published shuffle, unless a shuffle holds its lock (that one removes it)."""
+    if not plan.work.is_dir():
+        return
+    with contextlib.suppress(FileNotFoundError):
+        fd = take_lock(plan.work / LOCK_FILE)
+        if fd is not None:
+            try:
+                _remove_work(plan)
+            finally:
+                os.close(fd)
 
 
 def _check_space(plan: ShufflePlan) -> None:

@@ -17,6 +17,7 @@ published) holds:
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import errno
 import math
@@ -30,7 +31,7 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
-from ..fileio import pwrite_all, write_file_atomic
+from ..fileio import naming_disk_full, pwrite_all, write_file_atomic
 from ..format import strict_json_loads
 
 #: Every field region of a piece starts at a multiple of this (aligned numpy views).
@@ -155,7 +156,9 @@ def load_record(work: Path, chunk: int, n_buckets: int, layout: RowLayout) -> Ru
 def write_record(work: Path, record: RunRecord, durable: bool) -> None:
     import orjson
 
-    write_file_atomic(work / run_record_file(record.chunk), orjson.dumps(record.to_json()), durable)
+    write_file_atomic(
+        work / run_record_file(record.chunk), orjson.dumps(record.to_json()), durable, note=RUN_DISK_FULL_NOTE
+    )
 
 
 def aligned_buffer(nbytes: int) -> mmap.mmap:
@@ -166,7 +169,27 @@ def aligned_buffer(nbytes: int) -> mmap.mmap:
 def write_run(path: Path, data: memoryview, durable: bool) -> None:
     """Write ``data`` (page-aligned) to ``path``: whole 4 KiB blocks with O_DIRECT where the
     filesystem allows it (the disk's sequential rate, no page-cache pollution), `DIRECT_IN_FLIGHT`
-    requests at a time, the tail through the page cache; fsync when ``durable``."""
+    requests at a time, the tail through the page cache; fsync when ``durable``.
+
+    A full disk raises `DiskFullError` naming ``path``; on any error the unfinished run
+    file is removed (it has no record, so it would only hold space)."""
+    try:
+        with naming_disk_full(path, data.nbytes, RUN_DISK_FULL_NOTE):
+            _write_run(path, data, durable)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(path)
+        raise
+
+
+#: What to do when a run does not fit, said in the `DiskFullError`.
+RUN_DISK_FULL_NOTE = (
+    "; free some space (or put the scratch runs on another disk: --work-dir) and run the shuffle again: "
+    "it resumes after the last sealed run"
+)
+
+
+def _write_run(path: Path, data: memoryview, durable: bool) -> None:
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
     try:
         aligned = data.nbytes - data.nbytes % DIRECT_ALIGN

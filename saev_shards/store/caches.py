@@ -17,6 +17,7 @@ import numpy as np
 from .. import reader
 from ..errors import (
     CacheRefError,
+    ProtocolWarning,
     ShardsError,
     UnknownCacheError,
 )
@@ -27,10 +28,10 @@ from ..fileio import (
 )
 from ..metadata import Metadata, parse_metadata
 from ..protocol import is_cache_name
-from ..protocol.common import MAX_METADATA_BYTES, METADATA_FILE, ProtocolWarning
+from ..protocol.common import MAX_METADATA_BYTES, METADATA_FILE
 from ..protocol.jsonfile import read_json_file
+from ..protocol.staging import LOCK_SUFFIX, OLD_LOCK_FILE, STAGING_PREFIX
 from ..remote.url import is_url
-from ..writer import LOCK_SUFFIX, OLD_LOCK_FILE, STAGING_PREFIX
 from .roots import COPY_PREFIX, SHUFFLE_LOCK_FILE, SHUFFLE_PREFIX, PathLike, Roots, _cache_names, _scan
 from .sidecar import sidecar_path
 

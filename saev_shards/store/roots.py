@@ -31,8 +31,8 @@ from ..errors import (
     UnknownCacheError,
 )
 from ..protocol import is_cache_name
+from ..protocol.staging import STAGING_PREFIX
 from ..remote.url import is_url, split_roots
-from ..writer import STAGING_PREFIX
 
 PathLike = str | os.PathLike[str]
 Roots = PathLike | Sequence[PathLike] | None

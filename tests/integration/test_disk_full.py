@@ -19,10 +19,11 @@ import pytest
 import saev_shards as ss
 from saev_shards import dump as dump_mod
 from saev_shards import fileio, store
+from saev_shards.cli import main as cli_main
+from saev_shards.protocol.staging import lock_path, staging_dir
 from saev_shards.writer import direct as direct_module
-from saev_shards.writer import lock_path, staging_dir
 
-from ..support.caches import small_metadata, tree_bytes
+from ..support.caches import small_metadata, tree_bytes, write_cache
 from ..support.dumps import make_config
 from ..support.faults import (
     assert_published_once,
@@ -149,7 +150,7 @@ def test_dump_refuses_up_front_then_names_the_file_then_resumes(tmp_path: Path, 
         assert not root.exists()  # refused before writing anything
         cfg_file = tmp_path / "dump.json"
         cfg_file.write_text(json.dumps(cfg))
-        assert dump_mod.main([str(cfg_file), "--root", str(root), "--no-progress"]) == 4
+        assert cli_main(["dump", str(cfg_file), "--root", str(root), "--no-progress"]) == 4
         err = capsys.readouterr().err
         assert err.startswith("saev-shards: error: ") and "needs" in err and "--no-space-check" in err
         assert not root.exists()
@@ -200,3 +201,47 @@ def test_lock_file_of_a_refused_write_is_not_left_behind(tmp_path: Path) -> None
     with pytest.raises(ss.WriterError, match="nothing to finalize"):
         ss.finalize(root, SMALL)
     assert not lock_path(root, SMALL).exists()
+
+
+def test_shuffle_scatter_fills_the_disk_names_the_run_then_resumes(tmp_path: Path) -> None:
+    """The scratch runs on a small tmpfs (``work_dir``) filled after the first sealed run:
+    `DiskFullError` naming the next run file in the scratch folder, no unfinished run left,
+    nothing published; after freeing space the same shuffle resumes after its sealed runs
+    and writes the bytes of an uninterrupted shuffle. Before the fix: a bare
+    ``OSError: [Errno 28]`` naming no file."""
+    from saev_shards.shuffle import plan_shuffle, run_plan
+
+    md = small_metadata(n_examples=60, d_model=256)  # 60 x 5 tokens x 256 float16: 150 KiB a run of 6
+    write_cache(tmp_path / "src", md, labels=True)
+    source = tmp_path / "src" / md.hash
+    settings: dict[str, Any] = {"seed": 0, "n_buckets": 4, "examples_per_chunk": 6, "memory_bytes": 1 << 20}
+    reference = run_plan(plan_shuffle(source, tmp_path / "reference", **settings), durable=False)
+    with small_filesystem(tmp_path / "fs", 8) as fs:
+        plan = plan_shuffle(source, tmp_path / "out", work_dir=fs, **settings)
+        fillers: list[Path] = []
+
+        def step(kind: str, index: int) -> None:
+            if kind == "run" and not fillers:
+                fillers.append(fill(fs))
+
+        with pytest.raises(ss.DiskFullError) as info:
+            run_plan(plan, durable=False, after_step=step)
+        path = assert_names_file(info.value, plan.work)
+        assert path.name.startswith("run")
+        assert "run the shuffle again: it resumes after the last sealed run" in str(info.value)
+        assert not plan.path.exists()
+        runs = sorted(p.name for p in plan.work.glob("run*.bin"))
+        records = sorted(p.name for p in plan.work.glob("run*.json"))
+        assert runs and [r.removesuffix(".bin") for r in runs] == [r.removesuffix(".json") for r in records]
+        assert not list(plan.work.glob("*.tmp"))
+        fillers[0].unlink()
+        resumed: list[int] = []
+
+        def record(kind: str, index: int) -> None:
+            if kind == "run":
+                resumed.append(index)
+
+        shuffled = run_plan(plan, durable=False, after_step=record)
+        assert 0 not in resumed and resumed  # the sealed runs were kept, the rest scattered
+        assert tree_bytes(shuffled.path) == tree_bytes(reference.path)
+        assert not plan.work.exists()

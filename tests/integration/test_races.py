@@ -11,11 +11,17 @@ fresh writer, a resuming writer, `finalize`, one of two ranks).
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable
 from pathlib import Path
 
 import pytest
 
+import saev_shards as ss
+from saev_shards import fileio
+from saev_shards.shuffle import plan_shuffle, run_plan
+
+from ..support.caches import small_metadata, write_cache
 from ..support.faults import (
     Child,
     Outcome,
@@ -213,3 +219,71 @@ def test_second_writer_stopped_after_sealing_while_the_first_publishes(
         except AssertionError as err:
             failures.append(f"A at point {n} {points[n - 1]}: {err}")
     assert not failures, "\n".join(failures)
+
+
+# --------------------------------------------------------------------------------------
+# two shuffles of one source
+
+
+def _shuffle_source(root: Path) -> Path:
+    md = small_metadata(n_examples=40, d_model=16)
+    write_cache(root, md, labels=True)
+    return root / md.hash
+
+
+#: Small chunks and buckets, so a shuffle writes several runs (each a `run` step).
+SHUFFLE_PLAN = {"seed": 3, "n_buckets": 4, "examples_per_chunk": 7, "memory_bytes": 64 << 10}
+
+
+def _shuffle(source: Path, out: Path) -> str:
+    """Run the shuffle; return how many runs this process scattered, and the output's name."""
+    scattered = []
+    plan = plan_shuffle(source, out, **SHUFFLE_PLAN)  # type: ignore[arg-type]
+    shuffled = run_plan(plan, durable=False, after_step=lambda kind, i: scattered.append(i) if kind == "run" else None)
+    return f"{len(scattered)} {shuffled.path.name}"
+
+
+def test_a_shuffle_that_checked_before_another_published_returns_the_published_output(tmp_path: Path) -> None:
+    """The reported race: B checks "already published?" just before A publishes, and takes
+    the scratch folder's lock after A removed it. Before the fix B scattered the whole
+    source again, failed (`AlreadyPublishedError`) and left scratch the size of the output."""
+    source = _shuffle_source(tmp_path / "src")
+    out = tmp_path / "out"
+    plan = plan_shuffle(source, out, **SHUFFLE_PLAN)  # type: ignore[arg-type]
+    pause = Pause(tmp_path / "pause-b", 1, only="shuffle-checked")
+    b = Child(_shuffle, source, out, hook=pause)
+    assert pause.wait_reached(b), "B ended before its check"
+    a_runs, a_name = _shuffle(source, out).split()
+    assert int(a_runs) == plan.n_chunks and a_name == plan.output.hash
+    assert not plan.work.exists()
+    pause.release()
+    outcome = b.wait()
+    assert outcome.kind == "ok", outcome
+    assert outcome.detail == f"0 {plan.output.hash}", "B scattered the source again"
+    assert sorted(os.listdir(out)) == [plan.output.hash]  # no scratch, no staging, no lock file
+    ss.open(out / plan.output.hash).verify()
+
+
+def test_a_shuffle_started_while_another_holds_the_lock_is_refused_and_leaves_its_scratch(tmp_path: Path) -> None:
+    """A holds the scratch folder's lock (paused after its first sealed run); B is refused
+    with `WriterBusyError` and removes nothing; A then completes alone."""
+    source = _shuffle_source(tmp_path / "src")
+    out = tmp_path / "out"
+    plan = plan_shuffle(source, out, **SHUFFLE_PLAN)  # type: ignore[arg-type]
+    pause = Pause(tmp_path / "pause-a", 1, only="record-sealed")
+
+    def a_run() -> str:
+        def step(kind: str, index: int) -> None:
+            if kind == "run":
+                fileio.fault_point("record-sealed", index)
+
+        return str(run_plan(plan, durable=False, after_step=step).path)
+
+    a = Child(a_run, hook=pause)
+    assert pause.wait_reached(a)
+    with pytest.raises(ss.WriterBusyError, match="another process is running this shuffle"):
+        run_plan(plan, durable=False)
+    assert (plan.work / "run000000.json").exists()  # A's sealed run is still there
+    pause.release()
+    assert a.wait() == Outcome("ok", str(out / plan.output.hash))
+    assert sorted(os.listdir(out)) == [plan.output.hash]

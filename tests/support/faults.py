@@ -214,16 +214,20 @@ def kill_at(n: int) -> Hook:
 
 
 class Pause:
-    """A hook that stops its process at the ``n``-th named point until `release`."""
+    """A hook that stops its process at the ``n``-th named point (the ``n``-th point called
+    ``only``, when given) until `release`."""
 
-    def __init__(self, folder: Path, n: int) -> None:
+    def __init__(self, folder: Path, n: int, only: str | None = None) -> None:
         folder.mkdir(parents=True, exist_ok=True)
         self.reached_file = folder / "reached"
         self.go_file = folder / "go"
         self.n = n
+        self.only = only
         self.count = 0
 
     def __call__(self, name: str, index: int) -> None:
+        if self.only is not None and name != self.only:
+            return
         self.count += 1
         if self.count != self.n:
             return

@@ -270,6 +270,8 @@ def test_nonfinite_after_the_cast_is_refused_unless_allowed(root: Path) -> None:
         w.write(acts)
     with pytest.raises(ss.NonFiniteError, match="source examples 4 are not finite in float16"):
         shuffle_cache(root / md.hash, dtype="float16", durable=False)
+    # A rerun of the same shuffle would fail again: its scratch folder is gone.
+    assert not [p.name for p in root.iterdir() if p.name.startswith(".")]
     out = shuffle_cache(root / md.hash, dtype="float16", allow_nonfinite=True, durable=False)
     assert np.isinf(out[:]).sum() == 1
 
@@ -320,7 +322,9 @@ def test_an_already_published_result_is_returned_and_leftovers_cleaned(root: Pat
     plan = plan_shuffle(src, n_buckets=3, examples_per_chunk=5)
     with pytest.raises(Stop):
         run_plan(plan, durable=False, after_step=stop_at("published"))
-    assert plan.path.is_dir() and plan.work.is_dir()  # published, scratch not yet removed
+    assert plan.path.is_dir() and not plan.work.exists()  # published: the scratch goes whatever the exit
+    plan.work.mkdir()  # as a shuffle killed after publishing, before cleaning up, leaves it
+    (plan.work / run_file(0)).write_bytes(b"left over")
     out = run_plan(plan, durable=False)
     assert out.path == plan.path and not plan.work.exists()
 
