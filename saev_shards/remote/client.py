@@ -135,12 +135,32 @@ class Client:
         """``fn(store, key, *args, **kwargs)`` with obstore's errors turned into ours."""
         try:
             return fn(self.store, name, *args, **kwargs)
-        except FileNotFoundError as err:
-            raise _not_found(err, self, name) from None
         except Exception as err:
-            if not _is_obstore_error(err):
-                raise
-            raise remote_error(err, self, what, name) from None
+            raise self.error(err, what, name) from None
+
+    def error(self, err: Exception, what: str, name: str) -> Exception:
+        """Ours for an error obstore raised (others are returned as they are)."""
+        if isinstance(err, FileNotFoundError) and not isinstance(err, RemoteError):
+            return _not_found(err, self, name)
+        if not _is_obstore_error(err):
+            return err
+        return remote_error(err, self, what, name)
+
+    def stream(self, name: str, start: int = 0, chunk: int = PART_BYTES) -> Iterator[Any]:
+        """The bytes of ``name`` from ``start`` on, in pieces of about ``chunk`` bytes, in order
+        (one request; an error while the body comes is raised as ours, as the request's)."""
+        ob = _obstore()
+        options: Any = {"range": {"offset": start}} if start else None
+        result = self.call("read", name, ob.get, options=options)
+        pieces = iter(result.stream(min_chunk_size=chunk))
+        while True:
+            try:
+                piece = next(pieces)
+            except StopIteration:
+                return
+            except Exception as err:
+                raise self.error(err, "read", name) from None
+            yield piece
 
     def get_range(self, name: str, start: int, end: int) -> Any:
         """Bytes ``[start, end)`` of ``name`` (a buffer; not checked: `files` checks them)."""
@@ -165,6 +185,8 @@ class Client:
         ob = _obstore()
         try:
             return int(self.call("look up", name, ob.head)["size"])
+        except RemoteBucketError:
+            raise
         except FileNotFoundError:
             return None
 
@@ -200,6 +222,8 @@ class Client:
         ob = _obstore()
         try:
             self.call("delete", name, ob.delete)
+        except RemoteBucketError:
+            raise
         except FileNotFoundError:
             return
 
@@ -238,12 +262,17 @@ _CREDENTIAL_CODES = (
 _REGION_CODES = ("PermanentRedirect", "AuthorizationHeaderMalformed", "IllegalLocationConstraintException")
 
 
-def _not_found(err: FileNotFoundError, client: Client, name: str) -> Exception:
-    text = str(err)
-    if "NoSuchBucket" in text:
-        bucket = client.root.split("://", 1)[0] + "://" + client.root.split("://", 1)[1].split("/", 1)[0]
-        return RemoteBucketError(f"{bucket}: no such bucket (check the URL and AWS_ENDPOINT_URL, or create the bucket)")
+def _not_found(err: Exception, client: Client, name: str) -> Exception:
+    if "NoSuchBucket" in str(err):
+        return _no_bucket(client)
     return FileNotFoundError(f"{client.url(name)}: no such object")
+
+
+def _no_bucket(client: Client) -> RemoteBucketError:
+    kind, rest = client.root.split("://", 1)
+    return RemoteBucketError(
+        f"{kind}://{rest.split('/', 1)[0]}: no such bucket (check the URL and AWS_ENDPOINT_URL, or create the bucket)"
+    )
 
 
 def remote_error(err: BaseException, client: Client, what: str, name: str) -> Exception:
@@ -253,6 +282,8 @@ def remote_error(err: BaseException, client: Client, what: str, name: str) -> Ex
     code = found.group(1) if found else ""
     where = client.url(name)
     kind = type(err).__name__
+    if code == "NoSuchBucket":
+        return _no_bucket(client)
     if code in _CREDENTIAL_CODES or kind == "UnauthenticatedError":
         return RemoteCredentialsError(
             f"{where}: credentials rejected ({code or 'unauthenticated'}): check AWS_ACCESS_KEY_ID and "

@@ -34,7 +34,19 @@ from typing import Any
 
 import xxhash
 
-from ..errors import CacheNotFoundError, ChecksumMismatchError, FileSizeError, InvalidCacheError, JSONFileError, Problem
+from ..errors import (
+    CacheNotFoundError,
+    ChecksumMismatchError,
+    FileSizeError,
+    InvalidCacheError,
+    JSONFileError,
+    Problem,
+    RemoteAccessDeniedError,
+    RemoteBucketError,
+    RemoteCredentialsError,
+    RemoteError,
+    RemoteRegionError,
+)
 from ..fileio import DISK_FULL_ERRNOS, write_file_atomic
 from ..protocol.jsonfile import strict_json_loads
 from .blockcache import BlockCache, root_id
@@ -51,6 +63,10 @@ MAX_OPEN = 256
 MAX_MEMORY = 1 << 30
 #: Bytes per piece when a whole file is streamed (verify, whole-file units).
 STREAM_CHUNK = 8 << 20
+
+
+#: Refusals a new request would get again (the others are worth a new attempt).
+_FINAL = (RemoteCredentialsError, RemoteAccessDeniedError, RemoteBucketError, RemoteRegionError)
 
 
 @dataclass(frozen=True)
@@ -95,6 +111,8 @@ def fetch_json(client: Client, folder: Path, name: str, max_bytes: int) -> bool:
     than ``max_bytes`` (its body is then not read)."""
     try:
         data = client.get_bytes(name, max_bytes)
+    except RemoteBucketError:
+        raise
     except FileNotFoundError:
         with contextlib.suppress(FileNotFoundError):
             os.unlink(folder / name)
@@ -345,18 +363,24 @@ class RemoteFiles:
         fd = self.cache.open(unit.key, unit.nbytes, unit.digest)
         if fd is not None:
             return _Entry(fd)
-        problems = []
+        problems: list[str] = []
+        failure: RemoteError | None = None
         for attempt in range(VERIFY_ATTEMPTS):
             if attempt:
                 self.refetched += 1
                 time.sleep(VERIFY_BACKOFF * 2 ** (attempt - 1))
-            if unit.block < 0:
-                result = self._fetch_file(unit)
-            else:
-                result = self._fetch_block(unit)
+            try:
+                result = self._fetch_file(unit) if unit.block < 0 else self._fetch_block(unit)
+            except RemoteError as err:
+                if isinstance(err, _FINAL):  # no point asking again: the same answer would come
+                    raise
+                failure = err  # the server failed even after the client's own retries
+                continue
             if isinstance(result, _Entry):
                 return result
             problems.append(result)
+        if not problems and failure is not None:
+            raise failure
         raise ChecksumMismatchError(
             f"{self.where(unit.name)}: {describe(unit)} does not match the manifest after {VERIFY_ATTEMPTS} "
             f"fetches ({'; '.join(dict.fromkeys(problems))}): the remote copy is damaged (check it with "
@@ -402,11 +426,7 @@ class RemoteFiles:
     def stream(self, name: str, start: int = 0) -> Iterator[Any]:
         """The bytes of ``name`` from ``start`` on, in order, straight from the server (not
         checked, not cached: the caller hashes them)."""
-        import obstore
-
-        options: Any = {"range": {"offset": start}} if start else None
-        result = self.client.call("read", name, obstore.get, options=options)
-        yield from self.client.call("read", name, lambda _s, _k: iter(result.stream(min_chunk_size=STREAM_CHUNK)))
+        return self.client.stream(name, start, STREAM_CHUNK)
 
     def verify_file(self, name: str, tick: Callable[[int], None]) -> tuple[int, str, list[int]]:
         """Read ``name`` from the server: ``(bytes, xxh3_128 of the whole, blocks that differ)``."""

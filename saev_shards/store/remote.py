@@ -32,6 +32,7 @@ from ..errors import (
     ShardsError,
     UnknownCacheError,
 )
+from ..fileio import fault_point
 from ..metadata import Metadata
 from ..progress import Progress
 from ..protocol import is_cache_name
@@ -125,6 +126,7 @@ def push(
         if source.manifest.stats is None and sidecar.is_file():  # statistics computed later travel with it
             Client(root_url).put(f"{SIDECAR_DIR}/{md.hash}.json", sidecar.read_bytes())
         for name, data in json_files:  # metadata.json, then shards.json: the commit point
+            fault_point("push-json")
             client.put(name, data)
     if verify:
         remote = reader.open(url)
@@ -175,6 +177,7 @@ def _upload_file(
         client.put(name, b"".join(pieces()))
     else:
         client.put(name, pieces())
+    fault_point("pushed-file")
     if read[0] != nbytes or (digest is not None and h.hexdigest() != digest):
         client.delete(name)
         found = f"{read[0]} bytes" if read[0] != nbytes else f"xxh3_128 {h.hexdigest()}"
