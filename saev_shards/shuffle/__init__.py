@@ -49,6 +49,7 @@ from ..writer import ShardWriter, finalize
 from .append import write_buckets
 from .order import bucket_of, shuffle_order, sort_keys
 from .plan import DEFAULT_MEMORY, SOURCE_EXAMPLE, SOURCE_TOKEN, ShufflePlan, make_plan
+from .ranks import run_rank
 from .runs import PLAN_FILE, RUN_DISK_FULL_NOTE, load_record, run_file, run_record_file
 from .scatter import CLS_LABEL, scatter
 
@@ -61,6 +62,7 @@ __all__ = [
     "bucket_of",
     "plan_shuffle",
     "run_plan",
+    "run_rank",
     "shuffle_cache",
     "shuffle_order",
     "sort_keys",
