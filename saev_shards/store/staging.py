@@ -37,13 +37,11 @@ from ..fileio import (
 )
 from ..progress import Progress
 from ..protocol.common import MANIFEST_FILE, METADATA_FILE
+from ..remote.client import requests_in_flight
 from .caches import open_quietly, remove
 from .remote import locate
 from .roots import COPY_PREFIX, PathLike, Roots, _scan, local_roots, shards_roots, stage_root
 from .sidecar import carry_sidecar
-
-#: Files a copy from a remote source streams at once (`pull`).
-PULL_FILES = 8
 
 # --------------------------------------------------------------------------------------
 # staging: a verified local copy
@@ -271,7 +269,7 @@ def _copy_files(
             for row in files:
                 one(row)
         else:  # a remote source: several files in flight, each one stream
-            with ThreadPoolExecutor(max(1, min(PULL_FILES, len(files))), "saev-pull") as pool:
+            with ThreadPoolExecutor(max(1, min(requests_in_flight(), len(files))), "saev-pull") as pool:
                 list(pool.map(one, files))
     expected = {fname: nbytes for fname, nbytes, _ in files}
     # The small JSON files go last: their presence never suggests the data is complete.

@@ -182,28 +182,32 @@ class _RangeHandler(_Handler):
         if self.server.folder.resolve() not in path.parents or not path.is_file():
             self._respond(404, [("Content-Type", "text/plain")], b"not found", None)
             return
-        data = path.read_bytes()
+        size = path.stat().st_size
         headers = [("Accept-Ranges", "bytes"), ("Content-Type", "application/octet-stream")]
         if self.command == "HEAD":
-            headers.append(("Content-Length", str(len(data))))
+            self._respond(200, [*headers, ("Content-Length", str(size))], b"", fault)
+            return
         want = self.headers.get("Range")
         if want is None:
-            self._respond(200, headers, data, fault)
+            self._respond(200, headers, path.read_bytes(), fault)
             return
         m = _RANGE.match(want.strip())
         if m is None or (not m.group(1) and not m.group(2)):
-            self._respond(416, [("Content-Range", f"bytes */{len(data)}")], b"", None)
+            self._respond(416, [("Content-Range", f"bytes */{size}")], b"", None)
             return
         if m.group(1):
             start = int(m.group(1))
-            end = min(int(m.group(2)), len(data) - 1) if m.group(2) else len(data) - 1
+            end = min(int(m.group(2)), size - 1) if m.group(2) else size - 1
         else:  # the last N bytes
-            start, end = max(0, len(data) - int(m.group(2))), len(data) - 1
-        if start >= len(data) or end < start:
-            self._respond(416, [("Content-Range", f"bytes */{len(data)}")], b"", None)
+            start, end = max(0, size - int(m.group(2))), size - 1
+        if start >= size or end < start:
+            self._respond(416, [("Content-Range", f"bytes */{size}")], b"", None)
             return
-        headers.append(("Content-Range", f"bytes {start}-{end}/{len(data)}"))
-        self._respond(206, headers, data[start : end + 1], fault)
+        with open(path, "rb") as f:  # only the bytes asked for
+            f.seek(start)
+            body = f.read(end + 1 - start)
+        headers.append(("Content-Range", f"bytes {start}-{end}/{size}"))
+        self._respond(206, headers, body, fault)
 
 
 class _RangeServer(_Server):
