@@ -500,3 +500,30 @@ def test_two_processes_share_one_block_cache(
         assert size in {s.nbytes for s in local[0].manifest.shards} | {n for _, n, _ in local[0].manifest.other_files()}
         assert path.parent.parent == folder / "blocks"
     assert not list((folder / "tmp").glob("*")) if (folder / "tmp").exists() else True
+
+
+def test_the_readme_commands_run_as_written(s3: S3, local: tuple[ss.Shards, Any], tmp_path: Path) -> None:
+    """README.md's "Caches in object stores" block, run by bash against the test server (the
+    install line is what built this environment; the AWS variables point at the server)."""
+    readme = (Path(__file__).resolve().parents[2] / "README.md").read_text()
+    block = readme.split("## Caches in object stores\n", 1)[1].split("```bash\n", 1)[1].split("```", 1)[0]
+    lines = [line for line in block.splitlines() if not line.startswith(("pip install", "#"))]
+    create_bucket(s3.server, "my-bucket")
+    env = {
+        **os.environ,
+        "HASH": local[0].metadata.hash[:8],
+        "SAEV_SHARDS_ROOT": str(local[0].path.parent),
+        "TMPDIR": str(tmp_path),
+        "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}",
+    }
+    done = subprocess.run(
+        ["bash", "-euo", "pipefail", "-c", "\n".join(lines)],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=False,
+    )
+    assert done.returncode == 0, done.stderr
+    assert "(23, 2, 5, 8)" in done.stdout
+    assert (tmp_path / "saev" / "shards" / local[0].metadata.hash).is_dir()
