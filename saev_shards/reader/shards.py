@@ -343,7 +343,7 @@ class Shards(ReadPaths, Sidecars):
     def _describe_blocks(self, name: str, bad: list[int]) -> str:
         if not bad:
             return ""
-        size = int(getattr(self, "block_size", 0) or 0)
+        size = int(getattr(self.files, "block_size", None) or getattr(self, "block_size", 0) or 0)
         nbytes = next(n for f, n, _ in self.manifest.files() if f == name)
         spans = [f"block {i} (bytes {i * size}-{min((i + 1) * size, nbytes) - 1})" for i in bad[:5]]
         more = f" and {len(bad) - 5} more" if len(bad) > 5 else ""

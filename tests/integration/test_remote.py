@@ -305,6 +305,42 @@ def test_http_server_with_range_requests(
             ss.open(f"{base}/{'0' * 64}")
 
 
+def test_reads_are_verified_per_block_where_the_manifest_has_block_digests(
+    s3: S3, local: tuple[ss.Shards, Any], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The per-block path of the storage (protocol 3.1's blocks.json), with 64-byte blocks:
+    only the blocks a read touches are requested, and a damaged block is named."""
+    import xxhash
+
+    url = pushed(s3, local).location
+    fresh_block_cache(tmp_path, monkeypatch)
+    monkeypatch.setattr("saev_shards.remote.files.VERIFY_BACKOFF", 0.01)
+    remote = ss.open(url)
+    size = 64
+    data = {name: (local[0].path / name).read_bytes() for name, _, _ in local[0].manifest.files()}
+    digests = {
+        name: [xxhash.xxh3_128_hexdigest(blob[i : i + size]) for i in range(0, len(blob), size)]
+        for name, blob in data.items()
+    }
+    remote.files.use_blocks(size, digests.get)  # type: ignore[attr-defined]
+    s3.faults.clear()
+    np.testing.assert_array_equal(remote.read_vectors([7], [1], [2])[0], local[1][7, 1, 2])  # 16 bytes
+    assert s3.faults.count("acts000001.bin") == 1  # one block of 64 bytes requested, not the file
+    s3.faults.add("corrupt", "acts000001.bin")
+    np.testing.assert_array_equal(remote[6], local[1][6])
+    assert remote.files.refetched == 1  # type: ignore[attr-defined]
+    damaged = bytearray(data["acts000003.bin"])
+    damaged[200] ^= 0x10  # block 3 of that file (example 16: bytes 160-319)
+    Client(url).put("acts000003.bin", bytes(damaged))
+    np.testing.assert_array_equal(remote[15], local[1][15])  # bytes 0-159: blocks 0 to 2, intact
+    with pytest.raises(ChecksumMismatchError, match=r"acts000003\.bin: block 3 \(bytes 192-255\) does not match"):
+        remote[16]
+    with pytest.raises(
+        ChecksumMismatchError, match=r"acts000003\.bin: xxh3_128 expected .*; block 3 \(bytes 192-255\)"
+    ):
+        remote.verify()
+
+
 # --------------------------------------------------------------------------------------
 # push, pull, listing
 
