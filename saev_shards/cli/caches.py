@@ -316,20 +316,21 @@ def cmd_stats(args: argparse.Namespace) -> int:
     name = shards.path.name[:12]
     if shards.manifest.stats is not None:
         err.write(f"{name}: has statistics of its own (stats.json), nothing to compute\n")
-        sys.stdout.write(f"{shards.path / shards.manifest.stats.name}\n")
+        sys.stdout.write(f"{shards.files.where(shards.manifest.stats.name)}\n")
         return EXIT_OK
     path = store.sidecar_path(shards)
+    where = store.sidecar.sidecar_location(shards)
     if path.exists() and not args.force:
         store.find_stats(shards)  # a damaged or stale sidecar is an error naming it
         err.write(f"{name}: statistics already computed and verified, nothing to do (--force computes again)\n")
-        sys.stdout.write(f"{path}\n")
+        sys.stdout.write(f"{where}\n")
         return EXIT_OK
     stats = store.compute_stats(shards, progress=progress_arg(args))
     store.write_sidecar(shards, stats)
     tokens = sum(stats["count"])
     layers = plural(len(stats["layers"]), "layer")
     err.write(f"{name}: statistics of {tokens:,} tokens over {layers} written beside the cache\n")
-    sys.stdout.write(f"{path}\n")
+    sys.stdout.write(f"{where}\n")
     return EXIT_OK
 
 

@@ -435,6 +435,24 @@ def test_cli_push_pull_ls_info_verify_resolve(
     assert "already here" in capsys.readouterr().err
 
 
+def test_statistics_computed_later_for_a_remote_cache_live_in_its_root(
+    s3: S3, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    root = tmp_path / "plain"
+    root.mkdir()
+    md = small_metadata()
+    write_cache(root, md)  # no stats.json
+    url = store.push(root / md.hash, s3.root).url
+    assert ss.open(url).stats is None
+    assert main(["stats", url]) == 0
+    assert capsys.readouterr().out == f"{s3.root}/.stats/{md.hash}.json\n"
+    stats = ss.open(url).stats  # a new reader finds the sidecar in the root and checks it
+    assert stats is not None and stats["count"].tolist() == [23 * 5, 23 * 5]
+    dest = tmp_path / "pulled"
+    store.pull(url, dest)
+    assert ss.open(dest / md.hash).stats is not None  # pull carries it, as stage does
+
+
 def test_hash_prefixes_find_caches_in_remote_roots(
     s3: S3, local: tuple[ss.Shards, Any], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
