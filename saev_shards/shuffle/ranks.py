@@ -65,10 +65,13 @@ def run_rank(
 ) -> Shards | None:
     """Carry out rank ``rank``'s share of ``plan`` (module docstring); rank 0 returns the
     published output opened, the others None once their share is written."""
-    from . import _check_space, _open_writer, _remove_work
+    from . import _check_space, _open_writer, _remove_stale_work, _remove_work
 
     if plan.path.exists():
-        return open_path(plan.path) if rank == 0 else None
+        if rank != 0:
+            return None
+        _remove_stale_work(plan)  # rank 0 killed after publishing, before cleaning up
+        return open_path(plan.path)
     plan.work.mkdir(parents=True, exist_ok=True)
     shared = take_lock(plan.work / LOCK_FILE, shared=True)
     if shared is None:

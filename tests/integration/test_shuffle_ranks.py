@@ -92,7 +92,6 @@ def test_a_killed_rank_resumes(source: Path, tmp_path: Path) -> None:
     again = start_rank(args(source, out), 1, 3)
     results = [p.communicate(timeout=300) for p in (rank0, rank2, again)]
     assert [p.returncode for p in (rank0, rank2, again)] == [0, 0, 0], results
-    assert b"waiting for" in results[0][1]
     assert tree_bytes(out / expected.name) == tree_bytes(expected)
 
 
