@@ -192,6 +192,9 @@ def library_table(bucket: str, local: ss.Shards, work: Path, quick: bool) -> Non
     dest = work / "pulled"
     shutil.rmtree(dest, ignore_errors=True)
     pull_rate = rate(nbytes, lambda: store.pull(report.url, dest, durable=False))
+    disk_write = bl.odirect_write_gbps(work / "disk-limit.bin", nbytes) * 1e9  # where pull writes
+    (work / "disk-limit.bin").unlink()
+    pull_limit = min(read_limit, disk_write)
 
     table = bl.Table(
         "remote",
@@ -231,8 +234,8 @@ def library_table(bucket: str, local: ss.Shards, work: Path, quick: bool) -> Non
     table.add(
         "pull (download, verified)",
         f"{pull_rate / 1e6:.0f} MB/s",
-        f"{read_limit / 1e6:.0f} MB/s ranged reads",
-        pull_rate / read_limit,
+        f"{pull_limit / 1e6:.0f} MB/s ranged reads or disk write ({disk_write / 1e6:.0f}), the lower",
+        pull_rate / pull_limit,
         ">= 0.8",
     )
     per = (
