@@ -8,6 +8,7 @@ and this package never imports the store.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import stat
 import warnings
@@ -154,8 +155,18 @@ def open_remote(url: str, *, check_hash: bool = True) -> Shards:
         fetch_json(
             Client(url.rsplit("/", 1)[0]), folder.parent, sidecar, stats_max_bytes(md.n_layers, md.d_model) + 4096
         )
-    files = {name: (nbytes, digest) for name, nbytes, digest in manifest.files()}
-    return Shards(folder, md, manifest, RemoteFiles(url, files, cache))
+    blocks = getattr(manifest, "blocks", None)  # protocol 3.1: per-block digests
+    if blocks is not None:
+        fetch(blocks.name, blocks.nbytes, ManifestError)  # checked against shards.json on first use
+    else:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(folder / "blocks.json")  # left by another cache of this name
+    files = RemoteFiles(url, {name: (nbytes, digest) for name, nbytes, digest in manifest.files()}, cache)
+    shards = Shards(folder, md, manifest, files)
+    block_size = getattr(shards, "block_size", None)
+    if block_size:  # every read verified per block; without blocks.json, per whole file
+        files.use_blocks(block_size, shards.block_digests)  # type: ignore[attr-defined]
+    return shards
 
 
 def _at_url(problems: list[Problem], folder: Path, url: str) -> list[Problem]:
