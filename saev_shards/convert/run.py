@@ -20,7 +20,7 @@ from typing import Any
 from ..errors import ConvertError, ConvertOptionError, NonFiniteError, ShardsError, SourceNotFoundError
 from ..metadata import Metadata
 from ..progress import Progress
-from ..protocol.common import PROTOCOL
+from ..protocol.common import PROTOCOL, V3_PROTOCOLS
 from ..store import resolve, shards_root
 from ..writer import ShardWriter
 from . import cache
@@ -96,7 +96,7 @@ def metadata_for(plan: Plan, to: Target, dtype: str | None, patches_per_shard: i
             f"{tokens} tokens), more than the budget {budget:,}"
         )
     data = {"converted_from": {"kind": plan.kind, "version": CONVERT_VERSION}, "source": dict(plan.source)}
-    if to.protocol != PROTOCOL:
+    if to.protocol not in V3_PROTOCOLS:
         cache.check_saev_family(plan.family)
     try:
         return Metadata(
@@ -108,7 +108,7 @@ def metadata_for(plan: Plan, to: Target, dtype: str | None, patches_per_shard: i
             d_model=plan.d_model,
             n_examples=plan.n_examples,
             patches_per_shard=budget,
-            data=data if to.protocol == PROTOCOL else cache.saev_data(data),
+            data=data if to.protocol in V3_PROTOCOLS else cache.saev_data(data),
             dataset=plan.dataset,
             dtype=dtype,
             protocol=to.protocol,
@@ -121,7 +121,7 @@ def prepare(
     src: str | os.PathLike[str],
     *,
     kind: str | None = None,
-    to: str = "3.0",
+    to: str = PROTOCOL,
     root: str | os.PathLike[str] | None = None,
     dtype: str | None = None,
     patches_per_shard: int | None = None,
@@ -229,7 +229,7 @@ def convert(
     src: str | os.PathLike[str],
     *,
     kind: str | None = None,
-    to: str = "3.0",
+    to: str = PROTOCOL,
     root: str | os.PathLike[str] | None = None,
     dtype: str | None = None,
     patches_per_shard: int | None = None,

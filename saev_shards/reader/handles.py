@@ -1,5 +1,8 @@
 """Per-process handles of an open cache: shard memmaps and file descriptors, opened lazily.
 
+A float8_e4m3 cache's scale files (protocol 3.1) get the same per-process handles as its
+shards (`scale_shard`, `_scale_fd`).
+
 A `Shards` object crosses process boundaries two ways, and neither may share a handle:
 forked (a DataLoader worker: `_check_pid` sees the new pid and drops the parent's) and
 pickled (spawn: `__getstate__` drops them, `__setstate__` starts empty). The read paths
@@ -8,8 +11,8 @@ pickled (spawn: `__getstate__` drops them, `__setstate__` starts empty). The rea
 The storage seam: every data file is reached through ``files``, which opens it, reads it
 (``preadv``) and closes it. A local cache has `LocalFiles` (descriptors and ``os.preadv``,
 the same calls as always, and memory maps); a remote one `remote.files.RemoteFiles`, whose
-reads are ranged requests checked against the manifest, and whose shards are `RemoteShard`
-array-likes returning copies.
+reads are ranged requests checked against the manifest, and whose shards (and scale
+files) are `RemoteShard` array-likes returning copies.
 """
 
 from __future__ import annotations
@@ -17,6 +20,7 @@ from __future__ import annotations
 import contextlib
 import os
 import threading
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -25,9 +29,10 @@ import numpy.typing as npt
 
 from ..manifest import Manifest
 from ..metadata import Metadata
+from ..protocol.common import SCALES_DTYPE
 
 #: Attributes that belong to one process: never pickled, rebuilt after fork or unpickling.
-_PER_PROCESS = ("_maps", "_fds", "_aux", "_pid", "_out_cache", "_lock", "_preadv")
+_PER_PROCESS = ("_maps", "_fds", "_scale_maps", "_scale_fds", "_aux", "_pid", "_out_cache", "_lock", "_preadv")
 
 
 class Files(Protocol):
@@ -79,6 +84,8 @@ class ShardHandles:
         self._preadv = self.files.preadv  # the hot path reads it as one attribute
         self._maps: dict[int, npt.NDArray[Any]] = {}
         self._fds: dict[int, int] = {}
+        self._scale_maps: dict[int, npt.NDArray[Any]] = {}
+        self._scale_fds: dict[int, int] = {}
         self._aux: dict[str, Any] = {}
         self._lock = threading.Lock()  # guards opening handles; a new one after fork or unpickling
         # The last `out` buffer given to read_example and its byte view (reused while it is).
@@ -101,7 +108,7 @@ class ShardHandles:
     def close(self) -> None:
         """Drop this process's memmaps and file descriptors (reopened on next use)."""
         if self._pid == os.getpid():
-            for fd in self._fds.values():
+            for fd in (*self._fds.values(), *self._scale_fds.values()):
                 self.files.close(fd)
         close_all = getattr(self.files, "close_all", None)
         if close_all is not None:
@@ -133,7 +140,8 @@ class ShardHandles:
         entry = self.manifest.shards[k]
         shape = (entry.n_examples, *self.metadata.shard_shape[1:])
         if self.files.copies:
-            return RemoteShard(self, k, shape)  # type: ignore[arg-type,return-value]  # Shards reads ranges
+            read: Any = getattr(self, "read_range_raw")  # noqa: B009 - `reads.ReadPaths` has it
+            return RemoteShard(read, k * self.metadata.examples_per_shard, shape, self.numpy_dtype)  # type: ignore[return-value]
         if entry.n_examples == 0 or self.metadata.example_nbytes == 0:
             return np.zeros(shape, self.numpy_dtype)  # mmap cannot map 0 bytes
         # A plain ndarray over the map: np.memmap's Python-level __getitem__ costs ~1 us per index.
@@ -150,30 +158,71 @@ class ShardHandles:
                     self._fds[k] = fd
         return fd
 
+    # -- the scale files of a float8_e4m3 cache (protocol 3.1) ------------------------------
+    def scale_path(self, k: int) -> Path:
+        """Absolute path of shard ``k``'s scale file (float8_e4m3 caches only)."""
+        scales = self.manifest.scales
+        if scales is None:
+            raise ValueError(f"{self.path}: a {self.metadata.dtype} cache has no scale files")
+        return self.path / scales.names[k]
 
-class _RangeReads(Protocol):
-    numpy_dtype: np.dtype[Any]
-    metadata: Metadata
+    def scale_shard(self, k: int) -> npt.NDArray[Any]:
+        """Shard ``k``'s scales as a read-only float32 array backed by a memory map, shape
+        ``(n_examples_k, L, T)``: one per vector (float8_e4m3 caches only)."""
+        self._check_pid()
+        mm = self._scale_maps.get(k)
+        if mm is None:
+            path = self.scale_path(k)
+            with self._lock:
+                mm = self._scale_maps.get(k)
+                if mm is None:
+                    n = self.manifest.shards.counts[k]
+                    shape = (n, *self.metadata.shard_shape[1:3])
+                    made: Any
+                    if self.files.copies:
+                        read: Any = getattr(self, "read_range_scales")  # noqa: B009 - `reads.ReadPaths` has it
+                        first = k * self.metadata.examples_per_shard
+                        made = RemoteShard(read, first, shape, np.dtype(SCALES_DTYPE))
+                    elif n == 0 or shape[1] * shape[2] == 0:
+                        made = np.zeros(shape, SCALES_DTYPE)
+                    else:
+                        made = np.memmap(path, dtype=SCALES_DTYPE, mode="r", shape=shape).view(np.ndarray)
+                    mm = self._scale_maps[k] = made
+        return mm
 
-    def read_range(self, start: int, stop: int, out: npt.NDArray[Any] | None = None) -> npt.NDArray[Any]: ...
+    def _scale_fd(self, k: int) -> int:
+        self._check_pid()
+        fd = self._scale_fds.get(k)
+        if fd is None:
+            path = self.scale_path(k)
+            with self._lock:
+                fd = self._scale_fds.get(k)
+                if fd is None:
+                    fd = self.files.open(path.name)
+                    self._scale_fds[k] = fd
+        return fd
 
 
 class RemoteShard:
-    """Shard ``k`` of a remote cache as an array-like of shape ``(n_examples_k, L, T, D)``.
+    """Shard ``k`` of a remote cache (or its scales) as an array-like of shape ``(n_examples_k, ...)``.
 
-    Indexing reads the examples the key selects (``read_range`` over runs of neighbours, so
-    through the verified storage) and applies the rest of the key to them: the result equals
-    indexing the shard's array, and is always a copy.
+    Indexing reads the examples the key selects (``read(start, stop, out)`` over runs of
+    neighbours, so through the verified storage) and applies the rest of the key to them:
+    the result equals indexing the shard's array, and is always a copy.
     """
 
-    ndim = 4
-
-    def __init__(self, handles: _RangeReads, k: int, shape: tuple[int, ...]) -> None:
-        self.handles = handles
-        self.k = k
+    def __init__(
+        self,
+        read: Callable[[int, int, npt.NDArray[Any]], Any],
+        first: int,
+        shape: tuple[int, ...],
+        dtype: np.dtype[Any],
+    ) -> None:
+        self.read = read
+        self.first = first
         self.shape = shape
-        self.dtype = handles.numpy_dtype
-        self.first = k * handles.metadata.examples_per_shard
+        self.ndim = len(shape)
+        self.dtype = dtype
 
     def __len__(self) -> int:
         return self.shape[0]
@@ -205,6 +254,6 @@ class RemoteShard:
             starts = np.r_[0, breaks]
             stops = np.r_[breaks, len(unique)]
             for a, b in zip(starts.tolist(), stops.tolist(), strict=True):
-                lo = int(unique[a])
-                self.handles.read_range(self.first + lo, self.first + lo + b - a, out[a:b])
+                lo = self.first + int(unique[a])
+                self.read(lo, lo + b - a, out[a:b])
         return out if len(unique) == len(rows) and bool(np.all(unique == rows)) else out[inverse.reshape(-1)]

@@ -47,7 +47,7 @@ from ..errors import (
     RemoteError,
     RemoteRegionError,
 )
-from ..fileio import DISK_FULL_ERRNOS, write_file_atomic
+from ..fileio import DISK_FULL_ERRNOS, BlockHasher, write_file_atomic
 from ..protocol.jsonfile import strict_json_loads
 from .blockcache import BlockCache, root_id
 from .client import Client, requests_in_flight
@@ -195,7 +195,16 @@ class RemoteFiles:
 
     def per_block(self, name: str) -> bool:
         """Whether reads of ``name`` are verified per block (else per whole file)."""
-        return self.block_digests is not None and self.block_digests(name) is not None
+        return self._digests_of(name) is not None
+
+    def _digests_of(self, name: str) -> list[str] | None:
+        """``name``'s block digests, None for a file without (blocks.json itself, a 3.0 cache)."""
+        if self.block_digests is None:
+            return None
+        try:
+            return self.block_digests(name)
+        except KeyError:  # a listed file blocks.json has no digests of: blocks.json itself
+            return None
 
     # -- the descriptor interface of the reader --------------------------------------------
     def open(self, name: str) -> int:
@@ -283,7 +292,7 @@ class RemoteFiles:
     def units(self, name: str, start: int, stop: int) -> list[Unit]:
         """The units that hold bytes ``[start, stop)`` of ``name``, in order."""
         size, whole = self.files[name]
-        digests = self.block_digests(name) if self.block_digests is not None else None
+        digests = self._digests_of(name)
         if digests is None or self.block_size is None:
             if whole is None:
                 raise ChecksumMismatchError(f"{self.where(name)}: the manifest records no digest for it")
@@ -428,38 +437,17 @@ class RemoteFiles:
         checked, not cached: the caller hashes them)."""
         return self.client.stream(name, start, STREAM_CHUNK)
 
-    def verify_file(self, name: str, tick: Callable[[int], None]) -> tuple[int, str, list[int]]:
-        """Read ``name`` from the server: ``(bytes, xxh3_128 of the whole, blocks that differ)``."""
-        digests = self.block_digests(name) if self.block_digests is not None else None
-        bs = self.block_size or STREAM_CHUNK
-        whole = xxhash.xxh3_128()
-        block = xxhash.xxh3_128()
-        in_block = 0
-        index = 0
-        bad: list[int] = []
+    def verify_file(self, name: str, block_size: int | None, tick: Callable[[int], None]) -> tuple[int, str, list[str]]:
+        """Read ``name`` from the server (not from the block cache): ``(bytes, xxh3_128 of the
+        whole, xxh3_128 of each ``block_size`` bytes)`` (no block digests without a block size)."""
+        hasher = BlockHasher(block_size)
         total = 0
-
-        def close_block() -> None:
-            nonlocal block, in_block, index
-            if digests is not None and (index >= len(digests) or block.hexdigest() != digests[index]):
-                bad.append(index)
-            block, in_block, index = xxhash.xxh3_128(), 0, index + 1
-
         for chunk in self.stream(name):
-            view = memoryview(chunk).cast("B")
-            whole.update(view)
+            view = memoryview(chunk)
+            hasher.update(view)
             tick(view.nbytes)
             total += view.nbytes
-            while view.nbytes:
-                n = min(view.nbytes, bs - in_block)
-                block.update(view[:n])
-                in_block += n
-                view = view[n:]
-                if in_block == bs:
-                    close_block()
-        if in_block:
-            close_block()
-        return total, whole.hexdigest(), bad
+        return total, hasher.hexdigest(), hasher.block_hexdigests()
 
 
 def _mismatch(unit: Unit, got: int, found: str) -> str:

@@ -371,7 +371,7 @@ def _remote_verification(shards: reader.Shards) -> str | None:
     if shards.url is None:
         return None
     per_block = getattr(shards.files, "per_block", None)
-    names = [name for name, _, _ in shards.manifest.files()]
+    names = [name for name, _, _ in shards.manifest.blocked_files()]
     return "per block" if per_block is not None and names and all(per_block(n) for n in names) else "per file"
 
 

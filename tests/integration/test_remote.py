@@ -39,6 +39,7 @@ from saev_shards.errors import (
     RemoteRegionError,
     UnknownCacheError,
 )
+from saev_shards.protocol.common import PROTOCOL_30
 from saev_shards.remote.blockcache import BlockCache
 from saev_shards.remote.client import Client
 
@@ -78,12 +79,17 @@ def s3(moto_port: int, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Itera
         yield S3(f"s3://{bucket}/shards", faults, env, server)
 
 
+#: The protocol before blocks.json: its caches are read remotely per whole file.
+WHOLE_FILE_PROTOCOL = PROTOCOL_30
+
+
 @pytest.fixture
-def local(tmp_path: Path) -> tuple[ss.Shards, Any]:
-    """A local cache with labels, a lengths column, text and statistics (23 examples, 5 shards)."""
+def local(tmp_path: Path, request: pytest.FixtureRequest) -> tuple[ss.Shards, Any]:
+    """A local cache with labels, a lengths column, text and statistics (23 examples, 5 shards),
+    in the protocol this library writes (a test may ask for another with ``indirect``)."""
     root = tmp_path / "shards"
     root.mkdir()
-    md = small_metadata()
+    md = small_metadata(protocol=getattr(request, "param", ss.PROTOCOL))
     lengths = np.arange(md.n_examples) % md.tokens_per_ex + 1
     logical = write_cache(root, md, labels=True, lengths=lengths, text=True, stats=True)
     return ss.open(root / md.hash), logical
@@ -105,6 +111,7 @@ def fresh_block_cache(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
 # reads
 
 
+@pytest.mark.parametrize("local", [ss.PROTOCOL, WHOLE_FILE_PROTOCOL], indirect=True)
 def test_remote_cache_reads_as_its_local_copy(s3: S3, local: tuple[ss.Shards, Any]) -> None:
     shards, logical = local
     remote = pushed(s3, local)
@@ -129,6 +136,8 @@ def test_remote_cache_reads_as_its_local_copy(s3: S3, local: tuple[ss.Shards, An
     np.testing.assert_array_equal(remote.example(7, 11), shards.example(7, 11))
     assert remote.verify() == sum(n for _, n, _ in shards.manifest.files())
     assert "s3://" in repr(remote)
+    per_block = shards.metadata.protocol != WHOLE_FILE_PROTOCOL
+    assert store.summary(remote)["remote_verification"] == ("per block" if per_block else "per file")
 
 
 @settings(max_examples=25, deadline=None)
@@ -241,6 +250,7 @@ def test_block_cache_stays_within_its_limit(tmp_path: Path) -> None:
 # faults: a retry or a clear error, never wrong data
 
 
+@pytest.mark.parametrize("local", [ss.PROTOCOL, WHOLE_FILE_PROTOCOL], indirect=True)
 @pytest.mark.parametrize("kind", ["drop", "truncate", "slowdown", "error500", "short", "corrupt"])
 def test_a_fault_while_reading_is_retried(
     s3: S3, local: tuple[ss.Shards, Any], kind: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
@@ -268,6 +278,7 @@ def test_a_fault_that_persists_is_a_clear_error(
     remote = ss.open(remote_url)
     s3.faults.add(kind, "acts000002.bin", times=-1)
     expected: type[Exception] = ChecksumMismatchError if kind != "slowdown" else ss.errors.RemoteError
+    # verify names the blocks of the cache's own blocks.json (one 16 MiB block per small file here)
     with pytest.raises(expected) as err:
         remote[12]
     assert "acts000002.bin" in str(err.value) and "\n" not in str(err.value)
@@ -336,7 +347,7 @@ def test_reads_are_verified_per_block_where_the_manifest_has_block_digests(
     with pytest.raises(ChecksumMismatchError, match=r"acts000003\.bin: block 3 \(bytes 192-255\) does not match"):
         remote[16]
     with pytest.raises(
-        ChecksumMismatchError, match=r"acts000003\.bin: xxh3_128 expected .*; block 3 \(bytes 192-255\)"
+        ChecksumMismatchError, match=r"acts000003\.bin: xxh3_128 expected .*; block 0 \(bytes 0-\d+\) differs"
     ):
         remote.verify()
 
@@ -420,7 +431,7 @@ def test_cli_push_pull_ls_info_verify_resolve(
     assert h[:12] in capsys.readouterr().out
     assert main(["info", f"{s3.root}/{h[:6]}"]) == 0
     info = capsys.readouterr().out
-    assert f"{s3.root}/{h}" in info and "checked per whole file" in info
+    assert f"{s3.root}/{h}" in info and "every block checked against its digest" in info
     assert main(["verify", f"{s3.root}/{h}"]) == 0
     assert capsys.readouterr().out.startswith(f"ok {s3.root}/{h}")
     assert main(["resolve", h[:6], "--root", str(tmp_path / "none"), "--root", s3.root]) == 0
