@@ -140,6 +140,20 @@ def test_remote_cache_reads_as_its_local_copy(s3: S3, local: tuple[ss.Shards, An
     assert store.summary(remote)["remote_verification"] == ("per block" if per_block else "per file")
 
 
+def test_a_float8_cache_reads_remotely_with_its_scales(s3: S3, tmp_path: Path) -> None:
+    root = tmp_path / "f8"
+    root.mkdir()
+    md = small_metadata(dtype="float8_e4m3")
+    write_cache(root, md)
+    shards = ss.open(root / md.hash)
+    remote = ss.open(store.push(shards.path, s3.root).url)
+    np.testing.assert_array_equal(remote[:], shards[:])  # dequantized with the scales, read remotely
+    np.testing.assert_array_equal(remote.raw[2:9].view(np.uint8), shards.raw[2:9].view(np.uint8))
+    assert remote.scales is not None and shards.scales is not None
+    np.testing.assert_array_equal(remote.scales[:, 1], shards.scales[:, 1])
+    np.testing.assert_array_equal(remote.with_dtype("float32")[[4, 0, 22]], shards.with_dtype("float32")[[4, 0, 22]])
+
+
 @settings(max_examples=25, deadline=None)
 @given(data=st.data())
 def test_remote_indexing_matches_numpy(data: st.DataObject) -> None:
