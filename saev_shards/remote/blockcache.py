@@ -201,6 +201,16 @@ class BlockCache:
             if (now.st_dev, now.st_ino) == (bad.st_dev, bad.st_ino):
                 os.unlink(path)
 
+    def warn_unwritable(self, err: OSError) -> None:
+        """Say once that entries cannot be written here (reads go on from the server and memory)."""
+        if not self._full_warned:
+            self._full_warned = True
+            warnings.warn(
+                f"{self.folder}: cannot write to the block cache ({err}); blocks are read without being kept: "
+                f"set {CACHE_ENV} to a writable folder",
+                stacklevel=3,
+            )
+
     def _warn_full(self, err: OSError) -> None:
         if not self._full_warned:
             self._full_warned = True

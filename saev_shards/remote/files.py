@@ -57,10 +57,13 @@ from .url import split_url, strip
 VERIFY_ATTEMPTS = 4
 #: First wait before fetching a mismatching unit again (doubles each time).
 VERIFY_BACKOFF = 0.2
-#: Units whose descriptors a process keeps open, and bytes it keeps of units the block cache
-#: could not store (a full disk).
+#: Units whose descriptors a process keeps open, and bytes it keeps in memory (units just
+#: fetched, until the reads holding them are done; units the block cache could not store).
 MAX_OPEN = 256
-MAX_MEMORY = 1 << 30
+MAX_MEMORY = 512 << 20
+#: Bytes of fetched units waiting to be written to the block cache by the background writer;
+#: beyond it a fetch writes its unit itself (the disk sets the pace).
+MAX_PENDING_WRITES = 512 << 20
 #: Bytes per piece when a whole file is streamed (verify, whole-file units).
 STREAM_CHUNK = 8 << 20
 
@@ -170,6 +173,9 @@ class RemoteFiles:
         self._inflight: dict[str, Future[None]] = {}
         self._lock = threading.Lock()
         self._pool: ThreadPoolExecutor | None = None
+        self._writer: ThreadPoolExecutor | None = None
+        self._writing: dict[str, Future[None]] = {}
+        self._writing_bytes = 0
         #: Units fetched again because what came did not match (for reports and tests).
         self.refetched = 0
 
@@ -238,6 +244,14 @@ class RemoteFiles:
         if self._pool is not None:
             self._pool.shutdown(wait=False, cancel_futures=True)
             self._pool = None
+        self.flush()
+
+    def flush(self) -> None:
+        """Wait until every unit fetched so far is written to the block cache."""
+        with self._lock:
+            writer, self._writer = self._writer, None
+        if writer is not None:
+            writer.shutdown(wait=True)
 
     def preadv(self, fd: int, views: Sequence[memoryview], offset: int) -> int:
         """Fill ``views`` in order from byte ``offset`` of the file behind ``fd`` (as ``os.preadv``:
@@ -369,6 +383,10 @@ class RemoteFiles:
             entry.close()
 
     def _load(self, unit: Unit) -> _Entry:
+        with self._lock:
+            writing = self._writing.get(unit.key)
+        if writing is not None:  # fetched a moment ago and let go of: on its way to the block cache
+            writing.result()
         fd = self.cache.open(unit.key, unit.nbytes, unit.digest)
         if fd is not None:
             return _Entry(fd)
@@ -399,10 +417,35 @@ class RemoteFiles:
     def _fetch_block(self, unit: Unit) -> _Entry | str:
         data = self.client.get_range(unit.name, unit.start, unit.start + unit.nbytes)
         checked = self._checked(unit, data)
-        if isinstance(checked, str):
-            return checked
+        if isinstance(checked, str) or self._write_later(unit.key, data):
+            return checked  # served from memory while the background writer stores it
         fd = self.cache.insert(unit.key, data)
         return _Entry(fd) if fd is not None else checked
+
+    def _write_later(self, key: str, data: Any) -> bool:
+        """Queue verified ``data`` for the block cache on the writer thread, so a read never
+        waits for the disk; False (the caller writes it) when `MAX_PENDING_WRITES` are queued."""
+        nbytes = memoryview(data).nbytes
+        with self._lock:
+            if self._writing_bytes + nbytes > MAX_PENDING_WRITES or key in self._writing:
+                return False
+            if self._writer is None:
+                self._writer = ThreadPoolExecutor(1, thread_name_prefix="saev-remote-cache")
+            self._writing_bytes += nbytes
+            self._writing[key] = self._writer.submit(self._write_entry, key, data, nbytes)
+        return True
+
+    def _write_entry(self, key: str, data: Any, nbytes: int) -> None:
+        try:
+            fd = self.cache.insert(key, data)
+            if fd is not None:
+                os.close(fd)
+        except OSError as err:  # the block cache is an optimisation: say so once, keep reading
+            self.cache.warn_unwritable(err)
+        finally:
+            with self._lock:
+                self._writing_bytes -= nbytes
+                self._writing.pop(key, None)
 
     def _fetch_file(self, unit: Unit) -> _Entry | str:
         """A whole file, streamed into the block cache's temporary folder while hashed."""

@@ -231,6 +231,7 @@ def test_remote_reads_go_through_the_block_cache(
     remote = pushed(s3, local)
     s3.faults.clear()
     remote[:]
+    remote.files.flush()  # type: ignore[attr-defined]  # units are written to the block cache in the background
     fetched = s3.faults.count("/acts")
     assert fetched == remote.n_shards  # one ranged request per unit (here: per whole file, protocol 3.0)
     again = ss.open(remote.location)  # a new reader (another process would do the same) reads the entries
