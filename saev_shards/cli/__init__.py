@@ -92,6 +92,7 @@ def build_parser(invoked: str | None = None) -> argparse.ArgumentParser:
             "  saev-shards push 3f2a s3://bucket/shards # publish in an object store (prints the URL)\n"
             "  saev-shards pull s3://bucket/shards/3f2a # verified copy into the shards root\n"
             "  saev-shards stats 3f2a                  # statistics for a cache written without them\n"
+            "  saev-shards report 3f2a                 # one picture: norms, dimensions, tokens, shards\n"
             "  saev-shards rm 3f2a                     # remove a cache (asks; refuses if a run links to it)\n"
             "  saev-shards clean --dry-run             # staging and copy folders whose writer is gone\n"
             "  saev-shards shuffle 3f2a --layers 11    # a perfectly shuffled copy for training\n"

@@ -5,15 +5,18 @@ from __future__ import annotations
 import argparse
 import sys
 import warnings
+from pathlib import Path
 from typing import Any
 
 import orjson
 
 from .. import store
+from ..errors import CommandError
 from ._common import (
     EXIT_NOT_FOUND,
     EXIT_OK,
     EXIT_PROBLEM,
+    EXIT_USAGE,
     REF_HELP,
     add_progress,
     add_roots,
@@ -157,7 +160,16 @@ def cmd_ls(args: argparse.Namespace) -> int:
                     "exists": exists,
                     "caches": [_entry_json(e) for e in entries],
                     "unpublished": [
-                        {"path": str(u.path), "kind": u.kind, "nbytes": u.nbytes, "age_s": round(u.age), "live": u.live}
+                        {
+                            "path": str(u.path),
+                            "kind": u.kind,
+                            "nbytes": u.nbytes,
+                            "age_s": round(u.age),
+                            "live": u.live,
+                            "resumable": u.resumable,
+                            "sealed": u.sealed,
+                            "n_shards": u.n_shards,
+                        }
                         for u in unpublished
                     ],
                 }
@@ -196,11 +208,10 @@ def cmd_ls(args: argparse.Namespace) -> int:
                 )
             table(rows, out, indent="  ")
         for u in unpublished:
-            state = "a writer holds it" if u.live else "stale: `saev-shards clean` removes it"
             what = store.KIND_NAMES[u.kind]
             out.write(
                 f"  unpublished (being written, or interrupted): {u.path.name}  "
-                f"{what}, {human_bytes(u.nbytes)}, {human_age(u.age)} old, {state}\n"
+                f"{what}, {human_bytes(u.nbytes)}, {human_age(u.age)} old, {u.state}\n"
             )
     return code
 
@@ -291,6 +302,23 @@ def _entry_json(e: store.CacheEntry) -> dict[str, Any]:
 
 # --------------------------------------------------------------------------------------
 # verify, resolve, stage
+
+
+def cmd_report(args: argparse.Namespace) -> int:
+    shards = store.open_cache(args.ref, roots=roots_arg(args))
+    out = Path(args.out) if args.out else Path(f"report-{shards.metadata.hash[:12]}.png")
+    if out.suffix.lower() not in (".png", ".html", ".htm"):
+        raise CommandError(EXIT_USAGE, f"--out: expected a file ending in .png or .html, found {str(out)!r}")
+    result = shards.report(out, progress=progress_arg(args))
+    for layer in result.layers:
+        listed = ", ".join(map(str, result.outliers[layer])) or "none"
+        sys.stderr.write(f"layer {layer}: median norm {result.median_norm(layer):.4g}; outlier dimensions: {listed}\n")
+    if result.truncated is not None and result.lengths is not None:
+        sys.stderr.write(
+            f"truncated to T={result.tokens_per_ex}: {result.truncated} of {len(result.lengths)} examples\n"
+        )
+    sys.stdout.write(f"{out.absolute()}\n")
+    return EXIT_OK
 
 
 def cmd_verify(args: argparse.Namespace) -> int:
@@ -403,6 +431,20 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser], invoked: 
         cmd_verify,
     )
     p.add_argument("ref", help=REF_HELP)
+    add_roots(p)
+    add_progress(p)
+
+    p = command(
+        sub,
+        "report",
+        "one picture of a cache: norms by layer, dimensions with outliers marked, CLS and content tokens, "
+        "lengths and truncation, shard sizes (needs the plot extra)",
+        "  saev-shards report 3f2a                       # report-<hash>.png here; its path on stdout\n"
+        "  saev-shards report 3f2a --out 3f2a.html       # the picture and the numbers in one page\n",
+        cmd_report,
+    )
+    p.add_argument("ref", help=REF_HELP)
+    p.add_argument("--out", metavar="FILE", help="FILE.png or FILE.html (default: report-<hash>.png here)")
     add_roots(p)
     add_progress(p)
 

@@ -45,6 +45,14 @@ def parse_layers(text: str) -> list[int]:
         raise argparse.ArgumentTypeError(f"expected layer values like 11 or 6,11, found {text!r}") from None
 
 
+def parse_token_ids(text: str) -> list[int]:
+    """``"101"`` or ``"101,0"`` -> token ids."""
+    try:
+        return [int(part) for part in text.split(",") if part.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected token ids like 101 or 101,0, found {text!r}") from None
+
+
 def cmd_shuffle(args: argparse.Namespace) -> int:
     source = store.open_cache(args.ref, roots=roots_arg(args))
     layers = [v for group in args.layers for v in group] if args.layers else None
@@ -61,6 +69,9 @@ def cmd_shuffle(args: argparse.Namespace) -> int:
             workers=args.workers,
             work_dir=args.work_dir,
             allow_nonfinite=args.allow_nonfinite,
+            exclude_token_ids=[v for group in args.exclude_token_ids for v in group] if args.exclude_token_ids else (),
+            max_norm_multiple=args.max_norm_multiple,
+            progress=args.progress,
         )
     except ShuffleError as error:  # the arguments do not fit this source: a usage error
         raise CommandError(EXIT_USAGE, str(error)) from error
@@ -140,6 +151,19 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser], invoked: 
         help="layer values to keep (default: every recorded layer; repeatable)",
     )
     p.add_argument("--tokens", choices=TOKEN_CHOICES, default="content", help="which tokens (default: content)")
+    p.add_argument(
+        "--exclude-token-ids",
+        type=parse_token_ids,
+        action="append",
+        metavar="ID[,ID...]",
+        help="leave out positions whose token_ids value is listed, e.g. BOS and padding (repeatable)",
+    )
+    p.add_argument(
+        "--max-norm-multiple",
+        type=float,
+        metavar="K",
+        help="leave out positions whose vector at a chosen layer has a norm above K times its layer's median norm",
+    )
     p.add_argument("--seed", type=int, default=0, help="decides the order (default: 0)")
     p.add_argument("--dtype", choices=list(DTYPES), help="stored dtype of the output (default: the source's)")
     p.add_argument("--to", metavar="DIR", help="shards root to publish the output in (default: the source's folder)")

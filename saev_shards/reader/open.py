@@ -96,13 +96,7 @@ def open(path: PathLike, *, check_hash: bool = True) -> Shards:
     raise_problems(problems, where)
     assert manifest is not None
     if md.format.legacy:
-        warnings.warn(
-            f"{where}: a protocol {md.protocol} cache ({md.format.summary}, float32), read with the "
-            f"compatibility rules of protocol.md section 9 (no checksums unless {CHECKSUMS_FILE} is "
-            "there; the last shard may be padded to a full shard)",
-            ProtocolWarning,
-            stacklevel=2,
-        )
+        _warn_legacy_once(root, md)
     return Shards(root, md, manifest)
 
 
@@ -178,6 +172,25 @@ def open_remote(url: str, *, check_hash: bool = True) -> Shards:
 def _at_url(problems: list[Problem], folder: Path, url: str) -> list[Problem]:
     """The problems found in the local copies of a remote cache's JSON files, naming the URL."""
     return [Problem(p.kind, p.message.replace(str(folder), url)) for p in problems]
+
+
+#: Caches (resolved paths) whose protocol warning this process has shown: a saev user opens
+#: the same caches again and again (a command may open one twice), and one line says it all.
+_LEGACY_WARNED: set[str] = set()
+
+
+def _warn_legacy_once(root: Path, md: Metadata) -> None:
+    """One short `ProtocolWarning` per legacy cache per process (protocol.md section 8)."""
+    key = str(root.resolve())
+    if key in _LEGACY_WARNED:
+        return
+    _LEGACY_WARNED.add(key)
+    warnings.warn(
+        f"{root.name[:12]}: protocol {md.protocol} cache ({md.format.name} dialect), read by protocol.md "
+        f"section 9 (no checksums unless {CHECKSUMS_FILE})",
+        ProtocolWarning,
+        stacklevel=3,
+    )
 
 
 def _load_metadata(root: Path, check_hash: bool) -> tuple[Metadata | None, list[Problem]]:

@@ -305,6 +305,14 @@ class Shards(ReadPaths, Sidecars):
 
         return to_xarray(self if dtype is None else self.with_dtype(dtype), examples_per_chunk)
 
+    def report(self, out: str | Path | None = None, *, progress: bool | None = None) -> Any:
+        """One picture of this cache (`saev_shards.report`: norms by layer, dimensions with outliers
+        marked, CLS and content tokens, lengths and truncation, shard sizes), from one streaming
+        pass; saved to ``out`` (``.png`` or ``.html``) when given. Needs the ``plot`` extra."""
+        from ..report import report
+
+        return report(self, out, progress=progress)
+
     # -- integrity -----------------------------------------------------------------------
     @property
     def block_size(self) -> int | None:

@@ -90,6 +90,9 @@ def plan_shuffle(
     allow_nonfinite: bool = False,
     n_buckets: int | None = None,
     examples_per_chunk: int | None = None,
+    exclude_token_ids: Sequence[int] = (),
+    max_norm_multiple: float | None = None,
+    progress: bool | None = False,
 ) -> ShufflePlan:
     """What `shuffle_cache` would do, without doing it (``plan.describe()`` says it in words).
 
@@ -115,6 +118,9 @@ def plan_shuffle(
         allow_nonfinite=allow_nonfinite,
         n_buckets=n_buckets,
         examples_per_chunk=examples_per_chunk,
+        exclude_token_ids=exclude_token_ids,
+        max_norm_multiple=max_norm_multiple,
+        progress=progress,
     )
 
 
@@ -131,6 +137,8 @@ def shuffle_cache(
     workers: int = 1,
     work_dir: PathLike | None = None,
     allow_nonfinite: bool = False,
+    exclude_token_ids: Sequence[int] = (),
+    max_norm_multiple: float | None = None,
     progress: bool | None = None,
     durable: bool = True,
 ) -> Shards:
@@ -150,6 +158,11 @@ def shuffle_cache(
         work_dir: where the scratch runs go (default: ``root``); they need about the output's
             size in free space until the end, and are deleted then.
         allow_nonfinite: store inf/NaN (after the cast) instead of raising `NonFiniteError`.
+        exclude_token_ids, max_norm_multiple: the loaders' token masks (`saev_shards.norms`):
+            positions whose ``token_ids`` value is listed, and positions whose vector at any
+            chosen layer is above ``max_norm_multiple`` times its layer's median norm, are left
+            out; the output's ``metadata.data["shuffle"]`` records both and how many each
+            dropped (without them the metadata, and so the hash, are what they always were).
         progress: progress bars on stderr (default: when stderr is a terminal).
         durable: fsync runs and output (turn off only for throwaway tests).
 
@@ -168,6 +181,9 @@ def shuffle_cache(
         workers=workers,
         work_dir=work_dir,
         allow_nonfinite=allow_nonfinite,
+        exclude_token_ids=exclude_token_ids,
+        max_norm_multiple=max_norm_multiple,
+        progress=progress,
     )
     return run_plan(plan, progress=progress, durable=durable)
 

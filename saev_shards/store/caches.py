@@ -28,10 +28,11 @@ from ..fileio import (
 )
 from ..metadata import Metadata, parse_metadata
 from ..protocol import is_cache_name
-from ..protocol.common import MAX_METADATA_BYTES, METADATA_FILE
+from ..protocol.common import MANIFEST_FILE, MAX_METADATA_BYTES, METADATA_FILE
 from ..protocol.jsonfile import read_json_file
-from ..protocol.staging import LOCK_SUFFIX, OLD_LOCK_FILE, STAGING_PREFIX
+from ..protocol.staging import LOCK_SUFFIX, OLD_LOCK_FILE, STAGING_PREFIX, part_record_shard
 from ..remote.url import is_url
+from ..units import human_bytes
 from .roots import COPY_PREFIX, SHUFFLE_LOCK_FILE, SHUFFLE_PREFIX, PathLike, Roots, _cache_names, _scan
 from .sidecar import sidecar_path
 
@@ -114,6 +115,35 @@ class Unpublished:
     age: float
     #: A live process holds its lock: a writer at work, or a copy in progress.
     live: bool
+    #: Shards sealed in a staging folder (its part records; all of them once finalizing wrote
+    #: shards.json), and how many the cache has (None when its metadata.json is unreadable).
+    sealed: int = 0
+    n_shards: int | None = None
+
+    @property
+    def resumable(self) -> bool:
+        """Interrupted with work a rerun keeps: sealed shards of a writer, the complete files of
+        a copy, the buckets and runs of a shuffle. Removing it makes that rerun start over."""
+        if self.kind == "staging":
+            return self.sealed > 0
+        return self.kind in ("copy", "shuffle") and self.nbytes > 0
+
+    @property
+    def state(self) -> str:
+        """In words: live, interrupted and resumable (what is kept, how to resume), or abandoned."""
+        if self.live:
+            return {"staging": "a writer holds it", "copy": "a copy holds it", "shuffle": "a shuffle holds it"}.get(
+                self.kind, "a live process holds it"
+            )
+        if not self.resumable:
+            return "stale, nothing to resume: `saev-shards clean` removes it"
+        kept = {
+            "staging": f"{self.sealed} of {self.n_shards if self.n_shards is not None else '?'} shards sealed",
+            "copy": f"{human_bytes(self.nbytes)} copied",
+            "shuffle": f"{human_bytes(self.nbytes)} of buckets and runs",
+        }[self.kind]
+        again = {"staging": "its writer", "copy": "`saev-shards stage`", "shuffle": "the same shuffle"}[self.kind]
+        return f"interrupted, resumable ({kept}): run {again} again to resume; `saev-shards clean` would discard it"
 
     @property
     def hash(self) -> str:
@@ -154,8 +184,22 @@ def unpublished(root: PathLike) -> list[Unpublished]:
         except PermissionError:  # another user's (a shared $TMPDIR): listed, never judged stale
             out.append(Unpublished(path, kind, 0, max(0.0, now - os.lstat(path).st_mtime), True))
             continue
-        out.append(Unpublished(path, kind, nbytes, max(0.0, now - mtime), is_live(path, kind)))
+        sealed, n_shards = _sealed(path) if kind == "staging" else (0, None)
+        out.append(Unpublished(path, kind, nbytes, max(0.0, now - mtime), is_live(path, kind), sealed, n_shards))
     return out
+
+
+def _sealed(staging: Path) -> tuple[int, int | None]:
+    """Shards sealed in a staging folder and the cache's shard count (from its metadata.json)."""
+    md = _read_metadata(staging)
+    n_shards = md.n_shards if md is not None else None
+    try:
+        names = os.listdir(staging)
+    except OSError:
+        return 0, n_shards
+    if MANIFEST_FILE in names:  # finalizing passed its commit point: every shard is in
+        return n_shards or 1, n_shards
+    return sum(part_record_shard(name) is not None for name in names), n_shards
 
 
 def folder_nbytes(path: Path) -> int:
