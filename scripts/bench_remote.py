@@ -181,7 +181,8 @@ def library_table(bucket: str, local: ss.Shards, work: Path, quick: bool) -> Non
     opens = bl.latencies(lambda i: ss.open(report.url), 5 if quick else 20)
 
     def epoch(shards: ss.Shards) -> float:
-        loader = ShuffledLoader(shards, batch_size=4096, layers=list(shards.metadata.layers), buffer_bytes=64 * MIB)
+        layers = list(shards.metadata.layers)
+        loader = ShuffledLoader(shards, batch_size=4096, layers=layers, mix_layers=True, buffer_bytes=64 * MIB)
         start = time.perf_counter()
         tokens = sum(len(b.acts) for b in loader)
         return tokens / (time.perf_counter() - start)
