@@ -608,3 +608,9 @@ def test_the_readme_commands_run_as_written(s3: S3, local: tuple[ss.Shards, Any]
     assert done.returncode == 0, done.stderr
     assert "(23, 2, 5, 8)" in done.stdout
     assert (tmp_path / "saev" / "shards" / local[0].metadata.hash).is_dir()
+    # docs/remote.md's first block, as written but for the hash prefix (the cache is in my-bucket now)
+    text = (Path(__file__).resolve().parents[2] / "docs" / "remote.md").read_text()
+    source = text.split("```python\n", 1)[1].split("```", 1)[0].replace("/3f2a", "/" + local[0].metadata.hash[:6])
+    namespace: dict[str, Any] = {}
+    exec(compile(source, "docs/remote.md", "exec"), namespace)  # the docs' own code
+    assert namespace["shards"].url == f"s3://my-bucket/saev/shards/{local[0].metadata.hash}"
