@@ -65,6 +65,7 @@ def cmd_info(args: argparse.Namespace) -> int:
             + f"{human_bytes(info['disk_nbytes'])} on disk",
         ),
         ("checksums", _checksums_row(info)),
+        *([("remote reads", _remote_row(info))] if info["url"] is not None else []),
         ("labels", "-" if info["labels"] is None else f"{info['labels']['dtype']} {tuple(info['labels']['shape'])}"),
         ("columns", ", ".join(f"{k} {c['dtype']} {tuple(c['shape'])}" for k, c in info["columns"].items()) or "-"),
         ("text", ", ".join(f"{k} ({t['n_lines']:,} lines)" for k, t in info["text"].items()) or "-"),
@@ -104,6 +105,15 @@ def _checksums_row(info: dict[str, Any]) -> str:
     return "xxh3_128 for every file"
 
 
+def _remote_row(info: dict[str, Any]) -> str:
+    if info["remote_verification"] == "per block":
+        return "every block checked against its digest (blocks.json) before use"
+    return (
+        "checked per whole file (no blocks.json: a protocol 3.0 cache): the first read of a file "
+        "downloads and checks all of it"
+    )
+
+
 def _protocol_row(info: dict[str, Any]) -> str:
     """``3.0`` for the protocol's own spelling; the dialect too where it is one of saev's."""
     if info["dialect"] == info["protocol"]:
@@ -119,7 +129,7 @@ def _tokens_row(info: dict[str, Any]) -> str:
 
 
 def _stats_row(info: dict[str, Any]) -> str:
-    sidecar = not info["stats_file"].startswith(info["path"] + "/")
+    sidecar = not info["stats_file"].startswith(info["path"].rstrip("/") + "/")
     return "per layer, over stored tokens" + (f" (computed later: {info['stats_file']}):" if sidecar else ":")
 
 
@@ -138,10 +148,17 @@ def _short_problem(entry: store.CacheEntry) -> str:
 
 
 def cmd_ls(args: argparse.Namespace) -> int:
-    roots = store.shards_roots(args.roots or None)
-    out = sys.stdout
-    listing = []
+    remote = store.remote_roots(args.roots or None)
     code = EXIT_OK
+    if remote:
+        code = _ls_remote(remote, args.json)
+        if args.roots and not store.local_roots(args.roots):
+            return code
+    roots = store.shards_roots(store.local_roots(args.roots or None))
+    out = sys.stdout
+    if remote and not args.json:
+        out.write("\n")
+    listing = []
     for root in roots:
         exists = root.path.is_dir()
         entries = store.list_caches(root.path) if exists else []
@@ -216,6 +233,72 @@ def cmd_ls(args: argparse.Namespace) -> int:
     return code
 
 
+def _ls_remote(roots: list[str], as_json: bool) -> int:
+    """``ls`` of remote roots: one listing each, every published cache opened (its JSON files)."""
+    out = sys.stdout
+    code = EXIT_OK
+    found = []
+    for root in roots:
+        entries = store.list_remote(root)
+        found.append((root, entries))
+        if any(e.published and not e.ok for e in entries):
+            code = EXIT_PROBLEM
+    if as_json:
+        print_json(
+            [
+                {
+                    "root": root,
+                    "caches": [
+                        {
+                            "hash": e.hash,
+                            "url": e.url,
+                            "ok": e.ok,
+                            "published": e.published,
+                            "problem": e.problem,
+                            "nbytes": e.nbytes,
+                            "n_shards": e.n_shards,
+                            "shape": list(e.metadata.shape) if e.metadata else None,
+                            "dtype": e.metadata.dtype if e.metadata else None,
+                        }
+                        for e in entries
+                    ],
+                }
+                for root, entries in found
+            ],
+            out,
+        )
+        return code
+    for i, (root, entries) in enumerate(found):
+        if i:
+            out.write("\n")
+        published = [e for e in entries if e.published]
+        total = sum(e.nbytes for e in published)
+        out.write(f"{root}: {plural(len(published), 'cache')}, {human_bytes(total)}\n")
+        if published:
+            rows = [("HASH", "MODEL", "DTYPE", "SHAPE", "SHARDS", "SIZE", "STATUS")]
+            for e in published:
+                md = e.metadata
+                rows.append(
+                    (
+                        e.hash[:12],
+                        f"{md.family}:{md.ckpt}" if md else "?",
+                        md.dtype if md else "?",
+                        f"({', '.join(map(str, md.shape))})" if md else "?",
+                        str(e.n_shards if e.n_shards is not None else "?"),
+                        human_bytes(e.nbytes),
+                        "ok" if e.ok else "BROKEN: " + (e.problem or "?").splitlines()[0],
+                    )
+                )
+            table(rows, out, indent="  ")
+        for e in entries:
+            if not e.published:
+                out.write(
+                    f"  unpublished (an upload in progress, or interrupted): {e.hash[:12]}  {human_bytes(e.nbytes)}, "
+                    "no shards.json: `saev-shards push` again completes it\n"
+                )
+    return code
+
+
 def _entry_json(e: store.CacheEntry) -> dict[str, Any]:
     md = e.metadata
     return {
@@ -266,7 +349,7 @@ def cmd_verify(args: argparse.Namespace) -> int:
     unchecked = any(digest is None for _, _, digest in files)
     checked = "sizes only (no checksums recorded)" if unchecked else "sizes, xxh3_128 checksums"
     sys.stdout.write(
-        f"ok {shards.path}\n   {len(files)} files, {nbytes:,} bytes ({human_bytes(nbytes)}): "
+        f"ok {shards.location}\n   {len(files)} files, {nbytes:,} bytes ({human_bytes(nbytes)}): "
         f"{checked} and the metadata hash match\n"
     )
     return EXIT_OK
@@ -278,25 +361,26 @@ def cmd_stats(args: argparse.Namespace) -> int:
     name = shards.path.name[:12]
     if shards.manifest.stats is not None:
         err.write(f"{name}: has statistics of its own (stats.json), nothing to compute\n")
-        sys.stdout.write(f"{shards.path / shards.manifest.stats.name}\n")
+        sys.stdout.write(f"{shards.files.where(shards.manifest.stats.name)}\n")
         return EXIT_OK
     path = store.sidecar_path(shards)
+    where = store.sidecar.sidecar_location(shards)
     if path.exists() and not args.force:
         store.find_stats(shards)  # a damaged or stale sidecar is an error naming it
         err.write(f"{name}: statistics already computed and verified, nothing to do (--force computes again)\n")
-        sys.stdout.write(f"{path}\n")
+        sys.stdout.write(f"{where}\n")
         return EXIT_OK
     stats = store.compute_stats(shards, progress=progress_arg(args))
     store.write_sidecar(shards, stats)
     tokens = sum(stats["count"])
     layers = plural(len(stats["layers"]), "layer")
     err.write(f"{name}: statistics of {tokens:,} tokens over {layers} written beside the cache\n")
-    sys.stdout.write(f"{path}\n")
+    sys.stdout.write(f"{where}\n")
     return EXIT_OK
 
 
 def cmd_resolve(args: argparse.Namespace) -> int:
-    sys.stdout.write(f"{store.resolve(args.ref, roots_arg(args))}\n")
+    sys.stdout.write(f"{store.locate(args.ref, roots_arg(args))}\n")
     return EXIT_OK
 
 

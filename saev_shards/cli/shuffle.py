@@ -7,10 +7,10 @@ import re
 import sys
 import time
 
-from .. import store
+from .. import store, world
 from ..errors import CommandError, DiskFullError, ShuffleError
 from ..format import DTYPES
-from ..shuffle import DEFAULT_MEMORY, plan_shuffle, run_plan
+from ..shuffle import DEFAULT_MEMORY, plan_shuffle, run_plan, run_rank
 from ..shuffle.source import TOKEN_CHOICES
 from ._common import (
     EXIT_OK,
@@ -84,10 +84,24 @@ def cmd_shuffle(args: argparse.Namespace) -> int:
         err.write(f"{plan.output.hash[:12]}: already shuffled, nothing to do\n")
         sys.stdout.write(f"{plan.path}\n")
         return EXIT_OK
-    err.write("\n".join(plan.describe()) + "\n")
+    found = world.detect(args.rank, args.world_size, slurm_array=True, error=ShuffleError)
+    rank, world_size = found.rank, found.world_size
+    if rank == 0:
+        err.write("\n".join(plan.describe()) + "\n")
     start = time.perf_counter()
     try:
-        shuffled = run_plan(plan, progress=progress_arg(args))
+        if world_size > 1:
+
+            def waiting(text: str) -> None:
+                err.write(f"rank {rank}: {text}\n")
+
+            done = run_rank(plan, rank, world_size, progress=progress_arg(args), on_wait=waiting)
+            if done is None:
+                err.write(f"rank {rank} of {world_size}: its share is written; rank 0 publishes\n")
+                return EXIT_OK
+            shuffled = done
+        else:
+            shuffled = run_plan(plan, progress=progress_arg(args))
     except DiskFullError as error:
         raise CommandError(EXIT_SYSTEM, str(error)) from error
     seconds = time.perf_counter() - start
@@ -110,7 +124,8 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser], invoked: 
         "  saev-shards shuffle 3f2a --layers 6,11 --tokens all --seed 1 --dtype bfloat16\n"
         "  saev-shards shuffle 3f2a --layers 11 --memory 16G --workers 4 --work-dir /local/ssd\n"
         "  saev-shards shuffle 3f2a --layers 11 --dry-run        # the plan: sizes, buckets, memory, scratch\n"
-        "  SHUFFLED=$(saev-shards shuffle 3f2a --layers 11)     # stdout is only the new cache's path\n",
+        "  SHUFFLED=$(saev-shards shuffle 3f2a --layers 11)     # stdout is only the new cache's path\n"
+        "  saev-shards shuffle 3f2a --layers 11 --rank 1 --world-size 4 --to /shared/shards   # one of 4 machines\n",
         cmd_shuffle,
         description=(
             "Write the chosen tokens of a cache, in a uniformly random order, as a new cache with one token per "
@@ -120,7 +135,10 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser], invoked: 
             "scattered into buckets on disk (--work-dir, about the output's size), then each bucket is sorted in "
             "memory and appended. The order depends only on the source, the selection and --seed. Interrupted? "
             "Run the same command again: it resumes. The new cache's path goes to stdout, the plan and a summary "
-            "to stderr; the output goes next to the source unless --to says otherwise."
+            "to stderr; the output goes next to the source unless --to says otherwise. Across machines: start "
+            "every rank with the same arguments, --rank R --world-size W (or RANK/WORLD_SIZE, or a SLURM array), "
+            "and --to and --work-dir on a filesystem they share: each scatters its share of the source and writes "
+            "its share of the output; rank 0 publishes; the bytes are those of a one-process shuffle."
         ),
     )
     p.set_defaults(interrupted_hint="the runs written so far are kept: run the same command again to resume")
@@ -162,6 +180,17 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser], invoked: 
         "--patches-per-shard", type=int, metavar="N", help="shard budget of the output (default: the source's)"
     )
     p.add_argument("--allow-nonfinite", action="store_true", help="store inf/NaN values instead of stopping")
+    p.add_argument(
+        "--rank",
+        type=int,
+        help="this process's rank when several share one shuffle (default: RANK or SLURM_ARRAY_TASK_ID, else 0)",
+    )
+    p.add_argument(
+        "--world-size",
+        type=int,
+        help="processes sharing one shuffle over a shared --work-dir and --to (default: WORLD_SIZE or "
+        "SLURM_ARRAY_TASK_COUNT, else 1); rank 0 publishes",
+    )
     p.add_argument("--dry-run", action="store_true", help="print the plan and exit")
     add_roots(p)
     add_progress(p)

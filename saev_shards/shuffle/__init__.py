@@ -42,13 +42,14 @@ from ..progress import Progress
 from ..protocol.staging import staging_dir
 from ..reader import Shards
 from ..reader import open as open_path
-from ..store import open_cache
+from ..store import open_cache, shards_roots
 from ..store.roots import SHUFFLE_LOCK_FILE as LOCK_FILE
 from ..store.roots import SHUFFLE_PREFIX as WORK_PREFIX
 from ..writer import ShardWriter, finalize
 from .append import write_buckets
 from .order import bucket_of, shuffle_order, sort_keys
 from .plan import DEFAULT_MEMORY, SOURCE_EXAMPLE, SOURCE_TOKEN, ShufflePlan, make_plan
+from .ranks import run_rank
 from .runs import PLAN_FILE, RUN_DISK_FULL_NOTE, load_record, run_file, run_record_file
 from .scatter import CLS_LABEL, scatter
 
@@ -61,6 +62,7 @@ __all__ = [
     "bucket_of",
     "plan_shuffle",
     "run_plan",
+    "run_rank",
     "shuffle_cache",
     "shuffle_order",
     "sort_keys",
@@ -100,9 +102,11 @@ def plan_shuffle(
     not depend on them). See `shuffle_cache` for the rest; `run_plan` carries a plan out.
     """
     shards = source if isinstance(source, Shards) else open_cache(source)
+    if root is None:  # beside the source; a remote source's output goes to the local shards root
+        root = shards.path.parent if shards.url is None else shards_roots()[0].path
     return make_plan(
         shards,
-        Path(root) if root is not None else shards.path.parent,
+        Path(root),
         layers=layers,
         tokens=tokens,
         seed=seed,

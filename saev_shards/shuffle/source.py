@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
-import os
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
@@ -211,6 +210,7 @@ class SourceReader:
         (`Shards.read_example` keeps its last output buffer referenced, which would pin a
         whole read buffer beyond the scatter pass)."""
         layers = self.shards.metadata.layers
+        files = self.shards.files  # local descriptors, or a remote cache's verified reads
         fds: dict[int, int] = {}
         try:
             for j in range(stop - start):
@@ -218,11 +218,11 @@ class SourceReader:
                     shard, offset = self.shards.locate(start + j, layers[position], 0)
                     fd = fds.get(shard)
                     if fd is None:
-                        fd = fds[shard] = os.open(self.shards.shard_path(shard), os.O_RDONLY)
-                    pread_exact(fd, out[j, r].reshape(-1).view(np.uint8).data, offset)
+                        fd = fds[shard] = files.open(self.shards.manifest.shards[shard].name)
+                    pread_exact(fd, out[j, r].reshape(-1).view(np.uint8).data, offset, files.preadv)
         finally:
             for fd in fds.values():
-                os.close(fd)
+                files.close(fd)
 
     def scales(self, start: int, stop: int) -> npt.NDArray[np.float32] | None:
         """A float8_e4m3 source's scales of examples ``[start, stop)`` as ``(n, rows, T)``, rows as
@@ -247,11 +247,12 @@ class SourceReader:
         row = int(np.prod(tail, dtype=np.int64)) * dtype.itemsize
         out = np.empty((stop - start, *tail), dtype)
         if out.nbytes:
-            fd = os.open(self.shards.path / name, os.O_RDONLY)
+            files = self.shards.files
+            fd = files.open(name)
             try:
-                pread_exact(fd, out.reshape(-1).view(np.uint8).data, start * row)
+                pread_exact(fd, out.reshape(-1).view(np.uint8).data, start * row, files.preadv)
             finally:
-                os.close(fd)
+                files.close(fd)
         return out
 
     def lengths(self, start: int, stop: int) -> npt.NDArray[np.int64] | None:

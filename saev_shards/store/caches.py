@@ -31,8 +31,9 @@ from ..protocol import is_cache_name
 from ..protocol.common import MANIFEST_FILE, MAX_METADATA_BYTES, METADATA_FILE
 from ..protocol.jsonfile import read_json_file
 from ..protocol.staging import LOCK_SUFFIX, OLD_LOCK_FILE, STAGING_PREFIX, part_record_shard
+from ..remote.url import is_url
 from ..units import human_bytes
-from .roots import COPY_PREFIX, SHUFFLE_LOCK_FILE, SHUFFLE_PREFIX, PathLike, Roots, _cache_names, _scan, resolve
+from .roots import COPY_PREFIX, SHUFFLE_LOCK_FILE, SHUFFLE_PREFIX, PathLike, Roots, _cache_names, _scan
 from .sidecar import sidecar_path
 
 # --------------------------------------------------------------------------------------
@@ -315,12 +316,18 @@ def open_cache(ref: PathLike, *, check_hash: bool = True, roots: Roots = None) -
     ``$SAEV_SCRATCH/saev/shards``; see `resolve`). An existing path always wins.
 
     This is `saev_shards.open`: the reference is resolved here, then `reader.open` (which
-    takes paths only) checks and opens the directory; see it for what is checked.
+    takes paths only) checks and opens the directory; see it for what is checked. A URL
+    (``s3://bucket/root/<hash or prefix>``), or a hash (prefix) found only in a remote root,
+    opens the remote cache (`reader.open_remote`).
     """
-    path = Path(ref).absolute()
-    if not path.exists():  # a hash, a prefix, or a mistake: `resolve` says which
-        path = resolve(ref, roots)
-    return reader.open(path, check_hash=check_hash)
+    from .remote import locate
+
+    if is_url(ref):
+        return reader.open(locate(ref, roots), check_hash=check_hash)
+    found: Path | str = Path(ref).absolute()
+    if not Path(found).exists():  # a hash, a prefix, or a mistake: `locate` says which
+        found = locate(ref, roots)
+    return reader.open(found, check_hash=check_hash)
 
 
 def open_quietly(path: Path, check_hash: bool = True) -> reader.Shards:
@@ -355,7 +362,11 @@ def summary(shards: reader.Shards) -> dict[str, Any]:
         ]
     return {
         "hash": md.hash,
-        "path": str(shards.path),
+        "path": shards.location,
+        # A remote cache: its URL, and how its reads are verified (per block with blocks.json,
+        # else per whole file); None for a local cache.
+        "url": shards.url,
+        "remote_verification": _remote_verification(shards),
         "protocol": md.protocol,
         # How metadata.json is spelled: the protocol's own ("3.0") or one of saev's (protocol 2.1).
         "dialect": md.dialect,
@@ -380,7 +391,7 @@ def summary(shards: reader.Shards) -> dict[str, Any]:
         "n_shards": shards.n_shards,
         "nbytes": md.nbytes,
         "scales_nbytes": md.scales_nbytes,
-        "disk_nbytes": _disk_bytes(shards.path),
+        "disk_nbytes": _disk_bytes(shards.path) if shards.url is None else _remote_bytes(shards),
         "checksums": all(d is not None for _, _, d in man.files()),
         # Protocol 3.1: the bytes each digest of blocks.json covers (None without blocks.json).
         "block_size": shards.block_size,
@@ -392,13 +403,31 @@ def summary(shards: reader.Shards) -> dict[str, Any]:
         "text": {k: {"n_lines": t.n_lines} for k, t in sorted(man.text.items())},
         "stats": per_layer,
         # Where they come from: the cache's stats.json, or a sidecar written by `saev-shards stats`.
-        "stats_file": None if stats is None else str(_stats_file(shards)),
+        "stats_file": None if stats is None else _stats_file(shards),
     }
 
 
-def _stats_file(shards: reader.Shards) -> Path:
+def _stats_file(shards: reader.Shards) -> str:
     entry = shards.manifest.stats
-    return shards.path / entry.name if entry is not None else sidecar_path(shards)
+    if shards.url is not None:
+        root = shards.url.rsplit("/", 1)[0]
+        return shards.files.where(entry.name) if entry is not None else f"{root}/.stats/{shards.metadata.hash}.json"
+    return str(shards.path / entry.name if entry is not None else sidecar_path(shards))
+
+
+def _remote_verification(shards: reader.Shards) -> str | None:
+    """How reads of a remote cache are checked: ``"per block"`` or ``"per file"``; None locally."""
+    if shards.url is None:
+        return None
+    per_block = getattr(shards.files, "per_block", None)
+    names = [name for name, _, _ in shards.manifest.blocked_files()]
+    return "per block" if per_block is not None and names and all(per_block(n) for n in names) else "per file"
+
+
+def _remote_bytes(shards: reader.Shards) -> int:
+    """Bytes a remote cache's objects hold: its data files (from the manifest) and JSON files."""
+    data = sum(n for _, n, _ in shards.manifest.files())
+    return data + sum(p.stat().st_size for p in shards.path.iterdir() if p.is_file())
 
 
 def _dtype(spelling: str) -> str:

@@ -25,7 +25,7 @@ ENTRY = "<entry points>"
 LAYERS: tuple[tuple[str, ...], ...] = (
     ("errors",),
     ("units", "layout", "optional", "world", "fileio", "progress", "_layers", "float8"),
-    ("protocol", "manifest", "metadata", "format", "dtypes", "_indexing", "statistics", "norms"),
+    ("protocol", "manifest", "metadata", "format", "dtypes", "_indexing", "statistics", "norms", "remote"),
     ("reader", "views", "writer", "report"),
     ("store",),
     ("loaders", "datasets", "shuffle", "convert", "dump", "recorder", "corpus", "sae"),
