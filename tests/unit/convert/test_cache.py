@@ -91,6 +91,8 @@ def test_saev_needs_a_family_it_knows(tmp_path: Path) -> None:
     assert open_quiet(done.path).metadata.family == "siglip"
     with pytest.raises(ConvertOptionError, match="--dtype: target saev stores float32"):
         convert(tmp_path / "src" / md.hash, to="saev", dtype="float16", root=tmp_path / "x", durable=False)
+    with pytest.raises(ConvertOptionError, match="--dtype: target saev stores float32; found 'float8_e4m3'"):
+        convert(tmp_path / "src" / md.hash, to="saev", dtype="float8_e4m3", root=tmp_path / "x", durable=False)
 
 
 def test_a_damaged_source_shard_is_caught_before_use(tmp_path: Path) -> None:
