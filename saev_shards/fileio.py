@@ -138,21 +138,26 @@ def hash_file(
     return total, h.hexdigest()
 
 
-def open_regular(path: Path) -> io.FileIO:
+def open_regular(path: Path, *, follow_links: bool = False) -> io.FileIO:
     """Open ``path`` for unbuffered reading only if it is a regular file, never through a symlink.
 
     Raises `NotRegularFileError` naming what was found instead. ``lstat`` first, so a FIFO
     or a device is never opened at all (opening a FIFO blocks until a writer appears); the
     open itself refuses links (``O_NOFOLLOW``), never blocks (``O_NONBLOCK``) and is checked
     with ``fstat`` to be the file just inspected.
+
+    ``follow_links``: a symbolic link is followed (``stat`` instead of ``lstat``), and what
+    it leads to must be a regular file (converter sources are often linked in; a cache's
+    files never are).
     """
-    before = os.lstat(path)
+    before = os.stat(path) if follow_links else os.lstat(path)
     if not stat.S_ISREG(before.st_mode):
-        raise NotRegularFileError(f"{path}: expected a regular file, found {file_kind(before.st_mode)}")
+        linked = " (through a symbolic link)" if follow_links and os.path.islink(path) else ""
+        raise NotRegularFileError(f"{path}: expected a regular file, found {file_kind(before.st_mode)}{linked}")
     try:
-        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC | (0 if follow_links else os.O_NOFOLLOW))
     except OSError as err:
-        if err.errno == errno.ELOOP:  # replaced by a link since the lstat
+        if err.errno == errno.ELOOP and not follow_links:  # replaced by a link since the lstat
             raise NotRegularFileError(f"{path}: expected a regular file, found a symbolic link") from None
         raise
     f = io.FileIO(fd, "rb", closefd=True)

@@ -42,6 +42,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+from ..writer import sealed_shards
 from .config import (
     DEFAULT_PATCHES_PER_SHARD,
     RESERVED_COLUMNS,
@@ -73,7 +74,6 @@ from .plan import (
     load_corpus,
     output_root,
     plan,
-    sealed_shards,
     space_needed,
 )
 from .run import dump, truncation, truncation_line, try_finalize

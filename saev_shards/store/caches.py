@@ -30,7 +30,17 @@ from ..protocol import is_cache_name
 from ..protocol.common import MAX_METADATA_BYTES, METADATA_FILE, ProtocolWarning
 from ..protocol.jsonfile import read_json_file
 from ..writer import LOCK_SUFFIX, OLD_LOCK_FILE, STAGING_PREFIX
-from .roots import COPY_PREFIX, SHUFFLE_LOCK_FILE, SHUFFLE_PREFIX, PathLike, Roots, _cache_names, _scan, resolve
+from .roots import (
+    COPY_PREFIX,
+    SHUFFLE_LOCK_FILE,
+    SHUFFLE_PREFIX,
+    PathLike,
+    Roots,
+    _cache_names,
+    _scan,
+    check_reference,
+    resolve,
+)
 from .sidecar import sidecar_path
 
 # --------------------------------------------------------------------------------------
@@ -272,6 +282,7 @@ def open_cache(ref: PathLike, *, check_hash: bool = True, roots: Roots = None) -
     This is `saev_shards.open`: the reference is resolved here, then `reader.open` (which
     takes paths only) checks and opens the directory; see it for what is checked.
     """
+    check_reference(ref)
     path = Path(ref).absolute()
     if not path.exists():  # a hash, a prefix, or a mistake: `resolve` says which
         path = resolve(ref, roots)
