@@ -256,14 +256,19 @@ def _fields(shard: Mapping[int, list[Any]], report: Report, where: Path) -> Fiel
         if name is None or name in taken:
             report.note(f"metadata field {short_repr(key)} not carried over (no usable column name)")
             continue
-        if len(values) == len(records) and all(_is_number(v) and _fits_int64(v) for v in values):
-            dt: np.dtype[Any]
-            if all(isinstance(v, (bool, np.bool_)) for v in values):
-                dt = np.dtype("|b1")
-            elif all(isinstance(v, (numbers.Integral, np.integer)) for v in values):
-                dt = np.dtype("<i8")
-            else:
-                dt = np.dtype("<f8")
+        bools = [isinstance(v, (bool, np.bool_)) for v in values]
+        dt: np.dtype[Any] | None = None
+        if len(values) != len(records) or not all(_is_number(v) and _fits_int64(v) for v in values):
+            dt = None  # not one number per record: text
+        elif all(bools):
+            dt = np.dtype("|b1")
+        elif any(bools):
+            dt = None  # bools among numbers: kept as they are, as text
+        elif all(isinstance(v, (numbers.Integral, np.integer)) for v in values):
+            dt = np.dtype("<i8")
+        else:
+            dt = np.dtype("<f8")
+        if dt is not None:
             numeric[name] = (key, dt)
         else:
             text[name] = key
@@ -282,10 +287,11 @@ def _column_value(value: Any, dt: np.dtype[Any], key: str, where: str) -> Any:
     """``value`` as it goes into a column of ``dt`` (decided from the first shard); a value the
     column cannot hold exactly (a fraction in an integer column, a number in a bool column,
     an integer beyond 64 bits) is an error, never rounded."""
+    is_bool = isinstance(value, (bool, np.bool_))
     ok = _is_number(value) and (
-        (dt.kind == "b" and isinstance(value, (bool, np.bool_)))
-        or (dt.kind == "i" and isinstance(value, (numbers.Integral, np.integer)) and _fits_int64(value))
-        or (dt.kind == "f" and _fits_int64(value))
+        (dt.kind == "b" and is_bool)
+        or (dt.kind == "i" and not is_bool and isinstance(value, (numbers.Integral, np.integer)) and _fits_int64(value))
+        or (dt.kind == "f" and not is_bool and _fits_int64(value))
     )
     if not ok:
         kind = {"b": "a bool", "i": "an integer of 64 bits", "f": "a number"}[dt.kind]

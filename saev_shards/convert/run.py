@@ -139,16 +139,23 @@ def prepare(
     if not path.exists() and kind in (None, cache.KIND) and re.fullmatch(r"[0-9a-f]{4,64}", text):
         path = resolve(text)  # a cache's hash prefix, in the shards roots (CacheNotFoundError names them)
     if not path.exists():
+        if os.path.lexists(path):
+            raise ConvertError(f"{path}: a symbolic link that leads nowhere (to nothing, or in a loop)")
         raise SourceNotFoundError(f"{path}: no such file or directory")
     the_target = target(to)
     the_kind = source_kind(kind) if kind is not None else detect(path)
     module = the_kind.load()
-    if kind is not None and not module.detect(path):
-        raise ConvertOptionError(f"{path}: does not look like a {the_kind.name} source ({the_kind.summary})")
     out_root = shards_root(root).path
     options = options or Options()
     try:
-        opened: Source = module.open_source(path, options, scan=scan)
+        try:
+            opened: Source = module.open_source(path, options, scan=scan)
+        except ShardsError as err:
+            if kind is not None and not module.detect(path):  # say both: the kind named, and why not
+                raise ConvertOptionError(
+                    f"{path}: does not look like a {the_kind.name} source ({the_kind.summary}): {err}"
+                ) from None
+            raise
     except MemoryError:
         raise ConvertError(
             f"{path}: ran out of memory while reading the source (--max-memory {options.memory:,} bytes: "

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import os
 import re
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -243,7 +244,8 @@ def open_source(path: Path, options: Options, scan: Callable[[int, int], None] |
         columns[name] = (col, shape[1])
         col_types[name] = (dt, tail)
     cfg_file = path / "cache_activations_runner_cfg.json"
-    cfg = plain(files.read_json(cfg_file, "the cache runner's configuration")) if cfg_file.is_file() else None
+    has_cfg = os.path.lexists(cfg_file)
+    cfg = plain(files.read_json(cfg_file, "the cache runner's configuration")) if has_cfg else None
     state = files.read_json(path / _STATE, "the dataset's state")
     arrow = sorted(path.glob("*.arrow"))
     layout = [

@@ -333,8 +333,11 @@ def _held_rows(array_dir: Path, array: Any) -> int:
     with os.scandir(folder) as it:
         for entry in it:
             head = _CHUNK_ROW.match(entry.name)
-            if head is not None:
-                last = max(last, int(head.group(1)))
+            if head is None:
+                continue
+            if "." in entry.name and entry.is_dir():  # "3.0.1.0" names a chunk file, never a folder
+                raise ConvertError(f"{entry.path}: expected a chunk file, found a directory (zarr would read zeros)")
+            last = max(last, int(head.group(1)))
     return min(int(array.shape[0]), (last + 1) * chunk_rows)
 
 
@@ -467,18 +470,25 @@ def _open(zarr: Any, path: Path, options: Options) -> ZarrSource:
     total = sum(p.max_len for p in parts)
     tokens = min(total, options.max_tokens) if options.max_tokens is not None else total
     found_layers = attrs.get("layers")
-    if not (
+    if found_layers is not None and not (
         isinstance(found_layers, list)
         and len(found_layers) == n_layers
         and all(is_int(v) and -(2**63) <= v < 2**63 for v in found_layers)
+        and len(set(found_layers)) == n_layers
     ):
+        if options.layers is None:  # never numbered by position instead without a word
+            raise ConvertError(
+                f"{paths[0]}: attrs layers: expected {n_layers} distinct integers of 64 bits (one per layer), "
+                f"found {short_repr(found_layers)}; give the layer numbers with --layers"
+            )
         found_layers = None
     layers = pick_layers(found_layers, n_layers, options, "the store")
     config_file = paths[0] / "meta" / "config.json"
-    config = plain(files.read_json(config_file, "the store's configuration")) if config_file.is_file() else None
+    has_config = os.path.lexists(config_file)
+    config = plain(files.read_json(config_file, "the store's configuration")) if has_config else None
     manifest = path / "manifest.json"
     manifest_bytes = (
-        files.read_bytes(manifest, files.MAX_JSON_BYTES, "the run's manifest") if manifest.is_file() else None
+        files.read_bytes(manifest, files.MAX_JSON_BYTES, "the run's manifest") if os.path.lexists(manifest) else None
     )
     identity_files: list[Path] = []
     for s in stores:
