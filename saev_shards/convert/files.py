@@ -22,13 +22,14 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import io
 import os
 import stat
 import threading
 import zlib
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
-from typing import Any, BinaryIO, TypeVar
+from typing import Any, TypeVar
 
 from ..errors import ConvertError, JSONFileError, NotRegularFileError, ShardsError, SourceNotFoundError
 from ..fileio import file_kind, open_regular
@@ -39,6 +40,9 @@ from ..protocol.jsonfile import short_repr, strict_json_loads
 MAX_JSON_BYTES = 64 << 20
 #: Longest line of a JSON Lines text file (one sample's text and metadata).
 MAX_LINE_BYTES = 16 << 20
+#: Bytes read or inflated per call: large enough to cost nothing, small enough that Ctrl-C is
+#: seen between calls within a fraction of a second.
+PIECE_BYTES = 64 << 20
 #: Entries a source folder may hold (`check_tree`): far above any real store's chunk files.
 MAX_TREE_ENTRIES = 50_000_000
 
@@ -60,7 +64,7 @@ def _about(what: str) -> str:
     return f" ({what})" if what else ""
 
 
-def open_file(path: Path, what: str = "") -> BinaryIO:
+def open_file(path: Path, what: str = "") -> io.FileIO:
     """``path`` opened for reading if it is a regular file (links followed); `ConvertError` otherwise."""
     try:
         return open_regular(path, follow_links=True)
@@ -88,20 +92,31 @@ def is_dir(path: Path) -> bool:
 
 def read_bytes(path: Path, max_bytes: int, what: str = "", *, hint: str = "") -> bytes:
     """The bytes of the regular file ``path``, if it holds at most ``max_bytes``
-    (`ConvertError` naming both sizes and ``hint``: how to raise the cap)."""
+    (`ConvertError` naming both sizes and ``hint``: how to raise the cap). Read in pieces of
+    `PIECE_BYTES`, so Ctrl-C is seen between them."""
     with open_file(path, what) as f:
         size = os.fstat(f.fileno()).st_size
         if size > max_bytes:
             raise ConvertError(
                 f"{path}{_about(what)}: {size:,} bytes, more than the {max_bytes:,} this file may hold{hint}"
             )
+        data = bytearray(size + 1)  # one more than expected: a file that grows is caught
+        view = memoryview(data)
+        done = 0
         try:
-            data = f.read(size + 1)  # one more than expected: a file that grows is caught
+            while done <= size:
+                n = f.readinto(view[done : min(size + 1, done + PIECE_BYTES)])
+                if not n:
+                    break
+                done += n
         except OSError as err:
             raise _os_error(path, err, _about(what)) from None
-    if len(data) > size:
+        finally:
+            view.release()
+    if done > size:
         raise ConvertError(f"{path}{_about(what)}: grew while it was read")
-    return data
+    del data[done:]
+    return data  # type: ignore[return-value]  # a bytearray: no copy of a large shard
 
 
 def read_json(path: Path, what: str = "", max_bytes: int = MAX_JSON_BYTES) -> Any:
@@ -116,16 +131,16 @@ def read_json(path: Path, what: str = "", max_bytes: int = MAX_JSON_BYTES) -> An
 def gunzip(data: bytes, max_bytes: int, path: Path, *, hint: str = "") -> bytes:
     """Every gzip member of ``data``, decompressed, if they expand to at most ``max_bytes``.
 
-    One call into zlib per member piece, each releasing the GIL for all of its work; a
-    "gzip bomb" (members that expand a thousandfold) stops at the cap, having held at most
-    ``max_bytes`` + one piece."""
+    One call into zlib per `PIECE_BYTES` of output, each releasing the GIL for all of its
+    work (and Ctrl-C seen between them); a "gzip bomb" (members that expand a thousandfold)
+    stops at the cap, having held at most ``max_bytes`` + one piece."""
     out: list[bytes] = []
     total = 0
     view = memoryview(data)
     try:
         while view.nbytes:
             inflater = zlib.decompressobj(wbits=31)
-            piece = inflater.decompress(view, max_bytes - total + 1)
+            piece = inflater.decompress(view, min(PIECE_BYTES, max_bytes - total + 1))
             while True:
                 total += len(piece)
                 if total > max_bytes:
@@ -136,7 +151,7 @@ def gunzip(data: bytes, max_bytes: int, path: Path, *, hint: str = "") -> bytes:
                 out.append(piece)
                 if inflater.eof or not inflater.unconsumed_tail:
                     break
-                piece = inflater.decompress(inflater.unconsumed_tail, max_bytes - total + 1)
+                piece = inflater.decompress(inflater.unconsumed_tail, min(PIECE_BYTES, max_bytes - total + 1))
             if not inflater.eof:
                 raise ConvertError(f"{path}: not a readable gzip file (truncated after {total:,} bytes)")
             rest = inflater.unused_data
@@ -148,7 +163,7 @@ def gunzip(data: bytes, max_bytes: int, path: Path, *, hint: str = "") -> bytes:
     return b"".join(out)
 
 
-def read_line(f: BinaryIO, path: Path, line: int) -> bytes:
+def read_line(f: io.FileIO, path: Path, line: int) -> bytes:
     """One line of a text file (up to `MAX_LINE_BYTES`; `ConvertError` naming the line beyond)."""
     data = f.readline(MAX_LINE_BYTES + 1)
     if len(data) > MAX_LINE_BYTES and not data.endswith(b"\n"):

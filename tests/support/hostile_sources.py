@@ -1,3 +1,4 @@
+# mypy: disable-error-code="misc"
 """Hostile conversion sources, one catalogue per converter, and the rule every conversion must
 follow, checked in a child process under a wall-clock and a memory limit.
 
@@ -15,6 +16,7 @@ published half-made, the source is left as it was and nothing is written outside
 from __future__ import annotations
 
 import dataclasses
+import functools
 import gzip
 import json
 import multiprocessing as mp
@@ -60,18 +62,13 @@ class CaseOutcome:
         return self.kind == "ok" or self.shards_error
 
 
-_CONTEXT: Any = None
-
-
+@functools.cache
 def _context() -> Any:
     """A forkserver: children fork from a process that has imported the converters' libraries
     but started no thread (zarr's event loop thread would not survive a fork from here)."""
-    global _CONTEXT
-    if _CONTEXT is None:
-        ctx = mp.get_context("forkserver")
-        ctx.set_forkserver_preload(["numpy", "saev_shards", "saev_shards.convert", "zarr", "datasets", "pyarrow"])
-        _CONTEXT = ctx
-    return _CONTEXT
+    ctx = mp.get_context("forkserver")
+    ctx.set_forkserver_preload(["numpy", "saev_shards", "saev_shards.convert", "zarr", "datasets", "pyarrow"])
+    return ctx
 
 
 def _vm_bytes() -> int:
@@ -274,7 +271,8 @@ def _deep(depth: int) -> Any:
 
 
 def _index(src: Path) -> dict[str, Any]:
-    return json.loads((src / "metadata.json").read_text())
+    index: dict[str, Any] = json.loads((src / "metadata.json").read_text())
+    return index
 
 
 def _set_index(src: Path, index: Any, raw: bytes | None = None) -> None:
@@ -289,7 +287,7 @@ def put_shard(src: Path, k: int, data: bytes, **entry: Any) -> Path:
     e.pop("checksum", None)
     e.pop("size_bytes", None)
     e.update(entry)
-    path = src / e["filename"]
+    path = src / str(e["filename"])
     path.unlink()
     path.write_bytes(data)
     _set_index(src, index)
@@ -322,8 +320,8 @@ def _gzip_bomb(path: Path, members: int = 2_000, member_bytes: int = 1 << 20) ->
 PICKLE_CASES: dict[str, Callable[[Path], dict[str, Any]]] = {}
 
 
-def _pickle_case(name: str) -> Callable[[Callable[[Path], dict[str, Any] | None]], None]:
-    def register(fn: Callable[[Path], dict[str, Any] | None]) -> None:
+def _pickle_case(name: str) -> Callable[[Callable[[Path], object]], None]:
+    def register(fn: Callable[[Path], object]) -> None:
         def build(src: Path) -> dict[str, Any]:
             _pickle_base(src)
             return _options(fn(src))
@@ -346,6 +344,8 @@ def _(src: Path) -> None:
 
 for _name, _data in ATTACK_PICKLES.items():
     _pickle_case(f"pickle: {_name}")(lambda src, d=_data: put_shard(src, 1, gzip.compress(d, mtime=0)) and None)
+
+
 def _attack_shard(src: Path, make: Callable[[], Any]) -> None:
     """The first shard made of `_record`s (so later shards are judged against its fields), the second ``make()``."""
     put_shard(src, 0, pickle.dumps(_shard([_record(i) for i in range(3)])), num_samples=3)
@@ -379,14 +379,17 @@ def _index_case(name: str, change: Callable[[dict[str, Any]], Any]) -> None:
     _pickle_case(f"index: {name}")(build)
 
 
-for _field, _values in {
+_INDEX_VALUES: dict[str, list[Any]] = {
     "num_samples": [-1, 1.5, 2**70, "3", True],
     "size_bytes": [5, -1, 2**64 - 1],
     "checksum": ["blake9:00", "sha256:xyz", "shake_128:abcd", "sha256:" + "0" * 64, 7, "sha256:" + "a" * 100_000],
     "filename": ["shard\x00.pkl", "..", "/etc/passwd", "x" * 5_000, "shard_0001.pkl.gz", "", 7],
-}.items():
+}
+for _field, _values in _INDEX_VALUES.items():
     for _value in _values:
-        _index_case(f"{_field} {render(_value)[:30]}", lambda index, f=_field, v=_value: index["shards"][1].update({f: v}))
+        _index_case(
+            f"{_field} {render(_value)[:30]}", lambda index, f=_field, v=_value: index["shards"][1].update({f: v})
+        )
 _index_case("nested 100,000 deep", lambda index: render({"shards": nested(100_000)}).encode())
 _index_case("repeated key", lambda index: b'{"shards": [], "shards": ' + json.dumps(index["shards"]).encode() + b"}")
 _index_case("an integer of 5,000 digits", lambda index: render({**index, "version": nested(1, "1" * 5000)}).encode())
@@ -422,8 +425,8 @@ def _edit_json(path: Path, change: Callable[[Any], Any]) -> None:
 ZARR_CASES: dict[str, Callable[[Path], dict[str, Any]]] = {}
 
 
-def _zarr_case(name: str) -> Callable[[Callable[[Path], dict[str, Any] | None]], None]:
-    def register(fn: Callable[[Path], dict[str, Any] | None]) -> None:
+def _zarr_case(name: str) -> Callable[[Callable[[Path], object]], None]:
+    def register(fn: Callable[[Path], object]) -> None:
         def build(src: Path) -> dict[str, Any]:
             store = _zarr_base(src)
             if (store / ".zmetadata").exists():
@@ -521,8 +524,8 @@ def _saelens_base(src: Path) -> None:
 SAELENS_CASES: dict[str, Callable[[Path], dict[str, Any]]] = {}
 
 
-def _saelens_case(name: str) -> Callable[[Callable[[Path], dict[str, Any] | None]], None]:
-    def register(fn: Callable[[Path], dict[str, Any] | None]) -> None:
+def _saelens_case(name: str) -> Callable[[Callable[[Path], object]], None]:
+    def register(fn: Callable[[Path], object]) -> None:
         def build(src: Path) -> dict[str, Any]:
             _saelens_base(src)
             return _options(fn(src))
@@ -587,14 +590,18 @@ def _npy_header(shape: str, descr: str = "<f4", order: str = "False") -> bytes:
     return b"\x93NUMPY\x01\x00" + struct.pack("<H", len(header)) + header
 
 
+def _npy_base(src: Path) -> None:
+    src.mkdir()
+    npy_source(src / "acts.npy", shape=(5, 2, 3, 4))
+
+
 NPY_CASES: dict[str, Callable[[Path], dict[str, Any]]] = {}
 
 
-def _npy_case(name: str) -> Callable[[Callable[[Path], dict[str, Any] | None]], None]:
-    def register(fn: Callable[[Path], dict[str, Any] | None]) -> None:
+def _npy_case(name: str) -> Callable[[Callable[[Path], object]], None]:
+    def register(fn: Callable[[Path], object]) -> None:
         def build(src: Path) -> dict[str, Any]:
-            src.mkdir()
-            npy_source(src / "acts.npy", shape=(5, 2, 3, 4))
+            _npy_base(src)
             return _options(fn(src / "acts.npy"))
 
         NPY_CASES[name] = build
@@ -644,7 +651,7 @@ BASES: dict[str, Callable[[Path], Any]] = {
     "pickle": _pickle_base,
     "zarr": _zarr_base,
     "saelens": _saelens_base,
-    "npy": lambda src: (src.mkdir(), npy_source(src / "acts.npy", shape=(5, 2, 3, 4))),
+    "npy": _npy_base,
 }
 
 
