@@ -325,6 +325,20 @@ class RunExistsError(RunError, FileExistsError):
     """Raised when creating a run whose folder already exists."""
 
 
+class ProtocolWarning(UserWarning):
+    """Warned when a cache of an older major protocol version is read (protocol.md 8), and when
+    a cache for saev is written where saev's own code will not look for it (protocol.md 9)."""
+
+
+class CommandError(ShardsError):
+    """Raised by a command of the command line with its own verdict (a removal not confirmed, a
+    bad option): `saev_shards.cli.main` prints the message as an error and exits with ``code``."""
+
+    def __init__(self, code: int, message: str) -> None:
+        super().__init__(message)
+        self.code = code
+
+
 class RunWarning(UserWarning):
     """Issued when a run is created from caches training may not expect: a val cache that is the
     train cache, or differs from it in model, layers, width, tokens or dtype."""

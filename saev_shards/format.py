@@ -6,6 +6,7 @@ re-exports what callers used to import from here.
 
 from __future__ import annotations
 
+from .errors import ProtocolWarning
 from .protocol import check_version
 from .protocol.common import (
     CACHE_NAME_RE,
@@ -30,7 +31,6 @@ from .protocol.common import (
     STATS_FILE,
     SUPPORTED_PROTOCOLS,
     XXH3_RE,
-    ProtocolWarning,
     column_file,
     manifest_max_bytes,
     shard_name,

@@ -21,6 +21,7 @@ from typing import NoReturn
 from .. import __version__
 from ..errors import (
     CacheRefError,
+    CommandError,
     ConfigError,
     ConvertOptionError,
     DiskFullError,
@@ -48,7 +49,6 @@ from ._common import (
     PROG,
     ROOTS_HELP,
     EscapingWriter,
-    Failure,
     human_bytes,
     warn,
 )
@@ -172,7 +172,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         code: int = args.func(args)
         sys.stdout.flush()  # inside the try: a closed pipe is reported here, not at exit
         return code
-    except Failure as err:
+    except CommandError as err:
         sys.stderr.write(f"{PROG}: error: {err}\n")
         return int(err.code)
     except KeyboardInterrupt:

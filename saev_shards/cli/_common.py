@@ -52,14 +52,6 @@ roots:
 """
 
 
-class Failure(Exception):
-    """A command's own verdict: print ``message`` as an error and exit with ``code``."""
-
-    def __init__(self, code: int, message: str) -> None:
-        super().__init__(message)
-        self.code = code
-
-
 # --------------------------------------------------------------------------------------
 # formatting
 

@@ -14,14 +14,13 @@ import sys
 from pathlib import Path
 
 from .. import store
-from ..errors import RootNotSetError
+from ..errors import CommandError, RootNotSetError
 from ..protocol import is_cache_name
 from ._common import (
     EXIT_OK,
     EXIT_PROBLEM,
     EXIT_USAGE,
     REF_HELP,
-    Failure,
     add_roots,
     command,
     human_age,
@@ -34,7 +33,7 @@ from ._common import (
 
 
 def _confirm(question: str, args: argparse.Namespace) -> None:
-    """Return if deleting may go ahead; raise `Failure` (exit 1) when not confirmed."""
+    """Return if deleting may go ahead; raise `CommandError` (exit 1) when not confirmed."""
     if args.yes:
         return
     sys.stderr.write(f"{question} [y/N] ")
@@ -43,7 +42,7 @@ def _confirm(question: str, args: argparse.Namespace) -> None:
     if answer.strip().lower() not in ("y", "yes"):
         if not answer:
             sys.stderr.write("\n")
-        raise Failure(EXIT_PROBLEM, "nothing removed: not confirmed (pass --yes to remove without asking)")
+        raise CommandError(EXIT_PROBLEM, "nothing removed: not confirmed (pass --yes to remove without asking)")
 
 
 def _add_confirm_options(p: argparse.ArgumentParser) -> None:
@@ -61,14 +60,14 @@ def cmd_rm(args: argparse.Namespace) -> int:
     paths = list(dict.fromkeys(store.resolve(ref, roots_arg(args)) for ref in args.refs))
     for p in paths:
         if not is_cache_name(p.name):  # a path given directly: it must be named like a cache
-            raise Failure(
+            raise CommandError(
                 EXIT_USAGE, f"refusing to remove {p}: expected a cache directory named by its hash (64 or 8 hex digits)"
             )
     try:
         links = {p: store.runs_linking(p, args.runs_root) for p in paths}
     except RootNotSetError as err:
         if not args.force:
-            raise Failure(
+            raise CommandError(
                 EXIT_PROBLEM,
                 f"cannot check which runs link to {plural(len(paths), 'cache')}: {err}; "
                 "pass --force to remove without checking",
@@ -81,7 +80,7 @@ def cmd_rm(args: argparse.Namespace) -> int:
             f"{p.name[:12]}: " + ", ".join(f"{run.path}/links/{name}" for run, name in runs)
             for p, runs in linked.items()
         ]
-        raise Failure(
+        raise CommandError(
             EXIT_PROBLEM,
             f"refusing to remove {plural(len(linked), 'cache')} that runs link to "
             "(pass --force to remove anyway; those links then dangle): " + "; ".join(lines),

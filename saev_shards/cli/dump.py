@@ -13,7 +13,8 @@ import importlib
 from pathlib import Path
 from types import ModuleType
 
-from ._common import EXIT_OK, EXIT_PROBLEM, EXIT_USAGE, Failure, add_progress, command
+from ..errors import CommandError
+from ._common import EXIT_OK, EXIT_PROBLEM, EXIT_USAGE, add_progress, command
 
 #: The smallest configuration, shown by ``saev-shards dump --help``; docs/dump.md has them all.
 MINIMAL_CONFIG = """\
@@ -35,7 +36,7 @@ def _module() -> ModuleType:
             message = "the dump command is not available in this installation (no module saev_shards.dump)"
         else:
             message = f"the dump command needs {err.name or 'a package'}, which is not installed ({err})"
-        raise Failure(EXIT_USAGE, message) from err
+        raise CommandError(EXIT_USAGE, message) from err
 
 
 def cmd_dump(args: argparse.Namespace) -> int:

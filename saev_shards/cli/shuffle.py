@@ -7,7 +7,7 @@ import sys
 import time
 
 from .. import store
-from ..errors import DiskFullError, ShuffleError
+from ..errors import CommandError, DiskFullError, ShuffleError
 from ..format import DTYPES
 from ..shuffle import DEFAULT_MEMORY, plan_shuffle, run_plan
 from ..shuffle.source import TOKEN_CHOICES
@@ -16,7 +16,6 @@ from ._common import (
     EXIT_SYSTEM,
     EXIT_USAGE,
     REF_HELP,
-    Failure,
     add_progress,
     add_roots,
     command,
@@ -53,7 +52,7 @@ def cmd_shuffle(args: argparse.Namespace) -> int:
             allow_nonfinite=args.allow_nonfinite,
         )
     except ShuffleError as error:  # the arguments do not fit this source: a usage error
-        raise Failure(EXIT_USAGE, str(error)) from error
+        raise CommandError(EXIT_USAGE, str(error)) from error
     err = sys.stderr
     if args.dry_run:
         sys.stdout.write("\n".join(plan.describe()) + "\n")
@@ -68,7 +67,7 @@ def cmd_shuffle(args: argparse.Namespace) -> int:
     try:
         shuffled = run_plan(plan, progress=progress_arg(args))
     except DiskFullError as error:
-        raise Failure(EXIT_SYSTEM, str(error)) from error
+        raise CommandError(EXIT_SYSTEM, str(error)) from error
     seconds = time.perf_counter() - start
     nbytes = shuffled.metadata.nbytes
     err.write(

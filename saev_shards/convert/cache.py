@@ -33,11 +33,11 @@ from typing import Any
 import numpy as np
 
 from ..dtypes import to_float32
-from ..errors import ConvertError, ConvertOptionError, ShardsError, SourceChecksumError
+from ..errors import ConvertError, ConvertOptionError, ProtocolWarning, ShardsError, SourceChecksumError
 from ..fileio import hash_file
 from ..metadata import Metadata
 from ..protocol import is_cache_name
-from ..protocol.common import MANIFEST_FILE, METADATA_FILE, PROTOCOL, SAEV_CODE_PROTOCOLS, ProtocolWarning
+from ..protocol.common import MANIFEST_FILE, METADATA_FILE, PROTOCOL, SAEV_CODE_PROTOCOLS
 from ..protocol.saev_code import DEFAULT_PIXEL_AGG, SAEV_FAMILIES
 from ..reader import Shards
 from ..reader import open as open_cache

@@ -40,8 +40,6 @@ unless ``root`` says otherwise)::
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-
 from ..writer import sealed_shards
 from .config import (
     DEFAULT_PATCHES_PER_SHARD,
@@ -102,7 +100,6 @@ __all__ = [
     "load_config",
     "load_corpus",
     "load_model",
-    "main",
     "model_dir",
     "output_root",
     "parse_config",
@@ -113,13 +110,3 @@ __all__ = [
     "truncation_line",
     "try_finalize",
 ]
-
-
-def main(argv: Sequence[str] | None = None) -> int:
-    """``python -m saev_shards.dump ARGS``: the same as ``saev-shards dump ARGS`` (one command
-    line, one set of exit codes: `saev_shards.cli`)."""
-    import sys
-
-    from ..cli import main as cli_main
-
-    return cli_main(["dump", *(sys.argv[1:] if argv is None else argv)])

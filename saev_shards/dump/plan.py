@@ -16,9 +16,10 @@ import numpy as np
 from .. import corpus as corpus_mod
 from ..errors import ConfigError, RecorderError, RootNotSetError, ShardsError
 from ..metadata import Metadata
+from ..protocol.staging import staging_dir
 from ..store import Root, shards_root
 from ..units import human_bytes
-from ..writer import rank_shards, sealed_shards, staging_dir
+from ..writer import rank_shards, sealed_shards
 from ..writer import space_needed as writer_space_needed
 from .config import RESERVED_TEXT, DumpConfig, as_config
 from .model import Loaded, check_limits, load_model, what_failed

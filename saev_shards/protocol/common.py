@@ -92,8 +92,3 @@ def column_file(name: str) -> str:
 def text_file(name: str) -> str:
     """File name of per-example text field ``name`` (JSON Lines)."""
     return f"text.{name}.jsonl"
-
-
-class ProtocolWarning(UserWarning):
-    """Warned when a cache of an older major protocol version is read (protocol.md 8), and when
-    a cache for saev is written where saev's own code will not look for it (protocol.md 9)."""

@@ -25,6 +25,7 @@ from ..errors import (
     MetadataFileError,
     Problem,
     ProtocolVersionError,
+    ProtocolWarning,
     UnexpectedFileError,
     raise_problems,
 )
@@ -40,7 +41,6 @@ from ..protocol.common import (
     METADATA_FILE,
     SHARD_NAME_RE,
     STATS_FILE,
-    ProtocolWarning,
     stats_max_bytes,
 )
 from ..protocol.jsonfile import load_json, short_repr

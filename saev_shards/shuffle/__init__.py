@@ -39,12 +39,13 @@ from ..errors import AlreadyPublishedError, DiskFullError, ShardsError, WriterBu
 from ..fileio import check_free_space, fault_point, naming_disk_full, remove_path, take_lock, write_file_atomic
 from ..format import strict_json_loads
 from ..progress import Progress
+from ..protocol.staging import staging_dir
 from ..reader import Shards
 from ..reader import open as open_path
 from ..store import open_cache
 from ..store.roots import SHUFFLE_LOCK_FILE as LOCK_FILE
 from ..store.roots import SHUFFLE_PREFIX as WORK_PREFIX
-from ..writer import ShardWriter, finalize, staging_dir
+from ..writer import ShardWriter, finalize
 from .append import write_buckets
 from .order import bucket_of, shuffle_order, sort_keys
 from .plan import DEFAULT_MEMORY, SOURCE_EXAMPLE, SOURCE_TOKEN, ShufflePlan, make_plan

@@ -17,6 +17,7 @@ import numpy as np
 from .. import reader
 from ..errors import (
     CacheRefError,
+    ProtocolWarning,
     ShardsError,
     UnknownCacheError,
 )
@@ -27,9 +28,9 @@ from ..fileio import (
 )
 from ..metadata import Metadata, parse_metadata
 from ..protocol import is_cache_name
-from ..protocol.common import MAX_METADATA_BYTES, METADATA_FILE, ProtocolWarning
+from ..protocol.common import MAX_METADATA_BYTES, METADATA_FILE
 from ..protocol.jsonfile import read_json_file
-from ..writer import LOCK_SUFFIX, OLD_LOCK_FILE, STAGING_PREFIX
+from ..protocol.staging import LOCK_SUFFIX, OLD_LOCK_FILE, STAGING_PREFIX
 from .roots import (
     COPY_PREFIX,
     SHUFFLE_LOCK_FILE,

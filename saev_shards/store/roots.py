@@ -32,7 +32,7 @@ from ..errors import (
 )
 from ..protocol import is_cache_name
 from ..protocol.jsonfile import short_repr
-from ..writer import STAGING_PREFIX
+from ..protocol.staging import STAGING_PREFIX
 
 PathLike = str | os.PathLike[str]
 Roots = PathLike | Sequence[PathLike] | None

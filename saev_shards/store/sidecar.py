@@ -34,7 +34,7 @@ from ..fileio import write_file_atomic
 from ..format import pretty_json
 from ..progress import Progress
 from ..reader.sidecars import SIDECAR_DIR, SIDECAR_KEYS, find_stats, manifest_digest, sidecar_path
-from ..writer import STATS_CHUNK, _Stats
+from ..statistics import STATS_CHUNK, StatsAccumulator
 
 
 def compute_stats(
@@ -48,12 +48,12 @@ def compute_stats(
     """
     md = shards.metadata
     lengths = shards.lengths
-    total = _Stats(md.n_layers, md.d_model)
+    total = StatsAccumulator(md.n_layers, md.d_model)
     start = 0
     with Progress(md.n_examples, f"stats {md.hash[:12]}", unit="examples", enabled=progress) as bar:
         for k, entry in enumerate(shards.manifest.shards):
             acts = shards.shard(k)
-            part = _Stats(md.n_layers, md.d_model)
+            part = StatsAccumulator(md.n_layers, md.d_model)
             for a in range(0, entry.n_examples, STATS_CHUNK):
                 b = min(a + STATS_CHUNK, entry.n_examples)
                 piece_lengths = None if lengths is None else lengths[start + a : start + b]

@@ -21,10 +21,10 @@ The modules, in the order data meets them:
 * `shard_writer`: `ShardWriter`, the caller-thread API (checks, casts, reserves examples).
 * `resume`: where a writer starts (lock, earlier runs cleared or kept, sealed shards).
 * `streams`: the I/O thread: one loop cuts every stream into part files and seals shards.
-* `stats`: per-shard statistics, summed in a thread of their own.
+* `stats`: per-shard statistics (`saev_shards.statistics`), summed in a thread of their own.
 * `direct`: the O_DIRECT sequential file and its buffer pool (bytes to disk, nothing more).
 * `finalize`: check the part records, join the parts, write the manifest, publish.
-* `staging`: names in and around the staging directory, and its lock.
+* `staging`: the lock of the staging directory (its names: `saev_shards.protocol.staging`).
 * `space`: what a write still needs on disk (the up-front free-space checks of dump and convert).
 
 Note: ``saev_shards.writer.finalize`` is the function; the module is reached with
@@ -35,36 +35,15 @@ from .direct import DIRECT_ALIGN, DIRECT_BLOCK, DIRECT_IN_FLIGHT
 from .finalize import finalize
 from .shard_writer import ShardWriter, rank_shards, world_from_env
 from .space import sealed_shards, space_needed
-from .staging import (
-    LOCK_SUFFIX,
-    OLD_LOCK_FILE,
-    STAGING_PREFIX,
-    lock_path,
-    part_file,
-    part_record,
-    range_lock,
-    staging_dir,
-)
-from .stats import STATS_CHUNK, _Stats
 
 __all__ = [
     "DIRECT_ALIGN",
     "DIRECT_BLOCK",
     "DIRECT_IN_FLIGHT",
-    "LOCK_SUFFIX",
-    "OLD_LOCK_FILE",
-    "STAGING_PREFIX",
-    "STATS_CHUNK",
     "ShardWriter",
-    "_Stats",
     "finalize",
-    "lock_path",
-    "part_file",
-    "part_record",
-    "range_lock",
     "rank_shards",
     "sealed_shards",
     "space_needed",
-    "staging_dir",
     "world_from_env",
 ]

@@ -42,17 +42,10 @@ from ..manifest import ArrayEntry, FileEntry, Manifest, ShardEntry, ShardList, T
 from ..metadata import Metadata
 from ..protocol.common import LABELS_FILE, MANIFEST_FILE, METADATA_FILE, STATS_FILE, column_file, shard_name, text_file
 from ..protocol.jsonfile import strict_json_loads
+from ..protocol.staging import is_staging_only, lock_path, part_file, part_record, staging_dir
 from ..protocol.v3 import pretty_json
-from .staging import (
-    _already_published,
-    _is_staging_only,
-    _take_writer_lock,
-    lock_path,
-    part_file,
-    part_record,
-    staging_dir,
-)
-from .stats import _Stats
+from ..statistics import StatsAccumulator
+from .staging import _already_published, _take_writer_lock
 
 _FINALIZE_NOTE = "; every shard is sealed and kept: free some space and finalize again (or resume the writer)"
 
@@ -103,7 +96,7 @@ def _finalize_locked(root: Path, md: Metadata, staging: Path, final: Path, verif
     make_owner_writable(staging)
     files = _assemble(md, staging, records, durable) if commit is None else commit.files
     for name in os.listdir(staging):
-        if _is_staging_only(name):
+        if is_staging_only(name):
             remove_path(staging / name)
     fault_point("staging-cleaned")
     if not publish_dir(staging, final, durable, expected={name: n for name, (n, _) in files.items()}):
@@ -203,9 +196,9 @@ def _assemble(
         fault_point("joined", i)
     stats_entry = None
     if records and all(r["stats"] is not None for r in records):
-        total_stats = _Stats(md.n_layers, md.d_model)
+        total_stats = StatsAccumulator(md.n_layers, md.d_model)
         for r in records:  # shard order: the sums are the same for any number of writers
-            total_stats.add(_Stats.from_json(r["stats"], md.n_layers, md.d_model))
+            total_stats.add(StatsAccumulator.from_json(r["stats"], md.n_layers, md.d_model))
         data = pretty_json(total_stats.summary(md.layers))
         write_file_atomic(staging / STATS_FILE, data, durable, note=_FINALIZE_NOTE)
         stats_entry = FileEntry(STATS_FILE, len(data), xxhash.xxh3_128_hexdigest(data))

@@ -13,9 +13,10 @@ from ..fileio import fault_point, hash_file, make_owner_writable, remove_path, t
 from ..metadata import Metadata
 from ..protocol.common import LABELS_FILE, METADATA_FILE, STATS_FILE, column_file, shard_name, text_file
 from ..protocol.jsonfile import strict_json_loads
+from ..protocol.staging import part_file, part_record, range_lock, staging_dir
+from ..statistics import StatsAccumulator
 from .finalize import _read_commit, _unfinalize
-from .staging import _take_writer_lock, part_file, part_record, range_lock, staging_dir
-from .stats import _Stats
+from .staging import _take_writer_lock
 from .streams import _Parts, _StreamSpec
 
 
@@ -101,7 +102,7 @@ def _resume(parts: _Parts, shards: range, stop: int, specs: Mapping[str, _Stream
     for k, record in zip(shards, sealed, strict=False):
         parts.done[k] = {"acts": record["acts"], **record["streams"]}
         if parts.stats is not None:
-            parts.stats.shards[k] = _Stats.from_json(record["stats"], md.n_layers, md.d_model)
+            parts.stats.shards[k] = StatsAccumulator.from_json(record["stats"], md.n_layers, md.d_model)
     resumed = shards.start + len(sealed)
     return stop if resumed == shards.stop else resumed * md.examples_per_shard
 

@@ -16,19 +16,14 @@ import numpy.typing as npt
 import orjson
 
 from .. import dtypes, world
-from ..errors import MetadataError, NonFiniteError, Problems, WriterError
+from ..errors import MetadataError, NonFiniteError, Problems, ProtocolWarning, WriterError
 from ..metadata import Metadata
-from ..protocol.common import (
-    COLUMN_DTYPES,
-    FIELD_NAME_RE,
-    LABELS_DTYPE,
-    ProtocolWarning,
-)
+from ..protocol.common import COLUMN_DTYPES, FIELD_NAME_RE, LABELS_DTYPE
 from ..protocol.saev_code import SAEV_ROOT_PARTS
+from ..protocol.staging import staging_dir
 from .direct import _release_buffers
 from .finalize import finalize
 from .resume import _derived_files, _open_staging, _resume
-from .staging import staging_dir
 from .stats import _StatsPass
 from .streams import _Parts, _Pipeline, _StreamSpec
 

@@ -19,8 +19,8 @@ import numpy as np
 from ..fileio import bytes_on_disk
 from ..metadata import Metadata
 from ..protocol.common import MANIFEST_FILE
+from ..protocol.staging import part_record, staging_dir
 from .shard_writer import rank_shards
-from .staging import part_record, staging_dir
 
 #: Lower bounds of the text files written for examples ``[a, b)``: one size per text field.
 TextSizes = Callable[[int, int], list[int]]

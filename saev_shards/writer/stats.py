@@ -1,127 +1,26 @@
-"""Per-shard statistics: sums over every token, in an order that depends only on the data.
+"""Per-shard statistics while writing: one `StatsAccumulator` per shard, in a thread of its own.
 
 Shard ``k``'s sums go into its part record; `finalize` adds the shards' sums in shard
-order and writes stats.json (protocol.md section 2.6) from the total.
+order and writes stats.json (protocol.md section 2.6) from the total. The accumulator
+itself lives in `saev_shards.statistics`, where the store's stats sidecar uses it too.
 """
 
 from __future__ import annotations
 
 import collections
-from collections.abc import Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
-import numpy as np
 import numpy.typing as npt
 
-from .. import dtypes
+from ..statistics import StatsAccumulator
 
-#: Examples per step of the statistics pass (bounds its float32 scratch memory).
-STATS_CHUNK = 8
 #: Batches that may wait for the statistics thread before the writer blocks.
 _STATS_BACKLOG = 2
 
 
-class _Stats:
-    """Per-layer sums over the tokens of one shard, accumulated example by example.
-
-    The order of every floating-point addition depends only on the data, never on how
-    it was batched, so the sums (and the cache) are byte-identical for any batching.
-    """
-
-    def __init__(self, n_layers: int, d_model: int) -> None:
-        self.sum = np.zeros((n_layers, d_model), np.float64)
-        self.sum_sq = np.zeros((n_layers, d_model), np.float64)
-        self.count = np.zeros(n_layers, np.int64)
-        self.norm_sum = np.zeros(n_layers, np.float64)
-        self.norm_sq_sum = np.zeros(n_layers, np.float64)
-        self.nonfinite = np.zeros(n_layers, np.int64)
-
-    def update(self, acts: npt.NDArray[Any], dtype: str, lengths: npt.NDArray[Any] | None) -> None:
-        """Add the tokens of ``acts`` (stored dtype, shape (B, L, T, D)); padding excluded by ``lengths``."""
-        n_tokens = acts.shape[2]
-        positions = np.arange(n_tokens)
-        for start in range(0, acts.shape[0], STATS_CHUNK):
-            block = acts[start : start + STATS_CHUNK]
-            has_nonfinite = dtypes.nonfinite_mask_any(block, dtype)
-            for li in range(block.shape[1]):
-                x = dtypes.to_float32(block[:, li], dtype)  # (b, T, D) float32
-                for b in range(block.shape[0]):  # one example at a time: fixed shapes, fixed order
-                    xb = x[b]  # (T, D)
-                    valid = None
-                    if lengths is not None:
-                        valid = positions < lengths[start + b]
-                    if has_nonfinite:
-                        finite = np.isfinite(xb).all(axis=1)
-                        self.nonfinite[li] += int(np.count_nonzero(~finite if valid is None else valid & ~finite))
-                        valid = finite if valid is None else valid & finite
-                    if valid is not None:
-                        xb = np.where(valid[:, None], xb, np.float32(0))
-                        self.count[li] += int(np.count_nonzero(valid))
-                    else:
-                        self.count[li] += n_tokens
-                    sq = xb * xb
-                    norms_sq = sq.sum(axis=1)  # (T,)
-                    self.sum[li] += xb.sum(axis=0)
-                    self.sum_sq[li] += sq.sum(axis=0)
-                    self.norm_sum[li] += float(np.sqrt(norms_sq).sum(dtype=np.float64))
-                    self.norm_sq_sum[li] += float(norms_sq.sum(dtype=np.float64))
-
-    def to_json(self) -> dict[str, Any]:
-        return {
-            "sum": self.sum.tolist(),
-            "sum_sq": self.sum_sq.tolist(),
-            "count": self.count.tolist(),
-            "norm_sum": self.norm_sum.tolist(),
-            "norm_sq_sum": self.norm_sq_sum.tolist(),
-            "nonfinite": self.nonfinite.tolist(),
-        }
-
-    @classmethod
-    def from_json(cls, d: Mapping[str, Any], n_layers: int, d_model: int) -> _Stats:
-        s = cls(n_layers, d_model)
-        s.sum[:] = d["sum"]
-        s.sum_sq[:] = d["sum_sq"]
-        s.count[:] = d["count"]
-        s.norm_sum[:] = d["norm_sum"]
-        s.norm_sq_sum[:] = d["norm_sq_sum"]
-        s.nonfinite[:] = d["nonfinite"]
-        return s
-
-    def add(self, other: _Stats) -> None:
-        self.sum += other.sum
-        self.sum_sq += other.sum_sq
-        self.count += other.count
-        self.norm_sum += other.norm_sum
-        self.norm_sq_sum += other.norm_sq_sum
-        self.nonfinite += other.nonfinite
-
-    def summary(self, layers: Sequence[int]) -> dict[str, Any]:
-        """The stats.json object (protocol.md section 2.6)."""
-        with np.errstate(invalid="ignore", divide="ignore"):
-            n = self.count.astype(np.float64)
-            mean = self.sum / n[:, None]
-            var = np.maximum(self.sum_sq / n[:, None] - mean * mean, 0.0)
-            norm_mean = self.norm_sum / n
-            norm_sq_mean = self.norm_sq_sum / n
-        empty = self.count == 0
-        mean[empty] = 0.0
-        var[empty] = 0.0
-        norm_mean[empty] = 0.0
-        norm_sq_mean[empty] = 0.0
-        return {
-            "layers": list(layers),
-            "count": self.count.tolist(),
-            "nonfinite": self.nonfinite.tolist(),
-            "mean": mean.tolist(),
-            "var": var.tolist(),
-            "norm_mean": norm_mean.tolist(),
-            "norm_sq_mean": norm_sq_mean.tolist(),
-        }
-
-
 class _StatsPass:
-    """The writer's statistics: one `_Stats` per shard, updated in a thread of their own.
+    """The writer's statistics: one `StatsAccumulator` per shard, updated in a thread of their own.
 
     numpy releases the GIL, so the sums overlap the disk writes; they run in submission
     order, and at most `_STATS_BACKLOG` batches wait for them before the writer blocks.
@@ -130,13 +29,13 @@ class _StatsPass:
     def __init__(self, n_layers: int, d_model: int, dtype: str) -> None:
         self.n_layers, self.d_model, self.dtype = n_layers, d_model, dtype
         #: Shard -> its sums (complete once `wait_through` has passed the shard).
-        self.shards: dict[int, _Stats] = {}
+        self.shards: dict[int, StatsAccumulator] = {}
         self._pool = ThreadPoolExecutor(1, "saev-shards-stats")
         self._pending: collections.deque[tuple[int, Future[None]]] = collections.deque()
 
     def submit(self, k: int, acts: npt.NDArray[Any], lengths: npt.NDArray[Any] | None) -> None:
         """Add ``acts`` (examples of shard ``k``) in the background."""
-        stats = self.shards.setdefault(k, _Stats(self.n_layers, self.d_model))
+        stats = self.shards.setdefault(k, StatsAccumulator(self.n_layers, self.d_model))
         self._pending.append((k, self._pool.submit(stats.update, acts, self.dtype, lengths)))
         while len(self._pending) > _STATS_BACKLOG:
             self._pending.popleft()[1].result()

@@ -26,8 +26,8 @@ import xxhash
 from ..errors import WriterBusyError
 from ..fileio import IO_CHUNK, fault_point, naming_disk_full, try_flock, write_file_atomic
 from ..metadata import Metadata
+from ..protocol.staging import part_file, part_record
 from . import direct
-from .staging import part_file, part_record
 from .stats import _StatsPass
 
 _RESUME_NOTE = "; the shards sealed so far are kept: free some space and resume (ShardWriter(..., resume=True))"

@@ -19,7 +19,7 @@ import pytest
 
 import saev_shards as ss
 from saev_shards import store
-from saev_shards.writer import lock_path, staging_dir
+from saev_shards.protocol.staging import lock_path, staging_dir
 
 from ..support.caches import tree_bytes
 from ..support.faults import (

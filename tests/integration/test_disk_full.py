@@ -19,8 +19,9 @@ import pytest
 import saev_shards as ss
 from saev_shards import dump as dump_mod
 from saev_shards import fileio, store
+from saev_shards.cli import main as cli_main
+from saev_shards.protocol.staging import lock_path, staging_dir
 from saev_shards.writer import direct as direct_module
-from saev_shards.writer import lock_path, staging_dir
 
 from ..support.caches import small_metadata, tree_bytes, write_cache
 from ..support.dumps import make_config
@@ -149,7 +150,7 @@ def test_dump_refuses_up_front_then_names_the_file_then_resumes(tmp_path: Path, 
         assert not root.exists()  # refused before writing anything
         cfg_file = tmp_path / "dump.json"
         cfg_file.write_text(json.dumps(cfg))
-        assert dump_mod.main([str(cfg_file), "--root", str(root), "--no-progress"]) == 4
+        assert cli_main(["dump", str(cfg_file), "--root", str(root), "--no-progress"]) == 4
         err = capsys.readouterr().err
         assert err.startswith("saev-shards: error: ") and "needs" in err and "--no-space-check" in err
         assert not root.exists()

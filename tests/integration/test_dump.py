@@ -19,6 +19,7 @@ from hypothesis import strategies as st
 
 import saev_shards as ss
 from saev_shards import dump as dump_mod
+from saev_shards.cli import main as cli_main
 from saev_shards.dump import batches, parse_config, plan, truncation
 from saev_shards.errors import ConfigError
 from saev_shards.units import human_bytes
@@ -215,7 +216,7 @@ def test_dry_run_prints_hash_shards_and_bytes_and_writes_nothing(tmp_path: Path,
     cfg_file = tmp_path / "dump.json"
     cfg_file.write_text(json.dumps(cfg))
     md = plan(cfg).metadata
-    assert dump_mod.main([str(cfg_file), "--dry-run", "--rank", "1", "--world-size", "2"]) == 0
+    assert cli_main(["dump", str(cfg_file), "--dry-run", "--rank", "1", "--world-size", "2"]) == 0
     out = capsys.readouterr().out
     assert f"hash      {md.hash}" in out
     assert "shards    5 x 5 examples (last 3)" in out
@@ -234,7 +235,7 @@ def test_no_finalize_then_finalize(tmp_path: Path, capsys: Any) -> None:
     assert not (root / md.hash).exists()
     cfg_file = tmp_path / "dump.json"
     cfg_file.write_text(json.dumps(cfg))
-    assert dump_mod.main([str(cfg_file), "--finalize"]) == 0
+    assert cli_main(["dump", str(cfg_file), "--finalize"]) == 0
     assert f"published {root / md.hash}" in capsys.readouterr().out
     single = tmp_path / "single"
     dump_mod.dump(cfg, root=single, durable=False, log=quiet)

@@ -16,8 +16,8 @@ import numpy as np
 import pytest
 
 import saev_shards as ss
+from saev_shards.protocol.staging import staging_dir
 from saev_shards.shuffle import plan_shuffle, run_plan, shuffle_order
-from saev_shards.writer import staging_dir
 
 from ..support.caches import small_metadata, tree_bytes, write_cache
 
