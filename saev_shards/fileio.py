@@ -3,7 +3,7 @@
 Durable small files (`write_file_atomic`, `fsync_dir`), streaming copies and digests in
 large sequential chunks (`stream`, `hash_file`), exact positional reads and writes
 (`pread_exact`, `pwrite_all`), opening a file only if it is a regular one
-(`open_regular`), advisory locks (`try_flock`, `take_lock`), publishing a
+(`open_regular`), advisory locks (`try_flock`, `take_lock`, `hold_folder`), publishing a
 finished directory under its final name after checking exactly what it holds
 (`publish_dir`), disk-full errors that name the file (`naming_disk_full`,
 `check_free_space`) and the named points where tests stop or pause a process
@@ -216,6 +216,33 @@ def try_flock(fd: int, *, shared: bool = False) -> bool:
             return False
         raise
     return True
+
+
+#: flock errors that mean "this filesystem does not lock" (some NFS mounts), not "held".
+NO_FLOCK_ERRNOS = frozenset({errno.ENOLCK, errno.EOPNOTSUPP, errno.EBADF, errno.EINVAL, errno.ENOSYS})
+
+
+def hold_folder(path: Path, *, shared: bool) -> int | None:
+    """Open the folder ``path`` and ``flock`` it without waiting (shared or exclusive); its fd,
+    or None when the lock is not taken: another process holds it (exclusively, for a shared
+    request), the filesystem does not lock, or the folder cannot be opened (another user's,
+    or gone). Published caches are read-only folders: their lock is the folder itself, never
+    a file inside. The caller closes the fd to release the lock."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    except OSError:
+        return None
+    try:
+        taken = try_flock(fd, shared=shared)
+    except OSError as err:
+        if err.errno not in NO_FLOCK_ERRNOS:
+            os.close(fd)
+            raise
+        taken = False
+    if not taken:
+        os.close(fd)
+        return None
+    return fd
 
 
 def take_lock(path: Path, *, shared: bool = False, directory: bool = False) -> int | None:

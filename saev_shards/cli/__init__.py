@@ -20,6 +20,7 @@ from typing import NoReturn
 
 from .. import __version__
 from ..errors import (
+    CacheInUseError,
     CacheRefError,
     CommandError,
     ConfigError,
@@ -123,7 +124,7 @@ def _exit_code(err: BaseException) -> int:
         return EXIT_NOT_FOUND
     if isinstance(err, (ConfigError, RootNotSetError, RunExistsError, ConvertOptionError, MissingDependencyError)):
         return EXIT_USAGE
-    if isinstance(err, (WriterBusyError, DiskFullError)):
+    if isinstance(err, (WriterBusyError, CacheInUseError, DiskFullError)):
         return EXIT_SYSTEM  # another process holds it, or the disk is full: the system, not the cache
     if isinstance(err, (InvalidCacheError, ShardsError)):
         return EXIT_PROBLEM

@@ -1,9 +1,16 @@
-"""Per-process handles of an open cache: shard memmaps and file descriptors, opened lazily.
+"""Per-process handles of an open cache: shard memmaps and file descriptors, opened lazily,
+and the shared lock held on the cache folder while it is open.
 
 A `Shards` object crosses process boundaries two ways, and neither may share a handle:
 forked (a DataLoader worker: `_check_pid` sees the new pid and drops the parent's) and
 pickled (spawn: `__getstate__` drops them, `__setstate__` starts empty). The read paths
 (`reads`) and the files beside the activations (`sidecars`) build on this class.
+
+The lock (protocol.md section 6, "Caches in use"): a shared ``flock`` on the cache folder
+itself, taken when the cache is opened and released by `close` (taken again when the cache
+is next read) or when the object goes away. A forked copy shares its parent's lock; an
+unpickled copy takes its own. ``saev-shards rm`` and `store.remove` refuse a folder that
+anyone holds so.
 """
 
 from __future__ import annotations
@@ -17,11 +24,30 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
+from ..fileio import hold_folder
 from ..manifest import Manifest
 from ..metadata import Metadata
 
 #: Attributes that belong to one process: never pickled, rebuilt after fork or unpickling.
-_PER_PROCESS = ("_maps", "_fds", "_aux", "_pid", "_out_cache", "_lock")
+_PER_PROCESS = ("_maps", "_fds", "_aux", "_pid", "_out_cache", "_lock", "_folder_lock")
+
+
+class FolderLock:
+    """A shared ``flock`` on a cache folder, held until `release` or until the object goes away
+    (`fileio.hold_folder`; ``fd`` None where it could not be taken: the filesystem does not
+    lock, or another process holds the folder exclusively while it publishes or removes it)."""
+
+    def __init__(self, path: Path) -> None:
+        self.fd = hold_folder(path, shared=True)
+
+    def release(self) -> None:
+        fd, self.fd = self.fd, None
+        if fd is not None:
+            os.close(fd)  # a forked child closes its copy only: the parent's lock stays
+
+    def __del__(self) -> None:
+        with contextlib.suppress(Exception):
+            self.release()
 
 
 class ShardHandles:
@@ -54,12 +80,23 @@ class ShardHandles:
     def __setstate__(self, state: dict[str, Any]) -> None:
         self.__dict__.update(state)
         self._reset()
+        self._hold_folder()
+
+    def _hold_folder(self) -> None:
+        """Hold the shared lock on the cache folder (taken once; again after `close`)."""
+        if getattr(self, "_folder_lock", None) is None:
+            self._folder_lock: FolderLock | None = FolderLock(self.path)
 
     def close(self) -> None:
-        """Drop this process's memmaps and file descriptors (reopened on next use)."""
+        """Drop this process's memmaps and file descriptors and release the cache's lock
+        (all taken again on next use)."""
         if self._pid == os.getpid():
             for fd in self._fds.values():
                 os.close(fd)
+        lock = getattr(self, "_folder_lock", None)
+        if lock is not None:
+            lock.release()
+            self._folder_lock = None
         self._reset()
 
     def __del__(self) -> None:
@@ -78,6 +115,7 @@ class ShardHandles:
             with self._lock:
                 mm = self._maps.get(k)
                 if mm is None:
+                    self._hold_folder()
                     mm = self._open_map(k)
                     self._maps[k] = mm
         return mm
@@ -97,6 +135,7 @@ class ShardHandles:
             with self._lock:  # two threads opening one shard would leak a descriptor
                 fd = self._fds.get(k)
                 if fd is None:
+                    self._hold_folder()
                     fd = os.open(self.shard_path(k), os.O_RDONLY)
                     self._fds[k] = fd
         return fd

@@ -23,6 +23,7 @@ from .caches import (
     KIND_NAMES,
     CacheEntry,
     Unpublished,
+    check_not_in_use,
     folder_nbytes,
     is_live,
     list_caches,
@@ -35,6 +36,7 @@ from .caches import (
     unpublished,
 )
 from .doctor import Finding, doctor, doctor_environment
+from .inuse import Holder, users
 from .roots import (
     COPY_PREFIX,
     MIN_PREFIX,
@@ -86,12 +88,14 @@ __all__ = [
     "STAGE_ROOT_ENV",
     "CacheEntry",
     "Finding",
+    "Holder",
     "PathLike",
     "Root",
     "Roots",
     "Run",
     "StageReport",
     "Unpublished",
+    "check_not_in_use",
     "check_reference",
     "compare_caches",
     "compute_stats",
@@ -120,5 +124,6 @@ __all__ = [
     "stage_root",
     "summary",
     "unpublished",
+    "users",
     "write_sidecar",
 ]

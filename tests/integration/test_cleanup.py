@@ -242,3 +242,78 @@ def test_clean_removes_the_scratch_folder_of_a_shuffle_that_died_and_keeps_a_liv
     code, out, _ = run(env, "clean", "--yes")
     assert code == 0 and f"removed {plan.work}\n" in out and not plan.work.exists()
     assert sorted(p.name for p in root.iterdir()) == [md.hash]
+
+
+# --------------------------------------------------------------------------------------
+# caches in use: rm against live readers in other processes
+
+_READER = """
+import sys, time
+import numpy as np
+import saev_shards as ss
+how, path = sys.argv[1], sys.argv[2]
+if how == "open":  # a notebook: the cache opened, one example read
+    shards = ss.open(path)
+    shards[0]
+elif how == "loader":  # a training loop between two batches
+    from saev_shards.loaders import ShuffledLoader
+    loader = ShuffledLoader(path, batch_size=8, layers=6, seed=0)
+    batch = next(iter(loader))
+elif how == "memmap":  # a reader of another library: the shard mapped, no lock
+    mapped = np.memmap(path + "/acts000000.bin", dtype=np.uint8, mode="r")
+    int(mapped[0])
+print("ready", flush=True)
+time.sleep(120)
+"""
+
+
+def _reader(how: str, path: Path) -> subprocess.Popen[str]:
+    proc = subprocess.Popen(
+        [sys.executable, "-c", _READER, how, str(path)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+    )
+    assert proc.stdout is not None and proc.stdout.readline() == "ready\n", proc.communicate(timeout=60)[1]
+    return proc
+
+
+@pytest.mark.parametrize(
+    ("how", "says"),
+    [("open", "holds the cache's lock"), ("loader", "holds the cache's lock"), ("memmap", " acts000000.bin")],
+)
+def test_rm_refuses_a_cache_a_live_reader_uses_naming_it(tmp_path: Path, how: str, says: str) -> None:
+    """Before the fix `rm --yes` deleted the cache under the reader (a loader's next shard
+    then failed with a bare FileNotFoundError)."""
+    if how == "loader":
+        pytest.importorskip("torch")
+    env = environment(tmp_path)
+    root = tmp_path / "scratch" / "saev" / "shards"
+    md = small_metadata()
+    write_cache(root, md)
+    reader = _reader(how, root / md.hash)
+    try:
+        code, out, err = run(env, "rm", md.hash[:8], "--yes")
+        assert code == 4, err
+        assert f"refusing to remove {root / md.hash}: in use by 1 process: pid {reader.pid} (" in err
+        assert says in err and "--force" in err and out == ""
+        ss.open(root / md.hash).verify()
+        code, out, err = run(env, "rm", md.hash[:8], "--yes", "--force")
+        assert code == 0 and f"removed {root / md.hash}" in out and not (root / md.hash).exists()
+    finally:
+        reader.kill()
+        reader.communicate()
+    write_cache(root, md)  # the reader gone: removed without --force
+    assert run(env, "rm", md.hash[:8], "--yes")[0] == 0 and not (root / md.hash).exists()
+
+
+def test_the_store_never_removes_a_staging_folder_whose_writer_holds_its_lock(tmp_path: Path) -> None:
+    """Before the fix `store.remove` deleted a live writer's staging folder."""
+    md = small_metadata()
+    writer = ss.ShardWriter(tmp_path, md, durable=False)
+    writer.write(np.zeros((3, *md.shape[1:]), np.float32))
+    staging = tmp_path / f".staging-{md.hash}"
+    for force in (False, True):
+        with pytest.raises(ss.CacheInUseError, match=r"a live staging holds its lock .*nothing removed"):
+            store.remove(staging, force=force)
+    assert staging.is_dir()
+    writer.write(np.zeros((md.n_examples - 3, *md.shape[1:]), np.float32))
+    writer.close()
+    ss.open(tmp_path / md.hash).verify()
