@@ -250,7 +250,7 @@ def test_load_state_dict_lists_every_bad_field_at_once(make_cache: Any) -> None:
     for epoch in (1.9, None, "1", -1):  # set_epoch(1.9) used to run epoch 1
         with pytest.raises(LoaderError, match=r"epoch: expected an integer >= 0, found"):
             loader.set_epoch(epoch)  # type: ignore[arg-type]
-    loader.set_epoch(np.int64(2))
+    loader.set_epoch(np.int64(2))  # type: ignore[arg-type]  # numpy integers are taken
     assert loader.state_dict()["epoch"] == 2
 
 
