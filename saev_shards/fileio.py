@@ -67,28 +67,38 @@ def fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
-def write_file_atomic(path: Path, data: bytes, durable: bool = True, *, note: str = "") -> None:
+def write_file_atomic(
+    path: Path, data: bytes, durable: bool = True, *, note: str = "", dir_fd: int | None = None
+) -> None:
     """Write ``data`` to ``path`` via a temporary name in the same folder and a rename.
 
     A full disk raises `DiskFullError` naming ``path`` (``note`` appended: what to do about
-    it) and leaves no temporary file.
+    it) and leaves no temporary file. The temporary file is never opened through a link.
+    ``dir_fd``: an open descriptor of the folder, and every name is taken relative to it
+    (the folder cannot be swapped for a link between a check and the write).
     """
     # A unique temporary name: several writers may race to create the same file.
-    tmp = path.with_name(f"{path.name}.{os.getpid()}.{threading.get_ident()}.tmp")
+    tmp_name = f"{path.name}.{os.getpid()}.{threading.get_ident()}.tmp"
+    tmp: str | Path = tmp_name if dir_fd is not None else path.with_name(tmp_name)
+    final: str | Path = path.name if dir_fd is not None else path
     try:
         with naming_disk_full(path, len(data), note):
-            with open(tmp, "wb") as f:
+            flags = os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW | os.O_CLOEXEC
+            with open(os.open(tmp, flags, 0o666, dir_fd=dir_fd), "wb") as f:
                 f.write(data)
                 if durable:
                     f.flush()
                     os.fsync(f.fileno())
-            os.replace(tmp, path)
+            os.replace(tmp, final, src_dir_fd=dir_fd, dst_dir_fd=dir_fd)
     except BaseException:
         with _suppress_os_errors():
-            os.unlink(tmp)
+            os.unlink(tmp, dir_fd=dir_fd)
         raise
     if durable:
-        fsync_dir(path.parent)
+        if dir_fd is not None:
+            os.fsync(dir_fd)
+        else:
+            fsync_dir(path.parent)
 
 
 def stream(

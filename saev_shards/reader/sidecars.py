@@ -186,7 +186,7 @@ class Sidecars(ShardHandles):
             cap = stats_max_bytes(md.n_layers, md.d_model)
             raw, problems = load_json(path, cap, StatsFileError, every_number=False)
             raise_problems(problems, str(self.path))
-            self._aux["stats"] = parse_stats(raw, md.layers, md.d_model, str(path))
+            self._aux["stats"] = parse_stats(raw, md.layers, md.d_model, str(path), md.n_examples * md.tokens_per_ex)
         return self._aux["stats"]  # type: ignore[no-any-return]
 
     def _stats_problems(self) -> list[Problem]:
@@ -242,7 +242,7 @@ def find_stats(shards: Sidecars) -> dict[str, Any] | None:
         raise StatsFileError(
             f"{path}: stats_xxh3_128: expected {obj['stats_xxh3_128']!r}, found {found_digest}: damaged{again}"
         )
-    return parse_stats(obj["stats"], md.layers, md.d_model, str(path))
+    return parse_stats(obj["stats"], md.layers, md.d_model, str(path), md.n_examples * md.tokens_per_ex)
 
 
 def _map(path: Path, dtype: np.dtype[Any], shape: tuple[int, ...]) -> np.memmap[Any, Any]:
