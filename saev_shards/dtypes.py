@@ -3,7 +3,8 @@
 bfloat16 is stored as its raw 2 bytes (the upper half of a float32); numpy has no
 bfloat16, so numpy code sees those bytes as uint16 and `bf16_to_float32` widens them.
 Casts round to nearest, ties to even, exactly as torch does, so a cache is byte-identical
-whether it was written from numpy or from torch tensors.
+whether it was written from numpy or from torch tensors. float8_e4m3 is quantized with a
+scale per vector (`saev_shards.float8`), not cast.
 """
 
 from __future__ import annotations
@@ -15,11 +16,13 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
-from .format import DTYPES
+from . import float8
+from .protocol.common import DTYPES, FLOAT8
 
-#: Bits that are all set exactly when a value is inf or NaN, per stored dtype.
-_EXPONENT_MASK = {"float16": 0x7C00, "bfloat16": 0x7F80, "float32": 0x7F800000}
-_UINT_VIEW = {"float16": np.uint16, "bfloat16": np.uint16, "float32": np.uint32}
+#: Bits that are all set exactly when a value is inf or NaN, per stored dtype (E4M3 has no
+#: infinity: 0x7F and 0xFF are its NaNs).
+_EXPONENT_MASK = {"float16": 0x7C00, "bfloat16": 0x7F80, "float32": 0x7F800000, FLOAT8: 0x7F}
+_UINT_VIEW = {"float16": np.uint16, "bfloat16": np.uint16, "float32": np.uint32, FLOAT8: np.uint8}
 #: Elements per step of the chunked non-finite scan: small enough to stay in L2 cache.
 _SCAN_CHUNK = 1 << 17
 
@@ -46,11 +49,65 @@ def bf16_to_float32(raw: npt.NDArray[np.uint16]) -> npt.NDArray[np.float32]:
     return (np.asarray(raw, dtype=np.uint16).astype(np.uint32) << 16).view(np.float32)
 
 
-def to_float32(raw: npt.NDArray[Any], dtype: str) -> npt.NDArray[np.float32]:
-    """Stored values of ``dtype`` (as read from a cache) to float32."""
+def to_float32(raw: npt.NDArray[Any], dtype: str, scales: npt.NDArray[Any] | None = None) -> npt.NDArray[np.float32]:
+    """Stored values of ``dtype`` (as read from a cache) to float32; float8_e4m3 values are
+    dequantized with their ``scales`` (one per vector, shape ``raw.shape[:-1]``)."""
     if dtype == "bfloat16":
         return bf16_to_float32(raw)
+    if dtype == FLOAT8:
+        if scales is None:
+            raise ValueError("float8_e4m3 values need their scales to be read")
+        return float8.dequantize(raw, scales, "float32")
     return np.asarray(raw, dtype=np.float32)
+
+
+#: The dtypes values can be read as, by name (bfloat16 as its raw uint16 bits, as it is stored).
+READ_DTYPES: dict[str, np.dtype[Any]] = {
+    "float16": np.dtype("<f2"),
+    "float32": np.dtype("<f4"),
+    "bfloat16": np.dtype("<u2"),
+}
+
+
+def convert(
+    raw: npt.NDArray[Any],
+    stored: str,
+    dtype: str,
+    scales: npt.NDArray[Any] | None = None,
+    out: npt.NDArray[Any] | None = None,
+    *,
+    elementwise: bool = False,
+) -> npt.NDArray[Any]:
+    """Stored values of ``stored`` as ``dtype`` (one of `READ_DTYPES`), into ``out`` when given:
+    dequantized for float8_e4m3 (`float8.dequantize`, with the ``scales`` of its vectors, shape
+    ``raw.shape[:-1]``, or with ``elementwise`` each value's vector's scale in ``raw``'s shape;
+    `DtypeRangeError` when float16 cannot hold them), cast otherwise (rounding to nearest, ties
+    to even). Without ``out``, ``raw`` itself when it already is ``dtype``, else a fresh array."""
+    if stored == FLOAT8:
+        if scales is None:
+            raise ValueError("float8_e4m3 values need their scales to be read")
+        wide = "float32" if dtype == "bfloat16" else dtype
+        if elementwise:
+            converted = float8.dequantize_elementwise(raw, scales, wide)
+        else:
+            converted = float8.dequantize(raw, scales, wide, None if dtype == "bfloat16" else out)
+            if out is not None and dtype != "bfloat16":
+                return out
+        if dtype == "bfloat16":
+            converted = float32_to_bf16(converted)
+    elif stored == dtype:
+        converted = raw
+    else:
+        wide_values = to_float32(raw, stored)
+        if dtype == "bfloat16":
+            converted = float32_to_bf16(wide_values)
+        else:
+            with np.errstate(over="ignore"):  # beyond float16's range is inf, as a cast always gives
+                converted = wide_values.astype(DTYPES[dtype])
+    if out is None:
+        return converted
+    out[...] = converted
+    return out
 
 
 def to_stored(x: object, dtype: str) -> tuple[npt.NDArray[Any], bool]:

@@ -59,6 +59,11 @@ class NameNotFoundError(ShardsError, KeyError):
         return str(self.args[0]) if self.args else ""
 
 
+class DtypeRangeError(ShardsError):
+    """Raised when dequantized float8_e4m3 values do not fit the float dtype asked for
+    (float16 holds at most 65504): read them as float32 or bfloat16 instead."""
+
+
 class WriterError(ShardsError):
     """Raised when a `ShardWriter` is used wrongly (shapes, counts, order, state)."""
 

@@ -130,19 +130,60 @@ def stream(
             progress(n)
 
 
+class BlockHasher:
+    """xxh3_128 of a stream of bytes, of the whole and (with a ``block_size``) of every
+    ``block_size`` bytes from its start: a hasher for `stream` and the writer's files, so
+    the digests of the blocks cost no second read."""
+
+    def __init__(self, block_size: int | None = None) -> None:
+        self.whole = xxhash.xxh3_128()
+        self.block_size = block_size
+        self._blocks: list[str] = []
+        self._block = xxhash.xxh3_128()
+        self._fill = 0  # bytes of the current block hashed so far
+
+    def update(self, data: Any) -> None:
+        view = memoryview(data)
+        if view.format != "B" or view.ndim != 1:
+            view = view.cast("B")
+        self.whole.update(view)
+        size = self.block_size
+        if size is None:
+            return
+        while view.nbytes:
+            n = min(size - self._fill, view.nbytes)
+            self._block.update(view[:n])
+            self._fill += n
+            view = view[n:]
+            if self._fill == size:
+                self._blocks.append(self._block.hexdigest())
+                self._block = xxhash.xxh3_128()
+                self._fill = 0
+
+    def hexdigest(self) -> str:
+        """Digest of every byte so far."""
+        return self.whole.hexdigest()
+
+    def block_hexdigests(self) -> list[str]:
+        """Digest of each block so far, the last one as far as it goes ([] before any byte)."""
+        return self._blocks + ([self._block.hexdigest()] if self._fill else [])
+
+
 def hash_file(
     path: Path,
     progress: Callable[[int], None] | None = None,
     *,
     regular_only: bool = False,
     buffer: memoryview | None = None,
+    hasher: BlockHasher | None = None,
 ) -> tuple[int, str]:
     """``(nbytes, xxh3_128 hex)`` of a file, read in large sequential chunks.
 
     ``regular_only``: open it with `open_regular` (`NotRegularFileError` for a link, a FIFO...).
     ``buffer``: reuse one across files (a fresh `IO_CHUNK` buffer costs more than hashing a small file).
+    ``hasher``: a fresh `BlockHasher` to hash with, for the digests of the file's blocks too.
     """
-    h = xxhash.xxh3_128()
+    h = BlockHasher() if hasher is None else hasher
     with open_regular(path) if regular_only else open(path, "rb", buffering=0) as f:
         total = stream(f, hasher=h, progress=progress, buffer=buffer)
     return total, h.hexdigest()

@@ -114,6 +114,9 @@ class Manifest:
     ``empty_shards``: protocol 2.1 only, the all-zero full-size shard files with
     ``n_examples`` 0 that saev's writer leaves after the last one when the examples fill it
     exactly (protocol.md 9); they hold no example, but saev's readers expect them.
+    ``scales``: protocol 3.1 float8_e4m3 caches only, the scale file of each shard
+    (``scales<06d>.bin``; its ``n_examples`` are the shard's). ``blocks``: protocol 3.1 only,
+    blocks.json, the digest of every block of every other listed file.
     """
 
     shards: ShardList
@@ -123,22 +126,33 @@ class Manifest:
     text: Mapping[str, TextEntry] = dataclasses.field(default_factory=dict)
     stats: FileEntry | None = None
     empty_shards: ShardList = dataclasses.field(default_factory=lambda: ShardList([], [], [], []))
+    scales: ShardList | None = None
+    blocks: FileEntry | None = None
 
     def __post_init__(self) -> None:
-        for field in ("shards", "empty_shards"):
+        for field in ("shards", "empty_shards", "scales"):
             given: object = getattr(self, field)  # any sequence of ShardEntry is accepted
-            if not isinstance(given, ShardList):
+            if given is not None and not isinstance(given, ShardList):
                 object.__setattr__(self, field, ShardList.of(given))  # type: ignore[arg-type]
 
     def files(self) -> list[tuple[str, int, str | None]]:
-        """``(name, nbytes, xxh3_128)`` of every data file: shards, empty shards, then the others."""
+        """``(name, nbytes, xxh3_128)`` of every listed file: shards, empty shards, scale files,
+        the others, then blocks.json."""
+        rows = self.blocked_files()
+        if self.blocks is not None:
+            rows.append((self.blocks.name, self.blocks.nbytes, self.blocks.xxh3_128))
+        return rows
+
+    def blocked_files(self) -> list[tuple[str, int, str | None]]:
+        """`files` without blocks.json: the files blocks.json holds digests of (protocol 3.1)."""
         rows: list[tuple[str, int, str | None]] = []
-        for shards in (self.shards, self.empty_shards):
-            rows.extend(zip(shards.names, shards.sizes, shards.digests, strict=True))
+        for shards in (self.shards, self.empty_shards, self.scales):
+            if shards is not None:
+                rows.extend(zip(shards.names, shards.sizes, shards.digests, strict=True))
         return rows + self.other_files()
 
     def other_files(self) -> list[tuple[str, int, str | None]]:
-        """``(name, nbytes, xxh3_128)`` of the data files that are not shards."""
+        """``(name, nbytes, xxh3_128)`` of the data files that are not shards, scales or blocks.json."""
         out: list[tuple[str, int, str | None]] = []
         if self.labels is not None:
             out.append((self.labels.name, self.labels.nbytes, self.labels.xxh3_128))
@@ -147,3 +161,19 @@ class Manifest:
         if self.stats is not None:
             out.append((self.stats.name, self.stats.nbytes, self.stats.xxh3_128))
         return out
+
+
+@dataclasses.dataclass(frozen=True)
+class Blocks:
+    """blocks.json (protocol 3.1): the xxh3_128 digest of every ``block_size`` bytes of every
+    listed file; block ``i`` of a file covers bytes ``[i * block_size, (i + 1) * block_size)``
+    (the last one ends with the file)."""
+
+    block_size: int
+    # Plain dict: file name -> digests of its blocks in order ([] for an empty file).
+    files: Mapping[str, Sequence[str]]
+
+    def span(self, index: int, nbytes: int) -> tuple[int, int]:
+        """``(first, last)`` byte of block ``index`` of a file of ``nbytes`` bytes (inclusive)."""
+        first = index * self.block_size
+        return first, min(first + self.block_size, nbytes) - 1

@@ -11,7 +11,7 @@ import numpy as np
 from . import layout
 from .errors import DtypeError, MetadataError, NameNotFoundError, Problems
 from .protocol import DEFAULT_DIALECTS, DIALECTS, SUPPORTED_PROTOCOLS, Dialect, detect
-from .protocol.common import DEFAULT_DTYPE, DTYPES, PROTOCOL
+from .protocol.common import DEFAULT_DTYPE, DTYPES, FLOAT8, PROTOCOL
 from .protocol.jsonfile import is_int, json_value_problem, short_repr, type_name
 from .protocol.saev_code import DEFAULT_PIXEL_AGG as SAEV_DEFAULT_PIXEL_AGG
 from .protocol.v3 import KEYS
@@ -51,7 +51,7 @@ class Metadata:
     #: saev's code only: how patch labels were aggregated from pixel labels ("majority" or
     #: "prefer-fg"; saev writes "majority" when there are none). None in 3.0, which has no such key.
     pixel_agg: str | None = None
-    #: How the bytes are laid out (`saev_shards.DIALECTS`): "3.0"; for protocol 2.1
+    #: How the bytes are laid out (`saev_shards.DIALECTS`): "3.1" or "3.0"; for protocol 2.1
     #: "saev" (saev's code, the default), "saev-64" (its names before 2025-10-14) or
     #: "saev-spec" (saev's protocol document, read only). Empty: the protocol's default.
     dialect: str = ""
@@ -164,6 +164,11 @@ class Metadata:
     def nbytes(self) -> int:
         """Bytes of all activations (3.0's shard files hold exactly this much, 2.1's are padded)."""
         return self.n_examples * self.example_nbytes
+
+    @property
+    def scales_nbytes(self) -> int:
+        """Bytes of all scales (float8_e4m3: a float32 per vector, in the scale files; else 0)."""
+        return self.n_examples * self.n_layers * self.tokens_per_ex * 4 if self.dtype == FLOAT8 else 0
 
     def shard_n_examples(self, shard: int) -> int:
         """Examples in shard ``shard``."""

@@ -36,15 +36,24 @@ class StatsAccumulator:
         self.norm_sq_sum = np.zeros(n_layers, np.float64)
         self.nonfinite = np.zeros(n_layers, np.int64)
 
-    def update(self, acts: npt.NDArray[Any], dtype: str, lengths: npt.NDArray[Any] | None) -> None:
-        """Add the tokens of ``acts`` (stored dtype, shape (B, L, T, D)); padding excluded by ``lengths``."""
+    def update(
+        self,
+        acts: npt.NDArray[Any],
+        dtype: str,
+        lengths: npt.NDArray[Any] | None,
+        scales: npt.NDArray[Any] | None = None,
+    ) -> None:
+        """Add the tokens of ``acts`` (stored dtype, shape (B, L, T, D); float8_e4m3 with its
+        ``scales`` (B, L, T), dequantized to float32); padding excluded by ``lengths``."""
         n_tokens = acts.shape[2]
         positions = np.arange(n_tokens)
         for start in range(0, acts.shape[0], STATS_CHUNK):
             block = acts[start : start + STATS_CHUNK]
+            block_scales = None if scales is None else scales[start : start + STATS_CHUNK]
             has_nonfinite = dtypes.nonfinite_mask_any(block, dtype)
             for li in range(block.shape[1]):
-                x = dtypes.to_float32(block[:, li], dtype)  # (b, T, D) float32
+                # (b, T, D) float32
+                x = dtypes.to_float32(block[:, li], dtype, None if block_scales is None else block_scales[:, li])
                 for b in range(block.shape[0]):  # one example at a time: fixed shapes, fixed order
                     xb = x[b]  # (T, D)
                     valid = None

@@ -12,8 +12,10 @@
   the shards as one zarr v2 array with no compressor, whose chunks are byte ranges of the
   shard files; zarr opens it through fsspec's ``reference://`` filesystem.
 
-bfloat16 caches have no numpy or zarr dtype: dask and xarray get float32 values widened
-chunk by chunk; `zarr_references` refuses them.
+Values come as the cache's `Shards.read_dtype` (float8_e4m3 caches dequantized, to float16
+by default: `Shards.with_dtype` or ``dtype=`` for another). bfloat16 has no numpy or zarr
+dtype: dask and xarray get float32 values widened chunk by chunk. `zarr_references` refuses
+bfloat16 and float8_e4m3 caches (zarr cannot apply a scale per vector).
 
 dask, xarray and fsspec come with ``pip install 'saev-shards[views]'``; each is imported
 only when its function is called.
@@ -34,6 +36,7 @@ import orjson
 from . import dtypes
 from .errors import ShardsError
 from .optional import require
+from .protocol.common import FLOAT8
 
 if TYPE_CHECKING:
     from .reader import Shards
@@ -48,7 +51,7 @@ class _Window:
     def __init__(self, shards: Shards) -> None:
         self.shards = shards
         self.shape = shards.shape
-        self.dtype = shards.numpy_dtype
+        self.dtype = shards.numpy_dtype if shards.read_dtype == shards.dtype else dtypes.READ_DTYPES[shards.read_dtype]
         self.ndim = 4
 
     def __getitem__(self, key: Any) -> npt.NDArray[Any]:
@@ -77,7 +80,7 @@ def to_dask(shards: Shards, examples_per_chunk: int | None = None) -> Any:
     # The name is the dask key: it names the cache and its chunking, so two views never share keys.
     name = f"saev-{shards.metadata.hash}-{examples_per_chunk or 'shard'}"
     arr = da.from_array(_Window(shards), chunks=chunks, asarray=False, lock=False, fancy=False, name=name)
-    if shards.dtype == "bfloat16":
+    if shards.read_dtype == "bfloat16":
         return arr.map_blocks(dtypes.bf16_to_float32, dtype=np.float32)
     return arr
 
@@ -100,6 +103,7 @@ def to_xarray(shards: Shards, examples_per_chunk: int | None = None) -> Any:
         "ckpt": md.ckpt,
         "dataset": md.dataset,
         "stored_dtype": md.dtype,
+        "read_dtype": shards.read_dtype,
         "cls_token": int(md.cls_token),
         "path": str(shards.path),
     }
@@ -126,6 +130,12 @@ def zarr_references(shards: Shards, *, absolute: bool = True) -> dict[str, Any]:
         raise ShardsError(
             f"{shards.path}: bfloat16 has no zarr dtype; write the cache as float16 or float32 "
             "to reference it from zarr"
+        )
+    if md.dtype == FLOAT8:
+        raise ShardsError(
+            f"{shards.path}: float8_e4m3 values need their per-vector scales, which zarr cannot apply; "
+            "convert the cache to float16 or float32 (saev-shards convert --dtype float16) to reference it "
+            "from zarr, or read it with Shards.to_dask"
         )
     base = Path(shards.path)
 

@@ -12,6 +12,7 @@ import sys
 
 from ..convert import SOURCES, TARGETS, Options, prepare, run
 from ..progress import Progress
+from ..protocol.common import DTYPES_BY_PROTOCOL, PROTOCOL, PROTOCOL_30
 from ._common import EXIT_OK, add_progress, command, human_bytes, parse_size, plural, warn
 
 EXAMPLES = """\
@@ -21,7 +22,8 @@ EXAMPLES = """\
   saev-shards convert acts.npy --layers 6,11 --family clip --ckpt ViT-B-16/openai
   saev-shards convert ./activations --dry-run       # what would be written, and its hash
   path=$(saev-shards convert ./activations | tail -1)
-  saev-shards convert $SAEV_SCRATCH/saev/shards/e2f8cd3a --to 3.0    # a cache saev wrote -> protocol 3.0
+  saev-shards convert $SAEV_SCRATCH/saev/shards/e2f8cd3a          # a cache saev wrote -> protocol 3.1
+  saev-shards convert 3f2a9c... --dtype float8_e4m3       # a cache at one byte per value (and back: --dtype float16)
   saev-shards convert 3f2a9c... --to saev --root $SAEV_SCRATCH/saev/shards   # -> a cache saev reads as its own
 """
 
@@ -58,7 +60,7 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser], invoked: 
         sub,
         "convert",
         "convert activations from another format (pickle shards, zarr logs, SAELens, .npy) or another "
-        "cache into a cache (--to 3.0, or --to saev for saev's own loaders)",
+        "cache into a cache (--to 3.1, 3.0, or saev for saev's own loaders)",
         EXAMPLES,
         cmd_convert,
         description=DESCRIPTION,
@@ -68,15 +70,16 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser], invoked: 
     p.add_argument("--from", dest="kind", choices=list(SOURCES), help="source kind (default: detected)")
     p.add_argument(
         "--to",
-        default="3.0",
+        default=PROTOCOL,
         choices=list(TARGETS),
-        help="what to write: 3.0 (this library's caches, the default) or saev (protocol 2.1 as saev's code "
-        "writes it, float32: activations and labels only)",
+        help=f"what to write: {PROTOCOL} (this library's caches, the default), {PROTOCOL_30} (for readers that "
+        "know no later version) or saev (protocol 2.1 as saev's code writes it, float32: activations and labels only)",
     )
     p.add_argument(
         "--dtype",
-        choices=["float16", "bfloat16", "float32"],
-        help="stored dtype (default: float16; a cache source keeps its own; saev: float32)",
+        choices=list(DTYPES_BY_PROTOCOL[PROTOCOL]),
+        help="stored dtype (default: float16; a cache source keeps its own; saev: float32); float8_e4m3: one byte "
+        "per value and a float32 scale per vector (protocol 3.1)",
     )
     p.add_argument(
         "--root",

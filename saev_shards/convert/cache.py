@@ -37,7 +37,7 @@ from ..errors import ConvertError, ConvertOptionError, ProtocolWarning, ShardsEr
 from ..fileio import hash_file
 from ..metadata import Metadata
 from ..protocol import is_cache_name
-from ..protocol.common import MANIFEST_FILE, METADATA_FILE, PROTOCOL, SAEV_CODE_PROTOCOLS
+from ..protocol.common import MANIFEST_FILE, METADATA_FILE, SAEV_CODE_PROTOCOLS, V3_PROTOCOLS
 from ..protocol.saev_code import DEFAULT_PIXEL_AGG, SAEV_FAMILIES
 from ..reader import Shards
 from ..reader import open as open_cache
@@ -177,7 +177,7 @@ def target_metadata(plan: Plan, src: Metadata, to_protocol: str, dtype: str | No
         n_examples=src.n_examples,
         patches_per_shard=pps if pps is not None else src.patches_per_shard,
     )
-    if to_protocol == PROTOCOL:
+    if to_protocol in V3_PROTOCOLS:
         data = src.data
         if src.format.legacy:
             data = {
@@ -188,7 +188,7 @@ def target_metadata(plan: Plan, src: Metadata, to_protocol: str, dtype: str | No
                     "dialect": src.dialect,
                 }
             }
-        return Metadata(**common, data=data, dataset=src.dataset, dtype=dtype or src.dtype, protocol=PROTOCOL)
+        return Metadata(**common, data=data, dataset=src.dataset, dtype=dtype or src.dtype, protocol=to_protocol)
     check_saev_family(plan.family)
     kept = _kept_fields(src.data) if not src.format.legacy else None
     if src.format.legacy:

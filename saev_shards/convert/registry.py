@@ -13,7 +13,7 @@ from pathlib import Path
 from types import ModuleType
 
 from ..errors import ConvertOptionError
-from ..format import DTYPES_BY_PROTOCOL, LEGACY_PROTOCOL, PROTOCOL
+from ..protocol.common import DTYPES_BY_PROTOCOL, LEGACY_PROTOCOL, PROTOCOL, PROTOCOL_30
 
 
 @dataclasses.dataclass(frozen=True)
@@ -83,7 +83,15 @@ TARGETS: dict[str, Target] = {
             DTYPES_BY_PROTOCOL[PROTOCOL],
             "float16",
             True,
-            "an ordinary cache of this library (protocol 3.0)",
+            f"an ordinary cache of this library (protocol {PROTOCOL}, the default)",
+        ),
+        Target(
+            PROTOCOL_30,
+            PROTOCOL_30,
+            DTYPES_BY_PROTOCOL[PROTOCOL_30],
+            "float16",
+            True,
+            f"a cache of this library's protocol {PROTOCOL_30}, for readers that know no later version",
         ),
         Target(
             "saev",

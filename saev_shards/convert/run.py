@@ -21,7 +21,7 @@ from ..errors import ConvertError, ConvertOptionError, NonFiniteError, ShardsErr
 from ..fileio import check_free_space
 from ..metadata import Metadata
 from ..progress import Progress
-from ..protocol.common import PROTOCOL
+from ..protocol.common import PROTOCOL, V3_PROTOCOLS
 from ..store import check_reference, resolve, shards_root
 from ..writer import ShardWriter, space_needed
 from . import cache
@@ -97,7 +97,7 @@ def metadata_for(plan: Plan, to: Target, dtype: str | None, patches_per_shard: i
             f"{tokens} tokens), more than the budget {budget:,}"
         )
     data = {"converted_from": {"kind": plan.kind, "version": CONVERT_VERSION}, "source": dict(plan.source)}
-    if to.protocol != PROTOCOL:
+    if to.protocol not in V3_PROTOCOLS:
         cache.check_saev_family(plan.family)
     try:
         return Metadata(
@@ -109,7 +109,7 @@ def metadata_for(plan: Plan, to: Target, dtype: str | None, patches_per_shard: i
             d_model=plan.d_model,
             n_examples=plan.n_examples,
             patches_per_shard=budget,
-            data=data if to.protocol == PROTOCOL else cache.saev_data(data),
+            data=data if to.protocol in V3_PROTOCOLS else cache.saev_data(data),
             dataset=plan.dataset,
             dtype=dtype,
             protocol=to.protocol,
@@ -122,7 +122,7 @@ def prepare(
     src: str | os.PathLike[str],
     *,
     kind: str | None = None,
-    to: str = "3.0",
+    to: str = PROTOCOL,
     root: str | os.PathLike[str] | None = None,
     dtype: str | None = None,
     patches_per_shard: int | None = None,
@@ -267,7 +267,7 @@ def convert(
     src: str | os.PathLike[str],
     *,
     kind: str | None = None,
-    to: str = "3.0",
+    to: str = PROTOCOL,
     root: str | os.PathLike[str] | None = None,
     dtype: str | None = None,
     patches_per_shard: int | None = None,

@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Any, ClassVar
 
 from ..errors import DtypeError, Problem, Problems
 from .checks import check_keys
-from .common import DTYPES_BY_PROTOCOL
+from .common import DTYPES_BY_PROTOCOL, FLOAT8, PROTOCOL
 from .jsonfile import short_repr, type_name
 
 if TYPE_CHECKING:
@@ -31,7 +31,7 @@ class Dialect:
     has a rule, and nothing where it has none.
     """
 
-    #: As `Metadata.dialect`: ``"3.0"``, ``"saev"``, ``"saev-64"`` or ``"saev-spec"``.
+    #: As `Metadata.dialect`: ``"3.1"``, ``"3.0"``, ``"saev"``, ``"saev-64"`` or ``"saev-spec"``.
     name: str = ""
     #: What it is, for messages and listings.
     summary: str = ""
@@ -53,6 +53,8 @@ class Dialect:
     data_types: tuple[type, ...] = (dict,)
     #: metadata.json records ``pixel_agg`` (saev's code only).
     has_pixel_agg: bool = False
+    #: Bytes per digest of blocks.json, which caches of this dialect hold (protocol 3.1); None: no blocks.json.
+    block_size: int | None = None
 
     # -- metadata.json -------------------------------------------------------------------
     def fields(self, obj: dict[str, Any], problems: Problems) -> dict[str, Any]:
@@ -91,8 +93,13 @@ class Dialect:
             )
         allowed = DTYPES_BY_PROTOCOL.get(version, ())
         if fields["dtype"] not in allowed:
+            hint = ""
+            if fields["dtype"] == FLOAT8:
+                hint = f" (float8_e4m3 is protocol {PROTOCOL}'s" + (
+                    "; saev's code reads float32 only)" if self.legacy else ")"
+                )
             problems.expected(
-                "dtype", f"one of {list(allowed)} for protocol {version}", short_repr(fields["dtype"]), DtypeError
+                "dtype", f"one of {list(allowed)} for protocol {version}{hint}", short_repr(fields["dtype"]), DtypeError
             )
         if not isinstance(fields["data"], self.data_types):
             kinds = " or ".join("an object" if t is dict else "a string" for t in self.data_types)

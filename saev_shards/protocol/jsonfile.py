@@ -42,6 +42,16 @@ def read_json_file(path: Path, max_bytes: int, *, every_number: bool = True) -> 
     `FileNotFoundError` when it does not exist; other `OSError`s (permissions) pass through.
     ``every_number``: as for `strict_json_loads`.
     """
+    data = read_capped(path, max_bytes)
+    try:
+        return strict_json_loads(data, every_number=every_number)
+    except JSONFileError as err:
+        raise JSONFileError(f"{path}: {err}") from None
+
+
+def read_capped(path: Path, max_bytes: int) -> bytes:
+    """The bytes of the regular file ``path`` if it holds at most ``max_bytes`` (the reading
+    half of `read_json_file`, with its errors: it never reads more than ``max_bytes + 1``)."""
     with open_regular(path) as f:
         size = os.fstat(f.fileno()).st_size
         if size > max_bytes:
@@ -57,10 +67,7 @@ def read_json_file(path: Path, max_bytes: int, *, every_number: bool = True) -> 
     data = b"".join(chunks)
     if len(data) > max_bytes:
         raise JSONFileError(f"{path}: expected at most {max_bytes:,} bytes, found more (the file grew while read)")
-    try:
-        return strict_json_loads(data, every_number=every_number)
-    except JSONFileError as err:
-        raise JSONFileError(f"{path}: {err}") from None
+    return data
 
 
 def load_json(

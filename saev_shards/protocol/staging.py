@@ -11,12 +11,16 @@ from __future__ import annotations
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from .common import shard_name
+from .common import scales_name, shard_name
 
 if TYPE_CHECKING:
     from ..metadata import Metadata
 
 STAGING_PREFIX = ".staging-"
+#: The activations' stream, and that of a float8_e4m3 cache's scales (cut at shard boundaries
+#: with the activations).
+ACTS = "acts"
+SCALES = "scales"
 #: The lock file of a staging directory sits beside it: ``<root>/.staging-<HASH>.lock``.
 LOCK_SUFFIX = ".lock"
 #: Where older versions kept the lock (inside the staging directory); removed when met.
@@ -44,9 +48,12 @@ def part_record(k: int) -> str:
 
 
 def part_file(k: int, stream: str) -> str:
-    """Name of stream ``stream``'s part of shard ``k`` (activations use the final name)."""
-    if stream == "acts":
+    """Name of stream ``stream``'s part of shard ``k`` (activations and their scales, which
+    are published as written, use their final names)."""
+    if stream == ACTS:
         return shard_name(k)
+    if stream == SCALES:
+        return scales_name(k)
     suffix = ".jsonl" if stream.startswith("text.") else ".bin"
     return f"part{k:06d}.{stream}{suffix}"
 

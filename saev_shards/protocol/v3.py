@@ -4,7 +4,7 @@ metadata.json holds the twelve keys of protocol.md 2.1 (sorted, indented, a fina
 and names the directory by the sha256 of its canonical JSON (all 64 digits); shards.json
 is an object recording every data file with its size and xxh3_128 digest; shard files are
 exactly as long as their data; labels, per-example columns, text and statistics may sit
-beside the activations.
+beside the activations. Protocol 3.1 (`v31`) adds to these rules and reuses them.
 """
 
 from __future__ import annotations
@@ -14,6 +14,7 @@ import hashlib
 import json
 import operator
 import re
+from collections.abc import Callable
 from itertools import chain
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -30,7 +31,7 @@ from .common import (
     LABELS_DTYPE,
     LABELS_FILE,
     MANIFEST_FILE,
-    PROTOCOL,
+    PROTOCOL_30,
     STATS_FILE,
     XXH3_RE,
     column_file,
@@ -85,9 +86,9 @@ def pretty_json(obj: object) -> bytes:
 class V3(Dialect):
     """Protocol 3.0."""
 
-    name = PROTOCOL
+    name = PROTOCOL_30
     summary = "protocol 3.0"
-    protocols = (PROTOCOL,)
+    protocols = (PROTOCOL_30,)
     keys = KEYS
     holds_extras = True
 
@@ -116,7 +117,7 @@ DIALECT = V3()
 
 
 def manifest_json(manifest: Manifest) -> dict[str, Any]:
-    """The JSON object written as shards.json."""
+    """The JSON object written as a 3.0 shards.json."""
     return {
         "shards": [s._asdict() for s in manifest.shards],
         "labels": _array_json(manifest.labels) if manifest.labels else None,
@@ -126,15 +127,20 @@ def manifest_json(manifest: Manifest) -> dict[str, Any]:
     }
 
 
-def manifest_bytes(manifest: Manifest) -> bytes:
-    """shards.json as written: sorted keys, 2-space indent, one compact line per shard.
+#: Keys of shards.json whose value is an array of per-shard entries, written one line each.
+_PER_SHARD_KEYS = ("shards", "scales")
+
+
+def manifest_bytes(manifest: Manifest, obj: dict[str, Any] | None = None) -> bytes:
+    """shards.json as written: sorted keys, 2-space indent, one compact line per shard entry
+    (``obj``: the object to write, by default the 3.0 one of ``manifest``).
 
     Deterministic, and a 10^4-shard manifest stays 10^4 lines a person can read and diff.
     """
-    obj = manifest_json(manifest)
+    obj = manifest_json(manifest) if obj is None else obj
     parts = []
     for key in sorted(obj):
-        if key == "shards":
+        if key in _PER_SHARD_KEYS and isinstance(obj[key], list):
             body = ("[\n" + _entry_lines(obj[key], "    ") + "\n  ]") if obj[key] else "[]"
         else:
             body = json.dumps(obj[key], sort_keys=True, indent=2, ensure_ascii=False).replace("\n", "\n  ")
@@ -159,10 +165,18 @@ FILE_KEYS = ("name", "nbytes", "xxh3_128")
 TOP_KEYS = ("shards", "labels", "columns", "text", "stats")
 
 
-def parse_manifest(obj: object, path: str) -> tuple[Manifest | None, list[Problem]]:
-    """Parse a 3.0 shards.json; returns the manifest and every problem found."""
+def parse_manifest(
+    obj: object,
+    path: str,
+    more_keys: tuple[str, ...] = (),
+    more: Callable[[JSONChecks, dict[str, Any]], dict[str, Any]] | None = None,
+) -> tuple[Manifest | None, list[Problem]]:
+    """Parse a 3.0 shards.json; returns the manifest and every problem found.
+
+    A later version's parser (`v31`) names its top-level keys in ``more_keys`` and parses them
+    with ``more(checks, obj)``, which returns the `Manifest` fields they give."""
     c = JSONChecks(path)
-    if not c.keys("top level", obj, TOP_KEYS):
+    if not c.keys("top level", obj, TOP_KEYS + more_keys):
         return None, c.problems
     assert isinstance(obj, dict)
     shards_obj = obj["shards"]
@@ -205,22 +219,30 @@ def parse_manifest(obj: object, path: str) -> tuple[Manifest | None, list[Proble
                 text[key] = TextEntry(name, n_lines, nbytes, digest)
     else:
         c.expected("text", "an object", type_name(obj["text"]))
-    stats = None
-    if obj["stats"] is not None and c.keys("stats", obj["stats"], FILE_KEYS):
-        s = obj["stats"]
-        name = c.name("stats.name", s["name"], STATS_FILE)
-        nbytes = c.count("stats.nbytes", s["nbytes"])
-        digest = c.digest("stats.xxh3_128", s["xxh3_128"])
-        if name is not None and nbytes is not None and digest is not None:
-            stats = FileEntry(name, nbytes, digest)
+    stats = None if obj["stats"] is None else parse_file_entry(c, "stats", obj["stats"], STATS_FILE)
     manifest = Manifest(
         shards=shards,
         labels=labels,
         columns=columns,
         text=text,
         stats=stats,
+        **(more(c, obj) if more is not None else {}),
     )
     return manifest, c.problems
+
+
+def parse_file_entry(c: JSONChecks, where: str, e: object, expected_name: str) -> FileEntry | None:
+    """A file entry (``name``, ``nbytes``, ``xxh3_128``) named ``expected_name``; None after
+    adding its problems to ``c``."""
+    if not c.keys(where, e, FILE_KEYS):
+        return None
+    assert isinstance(e, dict)
+    name = c.name(f"{where}.name", e["name"], expected_name)
+    nbytes = c.count(f"{where}.nbytes", e["nbytes"])
+    digest = c.digest(f"{where}.xxh3_128", e["xxh3_128"])
+    if name is None or nbytes is None or digest is None:
+        return None
+    return FileEntry(name, nbytes, digest)
 
 
 _SHARD_KEYSET = frozenset(SHARD_KEYS)

@@ -1,6 +1,9 @@
 """Per-process handles of an open cache: shard memmaps and file descriptors, opened lazily,
 and the shared lock held on the cache folder while it is open.
 
+A float8_e4m3 cache's scale files (protocol 3.1) get the same per-process handles as its
+shards (`scale_shard`, `_scale_fd`).
+
 A `Shards` object crosses process boundaries two ways, and neither may share a handle:
 forked (a DataLoader worker: `_check_pid` sees the new pid and drops the parent's) and
 pickled (spawn: `__getstate__` drops them, `__setstate__` starts empty). The read paths
@@ -27,9 +30,10 @@ import numpy.typing as npt
 from ..fileio import hold_folder
 from ..manifest import Manifest
 from ..metadata import Metadata
+from ..protocol.common import SCALES_DTYPE
 
 #: Attributes that belong to one process: never pickled, rebuilt after fork or unpickling.
-_PER_PROCESS = ("_maps", "_fds", "_aux", "_pid", "_out_cache", "_lock", "_folder_lock")
+_PER_PROCESS = ("_maps", "_fds", "_scale_maps", "_scale_fds", "_aux", "_pid", "_out_cache", "_lock", "_folder_lock")
 
 
 class FolderLock:
@@ -62,6 +66,8 @@ class ShardHandles:
         self._pid = os.getpid()
         self._maps: dict[int, npt.NDArray[Any]] = {}
         self._fds: dict[int, int] = {}
+        self._scale_maps: dict[int, npt.NDArray[Any]] = {}
+        self._scale_fds: dict[int, int] = {}
         self._aux: dict[str, Any] = {}
         self._lock = threading.Lock()  # guards opening handles; a new one after fork or unpickling
         # The last `out` buffer given to read_example and its byte view (reused while it is).
@@ -91,7 +97,7 @@ class ShardHandles:
         """Drop this process's memmaps and file descriptors and release the cache's lock
         (all taken again on next use)."""
         if self._pid == os.getpid():
-            for fd in self._fds.values():
+            for fd in (*self._fds.values(), *self._scale_fds.values()):
                 os.close(fd)
         lock = getattr(self, "_folder_lock", None)
         if lock is not None:
@@ -138,4 +144,45 @@ class ShardHandles:
                     self._hold_folder()
                     fd = os.open(self.shard_path(k), os.O_RDONLY)
                     self._fds[k] = fd
+        return fd
+
+    # -- the scale files of a float8_e4m3 cache (protocol 3.1) ------------------------------
+    def scale_path(self, k: int) -> Path:
+        """Absolute path of shard ``k``'s scale file (float8_e4m3 caches only)."""
+        scales = self.manifest.scales
+        if scales is None:
+            raise ValueError(f"{self.path}: a {self.metadata.dtype} cache has no scale files")
+        return self.path / scales.names[k]
+
+    def scale_shard(self, k: int) -> npt.NDArray[Any]:
+        """Shard ``k``'s scales as a read-only float32 array backed by a memory map, shape
+        ``(n_examples_k, L, T)``: one per vector (float8_e4m3 caches only)."""
+        self._check_pid()
+        mm = self._scale_maps.get(k)
+        if mm is None:
+            path = self.scale_path(k)
+            with self._lock:
+                mm = self._scale_maps.get(k)
+                if mm is None:
+                    self._hold_folder()
+                    n = self.manifest.shards.counts[k]
+                    shape = (n, *self.metadata.shard_shape[1:3])
+                    if n == 0 or shape[1] * shape[2] == 0:
+                        mm = np.zeros(shape, SCALES_DTYPE)
+                    else:
+                        mm = np.memmap(path, dtype=SCALES_DTYPE, mode="r", shape=shape).view(np.ndarray)
+                    self._scale_maps[k] = mm
+        return mm
+
+    def _scale_fd(self, k: int) -> int:
+        self._check_pid()
+        fd = self._scale_fds.get(k)
+        if fd is None:
+            path = self.scale_path(k)
+            with self._lock:
+                fd = self._scale_fds.get(k)
+                if fd is None:
+                    self._hold_folder()
+                    fd = os.open(path, os.O_RDONLY)
+                    self._scale_fds[k] = fd
         return fd

@@ -34,13 +34,18 @@ from ..manifest import Manifest
 from ..metadata import Metadata, parse_metadata
 from ..protocol import is_cache_name
 from ..protocol.common import (
+    BLOCKS_FILE,
     CHECKSUMS_FILE,
     LABELS_FILE,
     MANIFEST_FILE,
     MAX_METADATA_BYTES,
     METADATA_FILE,
+    SCALES_DTYPE,
+    SCALES_NAME_RE,
     SHARD_NAME_RE,
     STATS_FILE,
+    blocks_max_bytes,
+    scales_name,
     stats_max_bytes,
 )
 from ..protocol.jsonfile import load_json, short_repr
@@ -120,6 +125,8 @@ def _load_manifest(root: Path, md: Metadata) -> tuple[Manifest | None, list[Prob
     problems.extend(_check_shards(root, md, manifest))
     empty = manifest.empty_shards
     problems.extend(_check_files(root, empty.names, empty.sizes))
+    if manifest.scales is not None:
+        problems.extend(_check_scales(root, md, manifest))
     problems.extend(_check_other_files(root, md, manifest))
     return manifest, problems
 
@@ -174,6 +181,39 @@ def _check_shards(root: Path, md: Metadata, manifest: Manifest) -> list[Problem]
         else:
             ok_names.append(s.name)
             ok_sizes.append(s.nbytes)
+    problems.extend(_check_files(root, ok_names, ok_sizes))
+    return problems
+
+
+def _check_scales(root: Path, md: Metadata, manifest: Manifest) -> list[Problem]:
+    """A float8_e4m3 cache's scale files (protocol 3.1): one per shard, named for it, a float32
+    per vector of its examples, each a regular file of that size."""
+    where = root / MANIFEST_FILE
+    scales = manifest.scales
+    assert scales is not None
+    if len(scales) != md.n_shards:
+        return [
+            Problem(
+                ManifestError, f"{where}: scales: expected {md.n_shards} entries (one per shard), found {len(scales)}"
+            )
+        ]
+    vector_bytes = md.n_layers * md.tokens_per_ex * SCALES_DTYPE.itemsize
+    problems: list[Problem] = []
+    ok_names: list[str] = []
+    ok_sizes: list[int] = []
+    for k, (name, nbytes) in enumerate(zip(scales.names, scales.sizes, strict=True)):
+        want = md.shard_n_examples(k) * vector_bytes
+        if name != scales_name(k):
+            problems.append(
+                Problem(
+                    ManifestError, f"{where}: scales[{k}]: expected name {scales_name(k)!r}, found {short_repr(name)}"
+                )
+            )
+        elif nbytes != want:
+            problems.append(Problem(ManifestError, f"{where}: {name}: expected nbytes={want}, found {nbytes}"))
+        else:
+            ok_names.append(name)
+            ok_sizes.append(nbytes)
     problems.extend(_check_files(root, ok_names, ok_sizes))
     return problems
 
@@ -259,6 +299,18 @@ def _check_other_files(root: Path, md: Metadata, manifest: Manifest) -> list[Pro
             )
         else:
             problems.extend(_check_file(root / txt.name, txt.nbytes))
+    if manifest.blocks is not None:
+        cap = blocks_max_bytes([n for _, n, _ in manifest.blocked_files()])
+        if manifest.blocks.nbytes > cap:
+            problems.append(
+                Problem(
+                    ManifestError,
+                    f"{where}: blocks.nbytes: expected at most {cap:,} bytes for the files listed, "
+                    f"found {manifest.blocks.nbytes:,}",
+                )
+            )
+        else:
+            problems.extend(_check_file(root / manifest.blocks.name, manifest.blocks.nbytes))
     if manifest.stats is not None:
         cap = stats_max_bytes(md.n_layers, md.d_model)
         if manifest.stats.nbytes > cap:
@@ -274,12 +326,17 @@ def _check_other_files(root: Path, md: Metadata, manifest: Manifest) -> list[Pro
     present = set(os.listdir(root))
     unlisted = present.difference(manifest.shards.names)  # set operations in C: 10^4 names
     unlisted.difference_update(manifest.empty_shards.names)
+    unlisted.difference_update(manifest.scales.names if manifest.scales is not None else ())
     unlisted.difference_update(name for name, _, _ in manifest.other_files())
+    if manifest.blocks is not None:
+        unlisted.discard(manifest.blocks.name)
+    v31 = md.format.block_size is not None  # the names protocol 3.1 gave a meaning
     problems.extend(
         Problem(UnexpectedFileError, f"{root / name}: data file not listed in {MANIFEST_FILE}")
         for name in sorted(unlisted)
         if SHARD_NAME_RE.fullmatch(name)
         or name in (LABELS_FILE, STATS_FILE)
         or (name.startswith(("column.", "text.")) and name.endswith((".bin", ".jsonl")))
+        or (v31 and (name == BLOCKS_FILE or SCALES_NAME_RE.fullmatch(name) is not None))
     )
     return problems

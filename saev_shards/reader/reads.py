@@ -1,23 +1,34 @@
 """The copying read paths of `Shards`: ``pread`` into caller buffers, no memmaps.
 
-`read_example` is the loaders' hot path (one ``preadv`` per ``(example, layer)`` slice into
-a reused buffer; keep its common case free of calls), `read_range` streams whole examples
-(one sequential ``pread`` per shard touched), `read_vectors` gathers single vectors in
-file order, coalescing neighbours into one ``preadv``.
+Each path comes three ways. The ``_raw`` methods copy the stored values (the bytes of the
+shard files: float8_e4m3 values as ml_dtypes' float8_e4m3fn, bfloat16 as uint16 bits);
+the ``_scales`` methods copy a float8_e4m3 cache's float32 scales, one per vector, from its
+scale files (offset arithmetic of protocol.md 4: the scale of the vector at
+``offset_in_vectors`` is at byte ``offset_in_vectors * 4``); the plain methods return
+values in the caller's dtype: dequantized for float8_e4m3 (float16 by default,
+`Shards.read_dtype`), the stored values otherwise unless another dtype is asked for.
+
+`read_example_raw` is the loaders' hot path (one ``preadv`` per ``(example, layer)`` slice
+into a reused buffer; keep its common case free of calls), `read_range_raw` streams whole
+examples (one sequential ``pread`` per shard touched), `read_vectors_raw` gathers single
+vectors in file order, coalescing neighbours into one ``preadv``.
 """
 
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import numpy as np
 import numpy.typing as npt
 
-from .. import layout
+from .. import dtypes, layout
 from .._indexing import CACHE_RANGE, wrap_index
 from ..errors import FileSizeError
 from ..fileio import pread_exact
+from ..protocol.common import FLOAT8, SCALES_DTYPE
 from .handles import ShardHandles
 
 #: Buffers one preadv call may take (Linux's IOV_MAX).
@@ -30,10 +41,95 @@ class ReadPaths(ShardHandles):
     shape: tuple[int, int, int, int]
     n_examples: int
     examples_per_shard: int
+    dtype: str
+    read_dtype: str
     _slice_nbytes: int
 
-    def read_example(self, example: int, layer_idx: int, out: npt.NDArray[Any] | None = None) -> npt.NDArray[Any]:
-        """Copy ``[example, layer_idx]`` ``(T, D)`` into ``out`` with one ``pread``.
+    # -- values in the caller's dtype ------------------------------------------------------
+    def read_example(
+        self, example: int, layer_idx: int, out: npt.NDArray[Any] | None = None, *, dtype: str | None = None
+    ) -> npt.NDArray[Any]:
+        """Copy ``[example, layer_idx]`` ``(T, D)`` into ``out``, in ``out``'s dtype, else
+        ``dtype``, else `read_dtype` (float8_e4m3 dequantized: one ``pread`` of the values and
+        one of their ``T`` scales). ``layer_idx`` is a position in ``metadata.layers``."""
+        want = self._want(out, dtype)
+        if want == self.dtype:
+            return self.read_example_raw(example, layer_idx, out)
+        raw = self.read_example_raw(example, layer_idx, np.empty(self.shape[2:], self.numpy_dtype))
+        scales = self.read_example_scales(example, layer_idx) if self.dtype == FLOAT8 else None
+        return dtypes.convert(raw, self.dtype, want, scales, out)
+
+    def read_range(
+        self, start: int, stop: int, out: npt.NDArray[Any] | None = None, *, dtype: str | None = None
+    ) -> npt.NDArray[Any]:
+        """Copy examples ``[start, stop)`` ``(stop - start, L, T, D)`` into ``out``, in the dtype
+        chosen as for `read_example`."""
+        want = self._want(out, dtype)
+        if want == self.dtype:
+            return self.read_range_raw(start, stop, out)
+        raw = self.read_range_raw(start, stop)
+        scales = self.read_range_scales(start, stop) if self.dtype == FLOAT8 else None
+        return dtypes.convert(raw, self.dtype, want, scales, out)
+
+    def read_vectors(
+        self,
+        examples: npt.ArrayLike,
+        layer_idx: npt.ArrayLike,
+        tokens: npt.ArrayLike,
+        out: npt.NDArray[Any] | None = None,
+        *,
+        dtype: str | None = None,
+    ) -> npt.NDArray[Any]:
+        """Copy the ``(n, D)`` vectors ``[examples[j], layer_idx[j], tokens[j]]`` (positions,
+        broadcast) into ``out``, in the dtype chosen as for `read_example`; see `read_vectors_raw`."""
+        want = self._want(out, dtype)
+        if want == self.dtype:
+            return self.read_vectors_raw(examples, layer_idx, tokens, out)
+        raw = self.read_vectors_raw(examples, layer_idx, tokens)
+        scales = self.read_vectors_scales(examples, layer_idx, tokens) if self.dtype == FLOAT8 else None
+        return dtypes.convert(raw, self.dtype, want, scales, out)
+
+    def read_examples(
+        self,
+        examples: npt.ArrayLike,
+        layer_idx: npt.ArrayLike,
+        out: npt.NDArray[Any] | None = None,
+        *,
+        dtype: str | None = None,
+    ) -> npt.NDArray[Any]:
+        """Copy ``(n, T, D)`` slices for pairs ``(examples[j], layer_idx[j])`` (positions), in the
+        dtype chosen as for `read_example`."""
+        ex = np.asarray(examples, dtype=np.int64).reshape(-1)
+        li = np.broadcast_to(np.asarray(layer_idx, dtype=np.int64), ex.shape)
+        md = self.metadata
+        want = self._want(out, dtype)
+        if out is None:
+            out = np.empty(
+                (len(ex), *md.shard_shape[2:]), self.numpy_dtype if want == self.dtype else dtypes.READ_DTYPES[want]
+            )
+        for j in range(len(ex)):
+            self.read_example(int(ex[j]), int(li[j]), out[j], dtype=want)
+        return out
+
+    def _want(self, out: npt.NDArray[Any] | None, dtype: str | None) -> str:
+        """The dtype name a read returns: ``out``'s, else ``dtype``, else `read_dtype`."""
+        if out is not None:
+            if out.dtype == self.numpy_dtype:
+                return self.dtype
+            for name, np_dtype in dtypes.READ_DTYPES.items():
+                if out.dtype == np_dtype:
+                    return name
+            raise ValueError(
+                f"out: expected a {self.numpy_dtype} array (the stored values) or one of "
+                f"{[str(d) for d in dtypes.READ_DTYPES.values()]}, found {out.dtype}"
+            )
+        if dtype is None:
+            return self.read_dtype
+        return check_read_dtype(self.dtype, dtype)
+
+    # -- the stored values -------------------------------------------------------------------
+    def read_example_raw(self, example: int, layer_idx: int, out: npt.NDArray[Any] | None = None) -> npt.NDArray[Any]:
+        """Copy the stored values of ``[example, layer_idx]`` ``(T, D)`` into ``out`` with one ``pread``.
 
         ``layer_idx`` is a position in ``metadata.layers``. Reusing one ``out`` buffer is
         the fast path (its byte view is kept between calls).
@@ -66,9 +162,9 @@ class ReadPaths(ShardHandles):
         self._out_cache = (out, view)
         return view
 
-    def read_range(self, start: int, stop: int, out: npt.NDArray[Any] | None = None) -> npt.NDArray[Any]:
-        """Copy examples ``[start, stop)`` ``(stop - start, L, T, D)`` into ``out``: one large
-        sequential ``pread`` per shard touched (the fast path for streaming readers)."""
+    def read_range_raw(self, start: int, stop: int, out: npt.NDArray[Any] | None = None) -> npt.NDArray[Any]:
+        """Copy the stored values of examples ``[start, stop)`` ``(stop - start, L, T, D)`` into
+        ``out``: one large sequential ``pread`` per shard touched (the fast path for streaming readers)."""
         md = self.metadata
         if not 0 <= start <= stop <= self.n_examples:
             raise IndexError(f"range [{start}, {stop}) is not within [0, {self.n_examples}]")
@@ -76,29 +172,36 @@ class ReadPaths(ShardHandles):
             out = np.empty((stop - start, *md.shard_shape[1:]), self.numpy_dtype)
         if out.shape != (stop - start, *md.shard_shape[1:]) or out.dtype != self.numpy_dtype:
             raise ValueError(f"out must have shape {(stop - start, *md.shard_shape[1:])} and dtype {self.numpy_dtype}")
+        self._read_examples_into(start, stop, out, md.example_nbytes, self._fd)
+        return out
+
+    def _read_examples_into(
+        self, start: int, stop: int, out: npt.NDArray[Any], example_nbytes: int, fd_of: Callable[[int], int]
+    ) -> None:
+        """Examples ``[start, stop)`` of the files ``fd_of(k)`` (``example_nbytes`` each) into ``out``."""
         if not out.flags.c_contiguous:
             raise ValueError("out must be C-contiguous")
         view = out.reshape(-1).view(np.uint8).data
-        eps, example_nbytes = md.examples_per_shard, md.example_nbytes
+        eps = self.examples_per_shard
         e = start
         pos = 0
         while e < stop:
             k, local = layout.shard_of(e, eps)
             count = min(stop, (k + 1) * eps) - e
             nbytes = count * example_nbytes
-            pread_exact(self._fd(k), view[pos : pos + nbytes], local * example_nbytes)
+            pread_exact(fd_of(k), view[pos : pos + nbytes], local * example_nbytes)
             pos += nbytes
             e += count
-        return out
 
-    def read_vectors(
+    def read_vectors_raw(
         self,
         examples: npt.ArrayLike,
         layer_idx: npt.ArrayLike,
         tokens: npt.ArrayLike,
         out: npt.NDArray[Any] | None = None,
     ) -> npt.NDArray[Any]:
-        """Copy the ``(n, D)`` vectors ``[examples[j], layer_idx[j], tokens[j]]`` (positions, broadcast).
+        """Copy the stored values of the ``(n, D)`` vectors ``[examples[j], layer_idx[j], tokens[j]]``
+        (positions, broadcast).
 
         Reads go in file order (sorted by shard and offset), and vectors that sit next to
         each other in a file are fetched by one ``preadv`` scattering into their rows. From a
@@ -106,28 +209,53 @@ class ReadPaths(ShardHandles):
         whole readahead window per vector.
         """
         md = self.metadata
+        ex, li, tok = self._vector_coordinates(examples, layer_idx, tokens)
+        n = ex.size
+        if out is None:
+            out = np.empty((n, md.d_model), self.numpy_dtype)
+        if out.shape != (n, md.d_model) or out.dtype != self.numpy_dtype or not out.flags.c_contiguous:
+            raise ValueError(f"out must be a C-contiguous {self.numpy_dtype} array of shape {(n, md.d_model)}")
+        self._gather_rows(ex, li, tok, out, md.d_model, md.itemsize, self._fd, self.shard_path)
+        return out
+
+    def _vector_coordinates(
+        self, examples: npt.ArrayLike, layer_idx: npt.ArrayLike, tokens: npt.ArrayLike
+    ) -> tuple[npt.NDArray[np.int64], npt.NDArray[np.int64], npt.NDArray[np.int64]]:
+        md = self.metadata
         ex, li, tok = (np.asarray(a, dtype=np.int64) for a in np.broadcast_arrays(examples, layer_idx, tokens))
         ex, li, tok = ex.reshape(-1), li.reshape(-1), tok.reshape(-1)
-        n = ex.size
         for name, values, size in (
             ("example", ex, md.n_examples),
             ("layer index", li, md.n_layers),
             ("token", tok, md.tokens_per_ex),
         ):
-            if n and (values.min() < 0 or values.max() >= size):
+            if values.size and (values.min() < 0 or values.max() >= size):
                 bad = values[(values < 0) | (values >= size)][0]
                 raise IndexError(f"{name} {bad} out of range [0, {size})")
-        if out is None:
-            out = np.empty((n, md.d_model), self.numpy_dtype)
-        if out.shape != (n, md.d_model) or out.dtype != self.numpy_dtype or not out.flags.c_contiguous:
-            raise ValueError(f"out must be a C-contiguous {self.numpy_dtype} array of shape {(n, md.d_model)}")
+        return ex, li, tok
+
+    def _gather_rows(
+        self,
+        ex: npt.NDArray[np.int64],
+        li: npt.NDArray[np.int64],
+        tok: npt.NDArray[np.int64],
+        out: npt.NDArray[Any],
+        row_values: int,
+        itemsize: int,
+        fd_of: Callable[[int], int],
+        path_of: Callable[[int], Path],
+    ) -> None:
+        """Rows of ``row_values`` values of ``itemsize`` bytes, one per vector, from the files
+        ``fd_of(k)``, into the rows of ``out``: in file order, neighbours in one ``preadv``."""
+        md = self.metadata
+        n = ex.size
         if n == 0:
-            return out
+            return
         shard, offset = layout.locate_many(
             ex, li, tok, eps=md.examples_per_shard, n_layers=md.n_layers, tokens=md.tokens_per_ex,
-            d_model=md.d_model, itemsize=md.itemsize,
+            d_model=row_values, itemsize=itemsize,
         )  # fmt: skip
-        vec = md.d_model * md.itemsize
+        vec = row_values * itemsize
         order = np.lexsort((offset, shard))
         s_sorted, o_sorted = shard[order], offset[order]
         # A new run starts where the shard changes or the next vector is not adjacent in the file.
@@ -138,26 +266,74 @@ class ReadPaths(ShardHandles):
         for a, b, k, off in zip(
             starts.tolist(), ends.tolist(), s_sorted[starts].tolist(), o_sorted[starts].tolist(), strict=True
         ):
-            fd = self._fd(k)
+            fd = fd_of(k)
             for c in range(a, b, _IOV_MAX):
                 part = row_views[c : min(b, c + _IOV_MAX)]
                 got = os.preadv(fd, part, off + (c - a) * vec)
                 if got != len(part) * vec:
-                    raise FileSizeError(f"{self.shard_path(k)}: short read at byte {off} (file truncated after open?)")
+                    raise FileSizeError(f"{path_of(k)}: short read at byte {off} (file truncated after open?)")
+
+    # -- the scales of a float8_e4m3 cache -----------------------------------------------------
+    def read_example_scales(
+        self, example: int, layer_idx: int, out: npt.NDArray[np.float32] | None = None
+    ) -> npt.NDArray[np.float32]:
+        """Copy the ``(T,)`` float32 scales of ``[example, layer_idx]`` into ``out`` (one ``pread``)."""
+        example = wrap_index(int(example), self.n_examples, "example", CACHE_RANGE)
+        n_layers, tokens = self.shape[1], self.shape[2]
+        if not 0 <= layer_idx < n_layers:
+            raise IndexError(f"layer index {layer_idx} out of range [0, {n_layers})")
+        out = self._scales_out(out, (tokens,))
+        k, i = divmod(example, self.examples_per_shard)
+        nbytes = tokens * SCALES_DTYPE.itemsize
+        pread_exact(self._scale_fd(k), out.view(np.uint8).data, (i * n_layers + layer_idx) * nbytes)
         return out
 
-    def read_examples(
+    def read_range_scales(
+        self, start: int, stop: int, out: npt.NDArray[np.float32] | None = None
+    ) -> npt.NDArray[np.float32]:
+        """Copy the float32 scales of examples ``[start, stop)`` ``(stop - start, L, T)`` into ``out``."""
+        md = self.metadata
+        if not 0 <= start <= stop <= self.n_examples:
+            raise IndexError(f"range [{start}, {stop}) is not within [0, {self.n_examples}]")
+        out = self._scales_out(out, (stop - start, md.n_layers, md.tokens_per_ex))
+        self._read_examples_into(
+            start, stop, out, md.n_layers * md.tokens_per_ex * SCALES_DTYPE.itemsize, self._scale_fd
+        )
+        return out
+
+    def read_vectors_scales(
         self,
         examples: npt.ArrayLike,
         layer_idx: npt.ArrayLike,
-        out: npt.NDArray[Any] | None = None,
-    ) -> npt.NDArray[Any]:
-        """Copy ``(n, T, D)`` slices for pairs ``(examples[j], layer_idx[j])`` (positions)."""
-        ex = np.asarray(examples, dtype=np.int64).reshape(-1)
-        li = np.broadcast_to(np.asarray(layer_idx, dtype=np.int64), ex.shape)
-        md = self.metadata
-        if out is None:
-            out = np.empty((len(ex), *md.shard_shape[2:]), self.numpy_dtype)
-        for j in range(len(ex)):
-            self.read_example(int(ex[j]), int(li[j]), out[j])
+        tokens: npt.ArrayLike,
+        out: npt.NDArray[np.float32] | None = None,
+    ) -> npt.NDArray[np.float32]:
+        """Copy the ``(n,)`` float32 scales of the vectors of `read_vectors_raw`, in file order."""
+        ex, li, tok = self._vector_coordinates(examples, layer_idx, tokens)
+        out = self._scales_out(out, (ex.size,))
+        self._gather_rows(ex, li, tok, out, 1, SCALES_DTYPE.itemsize, self._scale_fd, self.scale_path)
         return out
+
+    def _scales_out(self, out: npt.NDArray[Any] | None, shape: tuple[int, ...]) -> npt.NDArray[np.float32]:
+        if self.metadata.dtype != FLOAT8:
+            raise ValueError(f"{self.path}: a {self.metadata.dtype} cache has no scales (float8_e4m3 caches have)")
+        if out is None:
+            return np.empty(shape, SCALES_DTYPE)
+        if out.shape != shape or out.dtype != SCALES_DTYPE or not out.flags.c_contiguous:
+            raise ValueError(
+                f"out must be a C-contiguous float32 array of shape {shape}, found {out.dtype} {out.shape}"
+            )
+        return out
+
+
+def check_read_dtype(stored: str, dtype: object) -> str:
+    """``dtype`` if a cache of ``stored`` values can be read as it: the stored dtype itself
+    (except float8_e4m3, whose values are useless without their scales: `Shards.raw`), or one
+    of float16, float32, bfloat16 (uint16 bits)."""
+    name = str(dtype).removeprefix("torch.") if not isinstance(dtype, np.dtype) else dtype.name
+    if name in dtypes.READ_DTYPES or (name == stored and stored != FLOAT8):
+        return name
+    raise ValueError(
+        f"dtype: expected one of {list(dtypes.READ_DTYPES)} for a {stored} cache, found {dtype!r}"
+        + ("; the stored values and their scales are Shards.raw and Shards.scales" if stored == FLOAT8 else "")
+    )

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -12,12 +12,13 @@ import numpy.typing as npt
 
 from .. import layout
 from .._indexing import CACHE_RANGE, getitem, wrap_index
-from ..dtypes import to_float32
+from ..dtypes import convert, to_float32
 from ..errors import (
     CacheNotFoundError,
     ChecksumMismatchError,
     FileSizeError,
     HashMismatchError,
+    InvalidCacheError,
     LayerIndexError,
     ManifestError,
     MetadataError,
@@ -27,14 +28,15 @@ from ..errors import (
     Problem,
     raise_problems,
 )
-from ..fileio import IO_CHUNK, hash_file
-from ..manifest import Manifest
+from ..fileio import IO_CHUNK, BlockHasher, hash_file
+from ..manifest import Blocks, Manifest
 from ..metadata import Metadata, parse_metadata
 from ..progress import Progress
-from ..protocol.common import CHECKSUMS_FILE, MAX_METADATA_BYTES, METADATA_FILE, STATS_FILE
+from ..protocol.common import CHECKSUMS_FILE, FLOAT8, MAX_METADATA_BYTES, METADATA_FILE, SCALES_DTYPE, STATS_FILE
 from ..protocol.jsonfile import is_int, load_json, short_repr
+from ..protocol.v31 import load_blocks
 from ..units import human_bytes
-from .reads import ReadPaths
+from .reads import ReadPaths, check_read_dtype
 from .sidecars import Sidecars
 
 
@@ -51,10 +53,17 @@ class Shards(ReadPaths, Sidecars):
       layer by value in an index. `read_example` and `read_vectors` (the fast paths) take
       positions.
 
-    Results are read-only views into the memmapped shards whenever numpy would return a
-    view, copies otherwise. bfloat16 caches return raw uint16 bits; `to_float32` widens them.
-    Per-example columns and text fields are mappings by name: ``shards.columns["lengths"]``,
-    ``shards.text["prompt"]`` (`Fields`).
+    Values come in `read_dtype`: the stored dtype, except for float8_e4m3 caches, whose values
+    are dequantized (each times its vector's scale) into float16 by default; `with_dtype`
+    gives the cache read as another dtype (``shards.with_dtype("float32")``), and the read
+    methods take ``dtype=``. A float8_e4m3 vector whose values do not fit float16 raises
+    `DtypeRangeError` rather than turning into infinities. The stored values and scales are
+    `raw` and `scales` (``shards.raw[i]``, ``shards.scales[i]``), indexed like the cache.
+
+    Stored values are read-only views into the memmapped shards whenever numpy would return
+    a view, copies otherwise; dequantized and converted values are fresh arrays. bfloat16
+    caches return raw uint16 bits; `to_float32` widens them. Per-example columns and text
+    fields are mappings by name: ``shards.columns["lengths"]``, ``shards.text["prompt"]`` (`Fields`).
 
     Memmaps and file handles open lazily and per process: a pickled `Shards` carries no
     data and no handles, and a forked or unpickled copy opens its own.
@@ -64,14 +73,17 @@ class Shards(ReadPaths, Sidecars):
     this module keeps the notebook API, the views and `verify`.
     """
 
-    def __init__(self, path: Path, metadata: Metadata, manifest: Manifest) -> None:
+    def __init__(self, path: Path, metadata: Metadata, manifest: Manifest, read_dtype: str | None = None) -> None:
         self.path = path
         self.metadata = metadata
         self.manifest = manifest
         md = metadata
         self.shape = md.shape
+        #: The stored dtype (metadata.json's), and the numpy dtype of its raw values.
         self.dtype = md.dtype
         self.numpy_dtype = md.numpy_dtype
+        #: The dtype values are read as: float16 for float8_e4m3 caches, else the stored one (`with_dtype`).
+        self.read_dtype = default_read_dtype(md.dtype) if read_dtype is None else check_read_dtype(md.dtype, read_dtype)
         self.n_examples = md.n_examples
         self.examples_per_shard = md.examples_per_shard
         self.n_shards = len(manifest.shards)
@@ -90,6 +102,34 @@ class Shards(ReadPaths, Sidecars):
     def __len__(self) -> int:
         return self.n_examples
 
+    def with_dtype(self, dtype: str | None) -> Shards:
+        """This cache with its values read as ``dtype`` (``"float16"``, ``"float32"``, ``"bfloat16"``
+        as uint16 bits; None: the default, `read_dtype`): a new `Shards` on the same files, which
+        opens its own handles. ``ss.open(ref).with_dtype("float32")``."""
+        return Shards(self.path, self.metadata, self.manifest, dtype)
+
+    @property
+    def raw(self) -> StoredValues:
+        """The stored values, indexed like the cache (``shards.raw[i, layer, token]``): float8_e4m3
+        as ml_dtypes' float8_e4m3fn (to be multiplied by `scales`), bfloat16 as uint16 bits."""
+        return StoredValues(self)
+
+    @property
+    def scales(self) -> Scales | None:
+        """A float8_e4m3 cache's float32 scales, one per vector, indexed like the logical
+        ``(N, L, T)`` tensor of vectors (``shards.scales[i, layer]``); None for other dtypes."""
+        return Scales(self) if self.dtype == FLOAT8 else None
+
+    def _values(
+        self, raw: npt.NDArray[Any], scales: Callable[[], npt.NDArray[Any]], dtype: str | None = None
+    ) -> npt.NDArray[Any]:
+        """Stored values as `read_dtype` (or ``dtype``); ``scales()`` gives the scales of each
+        value's vector, broadcast to ``raw``'s shape (float8_e4m3 only)."""
+        want = self.read_dtype if dtype is None else check_read_dtype(self.dtype, dtype)
+        if self.dtype == FLOAT8:
+            return convert(raw, self.dtype, want, scales(), elementwise=True)
+        return convert(raw, self.dtype, want)
+
     def __repr__(self) -> str:
         md = self.metadata
         n, l_, t, d = md.shape
@@ -101,12 +141,12 @@ class Shards(ReadPaths, Sidecars):
         extras += [f"text {t_}" for t_ in self.manifest.text]
         if self.manifest.stats is not None:
             extras.append("stats")
+        read = f" (read as {self.read_dtype})" if self.read_dtype != md.dtype else ""
         return (
             f"<saev_shards.Shards {md.hash[:12]} {md.family}:{md.ckpt} shape=({n}, {l_}, {t}, {d}) "
-            f"{md.dtype} layers={list(md.layers)} tokens={cls}{md.patches_per_ex} "
-            f"shards={self.n_shards}x{md.examples_per_shard} {human_bytes(md.nbytes)} protocol={md.protocol}"
-            + (f" [{', '.join(extras)}]" if extras else "")
-            + f" at {self.path}>"
+            f"{md.dtype}{read} layers={list(md.layers)} tokens={cls}{md.patches_per_ex} "
+            f"shards={self.n_shards}x{md.examples_per_shard} {human_bytes(md.nbytes + md.scales_nbytes)} "
+            f"protocol={md.protocol}" + (f" [{', '.join(extras)}]" if extras else "") + f" at {self.path}>"
         )
 
     def layer_index(self, layer: int) -> int:
@@ -128,18 +168,24 @@ class Shards(ReadPaths, Sidecars):
         example = wrap_index(int(example), self.n_examples, "example", CACHE_RANGE)
         return layout.shard_of(example, self.examples_per_shard)
 
-    def get(self, example: int, layer: int, token: int) -> npt.NDArray[Any]:
-        """The ``(D,)`` activation of ``example`` at layer *value* ``layer`` and token ``token``."""
+    def get(self, example: int, layer: int, token: int, *, dtype: str | None = None) -> npt.NDArray[Any]:
+        """The ``(D,)`` activation of ``example`` at layer *value* ``layer`` and token ``token``
+        (as `read_dtype`, or ``dtype``)."""
         k, i = self._example(example)
         t = int(token)
         if not -self.shape[2] <= t < self.shape[2]:
             raise IndexError(f"token {token} out of range [0, {self.shape[2]})")
-        return np.asarray(self.shard(k)[i, self.layer_index(layer), t])
+        li = self.layer_index(layer)
+        raw = np.asarray(self.shard(k)[i, li, t])
+        return self._values(raw, lambda: np.broadcast_to(self.scale_shard(k)[i, li, t], raw.shape), dtype)
 
-    def example(self, example: int, layer: int) -> npt.NDArray[Any]:
-        """The ``(T, D)`` view of ``example`` at layer *value* ``layer``; reads nothing else."""
+    def example(self, example: int, layer: int, *, dtype: str | None = None) -> npt.NDArray[Any]:
+        """The ``(T, D)`` slice of ``example`` at layer *value* ``layer`` (a view of the memmap
+        when it needs no conversion, as `read_dtype`, or ``dtype``); reads nothing else."""
         k, i = self._example(example)
-        return np.asarray(self.shard(k)[i, self.layer_index(layer)])
+        li = self.layer_index(layer)
+        raw = np.asarray(self.shard(k)[i, li])
+        return self._values(raw, lambda: np.broadcast_to(self.scale_shard(k)[i, li][:, None], raw.shape), dtype)
 
     def locate(self, example: int, layer: int, token: int) -> tuple[int, int]:
         """``(shard_index, byte_offset)`` of a vector; pure arithmetic, no I/O."""
@@ -156,10 +202,30 @@ class Shards(ReadPaths, Sidecars):
             itemsize=md.itemsize,
         )
 
+    def locate_scale(self, example: int, layer: int, token: int) -> tuple[int, int]:
+        """``(shard_index, byte_offset)`` of a vector's scale in its shard's scale file
+        (float8_e4m3): ``offset_in_vectors * 4``; pure arithmetic, no I/O."""
+        md = self.metadata
+        return layout.locate(
+            int(example),
+            self.layer_index(layer),
+            int(token),
+            n_examples=md.n_examples,
+            eps=md.examples_per_shard,
+            n_layers=md.n_layers,
+            tokens=md.tokens_per_ex,
+            d_model=1,
+            itemsize=SCALES_DTYPE.itemsize,
+        )
+
     def __getitem__(self, key: Any) -> npt.NDArray[Any]:
-        """``logical[key]``: the layer axis takes positions ``0..L-1`` (class docstring)."""
+        """``logical[key]``: the layer axis takes positions ``0..L-1`` (class docstring), values
+        as `read_dtype`."""
         try:
-            return getitem(self, key)
+            raw = getitem(self, key)
+            if self.read_dtype == self.dtype:
+                return raw
+            return self._values(raw, lambda: getitem(_BroadcastScales(self), key))
         except IndexError as err:
             value = self._layer_value_given_as_position(key)
             if value is None:
@@ -190,28 +256,63 @@ class Shards(ReadPaths, Sidecars):
         return None
 
     def to_float32(self, values: npt.NDArray[Any]) -> npt.NDArray[np.float32]:
-        """Values read from this cache as float32 (widens bfloat16 bits exactly)."""
-        return to_float32(values, self.dtype)
+        """Values read from this cache (as `read_dtype`) as float32 (widens bfloat16 bits exactly)."""
+        return to_float32(values, self.read_dtype)
 
     # -- views for other tools (saev_shards.views; dask and xarray are optional) -------------
-    def to_dask(self, examples_per_chunk: int | None = None) -> Any:
-        """A ``dask.array`` of the logical ``(N, L, T, D)`` tensor over the shard memmaps (no copy);
-        one chunk per shard, or ``examples_per_chunk`` examples (never across shards)."""
+    def to_dask(self, examples_per_chunk: int | None = None, *, dtype: str | None = None) -> Any:
+        """A ``dask.array`` of the logical ``(N, L, T, D)`` tensor over the shard memmaps (no copy
+        where no conversion is needed); one chunk per shard, or ``examples_per_chunk`` examples
+        (never across shards). Values as `read_dtype`, or ``dtype`` (bfloat16 as float32)."""
         from ..views import to_dask
 
-        return to_dask(self, examples_per_chunk)
+        return to_dask(self if dtype is None else self.with_dtype(dtype), examples_per_chunk)
 
-    def to_xarray(self, examples_per_chunk: int | None = None) -> Any:
+    def to_xarray(self, examples_per_chunk: int | None = None, *, dtype: str | None = None) -> Any:
         """An ``xarray.DataArray`` (dims example, layer, token, dim) over `to_dask`, layer values and
         columns as coordinates."""
         from ..views import to_xarray
 
-        return to_xarray(self, examples_per_chunk)
+        return to_xarray(self if dtype is None else self.with_dtype(dtype), examples_per_chunk)
 
     # -- integrity -----------------------------------------------------------------------
+    @property
+    def block_size(self) -> int | None:
+        """Bytes each digest of blocks.json covers (protocol 3.1), or None for a cache without
+        blocks.json. Read and checked on first use (`block_digests`)."""
+        blocks = self._blocks()
+        return None if blocks is None else blocks.block_size
+
+    def block_digests(self, name: str) -> list[str] | None:
+        """The xxh3_128 digest of each block of listed file ``name`` (block ``i`` covers bytes
+        ``[i * block_size, (i + 1) * block_size)``), or None for a cache without blocks.json.
+
+        blocks.json is read on first use and checked against shards.json's size and digest
+        of it and against its schema (one list per listed file, as many digests as it has
+        blocks): `ManifestError` otherwise. `NameNotFoundError` for a file the cache does
+        not list.
+        """
+        blocks = self._blocks()
+        if blocks is None:
+            return None
+        digests = blocks.files.get(name) if isinstance(name, str) else None
+        if digests is None:
+            raise NameNotFoundError(f"{self.path}: no listed file {short_repr(name)} has block digests")
+        return list(digests)
+
+    def _blocks(self) -> Blocks | None:
+        if self.manifest.blocks is None:
+            return None
+        self._check_pid()
+        blocks: Blocks | None = self._aux.get("blocks")
+        if blocks is None:
+            blocks = self._aux["blocks"] = load_blocks(self.path, self.manifest)
+        return blocks
+
     def verify(self, *, progress: bool | None = False, on_bytes: Callable[[int], None] | None = None) -> int:
         """Recompute every file's size and xxh3_128 digest, and the metadata hash; check
-        stats.json against its schema.
+        stats.json and blocks.json against their schemas. Where blocks.json holds a damaged
+        file's block digests (protocol 3.1), the message names the blocks that differ.
 
         Returns the number of bytes checked. Raises `ChecksumMismatchError` (or
         `InvalidCacheError` for several kinds) listing every problem.
@@ -234,6 +335,7 @@ class Shards(ReadPaths, Sidecars):
         total = sum(n for _, n, _ in files)
         unchecked = [name for name, _, digest in files if digest is None]
         checked = 0
+        blocks = self._verify_blocks()
         buffer = memoryview(bytearray(IO_CHUNK))
         with Progress(total, f"verify {self.path.name[:12]}", enabled=progress) as bar:
             for name, nbytes, digest in files:
@@ -244,8 +346,10 @@ class Shards(ReadPaths, Sidecars):
                     if on_bytes is not None:
                         on_bytes(n)
 
+                listed = blocks.files.get(name) if blocks is not None else None
+                hasher = BlockHasher(blocks.block_size if blocks is not None and listed is not None else None)
                 try:
-                    size, found = hash_file(path, tick, regular_only=True, buffer=buffer)
+                    size, found = hash_file(path, tick, regular_only=True, buffer=buffer, hasher=hasher)
                 except NotRegularFileError as err:
                     problems.append(Problem(ManifestError, str(err)))
                     continue
@@ -257,12 +361,15 @@ class Shards(ReadPaths, Sidecars):
                     problems.append(Problem(FileSizeError, f"{path}: expected {nbytes} bytes, found {size}"))
                     continue
                 if digest is not None and found != digest:
+                    where = _damaged_blocks(blocks, listed, hasher.block_hexdigests(), nbytes)
                     problems.append(
-                        Problem(ChecksumMismatchError, f"{path}: xxh3_128 expected {digest}, found {found}")
+                        Problem(ChecksumMismatchError, f"{path}: xxh3_128 expected {digest}, found {found}{where}")
                     )
                     continue
                 if name == STATS_FILE:  # its bytes are intact: check what they say
                     problems.extend(self._stats_problems())
+                if self.manifest.blocks is not None and name == self.manifest.blocks.name:
+                    problems.extend(self._blocks_problems())
         raise_problems(problems, str(self.path))
         if unchecked:
             warnings.warn(
@@ -271,3 +378,102 @@ class Shards(ReadPaths, Sidecars):
                 stacklevel=2,
             )
         return checked
+
+    def _verify_blocks(self) -> Blocks | None:
+        """blocks.json for `verify` to name damaged blocks with, fresh from disk; None if there
+        is none or it does not check out (`verify` reports why with the rest)."""
+        if self.manifest.blocks is None:
+            return None
+        self._aux.pop("blocks", None)
+        try:
+            return self._blocks()
+        except (InvalidCacheError, OSError):
+            return None
+
+    def _blocks_problems(self) -> list[Problem]:
+        try:
+            self._blocks()
+        except InvalidCacheError as err:
+            return err.problems
+        return []
+
+
+def default_read_dtype(stored: str) -> str:
+    """The dtype a cache of ``stored`` values is read as by default: float16 for float8_e4m3
+    (its values need a float dtype, and float16 is as compact as one gets), else the stored one."""
+    return "float16" if stored == FLOAT8 else stored
+
+
+class StoredValues:
+    """`Shards.raw`: the stored values, indexed like the logical tensor (numpy semantics)."""
+
+    def __init__(self, shards: Shards) -> None:
+        self.shards = shards
+        self.shape = shards.shape
+        self.dtype = shards.numpy_dtype
+
+    def __getitem__(self, key: Any) -> npt.NDArray[Any]:
+        return getitem(self.shards, key)
+
+    def __repr__(self) -> str:
+        return f"<stored {self.shards.dtype} values of {self.shards.path.name[:12]}, shape {self.shape}>"
+
+
+class Scales:
+    """`Shards.scales`: a float8_e4m3 cache's scales, indexed like the logical ``(N, L, T)``
+    tensor of its vectors (numpy semantics); shard ``k``'s are `Shards.scale_shard` ``(k)``."""
+
+    def __init__(self, shards: Shards) -> None:
+        self.shards = shards
+        self.shape = shards.shape[:3]
+        self.dtype = SCALES_DTYPE
+
+    def __getitem__(self, key: Any) -> npt.NDArray[np.float32]:
+        # The scale of value [i, l, t, d] is that of vector [i, l, t]: index the broadcast view
+        # with the key and the slice [0:1] of the last axis (a slice, not an integer, so numpy
+        # places the key's advanced indices as it would in 3 dimensions), then drop that axis.
+        if not isinstance(key, tuple):
+            key = (key,)
+        if any(k is Ellipsis for k in key):
+            key = (*key, slice(0, 1))
+        elif len(key) <= 3:
+            key = (*key, *(slice(None),) * (3 - len(key)), slice(0, 1))
+        else:
+            raise IndexError(f"too many indices: the scales are 3-dimensional (N, L, T), but {len(key)} were indexed")
+        return getitem(_BroadcastScales(self.shards), key)[..., 0]
+
+    def __repr__(self) -> str:
+        return f"<float32 scales of {self.shards.path.name[:12]}, shape {self.shape}>"
+
+
+class _BroadcastScales:
+    """The scales as a `ShardedArray` of the values' shape: shard ``k`` is its scale memmap
+    broadcast over D (no copy), so indexing it with a key gives each value's scale."""
+
+    def __init__(self, shards: Shards) -> None:
+        self.shards = shards
+        self.shape = shards.shape
+        self.n_examples = shards.n_examples
+        self.examples_per_shard = shards.examples_per_shard
+        self.numpy_dtype = SCALES_DTYPE
+
+    def shard(self, k: int) -> npt.NDArray[Any]:
+        scales = self.shards.scale_shard(k)
+        return np.broadcast_to(scales[..., None], (*scales.shape, self.shape[3]))
+
+
+#: Damaged blocks named in one problem of `verify` (the rest are counted).
+_LISTED_BLOCKS = 5
+
+
+def _damaged_blocks(blocks: Blocks | None, listed: Sequence[str] | None, found: list[str], nbytes: int) -> str:
+    """``"; block 7 (bytes 117440512-134217727) differs"`` for the blocks of a file whose
+    digests ``found`` (read now) differ from those ``listed`` in blocks.json; "" without them."""
+    if blocks is None or listed is None or len(found) != len(listed):
+        return ""
+    bad = [i for i, (a, b) in enumerate(zip(listed, found, strict=True)) if a != b]
+    if not bad:
+        return ""
+    spans = [f"{i} (bytes {'-'.join(map(str, blocks.span(i, nbytes)))})" for i in bad[:_LISTED_BLOCKS]]
+    more = f" and {len(bad) - _LISTED_BLOCKS} more" if len(bad) > _LISTED_BLOCKS else ""
+    return f"; block{'s' if len(bad) > 1 else ''} {', '.join(spans)}{more} differ{'' if len(bad) > 1 else 's'}"

@@ -47,20 +47,23 @@ def compute_stats(
 
     The sums are taken exactly as the writer takes them (per shard, example by example,
     then added in shard order), so the result equals what ``ShardWriter(stats=True)`` would
-    have written; padding is excluded by the ``lengths`` column when there is one.
+    have written; padding is excluded by the ``lengths`` column when there is one. A
+    float8_e4m3 cache's statistics are those of its dequantized values (float32).
     """
     md = shards.metadata
     lengths = shards.lengths
     total = StatsAccumulator(md.n_layers, md.d_model)
     start = 0
+    float8 = shards.scales is not None
     with Progress(md.n_examples, f"stats {md.hash[:12]}", unit="examples", enabled=progress) as bar:
         for k, entry in enumerate(shards.manifest.shards):
             acts = shards.shard(k)
+            scales = shards.scale_shard(k) if float8 else None
             part = StatsAccumulator(md.n_layers, md.d_model)
             for a in range(0, entry.n_examples, STATS_CHUNK):
                 b = min(a + STATS_CHUNK, entry.n_examples)
                 piece_lengths = None if lengths is None else lengths[start + a : start + b]
-                part.update(acts[a:b], md.dtype, piece_lengths)
+                part.update(acts[a:b], md.dtype, piece_lengths, None if scales is None else scales[a:b])
                 bar.update(b - a)
                 if on_examples is not None:
                     on_examples(b - a)

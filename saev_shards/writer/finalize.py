@@ -5,6 +5,7 @@ The steps (numbered as in protocol.md section 6), and what a kill after each lea
 resumed writer, or `finalize` alone, continues from every one of them:
   1. part records checked             -> records and parts intact: finalize again
   2. streams joined, stats.json,      -> removed and made again from the parts
+     blocks.json (3.1),
      checksums.json (2.1)
   3. shards.json written              -> the commit point: staging holds the finished cache
   4. part files and records removed   -> the finished cache: re-check it and publish
@@ -18,6 +19,7 @@ Every check finalize makes before it writes anything is in `_validate`.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from pathlib import Path
 from typing import Any
@@ -27,6 +29,7 @@ import xxhash
 from ..errors import AlreadyPublishedError, Problems, WriterError
 from ..fileio import (
     IO_CHUNK,
+    BlockHasher,
     fault_point,
     hash_file,
     make_owner_writable,
@@ -40,10 +43,25 @@ from ..fileio import (
 )
 from ..manifest import ArrayEntry, FileEntry, Manifest, ShardEntry, ShardList, TextEntry
 from ..metadata import Metadata
-from ..protocol.common import LABELS_FILE, MANIFEST_FILE, METADATA_FILE, STATS_FILE, column_file, shard_name, text_file
+from ..protocol.common import (
+    BLOCKS_FILE,
+    FLOAT8,
+    LABELS_FILE,
+    MANIFEST_FILE,
+    METADATA_FILE,
+    SCALES_DTYPE,
+    STATS_FILE,
+    XXH3_RE,
+    column_file,
+    n_blocks,
+    scales_name,
+    shard_name,
+    text_file,
+)
 from ..protocol.jsonfile import strict_json_loads
-from ..protocol.staging import is_staging_only, lock_path, part_file, part_record, staging_dir
+from ..protocol.staging import ACTS, SCALES, is_staging_only, lock_path, part_file, part_record, staging_dir
 from ..protocol.v3 import pretty_json
+from ..protocol.v31 import blocks_bytes, blocks_entry
 from ..statistics import StatsAccumulator
 from .staging import _already_published, _take_writer_lock
 
@@ -136,18 +154,35 @@ def _validate(md: Metadata, staging: Path, commit: _Commit | None, verify: bool)
     if len(stream_sets) > 1:
         raise WriterError(f"{staging}: shards were written with different streams: {sorted(stream_sets)}")
     files = Problems(WriterError, sep="\n  ")
+    block_size = md.format.block_size
     for r in records:
         k = r["shard"]
-        for key, info in [("acts", r["acts"]), *r["streams"].items()]:
+        if md.dtype == FLOAT8 and r.get("scales") is None:
+            files.add(f"shard {k}: its part record lists no scales", field=f"shard {k}")
+            continue
+        for key, info in [("acts", r["acts"]), *_scales(r), *r["streams"].items()]:
             path = staging / part_file(k, key)
             size = path.stat().st_size if path.exists() else -1
+            # Protocol 3.1: the files published as written carry their block digests; a record
+            # without them (or with the wrong number) has them computed from the file now.
+            blocks_due = block_size is not None and key in (ACTS, SCALES)
+            missing_blocks = blocks_due and not _has_blocks(info, size, block_size)
             if size != info["nbytes"]:
                 files.expected(str(path), f"{info['nbytes']} bytes", str(size) if size >= 0 else "no file")
-            elif verify and hash_file(path)[1] != info["xxh3_128"]:
-                files.add(f"{path}: xxh3_128 differs from its part record", field=str(path))
+            elif verify or missing_blocks:
+                hasher = BlockHasher(block_size if blocks_due else None)
+                if hash_file(path, hasher=hasher)[1] != info["xxh3_128"]:
+                    files.add(f"{path}: xxh3_128 differs from its part record", field=str(path))
+                elif blocks_due:
+                    info["blocks"] = hasher.block_hexdigests()
         if r["acts"]["nbytes"] != md.shard_nbytes(k):
             files.add(
                 f"shard {k}: expected {md.shard_nbytes(k)} bytes, record says {r['acts']['nbytes']}", field=f"shard {k}"
+            )
+        if md.dtype == FLOAT8 and r["scales"]["nbytes"] != _scales_nbytes(md, k):
+            files.add(
+                f"shard {k}: expected {_scales_nbytes(md, k)} bytes of scales, record says {r['scales']['nbytes']}",
+                field=f"shard {k}",
             )
     files.raise_if_any(f"{staging}: cannot finalize:\n  ", limit=_LISTED)
     for key, info in records[0]["streams"].items() if records else ():
@@ -173,6 +208,21 @@ def _assemble(
     shards = ShardList.of(
         ShardEntry(shard_name(r["shard"]), r["n_examples"], r["acts"]["nbytes"], r["acts"]["xxh3_128"]) for r in records
     )
+    scales = None
+    if md.dtype == FLOAT8:
+        scales = ShardList.of(
+            ShardEntry(scales_name(r["shard"]), r["n_examples"], r["scales"]["nbytes"], r["scales"]["xxh3_128"])
+            for r in records
+        )
+    # Protocol 3.1: the block digests of every file, from the records for the files published
+    # as written, computed while joining for the others.
+    block_size = md.format.block_size
+    blocks: dict[str, list[str]] = {}
+    if block_size is not None:
+        for r in records:
+            blocks[shard_name(r["shard"])] = r["acts"]["blocks"]
+            if scales is not None:
+                blocks[scales_name(r["shard"])] = r["scales"]["blocks"]
     streams = sorted(records[0]["streams"]) if records else []
     labels = None
     columns: dict[str, ArrayEntry] = {}
@@ -181,17 +231,17 @@ def _assemble(
         info = records[0]["streams"][key]
         total = sum(r["streams"][key]["nbytes"] for r in records)
         if key == "labels":
-            nbytes, digest = _join(staging, md, key, LABELS_FILE, durable, total)
+            nbytes, digest = _join(staging, md, key, LABELS_FILE, durable, total, blocks)
             labels = ArrayEntry(LABELS_FILE, info["dtype"], (md.n_examples, *info["shape"]), nbytes, digest)
         elif key.startswith("column."):
             name = key.split(".", 1)[1]
-            nbytes, digest = _join(staging, md, key, column_file(name), durable, total)
+            nbytes, digest = _join(staging, md, key, column_file(name), durable, total, blocks)
             columns[name] = ArrayEntry(
                 column_file(name), info["dtype"], (md.n_examples, *info["shape"]), nbytes, digest
             )
         else:
             name = key.split(".", 1)[1]
-            nbytes, digest = _join(staging, md, key, text_file(name), durable, total)
+            nbytes, digest = _join(staging, md, key, text_file(name), durable, total, blocks)
             text[name] = TextEntry(text_file(name), md.n_examples, nbytes, digest)
         fault_point("joined", i)
     stats_entry = None
@@ -202,9 +252,20 @@ def _assemble(
         data = pretty_json(total_stats.summary(md.layers))
         write_file_atomic(staging / STATS_FILE, data, durable, note=_FINALIZE_NOTE)
         stats_entry = FileEntry(STATS_FILE, len(data), xxhash.xxh3_128_hexdigest(data))
+        if block_size is not None:
+            hasher = BlockHasher(block_size)
+            hasher.update(data)
+            blocks[STATS_FILE] = hasher.block_hexdigests()
         fault_point("stats-written")
     empty = ShardList.of(_write_empty_shard(staging, md, name, durable) for name in _empty_shard_names(md))
-    manifest = Manifest(shards=shards, labels=labels, columns=columns, text=text, stats=stats_entry, empty_shards=empty)
+    manifest = Manifest(
+        shards=shards, labels=labels, columns=columns, text=text, stats=stats_entry, empty_shards=empty, scales=scales
+    )
+    if block_size is not None:  # blocks.json, before shards.json: it commits it
+        data = blocks_bytes(block_size, blocks)
+        write_file_atomic(staging / BLOCKS_FILE, data, durable, note=_FINALIZE_NOTE)
+        manifest = dataclasses.replace(manifest, blocks=blocks_entry(data))
+        fault_point("blocks-written")
     files: dict[str, tuple[int, str | None]] = dict(
         (name, (nbytes, digest)) for name, nbytes, digest in manifest.files()
     )
@@ -259,6 +320,13 @@ def _read_commit(staging: Path, md: Metadata) -> _Commit | None:
         return None
     if list(manifest.empty_shards.names) != _empty_shard_names(md):
         return None
+    if md.dtype == FLOAT8:
+        want_scales = [(scales_name(k), _scales_nbytes(md, k)) for k in range(md.n_shards)]
+        if (
+            manifest.scales is None
+            or list(zip(manifest.scales.names, manifest.scales.sizes, strict=True)) != want_scales
+        ):
+            return None
     if any(digest is None for _, _, digest in listed):  # 2.1: checksums.json must list every file
         return None
     return _Commit(files, derived)
@@ -273,7 +341,7 @@ def _is_derived(name: str, md: Metadata) -> bool:
     """Files finalizing makes from the parts (and may make again): joins, stats, empty shards,
     the manifest and its sidecars."""
     return (
-        name in (LABELS_FILE, STATS_FILE, MANIFEST_FILE, *md.format.sidecar_names, *_empty_shard_names(md))
+        name in (LABELS_FILE, STATS_FILE, BLOCKS_FILE, MANIFEST_FILE, *md.format.sidecar_names, *_empty_shard_names(md))
         or (name.startswith("column.") and name.endswith(".bin"))
         or (name.startswith("text.") and name.endswith(".jsonl"))
     )
@@ -306,9 +374,35 @@ def _write_empty_shard(staging: Path, md: Metadata, name: str, durable: bool) ->
     return ShardEntry(name, 0, nbytes, h.hexdigest())
 
 
-def _join(staging: Path, md: Metadata, key: str, name: str, durable: bool, expected: int) -> tuple[int, str]:
-    """Concatenate stream ``key``'s per-shard parts, in shard order, into ``name``; ``(nbytes, digest)``."""
-    h = xxhash.xxh3_128()
+def _has_blocks(info: dict[str, Any], nbytes: int, block_size: int | None) -> bool:
+    """Whether a part record's entry lists the digests of every block of a file of ``nbytes``."""
+    blocks = info.get("blocks")
+    return (
+        block_size is not None
+        and isinstance(blocks, list)
+        and len(blocks) == n_blocks(nbytes, block_size)
+        and all(isinstance(b, str) and XXH3_RE.fullmatch(b) for b in blocks)
+    )
+
+
+def _scales(record: dict[str, Any]) -> list[tuple[str, dict[str, Any]]]:
+    """The scales part of a float8_e4m3 cache's part record, as ``[(stream, info)]`` ([] for other dtypes)."""
+    info = record.get("scales")
+    return [] if info is None else [(SCALES, info)]
+
+
+def _scales_nbytes(md: Metadata, k: int) -> int:
+    """Exact length of shard ``k``'s scale file: a float32 per vector."""
+    return md.shard_n_examples(k) * md.n_layers * md.tokens_per_ex * SCALES_DTYPE.itemsize
+
+
+def _join(
+    staging: Path, md: Metadata, key: str, name: str, durable: bool, expected: int, blocks: dict[str, list[str]]
+) -> tuple[int, str]:
+    """Concatenate stream ``key``'s per-shard parts, in shard order, into ``name``; ``(nbytes,
+    digest)``. With a block size (protocol 3.1) the digests of its blocks go to ``blocks[name]``,
+    computed as it is written."""
+    h = BlockHasher(md.format.block_size)
     total = 0
     out_path = staging / name
     buffer = memoryview(bytearray(IO_CHUNK))
@@ -318,4 +412,6 @@ def _join(staging: Path, md: Metadata, key: str, name: str, durable: bool, expec
                 total += stream(f, out, h, buffer=buffer)
         if durable:
             os.fsync(out.fileno())
+    if md.format.block_size is not None:
+        blocks[name] = h.block_hexdigests()
     return total, h.hexdigest()

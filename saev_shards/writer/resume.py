@@ -9,11 +9,20 @@ from pathlib import Path
 from typing import Any
 
 from ..errors import WriterBusyError, WriterError
-from ..fileio import fault_point, hash_file, make_owner_writable, remove_path, take_lock, write_file_atomic
+from ..fileio import BlockHasher, fault_point, hash_file, make_owner_writable, remove_path, take_lock, write_file_atomic
 from ..metadata import Metadata
-from ..protocol.common import LABELS_FILE, METADATA_FILE, STATS_FILE, column_file, shard_name, text_file
+from ..protocol.common import (
+    FLOAT8,
+    LABELS_FILE,
+    METADATA_FILE,
+    STATS_FILE,
+    column_file,
+    scales_name,
+    shard_name,
+    text_file,
+)
 from ..protocol.jsonfile import strict_json_loads
-from ..protocol.staging import part_file, part_record, range_lock, staging_dir
+from ..protocol.staging import ACTS, SCALES, part_file, part_record, range_lock, staging_dir
 from ..statistics import StatsAccumulator
 from .finalize import _read_commit, _unfinalize
 from .staging import _take_writer_lock
@@ -74,6 +83,7 @@ def _clear_staging(staging: Path, shards: range, single: bool) -> None:
             remove_path(Path(entry.path))
         return
     own = tuple(f"part{k:06d}." for k in shards) + tuple(shard_name(k) for k in shards)
+    own += tuple(scales_name(k) for k in shards)
     for name in os.listdir(staging):
         if name.startswith(own):
             remove_path(staging / name)
@@ -100,7 +110,9 @@ def _resume(parts: _Parts, shards: range, stop: int, specs: Mapping[str, _Stream
     md = parts.md
     sealed = _sealed_records(parts.staging, md, shards, specs, parts.stats is not None)
     for k, record in zip(shards, sealed, strict=False):
-        parts.done[k] = {"acts": record["acts"], **record["streams"]}
+        parts.done[k] = {ACTS: record["acts"], **record["streams"]}
+        if record.get("scales") is not None:
+            parts.done[k][SCALES] = record["scales"]
         if parts.stats is not None:
             parts.stats.shards[k] = StatsAccumulator.from_json(record["stats"], md.n_layers, md.d_model)
     resumed = shards.start + len(sealed)
@@ -135,10 +147,19 @@ def _load_record(staging: Path, md: Metadata, k: int) -> dict[str, Any] | None:
         record = strict_json_loads(path.read_bytes())
         if record["n_examples"] != md.shard_n_examples(k):
             return None
-        for key, info in [("acts", record["acts"]), *record["streams"].items()]:
-            nbytes, digest = hash_file(staging / part_file(k, key))
+        scales = record.get("scales")
+        if (scales is not None) != (md.dtype == FLOAT8):
+            return None
+        published = [(ACTS, record["acts"])] + ([(SCALES, scales)] if scales is not None else [])
+        for key, info in [*published, *record["streams"].items()]:
+            # The files published as written get their block digests (protocol 3.1) from this
+            # pass, whatever the record says: the same bytes, the same digests.
+            hasher = BlockHasher(md.format.block_size if key in (ACTS, SCALES) else None)
+            nbytes, digest = hash_file(staging / part_file(k, key), hasher=hasher)
             if nbytes != info["nbytes"] or digest != info["xxh3_128"]:
                 return None
+            if hasher.block_size is not None:
+                info["blocks"] = hasher.block_hexdigests()
         record["stats"]
     except (OSError, ValueError, KeyError, TypeError, AttributeError):
         return None

@@ -15,12 +15,12 @@ import numpy as np
 import numpy.typing as npt
 import orjson
 
-from .. import dtypes, world
+from .. import dtypes, float8, world
 from ..errors import MetadataError, NonFiniteError, Problems, ProtocolWarning, WriterError
 from ..metadata import Metadata
-from ..protocol.common import COLUMN_DTYPES, FIELD_NAME_RE, LABELS_DTYPE
+from ..protocol.common import COLUMN_DTYPES, FIELD_NAME_RE, FLOAT8, LABELS_DTYPE
 from ..protocol.saev_code import SAEV_ROOT_PARTS
-from ..protocol.staging import staging_dir
+from ..protocol.staging import SCALES, staging_dir
 from .direct import _release_buffers
 from .finalize import finalize
 from .resume import _derived_files, _open_staging, _resume
@@ -115,7 +115,8 @@ class ShardWriter:
         self._next: dict[str, int] = {}
 
         self._stats = _StatsPass(md.n_layers, md.d_model, md.dtype) if stats else None
-        self._parts = _Parts(md, self.staging, set(self._specs), self._stats, durable)
+        keys = set(self._specs) | ({SCALES} if md.dtype == FLOAT8 else set())  # scales seal with their shard
+        self._parts = _Parts(md, self.staging, keys, self._stats, durable)
 
         self.root.mkdir(parents=True, exist_ok=True)
         derived = _derived_files(self._specs, stats)
@@ -158,7 +159,7 @@ class ShardWriter:
         Batches may have any size and may straddle shard boundaries.
         """
         self._check_open()
-        arr, owned = _cast(self.md, acts)
+        arr, owned, scales = _cast(self.md, acts)
         batch = arr.shape[0]
         first = self._reserve("acts", batch)
         lengths = None
@@ -183,7 +184,7 @@ class ShardWriter:
             raise _nonfinite_error(self.md, acts, arr, first)
         if self._pipeline.thread is not None and not owned:
             arr = arr.copy()  # the caller may reuse its buffer while we write in the background
-        self._pipeline.submit(self._parts.write, self._specs["acts"], arr, first, lengths)
+        self._pipeline.submit(self._parts.write, self._specs["acts"], arr, first, lengths, scales)
         if labels is not None:
             self.write_labels(labels)
         if columns:
@@ -368,11 +369,18 @@ def _to_numpy(x: Any) -> npt.NDArray[Any]:
 
 
 def _nonfinite_error(md: Metadata, original: Any, arr: npt.NDArray[Any], first: int) -> NonFiniteError:
-    bad = dtypes.nonfinite_elements(arr, md.dtype)
+    if md.dtype == FLOAT8:  # whole vectors are stored as NaN: count the values given instead
+        given = original.detach().float().cpu().numpy() if dtypes.is_torch_tensor(original) else original
+        with np.errstate(over="ignore"):
+            bad = ~np.isfinite(np.asarray(given, np.float32))
+    else:
+        bad = dtypes.nonfinite_elements(arr, md.dtype)
     per_example = bad.reshape(arr.shape[0], -1).any(axis=1)
     examples = (np.flatnonzero(per_example) + first).tolist()
     shown = ", ".join(map(str, examples[:10])) + (", ..." if len(examples) > 10 else "")
     detail = ""
+    if md.dtype == FLOAT8:
+        detail = " (float8_e4m3 stores a vector holding inf or NaN as NaN)"
     if md.dtype == "float16":
         if dtypes.is_torch_tensor(original):
             biggest = float(original.detach().float().abs().nan_to_num(nan=0.0).max())
@@ -381,7 +389,8 @@ def _nonfinite_error(md: Metadata, original: Any, arr: npt.NDArray[Any], first: 
         detail = f"; float16 holds at most 65504, the largest |value| was {biggest:.6g}"
     return NonFiniteError(
         f"{int(bad.sum())} values in {len(examples)} examples (global indices {shown}) are not "
-        f"finite after the cast to {md.dtype}{detail}; pass allow_nonfinite=True to store them"
+        f"finite after the cast to {'float32' if md.dtype == FLOAT8 else md.dtype}{detail}; pass "
+        "allow_nonfinite=True to store them"
     )
 
 
@@ -403,19 +412,24 @@ def _check_writable(root: Path, md: Metadata, extras: bool) -> None:
         )
 
 
-def _cast(md: Metadata, acts: Any) -> tuple[npt.NDArray[Any], bool]:
-    """``acts`` in the stored dtype, and whether that is a fresh array (not the caller's memory)."""
+def _cast(md: Metadata, acts: Any) -> tuple[npt.NDArray[Any], bool, npt.NDArray[Any] | None]:
+    """``acts`` in the stored dtype, whether that is a fresh array (not the caller's memory),
+    and for float8_e4m3 the scale of each vector ``(B, L, T)`` (`float8.quantize`)."""
+    want = md.shard_shape[1:]
+    shape = tuple(getattr(acts, "shape", np.shape(acts)))
+    if len(shape) != 4 or shape[1:] != want:
+        raise WriterError(
+            f"acts: expected shape (B, {want[0]}, {want[1]}, {want[2]}) = (batch, layers, "
+            f"tokens_per_ex, d_model), found {shape}"
+        )
     try:
+        if md.dtype == FLOAT8:
+            values, scales = float8.quantize(acts)
+            return values, True, scales
         arr, owned = dtypes.to_stored(acts, md.dtype)
     except TypeError as err:
         raise WriterError(str(err)) from None
-    want = md.shard_shape[1:]
-    if arr.ndim != 4 or arr.shape[1:] != want:
-        raise WriterError(
-            f"acts: expected shape (B, {want[0]}, {want[1]}, {want[2]}) = (batch, layers, "
-            f"tokens_per_ex, d_model), found {tuple(arr.shape)}"
-        )
-    return arr, owned
+    return arr, owned, None
 
 
 def _json_lines(name: str, values: Sequence[Any]) -> list[bytes]:

@@ -33,10 +33,12 @@ class _StatsPass:
         self._pool = ThreadPoolExecutor(1, "saev-shards-stats")
         self._pending: collections.deque[tuple[int, Future[None]]] = collections.deque()
 
-    def submit(self, k: int, acts: npt.NDArray[Any], lengths: npt.NDArray[Any] | None) -> None:
-        """Add ``acts`` (examples of shard ``k``) in the background."""
+    def submit(
+        self, k: int, acts: npt.NDArray[Any], lengths: npt.NDArray[Any] | None, scales: npt.NDArray[Any] | None = None
+    ) -> None:
+        """Add ``acts`` (examples of shard ``k``, with their scales for float8_e4m3) in the background."""
         stats = self.shards.setdefault(k, StatsAccumulator(self.n_layers, self.d_model))
-        self._pending.append((k, self._pool.submit(stats.update, acts, self.dtype, lengths)))
+        self._pending.append((k, self._pool.submit(stats.update, acts, self.dtype, lengths, scales)))
         while len(self._pending) > _STATS_BACKLOG:
             self._pending.popleft()[1].result()
 

@@ -4,8 +4,10 @@ that writes them.
 Every stream (activations, labels, numeric columns, text) goes through one loop,
 `_Parts.write`: a batch is cut where shards end, each piece appended to the stream's open
 part file (`_Cursor`, hashing as it goes), and a part that is complete is closed and
-noted. When every stream has completed shard ``k``, its part record
-(``part<06d>.json``) seals it. Everything here runs in the writer's I/O thread
+noted. A float8_e4m3 cache's scales are cut with their activations, into the shard's scale
+file. When every stream has completed shard ``k``, its part record (``part<06d>.json``)
+seals it. Files published as written (shards and scale files) are digested per block too
+in protocol 3.1, for blocks.json. Everything here runs in the writer's I/O thread
 (`_Pipeline`), in the order the caller submitted it.
 """
 
@@ -21,14 +23,16 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 import orjson
-import xxhash
 
 from ..errors import WriterBusyError
-from ..fileio import IO_CHUNK, fault_point, naming_disk_full, try_flock, write_file_atomic
+from ..fileio import IO_CHUNK, BlockHasher, fault_point, naming_disk_full, try_flock, write_file_atomic
 from ..metadata import Metadata
-from ..protocol.staging import part_file, part_record
+from ..protocol.staging import SCALES, part_file, part_record
 from . import direct
 from .stats import _StatsPass
+
+#: Streams whose part files are published as they are written (not joined by finalize).
+PUBLISHED_AS_WRITTEN = ("acts", SCALES)
 
 _RESUME_NOTE = "; the shards sealed so far are kept: free some space and resume (ShardWriter(..., resume=True))"
 
@@ -53,7 +57,7 @@ class _StreamSpec:
 
     def part_info(self, n_examples: int) -> dict[str, Any]:
         """What the part record says about a complete part besides its size and digest."""
-        if self.key == "acts":
+        if self.key in PUBLISHED_AS_WRITTEN:
             return {}
         return {"n_lines": n_examples} if self.is_text else self.to_json()
 
@@ -66,15 +70,16 @@ def _byte_view(data: bytes | npt.NDArray[Any]) -> memoryview:
 
 
 class _Cursor:
-    """A stream's open part file: the shard it is in, examples written, digest so far."""
+    """A stream's open part file: the shard it is in, examples written, digests so far (per
+    ``block_size`` bytes too, when given)."""
 
-    def __init__(self, path: Path, k: int, expected_nbytes: int | None) -> None:
+    def __init__(self, path: Path, k: int, expected_nbytes: int | None, block_size: int | None = None) -> None:
         self.path = path
         self.k = k
         self.count = 0
         self.nbytes = 0
         self.expected_nbytes = expected_nbytes  # None for text, whose size is known only at the end
-        self.hasher = xxhash.xxh3_128()
+        self.hasher = BlockHasher(block_size)
         is_shard = path.name.startswith("acts")
         # O_DIRECT only pays for files of at least one block; small files stay buffered.
         with naming_disk_full(path, expected_nbytes, _RESUME_NOTE):
@@ -117,12 +122,22 @@ class _Parts:
         self.stats = stats
         self.cursors: dict[str, _Cursor] = {}
         self.done: dict[int, dict[str, dict[str, Any]]] = {}  # shard -> stream -> part info
+        #: Protocol 3.1: the files published as written are digested per block of this size.
+        self.block_size = md.format.block_size
+        #: A float8_e4m3 cache's scales: float32 ``(L, T)`` per example, sealed with the rest.
+        self.scales_spec = _StreamSpec(SCALES, np.dtype("<f4"), md.shard_shape[1:3])
 
     def write(
-        self, spec: _StreamSpec, batch: npt.NDArray[Any] | list[bytes], first: int, lengths: npt.NDArray[Any] | None
+        self,
+        spec: _StreamSpec,
+        batch: npt.NDArray[Any] | list[bytes],
+        first: int,
+        lengths: npt.NDArray[Any] | None,
+        scales: npt.NDArray[Any] | None = None,
     ) -> None:
         """Append ``batch`` (examples ``first``, ``first + 1``, ... of stream ``spec``: an
-        array, or text as one JSON line per example), cut at shard boundaries."""
+        array, or text as one JSON line per example), cut at shard boundaries; a float8_e4m3
+        cache's activations come with their ``scales`` ``(B, L, T)``, cut with them."""
         pos = 0
         while pos < len(batch):
             cur = self._cursor(spec, first + pos)
@@ -132,8 +147,16 @@ class _Parts:
                 cur.write(b"".join(piece))
             else:
                 cur.write(piece)
+                scale_piece = None
+                if scales is not None:
+                    scale_piece = scales[pos : pos + room]
+                    scale_cur = self._cursor(self.scales_spec, first + pos)
+                    scale_cur.write(scale_piece)
+                    scale_cur.count += len(scale_piece)
+                    if scale_cur.count == self.md.shard_n_examples(scale_cur.k):
+                        self._finish_part(self.scales_spec, scale_cur)
                 if spec.key == "acts" and self.stats is not None:
-                    self.stats.submit(cur.k, piece, None if lengths is None else lengths[pos : pos + room])
+                    self.stats.submit(cur.k, piece, None if lengths is None else lengths[pos : pos + room], scale_piece)
             cur.count += len(piece)
             pos += len(piece)
             if cur.count == self.md.shard_n_examples(cur.k):
@@ -149,7 +172,8 @@ class _Parts:
                 expected = self.md.shard_nbytes(k)
             elif spec.dtype is not None:
                 expected = self.md.shard_n_examples(k) * spec.dtype.itemsize * math.prod(spec.tail)
-            cur = _Cursor(self.staging / part_file(k, spec.key), k, expected)
+            blocks = self.block_size if spec.key in PUBLISHED_AS_WRITTEN else None
+            cur = _Cursor(self.staging / part_file(k, spec.key), k, expected, blocks)
             self.cursors[spec.key] = cur
         return cur
 
@@ -166,10 +190,12 @@ class _Parts:
         # files are joined into fresh files that finalize fsyncs, and a resumed writer
         # re-verifies every sealed part against its record, so losing an unsynced part or
         # record to a crash costs a rewrite, never a wrong cache.
-        cur.close(self.durable and key == "acts")
+        cur.close(self.durable and key in PUBLISHED_AS_WRITTEN)
         del self.cursors[key]
         fault_point("shard-written" if key == "acts" else "part-written", cur.k)
         info = {"nbytes": cur.nbytes, "xxh3_128": cur.hasher.hexdigest(), **spec.part_info(cur.count)}
+        if key in PUBLISHED_AS_WRITTEN and self.block_size is not None:
+            info["blocks"] = cur.hasher.block_hexdigests()
         self.done.setdefault(cur.k, {})[key] = info
         self._maybe_seal(cur.k)
 
@@ -185,7 +211,8 @@ class _Parts:
             "shard": k,
             "n_examples": self.md.shard_n_examples(k),
             "acts": done["acts"],
-            "streams": {key: done[key] for key in sorted(self.keys) if key != "acts"},
+            "scales": done.get(SCALES),
+            "streams": {key: done[key] for key in sorted(self.keys) if key not in PUBLISHED_AS_WRITTEN},
             "stats": stats.to_json() if stats is not None else None,
         }
         record_path = self.staging / part_record(k)

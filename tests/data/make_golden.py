@@ -10,7 +10,6 @@ import base64
 import json
 import os
 import pickle
-import shutil
 from pathlib import Path
 from typing import Any
 
@@ -41,7 +40,9 @@ GOLDEN_LENGTHS = [3, 1, 2, 3, 0]
 GOLDEN_PROMPTS = ["zero", "one 一", 'two "quoted"', "three\nlines", {"four": 4}]
 
 
-def golden_metadata() -> ss.Metadata:
+def golden_metadata(protocol: str = "3.0", dtype: str = "float16") -> ss.Metadata:
+    """The golden cache's configuration: protocol 3.0 (the committed bytes of golden-3.0), or
+    3.1 in float16 or float8_e4m3 (golden-3.1)."""
     return ss.Metadata(
         family="clip",
         ckpt="golden/ckpt",
@@ -53,12 +54,13 @@ def golden_metadata() -> ss.Metadata:
         patches_per_shard=13,  # 13 // (3 tokens * 2 layers) = 2 examples per shard
         data={"name": "golden", "note": "ünïcode ∑", "scale": 0.25},
         dataset="/golden",
-        dtype="float16",
+        dtype=dtype,
+        protocol=protocol,
     )
 
 
-def write_golden_3(root: Path) -> Path:
-    md = golden_metadata()
+def write_golden_3(root: Path, protocol: str = "3.0", dtype: str = "float16") -> Path:
+    md = golden_metadata(protocol, dtype)
     values = golden_values(*md.shape)
     with ss.ShardWriter(root, md, stats=True) as w:
         for a, b in ((0, 3), (3, 5)):
@@ -114,16 +116,28 @@ def write_reference_style(root: Path, n_examples: int) -> Path:
     return path
 
 
+#: The golden caches of protocol 3.1 (one shards root): the 3.0 cache's data in float16, and in float8_e4m3.
+GOLDEN_31 = ("float16", "float8_e4m3")
+
+
 def main() -> None:
-    for name in ("golden-3.0", "legacy-2.1-padded", "legacy-2.1-divisible"):
+    """Write the golden caches that are missing (a protocol version's caches are written once:
+    delete a folder to write it again, only when its version's bytes change)."""
+    writers = {
+        "golden-3.0": lambda target: [write_golden_3(target)],
+        "golden-3.1": lambda target: [write_golden_3(target, "3.1", dtype) for dtype in GOLDEN_31],
+        "legacy-2.1-padded": lambda target: [write_reference_style(target, 5)],
+        "legacy-2.1-divisible": lambda target: [write_reference_style(target, 4)],
+    }
+    for name, write in writers.items():
         target = HERE / name
         if target.exists():
-            for p in target.rglob("*"):
+            print(f"{target}: kept")
+            continue
+        for path in write(target):
+            for p in [path, *path.rglob("*")]:  # as committed: git keeps no read-only modes
                 os.chmod(p, 0o755 if p.is_dir() else 0o644)
-            shutil.rmtree(target)
-    print(write_golden_3(HERE / "golden-3.0"))
-    print(write_reference_style(HERE / "legacy-2.1-padded", 5))
-    print(write_reference_style(HERE / "legacy-2.1-divisible", 4))
+            print(path)
 
 
 if __name__ == "__main__":

@@ -17,6 +17,7 @@ import pytest
 
 import saev_shards as ss
 from saev_shards import cli
+from saev_shards.units import human_bytes
 
 from ..support.caches import colliding_metadata, small_metadata, tree_bytes, writable_copy, write_cache
 from ..support.cli import cli_with_ctrl_c
@@ -356,8 +357,9 @@ def test_stage_copies_verifies_and_prints_the_local_path(st: Store, tmp_path: Pa
     r = st.run("stage", st.plain.hash[:6], "--to", str(local))
     assert r.code == 0, r.err
     assert r.out == f"{local / st.plain.hash}\n"
-    files = len(ss.open(st.shards_root / st.plain.hash).manifest.files())
-    assert r.err == f"{st.plain.hash[:12]}: copied {files} files (1.1 KB); checksums verified\n"
+    listed = ss.open(st.shards_root / st.plain.hash).manifest.files()
+    copied = human_bytes(sum(n for _, n, _ in listed))
+    assert r.err == f"{st.plain.hash[:12]}: copied {len(listed)} files ({copied}); checksums verified\n"
     assert tree_bytes(local / st.plain.hash) == tree_bytes(st.shards_root / st.plain.hash)
     r = st.run("stage", st.plain.hash[:6], "--to", str(local))
     assert r.code == 0 and r.err == f"{st.plain.hash[:12]}: already staged, nothing copied\n"
@@ -645,6 +647,6 @@ def test_info_of_a_protocol_3_cache_has_no_dialect_or_pixel_agg_row(st: Store):
     r = st.run("info", st.plain.hash)
     assert r.code == 0, r.err
     fields = dict(line.split(None, 1) for line in r.out.splitlines() if line and not line.startswith(" "))
-    assert fields["protocol"] == "3.0" and "pixel_agg" not in fields
+    assert fields["protocol"] == ss.PROTOCOL and "pixel_agg" not in fields
     info = json.loads(st.run("info", st.plain.hash, "--json").out)
-    assert (info["dialect"], info["pixel_agg"]) == ("3.0", None)
+    assert (info["dialect"], info["pixel_agg"]) == (ss.PROTOCOL, None)

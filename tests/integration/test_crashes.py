@@ -38,6 +38,8 @@ from ..support.faults import (
 )
 
 MD = fault_metadata()
+#: The same cache in float8_e4m3 (protocol 3.1): scale files sealed with their shards.
+MD8 = fault_metadata(dtype="float8_e4m3")
 
 
 @pytest.fixture(scope="module")
@@ -52,10 +54,24 @@ def points(tmp_path_factory: pytest.TempPathFactory) -> list[tuple[str, int]]:
     return record_points(lambda: write_run(root, MD, resume=False))
 
 
-def kill_and_resume(folder: Path, n: int, expected: dict[str, bytes], by_finalize: bool = False) -> str:
+@pytest.fixture(scope="module")
+def expected8(tmp_path_factory: pytest.TempPathFactory) -> dict[str, bytes]:
+    return clean_tree(tmp_path_factory.mktemp("clean8"), MD8)
+
+
+@pytest.fixture(scope="module")
+def points8(tmp_path_factory: pytest.TempPathFactory) -> list[tuple[str, int]]:
+    root = tmp_path_factory.mktemp("points8")
+    return record_points(lambda: write_run(root, MD8, resume=False))
+
+
+def kill_and_resume(
+    folder: Path, n: int, expected: dict[str, bytes], by_finalize: bool = False, md: ss.Metadata = MD
+) -> str:
     """Kill a write at its n-th point, check what is published, resume, check the result.
 
     Returns what the resumed run did (for the failure message)."""
+    MD = md
     root = folder / f"kill-{n}"
     root.mkdir()
     os.chown(root, folder.stat().st_uid, folder.stat().st_gid)
@@ -83,6 +99,7 @@ def point_number(points: list[tuple[str, int]], name: str, index: int = -1) -> i
 SAMPLE = [
     ("record-written", 5),
     ("joined", 1),
+    ("blocks-written", -1),
     ("manifest-written", -1),
     ("staging-cleaned", -1),
     ("publish-frozen", -1),
@@ -96,6 +113,20 @@ def test_kill_at_a_named_point_then_resume(
 ) -> None:
     with nobody_folder() as folder:
         kill_and_resume(folder, point_number(points, name, index), expected)
+
+
+# float8_e4m3: a shard and its scale file sealed, a scale file written before its shard's
+# record, and finalize between blocks.json and shards.json.
+SAMPLE8 = [("part-written", 2), ("record-written", 3), ("blocks-written", -1)]
+
+
+@pytest.mark.parametrize(("name", "index"), SAMPLE8, ids=[f"{n}{'' if i < 0 else i}" for n, i in SAMPLE8])
+def test_kill_a_float8_write_at_a_named_point_then_resume(
+    name: str, index: int, points8: list[tuple[str, int]], expected8: dict[str, bytes]
+) -> None:
+    assert any(n.startswith("scales") for n in expected8)
+    with nobody_folder() as folder:
+        kill_and_resume(folder, point_number(points8, name, index), expected8, md=MD8)
 
 
 def test_finalize_alone_completes_a_killed_finalize(points: list[tuple[str, int]], expected: dict[str, bytes]) -> None:
@@ -136,6 +167,22 @@ def test_kill_at_every_named_point_then_resume(points: list[tuple[str, int]], ex
                 kill_and_resume(folder, n, expected, by_finalize=by_finalize)
             except AssertionError as err:
                 failures.append(f"point {n} {points[n - 1]}: {err}")
+    assert not failures, "\n".join(failures)
+
+
+@pytest.mark.slow
+def test_kill_a_float8_write_at_every_named_point_then_resume(
+    points8: list[tuple[str, int]], expected8: dict[str, bytes]
+) -> None:
+    """The float8_e4m3 cache at every named point of its run (scale files included)."""
+    last_record = max(i for i, (name, _) in enumerate(points8) if name == "record-written") + 1
+    failures = []
+    with nobody_folder() as folder:
+        for n in range(1, len(points8) + 1):
+            try:
+                kill_and_resume(folder, n, expected8, by_finalize=n > last_record and n % 2 == 0, md=MD8)
+            except AssertionError as err:
+                failures.append(f"point {n} {points8[n - 1]}: {err}")
     assert not failures, "\n".join(failures)
 
 

@@ -96,7 +96,8 @@ STEPS = [
     ("record-written", 2, "part000003.text.prompt.jsonl"),  # the rest of the batch that sealed shard 2
     ("finalize-checked", -1, "column.lengths.bin"),  # the first join
     ("joined", 2, "stats.json"),
-    ("stats-written", -1, "shards.json"),
+    ("stats-written", -1, "blocks.json"),
+    ("blocks-written", -1, "shards.json"),
 ]
 
 

@@ -13,10 +13,13 @@ import numpy.typing as npt
 
 import saev_shards as ss
 from saev_shards.dtypes import float32_to_bf16
+from saev_shards.float8 import FLOAT8_DTYPE
+from saev_shards.protocol.common import FLOAT8
 
 
 def small_metadata(**changes: Any) -> ss.Metadata:
-    """A small 3.0 cache: 23 examples of 2 layers x (CLS + 4) tokens x 8 dims, 5 per shard."""
+    """A small cache of this library's protocol: 23 examples of 2 layers x (CLS + 4) tokens x 8
+    dims, 5 per shard."""
     fields: dict[str, Any] = dict(
         family="clip",
         ckpt="test/ckpt",
@@ -35,8 +38,23 @@ def small_metadata(**changes: Any) -> ss.Metadata:
 
 
 def logical_tensor(md: ss.Metadata, seed: int = 0) -> npt.NDArray[Any]:
-    """Deterministic stored-dtype values of shape (N, L, T, D), finite, distinct per position."""
+    """Deterministic values of shape (N, L, T, D) as the cache reads them back by default (the
+    stored dtype; float16 for float8_e4m3), finite, distinct per position.
+
+    float8_e4m3: E4M3 values times a power of two per vector, each vector holding +-448 once,
+    so that the rule quantizes them exactly (scale the power of two) and reads give them back.
+    """
     rng = np.random.default_rng(seed)
+    if md.dtype == FLOAT8:
+        codes = rng.integers(0, 256, md.shape, dtype=np.uint8)
+        codes[(codes & 0x7F) == 0x7F] = 0  # no NaN
+        values = codes.view(FLOAT8_DTYPE).astype(np.float32)
+        at = rng.integers(0, md.d_model, md.shape[:3]) if md.d_model else None
+        if at is not None:
+            np.put_along_axis(values, at[..., None], np.where(at % 2 == 0, 448.0, -448.0)[..., None], axis=-1)
+        scales = 2.0 ** rng.integers(-3, 3, md.shape[:3])
+        exact: npt.NDArray[np.float16] = (values * scales[..., None]).astype(np.float16)
+        return exact
     values = rng.standard_normal(md.shape, dtype=np.float32) * 4
     if md.dtype == "bfloat16":
         return float32_to_bf16(values)
@@ -44,9 +62,11 @@ def logical_tensor(md: ss.Metadata, seed: int = 0) -> npt.NDArray[Any]:
 
 
 def float_input(md: ss.Metadata, logical: npt.NDArray[Any]) -> npt.NDArray[Any]:
-    """Writer input that casts exactly to ``logical`` (bfloat16 bits widened to float32)."""
+    """Writer input that casts (quantizes) exactly to ``logical`` (bfloat16 bits widened to float32)."""
     if md.dtype == "bfloat16":
         return ss.bf16_to_float32(logical)
+    if md.dtype == FLOAT8:
+        return logical.astype(np.float32)
     return logical
 
 

@@ -81,6 +81,10 @@ def open_and_use(path: Path, check_hash: bool = True) -> str:
             _ = shards.stats
             for name in shards.manifest.text:
                 list(shards.text(name))
+            for name, _, _ in shards.manifest.blocked_files():
+                shards.block_digests(name)
+            if shards.n_examples:
+                shards[0]  # dequantized with its scales in a float8_e4m3 cache
             shards.verify()
         except ss.ShardsError as err:
             outcome = "opened, then " + type(err).__name__
@@ -104,16 +108,21 @@ class Pristine:
 
 
 def make_pristine(base: Path) -> list[Pristine]:
-    """A 3.0 cache with every kind of file (labels, a lengths column, text, stats) and a 2.1
-    cache with labels and checksums.json, written under ``base``, made writable."""
+    """Caches with every kind of file (labels, a lengths column, text, stats), written under
+    ``base`` and made writable: protocol 3.1 in float16 (blocks.json), a 2.1 cache with labels
+    and checksums.json, 3.1 in float8_e4m3 (scale files too), and 3.0 in float16."""
     base.mkdir(parents=True, exist_ok=True)
     md3 = small_metadata()
     lengths = (1 + np.arange(md3.n_examples) % md3.tokens_per_ex).astype("int32")
     write_cache(base, md3, labels=True, text=True, lengths=lengths, stats=True)
     md2 = small_metadata(dtype="float32", protocol="2.1", n_examples=9, data="gASVAAAA")
     write_cache(base, md2, labels=True)
+    md8 = small_metadata(dtype="float8_e4m3")
+    write_cache(base, md8, labels=True, text=True, lengths=lengths, stats=True)
+    md30 = small_metadata(protocol="3.0")
+    write_cache(base, md30, labels=True, text=True, lengths=lengths, stats=True)
     out = []
-    for md in (md3, md2):
+    for md in (md3, md2, md8, md30):
         path = base / md.hash
         writable(path)
         names = sorted(p.name for p in path.iterdir())
@@ -122,7 +131,7 @@ def make_pristine(base: Path) -> list[Pristine]:
                 path,
                 md.protocol,
                 tuple(n for n in names if n.endswith(".json")),
-                tuple(n for n in names if not n.endswith(".json") or n == "stats.json"),
+                tuple(n for n in names if not n.endswith(".json") or n in ("stats.json", "blocks.json")),
             )
         )
     return out
@@ -360,9 +369,14 @@ def generated_manifest(pristine: Any, rng: random.Random) -> Any:
         return entries
     out = dict(pristine)
     out["shards"] = entries
-    field = rng.choice(["labels", "columns", "text", "stats", None])
+    field = rng.choice([f for f in ("labels", "columns", "text", "stats", "scales", "blocks") if f in out] + [None])
     if field is not None:
         out[field] = rng.choice([None, {}, random_value(rng), {"x": random_value(rng)}, out[field]])
+    if isinstance(out.get("scales"), list) and out["scales"] and rng.random() < 0.5:  # float8_e4m3: its scale files
+        scales = [dict(e) for e in out["scales"]]
+        e = rng.choice(scales)
+        e[rng.choice(sorted(e))] = rng.choice([random_value(rng), "scales000099.bin", "acts000000.bin", -1, 2**63])
+        out["scales"] = rng.choice([scales, scales[:-1], [*scales, scales[0]]])
     return out
 
 

@@ -1,4 +1,5 @@
-"""Committed caches every release must read exactly; protocol 2.1 compatibility both ways."""
+"""Committed caches every release must read exactly (protocol 3.0 and 3.1); protocol 2.1
+compatibility both ways; what a reader of 3.0 alone does with a 3.1 cache."""
 
 from __future__ import annotations
 
@@ -13,8 +14,11 @@ import pytest
 import xxhash
 
 import saev_shards as ss
+from saev_shards import float8, protocol
+from saev_shards.protocol import common as protocol_common
 
 from ..data.make_golden import (
+    GOLDEN_31,
     GOLDEN_LENGTHS,
     GOLDEN_PROMPTS,
     SEED_KEYS,
@@ -41,6 +45,37 @@ GOLDEN_DIGESTS = {
     "text.prompt.jsonl": "96a95b57d990f2a4f6413b9a6e3d91d0",
     "metadata.json": "a751663e60e7557d2b4bdf6891286e8b",
     "shards.json": "d1ae545988c32ca9c1131cbaa3c21de0",
+}
+
+
+# The protocol 3.1 golden caches: the same data, in float16 and in float8_e4m3.
+GOLDEN_31_PATHS = {
+    "float16": DATA / "golden-3.1" / "14e089dbb546e43421bedc07de5316e104b609364ed0ec07c6b339075d0f553f",
+    "float8_e4m3": DATA / "golden-3.1" / "a7640d62bd5d63f6b770c8e3081b26ebda4972b4329a729abb60e356584aa123",
+}
+GOLDEN_31_DIGESTS = {
+    "float16": {
+        # The data files are those of the 3.0 cache, byte for byte.
+        **{k: v for k, v in GOLDEN_DIGESTS.items() if k not in ("metadata.json", "shards.json")},
+        "blocks.json": "f10af1ff5dac70d3ec09fa2744cf5b4b",
+        "metadata.json": "7c570761c8ab0322ae1bf7fa4b261d64",
+        "shards.json": "76570a76060d3c103070cbd461ae9c34",
+    },
+    "float8_e4m3": {
+        "acts000000.bin": "489ac29519d374fb3d0524195abf35fd",
+        "acts000001.bin": "ba85184de45f98c391d945a0a0841275",
+        "acts000002.bin": "acb0eeaf9871bf96db3da3ec20b72fef",
+        "blocks.json": "2657bb84bfaf9699ab41d65dc20c10f5",
+        "column.lengths.bin": "ee4042a237873ae8a176a80b50f8e36f",
+        "labels.bin": "c1706b7907a117117990e4d0622ca366",
+        "metadata.json": "042258da36db6641de8777afc3cecdf2",
+        "scales000000.bin": "e2a06f040e7b3f1478f89928653cb2ca",
+        "scales000001.bin": "d4fa10e54631f6f3dcb9433caba739ff",
+        "scales000002.bin": "61dd5d56080add2cc212ef06f103d299",
+        "shards.json": "984ee9af52bb081ba81d22c65214d53e",
+        "stats.json": "b91b9fec7207abdae7c1ff5acb5a2fd2",
+        "text.prompt.jsonl": "96a95b57d990f2a4f6413b9a6e3d91d0",
+    },
 }
 
 
@@ -135,3 +170,88 @@ def test_reference_reader_reads_our_float32_caches(tmp_path: Path) -> None:
         np.testing.assert_array_equal(shards[:], values)
         assert shards.manifest.shards[0].xxh3_128 is not None  # our checksums.json sidecar
         shards.verify()
+
+
+# -- protocol 3.1 ---------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("dtype", GOLDEN_31)
+def test_golden_31_bytes_are_pinned(dtype: str) -> None:
+    path = GOLDEN_31_PATHS[dtype]
+    assert sorted(p.name for p in path.iterdir()) == sorted(GOLDEN_31_DIGESTS[dtype])
+    for name, digest in GOLDEN_31_DIGESTS[dtype].items():
+        assert xxhash.xxh3_128_hexdigest((path / name).read_bytes()) == digest, name
+    assert path.name == golden_metadata("3.1", dtype).hash
+
+
+@pytest.mark.parametrize("dtype", GOLDEN_31)
+def test_writer_still_writes_the_golden_31_bytes(tmp_path: Path, dtype: str) -> None:
+    assert tree_bytes(write_golden_3(tmp_path, "3.1", dtype)) == tree_bytes(GOLDEN_31_PATHS[dtype])
+
+
+def test_golden_31_float16_reads_exactly() -> None:
+    shards = ss.open(GOLDEN_31_PATHS["float16"])
+    md = shards.metadata
+    assert (md.protocol, md.dialect, md.dtype) == ("3.1", "3.1", "float16")
+    assert shards.manifest.scales is None
+    np.testing.assert_array_equal(shards[:], golden_values(*md.shape).astype(np.float16))
+    assert shards.block_size == 16 << 20
+    for name, digest in GOLDEN_31_DIGESTS["float16"].items():
+        if name not in ("metadata.json", "shards.json", "blocks.json"):
+            assert shards.block_digests(name) == [digest]  # one block each: the whole file
+    shards.verify()
+
+
+def test_golden_31_float8_reads_by_the_rule() -> None:
+    """The committed float8_e4m3 bytes are the rule of protocol.md 5 applied to the golden values,
+    and every read path gives them back dequantized: values times their vector's scale."""
+    shards = ss.open(GOLDEN_31_PATHS["float8_e4m3"])
+    md = shards.metadata
+    values = golden_values(*md.shape)
+    assert shards.read_dtype == "float16"
+    q, s = float8.quantize_numpy(values)
+    assert shards.scales is not None
+    np.testing.assert_array_equal(shards.raw[:].view(np.uint8), q.view(np.uint8))
+    np.testing.assert_array_equal(shards.scales[:], s)
+    # Each scale is max|x| / 448 of its vector, rounded to float32, at byte offset_in_vectors * 4.
+    np.testing.assert_array_equal(s, (np.abs(values).max(axis=-1) / np.float32(448)).astype(np.float32))
+    for k in range(shards.n_shards):
+        file = np.fromfile(shards.scale_path(k), dtype="<f4")
+        np.testing.assert_array_equal(file, s[k * 2 : k * 2 + 2].reshape(-1))
+    wide = q.astype(np.float32) * s[..., None]
+    np.testing.assert_array_equal(shards.with_dtype("float32")[:], wide)
+    np.testing.assert_array_equal(shards[:], wide.astype(np.float16))
+    assert (np.abs(wide - values) <= float8.error_bound(values, s)).all()
+    assert shards.get(3, 2, 1, dtype="float32").tolist() == wide[3, 1, 1].tolist()
+    assert shards.labels is not None and shards.lengths is not None
+    assert shards.lengths.tolist() == GOLDEN_LENGTHS
+    stats = shards.stats
+    assert stats is not None  # of the dequantized values, padding excluded
+    valid = np.arange(md.tokens_per_ex)[None, :] < np.array(GOLDEN_LENGTHS)[:, None]
+    for li in range(md.n_layers):
+        np.testing.assert_allclose(stats["mean"][li], wide[:, li][valid].astype(np.float64).mean(axis=0), rtol=1e-6)
+    listed = [n for n in GOLDEN_31_DIGESTS["float8_e4m3"] if n not in ("metadata.json", "shards.json")]
+    assert shards.verify() == sum(os.path.getsize(GOLDEN_31_PATHS["float8_e4m3"] / n) for n in listed)
+
+
+def test_golden_30_is_still_read_and_written_as_30() -> None:
+    """3.0 stays a version this library reads and writes byte-identically (the 3.0 tests above),
+    with no blocks and no scales."""
+    shards = ss.open(GOLDEN)
+    assert (shards.metadata.protocol, shards.block_size, shards.manifest.blocks) == ("3.0", None, None)
+    assert shards.block_digests("acts000000.bin") is None
+    assert golden_metadata().protocol == "3.0" and ss.PROTOCOL == "3.1"
+
+
+@pytest.mark.parametrize("dtype", GOLDEN_31)
+def test_a_reader_of_3_0_alone_refuses_3_1_by_its_version(monkeypatch: pytest.MonkeyPatch, dtype: str) -> None:
+    """This library with 3.1 taken out of its version table, as the releases before 3.1 were:
+    the 3.1 caches are refused by their version, never read."""
+    only_30 = ("3.0", *protocol_common.SAEV_CODE_PROTOCOLS)
+    monkeypatch.setattr(protocol, "SUPPORTED_PROTOCOLS", only_30)
+    with pytest.raises(
+        ss.ProtocolVersionError, match=r"unsupported protocol version '3\.1'; this library reads '3\.0'"
+    ):
+        ss.open(GOLDEN_31_PATHS[dtype])
+    assert json.loads((GOLDEN_31_PATHS[dtype] / "metadata.json").read_text())["protocol"] == "3.1"
+    ss.open(GOLDEN)  # 3.0 still opens

@@ -96,7 +96,7 @@ def test_fuzz_json_files_long(pristine: list[Pristine]) -> None:
 
 
 @settings(max_examples=100, suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
-@given(case=strategies.hostile_cases(n_caches=2, n_files=4))
+@given(case=strategies.hostile_cases(n_caches=4, n_files=5))
 def test_hostile_mutations_property(pristine: list[Pristine], case: tuple[int, int, str, int, Any, int]) -> None:
     index, file_index, kind, where, value, seed = case
     cache = pristine[index]

@@ -1,4 +1,6 @@
-"""numpy-style indexing of Shards equals numpy indexing of the logical tensor, errors included."""
+"""numpy-style indexing of Shards equals numpy indexing of the logical tensor, errors included;
+for float8_e4m3 caches the stored values, their scales and the values read (dequantized)
+equal numpy indexing of the logical tensors of each."""
 
 from __future__ import annotations
 
@@ -13,10 +15,11 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 import saev_shards as ss
+from saev_shards import float8
 from saev_shards._indexing import CACHE_RANGE, wrap_index
 
 from ..support import strategies
-from ..support.caches import small_metadata, write_cache
+from ..support.caches import float_input, small_metadata, write_cache
 
 
 @pytest.fixture(scope="module")
@@ -25,6 +28,17 @@ def cache() -> Iterator[tuple[ss.Shards, np.ndarray[Any, Any]]]:
         md = small_metadata()  # 23 examples, 5 per shard: a partial last shard of 3
         logical = write_cache(Path(tmp), md, batches=[4])
         yield ss.open(Path(tmp) / md.hash), logical
+
+
+@pytest.fixture(scope="module")
+def cache8() -> Iterator[tuple[ss.Shards, np.ndarray[Any, Any], np.ndarray[Any, Any], np.ndarray[Any, Any]]]:
+    """A float8_e4m3 cache of the same shape: the values read, the stored values and the scales
+    as logical tensors ``(N, L, T, D)``, ``(N, L, T, D)`` and ``(N, L, T)``."""
+    with tempfile.TemporaryDirectory() as tmp:
+        md = small_metadata(dtype="float8_e4m3")
+        logical = write_cache(Path(tmp), md, batches=[4])
+        stored, scales = float8.quantize_numpy(float_input(md, logical))
+        yield ss.open(Path(tmp) / md.hash), logical, stored, scales
 
 
 def outcome(obj: Any, key: Any) -> tuple[str, Any]:
@@ -54,6 +68,52 @@ def test_indexing_matches_numpy(cache: tuple[ss.Shards, Any], data: st.DataObjec
     if expected[0] == "ok":
         assert got[1].shape == expected[1].shape, f"key {key!r}"
         np.testing.assert_array_equal(got[1], expected[1])
+
+
+@given(data=st.data())
+def test_float8_indexing_of_values_stored_values_and_scales_matches_numpy(
+    cache8: tuple[ss.Shards, Any, Any, Any], data: st.DataObject
+) -> None:
+    """The scale of every value is found by the same offset arithmetic as the value: indexing the
+    cache, its stored values and its scales equals numpy indexing of the logical tensors."""
+    shards, logical, stored, scales = cache8
+    key = data.draw(keys(logical.shape))
+    expected = outcome(logical, key)
+    for got in (outcome(shards, key), outcome(shards.raw, key)):
+        assert got[0] == expected[0], f"key {key!r}"
+    if expected[0] == "ok":
+        np.testing.assert_array_equal(shards[key], expected[1])
+        np.testing.assert_array_equal(shards.raw[key].view(np.uint8), stored[key].view(np.uint8))
+        np.testing.assert_array_equal(shards.with_dtype("float32")[key], expected[1].astype(np.float32))
+    scale_key = data.draw(keys(scales.shape))
+    want = outcome(scales, scale_key)
+    assert shards.scales is not None
+    got = outcome(shards.scales, scale_key)
+    assert got[0] == want[0], f"key {scale_key!r}"
+    if want[0] == "ok":
+        assert got[1].shape == want[1].shape and got[1].dtype == np.float32
+        np.testing.assert_array_equal(got[1], want[1])
+
+
+@given(data=st.data())
+def test_float8_locate_and_locate_scale_are_offset_arithmetic(
+    cache8: tuple[ss.Shards, Any, Any, Any], data: st.DataObject
+) -> None:
+    """``locate`` and ``locate_scale`` give the byte of a vector and of its scale in their
+    files: offset_in_vectors * D and offset_in_vectors * 4 (protocol.md 4)."""
+    shards, _, stored, scales = cache8
+    md = shards.metadata
+    e = data.draw(st.integers(0, md.n_examples - 1))
+    layer = data.draw(st.sampled_from(md.layers))
+    t = data.draw(st.integers(0, md.tokens_per_ex - 1))
+    li = md.layer_index(layer)
+    k, offset = shards.locate(e, layer, t)
+    k2, scale_offset = shards.locate_scale(e, layer, t)
+    assert k == k2 and offset == scale_offset // 4 * md.d_model
+    vector = (shards.path / f"acts{k:06d}.bin").read_bytes()[offset : offset + md.d_model]
+    assert vector == stored[e, li, t].view(np.uint8).tobytes()
+    scale = (shards.path / f"scales{k:06d}.bin").read_bytes()[scale_offset : scale_offset + 4]
+    assert np.frombuffer(scale, "<f4")[0] == scales[e, li, t]
 
 
 @pytest.mark.parametrize(

@@ -60,7 +60,8 @@ def test_non_ascii_is_hashed_as_escapes() -> None:
 
 
 def test_pinned_hash() -> None:
-    """A fixed configuration has a fixed hash forever (changing it breaks every training config)."""
+    """A fixed configuration has a fixed hash forever (changing it breaks every training config);
+    in protocol 3.0 the one earlier releases gave it, in 3.1 (the default now) one of its own."""
     md = ss.Metadata(
         family="clip",
         ckpt="ViT-B-16/openai",
@@ -73,9 +74,14 @@ def test_pinned_hash() -> None:
         data={"name": "imagenet-1k"},
         dataset="/data/imagenet",
         dtype="float16",
+        protocol="3.0",
     )
     assert md.hash == seed_hash(md.to_dict())
     assert md.hash == "df9d849fcb7d5202ae0c3ab674739e62d14c90b6278c2e0534e2cbe3548e1eb8"
+    v31 = md.replace(protocol="3.1")
+    assert v31.hash == seed_hash(v31.to_dict())
+    assert v31.hash == "d61e36ab39b4c9f07f8891944530fdf700d61d7ce964dba891c5fe6b0bb88b9c"
+    assert v31 == md.replace(protocol=ss.PROTOCOL)  # the default
     assert (md.tokens_per_ex, md.examples_per_shard, md.n_shards) == (197, 6091, 2)
     assert md.shard_shape == (6091, 2, 197, 768)
 
@@ -158,7 +164,7 @@ def test_protocol_2_1_means_saevs_code_and_its_defaults() -> None:
         small_metadata(dtype="float32", protocol="2.1")
     with pytest.raises(ss.MetadataError, match=r"pixel_agg: expected one of \['majority', 'prefer-fg'\] or None"):
         small_metadata(dtype="float32", protocol="2.1", data="x", pixel_agg="mean")
-    with pytest.raises(ss.MetadataError, match=r"pixel_agg: protocol 3.0 has no pixel_agg"):
+    with pytest.raises(ss.MetadataError, match=rf"pixel_agg: protocol {ss.PROTOCOL} has no pixel_agg"):
         small_metadata(pixel_agg="majority")
     # Named explicitly, a dialect takes no defaults: pixel_agg stays None (as older saev wrote it).
     assert small_metadata(dtype="float32", protocol="2.1", data="x", dialect="saev").pixel_agg is None
@@ -202,7 +208,8 @@ def test_values_real_caches_hold_are_accepted(root: Path) -> None:
 
 
 def test_a_refused_dtype_raises_dtype_error_a_metadata_error():
-    with pytest.raises(ss.DtypeError, match=r"dtype: expected one of \['float16', 'bfloat16', 'float32'\]") as info:
+    allowed = r"\['float16', 'bfloat16', 'float32', 'float8_e4m3'\]"
+    with pytest.raises(ss.DtypeError, match=rf"dtype: expected one of {allowed} for protocol 3\.1") as info:
         small_metadata(dtype="int8")
     assert isinstance(info.value, ss.MetadataError)
     with pytest.raises(ss.DtypeError, match="dtype: expected a string, found int 3"):

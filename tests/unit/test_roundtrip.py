@@ -163,9 +163,16 @@ def test_read_example_buffers_and_errors(root: Path) -> None:
     with pytest.raises(IndexError, match=r"layer index 2 out of range \[0, 2\)"):
         shards.read_example(0, 2)
     with pytest.raises(ValueError, match="out must be a C-contiguous float16 array of 80 bytes"):
-        shards.read_example(0, 0, np.empty((5, 8), np.float32))
+        shards.read_example(0, 0, np.empty((4, 8), np.float16))
     with pytest.raises(ValueError, match="C-contiguous"):
         shards.read_example(0, 0, np.empty((8, 5), np.float16).T)
+    # Another float dtype: the values converted into it; one that is not a float dtype: refused.
+    wide = np.empty((5, 8), np.float32)
+    assert shards.read_example(3, 1, wide) is wide
+    np.testing.assert_array_equal(wide, logical[3, 1].astype(np.float32))
+    np.testing.assert_array_equal(shards.read_example(3, 1, dtype="float32"), wide)
+    with pytest.raises(ValueError, match=r"out: expected a float16 array \(the stored values\) or one of"):
+        shards.read_example(0, 0, np.empty((5, 8), np.int32))
 
 
 @given(strategies.metadata(min_examples=1), st.data())
@@ -200,4 +207,6 @@ def test_read_vectors_runs_duplicates_and_errors(root: Path) -> None:
     with pytest.raises(IndexError, match=r"token 5 out of range \[0, 5\)"):
         shards.read_vectors([0], [0], [5])
     with pytest.raises(ValueError, match="out must be a C-contiguous float16 array of shape"):
-        shards.read_vectors([0], [0], [0], out=np.empty((1, 8), np.float32))
+        shards.read_vectors([0], [0], [0], out=np.empty((2, 8), np.float16))
+    wide = shards.read_vectors([0, 5], [0, 1], [0, 4], out=np.empty((2, 8), np.float32))
+    np.testing.assert_array_equal(wide, logical[[0, 5], [0, 1], [0, 4]].astype(np.float32))

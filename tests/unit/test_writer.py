@@ -40,7 +40,7 @@ def test_publishes_read_only(root: Path) -> None:
         assert stat.S_IMODE(f.stat().st_mode) == 0o444
     assert sorted(p.name for p in path.iterdir()) == [
         "acts000000.bin", "acts000001.bin", "acts000002.bin", "acts000003.bin", "acts000004.bin",
-        "labels.bin", "metadata.json", "shards.json",
+        "blocks.json", "labels.bin", "metadata.json", "shards.json",
     ]  # fmt: skip
 
 

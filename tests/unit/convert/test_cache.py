@@ -32,7 +32,7 @@ def open_quiet(path: Path) -> ss.Shards:
 def test_saev_to_3_and_back_gives_the_original_bytes(tmp_path: Path, source: Path) -> None:
     v3 = convert(source, root=tmp_path / "v3", durable=False)
     shards = ss.open(v3.path)
-    assert (shards.metadata.protocol, shards.metadata.dtype) == ("3.0", "float32")  # the source's dtype kept
+    assert (shards.metadata.protocol, shards.metadata.dtype) == (ss.PROTOCOL, "float32")  # the source's dtype kept
     assert shards.metadata.data == {
         "saev": {
             "data": open_quiet(source).metadata.data,

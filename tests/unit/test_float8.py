@@ -1,0 +1,177 @@
+"""float8_e4m3 with a scale per vector (protocol.md section 5): the rule, its error bound, and
+the two implementations (torch's cast and ml_dtypes') giving the same bytes."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import ml_dtypes
+import numpy as np
+import pytest
+import torch
+from hypothesis import given
+from hypothesis import strategies as st
+from hypothesis.extra import numpy as hnp
+
+import saev_shards as ss
+from saev_shards import float8
+from saev_shards.float8 import FLOAT8_DTYPE
+
+from ..support.caches import small_metadata
+
+#: Every finite E4M3 value (ml_dtypes'), for the reference checks.
+FINITE = np.arange(256, dtype=np.uint8)[(np.arange(256) & 0x7F) != 0x7F].view(FLOAT8_DTYPE).astype(np.float32)
+
+
+@st.composite
+def activations(draw: st.DrawFn) -> np.ndarray[Any, np.dtype[np.float32]]:
+    """Vectors of random shapes whose scales span many orders of magnitude, with zero vectors,
+    values far below their vector's largest (E4M3's subnormal range after scaling), float32
+    subnormals, and values that are exactly 448 times a power of two."""
+    shape = draw(hnp.array_shapes(min_dims=1, max_dims=3, min_side=1, max_side=9))
+    base = draw(hnp.arrays(np.float32, shape, elements=st.floats(-1, 1, width=32)))
+    vectors = int(np.prod(shape[:-1]))
+    magnitude = draw(
+        hnp.arrays(np.float64, (vectors,), elements=st.sampled_from([0.0, 1e-38, 1e-30, 1e-6, 1.0, 7.5, 1e4, 1e30]))
+    )
+    values = base.reshape(vectors, shape[-1]) * magnitude[:, None]
+    kind = draw(st.sampled_from(["plain", "tiny", "at448", "subnormal32"]))
+    if kind == "tiny":  # most values far below the largest: E4M3 subnormals once scaled
+        values[:, 0] = magnitude
+        values[:, 1:] *= 1e-4
+    elif kind == "at448":  # E4M3 values, largest 448: stored exactly (scale a power of two)
+        codes = draw(hnp.arrays(np.float32, values.shape, elements=st.sampled_from(FINITE.tolist())))
+        codes[:, -1] = 448.0
+        values = codes * np.float32(2.0) ** draw(st.integers(-20, 20))
+    elif kind == "subnormal32":
+        values = values * np.float32(1e-38) * np.float32(1e-3)
+    out: np.ndarray[Any, np.dtype[np.float32]] = values.astype(np.float32).reshape(shape)
+    return out
+
+
+@given(activations())
+def test_round_trip_is_within_the_bound_per_element(x: np.ndarray[Any, Any]) -> None:
+    q, s = float8.quantize(x)
+    assert q.dtype == FLOAT8_DTYPE and q.shape == x.shape and s.shape == x.shape[:-1] and s.dtype == np.float32
+    assert np.isfinite(s).all() and (s >= 0).all()
+    back = float8.dequantize(q, s, "float32")
+    err = np.abs(back.astype(np.float64) - x)
+    assert (err <= float8.error_bound(x, s)).all(), float(np.max(err - float8.error_bound(x, s)))
+    # The rule: s = max|x| / 448 in float32, and the largest |value| of a vector is stored as 448.
+    largest = np.abs(x).max(axis=-1)
+    np.testing.assert_array_equal(s, largest / np.float32(448))
+    stored = np.abs(q.astype(np.float32))
+    normal = s >= np.float32(2.0**-126)
+    assert (stored.max(axis=-1)[normal] == 448).all()
+    zero = s == 0
+    assert (q.view(np.uint8)[zero] == 0).all()  # all-zero vectors (or below float32's range): zeros
+    # float16 and bfloat16 are the float32 values rounded once more.
+    if float(np.float32(448) * (s.max() if s.size else 0)) < 65520:
+        np.testing.assert_array_equal(float8.dequantize(q, s, "float16"), back.astype(np.float16))
+    bf16 = ss.dtypes.convert(q, "float8_e4m3", "bfloat16", s)
+    np.testing.assert_array_equal(bf16, ss.dtypes.float32_to_bf16(back))
+
+
+@given(activations())
+def test_torch_and_ml_dtypes_give_the_same_bytes(x: np.ndarray[Any, Any]) -> None:
+    q_torch, s_torch = float8.quantize(torch.from_numpy(x.copy()))
+    q_numpy, s_numpy = float8.quantize_numpy(x)
+    np.testing.assert_array_equal(q_torch.view(np.uint8), q_numpy.view(np.uint8))
+    np.testing.assert_array_equal(s_torch, s_numpy)
+    with np.errstate(over="ignore"):  # float16 input (inf where x is too large: stored as NaN vectors)
+        half = x.astype(np.float16)
+    q_half, s_half = float8.quantize(torch.from_numpy(half))  # widened to float32 first
+    ref_q, ref_s = float8.quantize_numpy(half)
+    np.testing.assert_array_equal(q_half.view(np.uint8), ref_q.view(np.uint8))
+    np.testing.assert_array_equal(s_half, ref_s)  # NaN where NaN
+
+
+@given(activations())
+def test_dequantize_is_the_float32_product_of_ml_dtypes_values(x: np.ndarray[Any, Any]) -> None:
+    """The pair tables and chunks of `dequantize` compute exactly RN32(float32(q) * s)."""
+    q, s = float8.quantize(x)
+    reference = q.astype(np.float32) * s[..., None]
+    np.testing.assert_array_equal(float8.dequantize(q, s, "float32"), reference)
+    np.testing.assert_array_equal(
+        float8.dequantize_elementwise(q, np.broadcast_to(s[..., None], q.shape), "float32"), reference
+    )
+
+
+def test_every_byte_pair_and_odd_widths() -> None:
+    codes = np.arange(65536, dtype="<u2").view(np.uint8).reshape(-1, 2)
+    codes = codes[((codes & 0x7F) != 0x7F).all(axis=1)].view(FLOAT8_DTYPE)
+    s = np.linspace(0.5, 2, len(codes), dtype=np.float32)
+    np.testing.assert_array_equal(float8.dequantize(codes, s, "float32"), codes.astype(np.float32) * s[:, None])
+    odd = codes[:999].reshape(333, 6)[:, :3].copy()  # D = 3: the single-byte table
+    np.testing.assert_array_equal(float8.dequantize(odd, s[:333], "float32"), odd.astype(np.float32) * s[:333, None])
+
+
+def test_special_vectors() -> None:
+    x = np.array(
+        [
+            [0.0, -0.0, 0.0],  # zero: scale 0, bytes 0
+            [448.0, -448.0, 1.0],  # scale 1: exact
+            [1.0, np.nan, 2.0],  # not finite: NaN bytes, scale NaN
+            [np.inf, 1.0, 2.0],
+            [1e-44, -1e-44, 0.0],  # the quotient underflows: stored as zeros
+            [3e-40, 1e-40, -2e-40],  # a subnormal scale: the clamp of the rule keeps it finite
+        ],
+        np.float32,
+    )
+    q, s = float8.quantize_numpy(x)
+    b = q.view(np.uint8)
+    assert b[0].tolist() == [0, 0, 0] and s[0] == 0 and not np.signbit(s[0])
+    assert q[1].astype(np.float32).tolist() == [448.0, -448.0, 1.0] and s[1] == 1
+    assert b[2].tolist() == b[3].tolist() == [0x7F] * 3 and np.isnan(s[2:4]).all()
+    assert np.isnan(s[2:4].view(np.uint32) == 0x7FC00000).sum() == 0 and (s[2:4].view(np.uint32) == 0x7FC00000).all()
+    assert b[4].tolist() == [0, 0, 0] and s[4] == 0
+    assert 0 < s[5] < 2.0**-126 and np.isfinite(q[5].astype(np.float32)).all()
+    back = float8.dequantize(q, s, "float32")
+    ok = np.isfinite(s)
+    assert (np.abs(back - x)[ok] <= float8.error_bound(x, s)[ok]).all()
+    assert np.isnan(back[2:4]).all()
+    q_t, s_t = float8.quantize(torch.from_numpy(x))
+    assert q_t.view(np.uint8).tolist() == b.tolist() and np.array_equal(s_t, s, equal_nan=True)
+
+
+def test_float16_overflow_is_an_error_at_the_exact_threshold() -> None:
+    """A vector whose dequantized values exceed float16 raises `DtypeRangeError` (float32 and
+    bfloat16 hold them); the threshold is where float16 rounds to infinity, not earlier."""
+    above = np.float32(65520.0 / 448)  # the smallest scale whose 448 * s (float32) reaches 65520
+    while np.float32(448) * np.nextafter(above, np.float32(0)) >= 65520:
+        above = np.nextafter(above, np.float32(0))
+    while np.float32(448) * above < 65520:
+        above = np.nextafter(above, np.float32(1e9))
+    below = np.nextafter(above, np.float32(0))
+    q = np.full((2, 4), 448, np.float32).astype(FLOAT8_DTYPE)
+    ok = float8.dequantize(q[:1], np.array([below], np.float32), "float16")
+    assert np.isfinite(ok).all()
+    with pytest.raises(ss.DtypeRangeError, match="do not fit float16") as info:
+        float8.dequantize(q, np.array([below, above], np.float32), "float16")
+    assert "float32" in str(info.value) and isinstance(info.value, ss.ShardsError)
+    assert np.isfinite(float8.dequantize(q, np.array([below, above], np.float32), "float32")).all()
+
+
+def test_nonfinite_activations_are_refused_or_stored_as_nan(tmp_path: Path) -> None:
+    md = small_metadata(dtype="float8_e4m3", n_examples=3)
+    x = np.ones(md.shape, np.float32)
+    x[1, 0, 2, 3] = np.inf
+    writer = ss.ShardWriter(tmp_path, md, durable=False)
+    with pytest.raises(ss.NonFiniteError, match=r"1 values in 1 examples \(global indices 1\).*float8_e4m3") as info:
+        writer.write(x)
+    writer.abort()
+    assert "allow_nonfinite=True" in str(info.value)
+    with ss.ShardWriter(tmp_path, md, durable=False, allow_nonfinite=True, stats=True) as w:
+        w.write(x)
+    shards = ss.open(tmp_path / md.hash)
+    assert shards.scales is not None
+    assert np.isnan(shards.scales[1, 0, 2]) and np.isnan(shards[1, 0, 2]).all()
+    assert np.isfinite(np.delete(shards[1, 0], 2, axis=0)).all()
+    stats = shards.stats
+    assert stats is not None and stats["nonfinite"].tolist() == [1, 0]
+
+
+def test_the_table_is_ml_dtypes() -> None:
+    assert np.dtype(ml_dtypes.float8_e4m3fn) == float8.FLOAT8_DTYPE
+    assert float(ml_dtypes.finfo(ml_dtypes.float8_e4m3fn).max) == float8.FLOAT8_MAX == 448
