@@ -182,9 +182,9 @@ def _shape_of(feature: Any, depth: int = 0) -> tuple[str, tuple[int, ...]] | Non
 
 def open_source(path: Path, options: Options, scan: Callable[[int, int], None] | None = None) -> SaelensSource:
     datasets = require("datasets", "convert", "converting SAELens caches")
+    features = _features(path) or {}
     # datasets opens (and memory-maps) the files itself: everything must be a regular file first.
     files.check_tree(path, "in a datasets folder", {_INFO: files.MAX_JSON_BYTES, _STATE: files.MAX_JSON_BYTES})
-    features = _features(path) or {}
     with files.library_errors(path, "datasets folder"):
         ds = datasets.load_from_disk(str(path))
     if not isinstance(ds, datasets.Dataset):

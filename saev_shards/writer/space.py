@@ -45,8 +45,8 @@ def space_needed(
     text: TextSizes | None = None,
     restart: bool = False,
 ) -> int:
-    """Bytes writer ``rank`` of ``world_size`` still needs under ``root``: its shards not yet
-    sealed with their parts (``columns``: name -> (dtype, per-example shape); ``text``: lower
+    """Bytes writer ``rank`` of ``world_size`` still needs under ``root``: its shards (and their
+    scale files, float8_e4m3) not yet sealed with their parts (``columns``: name -> (dtype, per-example shape); ``text``: lower
     bounds of the text files) and part records (with per-shard statistics), plus the joined
     columns and text of the whole cache; each file rounded up to the filesystem's allocation
     unit. The manifest and stats.json are not counted."""
@@ -56,10 +56,11 @@ def space_needed(
     record = 2 * md.n_layers * md.d_model * 25
     sealed = set() if restart else set(sealed_shards(root, md))
     eps = md.examples_per_shard
+    scales = md.scales_nbytes // md.n_examples if md.n_examples else 0  # per example: float8's scale files
     files = [md.n_examples * size for size in column_sizes] + (text(0, md.n_examples) if text else [])
     for k in rank_shards(md.n_shards, rank, world_size):
         if k not in sealed:
             a, b = k * eps, min((k + 1) * eps, md.n_examples)
-            files += [md.shard_nbytes(k), record, *((b - a) * size for size in column_sizes)]
+            files += [md.shard_nbytes(k), (b - a) * scales, record, *((b - a) * size for size in column_sizes)]
             files += text(a, b) if text else []
     return bytes_on_disk(files, root)

@@ -356,6 +356,15 @@ for _name, _make in ATTACK_SHARDS.items():
     _pickle_case(f"shard: {_name}")(lambda src, m=_make: _attack_shard(src, m))
 
 
+@_pickle_case("every shard: layer_1 and layer_01")
+def _(src: Path) -> None:
+    """The same two keys in every shard, so nothing but the collision can stop it (one layer
+    silently replaced the other before the fix)."""
+    for k, first in ((0, 0), (1, 3)):
+        records = [_record(i) for i in range(first, first + (3 if k == 0 else 2))]
+        put_shard(src, k, pickle.dumps({"layer_1": records, "layer_01": records}), num_samples=len(records))
+
+
 @_pickle_case("first shard: metadata integer 2**70 then a later shard's fraction")
 def _(src: Path) -> None:
     put_shard(src, 0, pickle.dumps(_shard([_record(i, metadata={"n": 2**70, "k": 3}) for i in range(3)])))
