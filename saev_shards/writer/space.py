@@ -45,9 +45,9 @@ def space_needed(
     text: TextSizes | None = None,
     restart: bool = False,
 ) -> int:
-    """Bytes writer ``rank`` of ``world_size`` still needs under ``root``: its shards (and their
-    scale files, float8_e4m3) not yet sealed with their parts (``columns``: name -> (dtype, per-example shape); ``text``: lower
-    bounds of the text files) and part records (with per-shard statistics), plus the joined
+    """Bytes writer ``rank`` of ``world_size`` still needs under ``root``: its shards (and
+    their scale files, float8_e4m3) not yet sealed with their parts (``columns``: name ->
+    (dtype, per-example shape); ``text``: lower bounds of the text files) and part records (with per-shard statistics), plus the joined
     columns and text of the whole cache; each file rounded up to the filesystem's allocation
     unit. The manifest and stats.json are not counted."""
     column_sizes = [np.dtype(dt).itemsize * math.prod(shape) for dt, shape in (columns or {}).values()]
