@@ -47,9 +47,10 @@ def space_needed(
 ) -> int:
     """Bytes writer ``rank`` of ``world_size`` still needs under ``root``: its shards (and
     their scale files, float8_e4m3) not yet sealed with their parts (``columns``: name ->
-    (dtype, per-example shape); ``text``: lower bounds of the text files) and part records (with per-shard statistics), plus the joined
-    columns and text of the whole cache; each file rounded up to the filesystem's allocation
-    unit. The manifest and stats.json are not counted."""
+    (dtype, per-example shape); ``text``: lower bounds of the text files) and part records
+    (with per-shard statistics), plus the joined columns and text of the whole cache; each
+    file rounded up to the filesystem's allocation unit. The manifest and stats.json are not
+    counted."""
     column_sizes = [np.dtype(dt).itemsize * math.prod(shape) for dt, shape in (columns or {}).values()]
     # A part record holds the shard's float64 sums per layer and dimension as JSON text,
     # about 25 bytes a number.
