@@ -15,7 +15,6 @@ from typing import Any
 import numpy as np
 
 from ..errors import ConvertError
-from ..protocol.jsonfile import short_repr
 from . import files
 from .base import Chunk, Options, Plan, Report, pick_layers, stat_identity
 
@@ -56,14 +55,11 @@ class NpySource:
 
 def open_source(path: Path, options: Options, scan: Callable[[int, int], None] | None = None) -> NpySource:
     files.open_file(path, "a .npy").close()  # a regular file: numpy opens it itself
-    try:
-        # The header is capped (numpy's max_header_size) and the memory map checks the file
-        # holds what the header declares: nothing is allocated for the data.
+    # The header is capped (numpy's max_header_size) and the memory map checks the file holds
+    # what the header declares: nothing is allocated for the data. numpy raises several kinds
+    # for a broken header (ValueError, OverflowError, EOFError, tokenize's TokenError...).
+    with files.library_errors(path, ".npy of numbers"):
         array = np.load(path, mmap_mode="r", allow_pickle=False)
-    except (ValueError, OverflowError, EOFError, OSError) as err:
-        raise ConvertError(
-            f"{path}: not a readable .npy of numbers ({type(err).__name__}: {short_repr(str(err), 200)})"
-        ) from None
     if array.ndim != 4:
         raise ConvertError(
             f"{path}: expected shape (N, L, T, D) = (examples, layers, tokens, d_model), found {array.shape}"

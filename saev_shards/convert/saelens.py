@@ -187,6 +187,10 @@ def open_source(path: Path, options: Options, scan: Callable[[int, int], None] |
     files.check_tree(path, "in a datasets folder", {_INFO: files.MAX_JSON_BYTES, _STATE: files.MAX_JSON_BYTES})
     with files.library_errors(path, "datasets folder"):
         ds = datasets.load_from_disk(str(path))
+        # pyarrow maps the IPC files without checking their buffers: a damaged offset or
+        # length would read out of bounds (a crash, not an error). Full validation checks
+        # every offset and length against its buffer (the activations are not read).
+        ds.data.table.validate(full=True)
     if not isinstance(ds, datasets.Dataset):
         raise ConvertError(f"{path}: expected one Dataset (save_to_disk of a Dataset), found {type(ds).__name__}")
     hooks = [name for name, f in features.items() if isinstance(f, dict) and f.get("_type") == "Array2D"]

@@ -33,7 +33,8 @@ from typing import Any
 
 import numpy as np
 
-from .hostile import NON_REGULAR, mutate, nested, random_value, render
+from .caches import small_metadata, write_cache
+from .hostile import NON_REGULAR, mutate, nested, random_value, render, writable
 from .sources import npy_source, pickle_source, saelens_source, zarr_source
 
 #: Wall-clock bound of one case: far above the ~0.1 s a small conversion takes, far below "forever".
@@ -637,6 +638,58 @@ for _name, _bytes in {
 
 
 # --------------------------------------------------------------------------------------
+# cache sources (`--from cache`, `--to saev` and back): a cache of this library, damaged
+
+
+def _cache_base(src: Path) -> None:
+    """A 3.1 cache with labels, text and statistics at ``src/<hash>``, its modes undone (so a
+    case can damage it as a non-root user too)."""
+    md = small_metadata()
+    write_cache(src, md, labels=True, text=True, stats=True)
+    writable(src / md.hash)
+
+
+def _the_cache(src: Path) -> Path:
+    return next(p for p in src.iterdir() if p.is_dir())
+
+
+def _flip(path: Path, at: int = 100) -> None:
+    data = bytearray(path.read_bytes())
+    data[at % len(data)] ^= 0x10
+    path.write_bytes(bytes(data))
+
+
+CACHE_CASES: dict[str, Callable[[Path], dict[str, Any]]] = {}
+
+
+def _cache_case(name: str) -> Callable[[Callable[[Path], object]], None]:
+    def register(fn: Callable[[Path], object]) -> None:
+        def build(src: Path) -> dict[str, Any]:
+            _cache_base(src)
+            return _options(fn(_the_cache(src)))
+
+        CACHE_CASES[name] = build
+
+    return register
+
+
+for _kind in ("FIFO", "symlink to /dev/zero", "dangling symlink", "directory"):
+    _cache_case(f"a shard that is a {_kind}")(lambda cache, k=_kind: _replace_file(cache / "acts000001.bin", k))
+    _cache_case(f"metadata.json that is a {_kind}")(lambda cache, k=_kind: _replace_file(cache / "metadata.json", k))
+_cache_case("a flipped bit in a shard")(lambda cache: _flip(cache / "acts000002.bin"))
+_cache_case("a flipped bit in labels.bin")(lambda cache: _flip(cache / "labels.bin", 3))
+_cache_case("a flipped bit in the text file")(lambda cache: _flip(cache / "text.prompt.jsonl", 5))
+_cache_case("shards.json cut short")(
+    lambda cache: (cache / "shards.json").write_bytes((cache / "shards.json").read_bytes()[:40])
+)
+_cache_case("a missing shard")(lambda cache: (cache / "acts000001.bin").unlink())
+_cache_case("an extra data file")(lambda cache: (cache / "acts000099.bin").write_bytes(b"\0" * 64))
+_cache_case("a shard one byte longer")(
+    lambda cache: (cache / "acts000000.bin").write_bytes((cache / "acts000000.bin").read_bytes() + b"\0")
+)
+
+
+# --------------------------------------------------------------------------------------
 # the catalogue, and random damage for the long runs
 
 #: The only cases that may convert: damage that the mapping documents (values kept as they
@@ -655,16 +708,20 @@ CATALOGUE: dict[str, tuple[str, dict[str, Callable[[Path], dict[str, Any]]]]] = 
     "zarr": ("zarr", ZARR_CASES),
     "saelens": ("saelens", SAELENS_CASES),
     "npy": ("npy", NPY_CASES),
+    "cache": ("cache", CACHE_CASES),
 }
 BASES: dict[str, Callable[[Path], Any]] = {
     "pickle": _pickle_base,
     "zarr": _zarr_base,
     "saelens": _saelens_base,
     "npy": _npy_base,
+    "cache": _cache_base,
 }
 
 
 def source_path(kind: str, src: Path) -> Path:
+    if kind == "cache":
+        return _the_cache(src)
     return src / "acts.npy" if kind == "npy" else src
 
 
@@ -685,7 +742,7 @@ def random_damage(src: Path, rng: random.Random) -> str:
             doc = json.loads(data.splitlines()[0] if path.suffix == ".jsonl" else data)
         except ValueError:
             doc = None
-        if doc is not None:
+        if isinstance(doc, dict):  # the engine's key mutations work on objects
             from .hostile import MUTATIONS
 
             kind = rng.choice(MUTATIONS)
