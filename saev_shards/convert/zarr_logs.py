@@ -324,6 +324,92 @@ def _check_chunks(array: Any, name: str, where: Path, max_bytes: int) -> None:
         )
 
 
+#: How far a codec's output can grow beyond its input, where a bound exists: deflate (gzip,
+#: zlib) at most 1032 times (RFC 1951: a 258-byte match in under two bits), LZ4 blocks about
+#: 255 times. Blosc and Zstandard chunks declare their output size in a header, checked instead.
+_RATIOS = {"gzip": 1032, "zlib": 1032, "lz4": 256}
+#: Codecs that never make a chunk larger than the chunk's declared bytes.
+_SIZE_KEEPING = frozenset(
+    ["bytes", "endian", "transpose", "shuffle", "delta", "crc32c", "fixedscaleoffset", "astype", "quantize",
+     "packbits", "sharding", "shardingindexed"]
+)  # fmt: skip
+_BLOSC_MAGIC_LEN = 16
+_ZSTD_MAGIC = b"\x28\xb5\x2f\xfd"
+
+
+def _codec_name(codec: Any) -> str:
+    name = getattr(codec, "codec_id", None) or type(codec).__name__
+    return str(name).lower().removesuffix("codec")
+
+
+def _check_codecs(store: Path, name: str, array: Any, max_bytes: int) -> None:
+    """Bound what decoding any chunk of ``array`` can allocate, before zarr decodes one: a
+    compressed chunk expands to whatever its codec says, and zarr checks the size only after
+    (a chunk of a few KB can ask for gigabytes). Each chunk file's worst case, from its size
+    and the codec's ratio or from the size its header declares, must fit ``max_bytes``;
+    a codec whose output cannot be bounded so (bz2, lzma, one this library does not know) is
+    refused."""
+    codecs = [_codec_name(c) for c in (*getattr(array, "filters", ()), *getattr(array, "compressors", ()))]
+    compressing = [c for c in codecs if c not in _SIZE_KEEPING]
+    if not compressing:
+        return
+    unknown = [c for c in compressing if c not in _RATIOS and c not in ("blosc", "zstd")]
+    if unknown:
+        raise ConvertError(
+            f"{store}: {name}: codec {unknown[0]!r}: its output cannot be bounded before it is decoded; "
+            "save the store uncompressed or with zstd, blosc, gzip or lz4"
+        )
+    folder = _array_dir(store, name)
+    ratio = math.prod(_RATIOS.get(c, 1) for c in compressing)
+    for path, size in _chunk_files(folder):
+        bound = size * ratio
+        if "blosc" in compressing or "zstd" in compressing:
+            declared = _declared_size(path, compressing)
+            bound = max(bound, declared) if declared is not None else bound
+        if bound > max_bytes:
+            raise ConvertError(
+                f"{path}: a chunk of {name} ({size:,} bytes, {'+'.join(compressing)}) may decode to {bound:,} bytes, "
+                f"more than the {max_bytes:,} a chunk may take{MEMORY_HINT}"
+            )
+
+
+def _chunk_files(folder: Path) -> Iterator[tuple[Path, int]]:
+    """Every chunk file under an array's folder, with its size (metadata files skipped)."""
+    todo = [folder]
+    while todo:
+        here = todo.pop()
+        with os.scandir(here) as it:
+            for entry in it:
+                if entry.name in _METADATA_NAMES:
+                    continue
+                if entry.is_dir():
+                    todo.append(Path(entry.path))
+                elif entry.is_file():
+                    yield Path(entry.path), entry.stat().st_size
+
+
+def _declared_size(path: Path, codecs: list[str]) -> int | None:
+    """The output size a Blosc or Zstandard chunk declares in its header (the size numcodecs
+    allocates); a Zstandard frame that declares none is refused (it would grow without bound)."""
+    with files.open_file(path, "a chunk") as f:
+        head = f.read(32)
+    if "blosc" in codecs and len(head) >= _BLOSC_MAGIC_LEN and not head.startswith(_ZSTD_MAGIC):
+        return int.from_bytes(head[4:8], "little")  # nbytes: the uncompressed size
+    if "zstd" in codecs and head.startswith(_ZSTD_MAGIC) and len(head) >= 6:
+        descriptor = head[4]
+        fcs_flag, single = descriptor >> 6, (descriptor >> 5) & 1
+        dict_len = (0, 1, 2, 4)[descriptor & 3]
+        at = 5 + (0 if single else 1) + dict_len
+        width = (1 if single else 0, 2, 4, 8)[fcs_flag]
+        if width == 0:
+            raise ConvertError(
+                f"{path}: a Zstandard chunk that does not declare its size (it could grow without bound)"
+            )
+        value = int.from_bytes(head[at : at + width], "little")
+        return value + 256 if width == 2 else value
+    return None
+
+
 def _held_rows(array_dir: Path, array: Any) -> int:
     """Samples (rows of axis 0) up to the last row of chunks that has a file: what the array
     holds, whatever its shape declares (zarr reads a missing chunk as its fill value)."""
@@ -401,6 +487,7 @@ def _open(zarr: Any, path: Path, options: Options) -> ZarrSource:
                     raise ConvertError(f"{store_path}: {name} holds {arrays[name].shape[0]} samples, expected {n}")
                 if name is not None:
                     _check_chunks(arrays[name], name, store_path, options.memory // 2)
+                    _check_codecs(store_path, name, arrays[name], options.memory // 2)
             if p.lengths is not None and (
                 len(arrays[p.lengths].shape) != 1 or arrays[p.lengths].dtype.kind not in "iu"
             ):
@@ -463,6 +550,7 @@ def _open(zarr: Any, path: Path, options: Options) -> ZarrSource:
                     f"(one value per sample, as in {stores[0].path}), found {np.dtype(arr.dtype)} {arr.shape}"
                 )
             _check_chunks(arr, a, s.path, options.memory // 2)
+            _check_codecs(s.path, a, arr, options.memory // 2)
     text_files = [_text_files(s.path) for s in stores]
     text_names = list(text_arrays)
     for found_files in text_files:

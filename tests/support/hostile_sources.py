@@ -467,6 +467,50 @@ def _(store: Path) -> None:
         _edit_json(_zarray(store, name), lambda doc: doc.update({"shape": [10**9, *doc["shape"][1:]]}))
 
 
+def _compressed_chunk(store: Path, compressor: dict[str, Any], chunk: bytes) -> None:
+    """prompt_activations declared compressed with ``compressor``, its first chunk ``chunk``."""
+    _edit_json(_zarray(store, "prompt_activations"), lambda doc: doc.update({"compressor": compressor}))
+    (store / "arrays" / "prompt_activations" / "0.0.0.0").write_bytes(chunk)
+
+
+@_zarr_case("a gzip bomb in a chunk")
+def _(store: Path) -> None:
+    member = gzip.compress(b"\0" * (1 << 20), compresslevel=9, mtime=0)
+    _compressed_chunk(store, {"id": "gzip", "level": 1}, member * 1000)
+
+
+@_zarr_case("a Zstandard chunk declaring 2**40 bytes")
+def _(store: Path) -> None:
+    header = b"\x28\xb5\x2f\xfd" + bytes([0xE0]) + (2**40).to_bytes(8, "little")
+    _compressed_chunk(store, {"id": "zstd", "level": 0}, header + b"\0" * 64)
+
+
+@_zarr_case("a Zstandard chunk declaring no size")
+def _(store: Path) -> None:
+    header = b"\x28\xb5\x2f\xfd" + bytes([0x00, 0x50])
+    _compressed_chunk(store, {"id": "zstd", "level": 0}, header + b"\0" * 64)
+
+
+@_zarr_case("a Blosc chunk declaring 2**31 bytes")
+def _(store: Path) -> None:
+    header = (
+        bytes([2, 1, 1, 2])
+        + (2**31 - 1).to_bytes(4, "little")
+        + (1 << 16).to_bytes(4, "little")
+        + (64).to_bytes(4, "little")
+    )
+    _compressed_chunk(
+        store, {"id": "blosc", "cname": "lz4", "clevel": 5, "shuffle": 1, "blocksize": 0}, header + b"\0" * 48
+    )
+
+
+@_zarr_case("a bz2 compressor")
+def _(store: Path) -> None:
+    import bz2
+
+    _compressed_chunk(store, {"id": "bz2", "level": 9}, bz2.compress(b"\0" * (1 << 24)))
+
+
 @_zarr_case("garbage chunk bytes")
 def _(store: Path) -> None:
     (store / "arrays" / "prompt_activations" / "0.0.0.0").write_bytes(b"\x01\x02garbage")
