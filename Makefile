@@ -9,21 +9,23 @@ STAMP  := $(VENV)/.installed
 # `make demo` still installs the rest.
 DEMO_STAMP := $(VENV)/.installed-demo
 # torch==2.13.0 is pinned in pyproject.toml: this machine has its CPU wheel locally.
+# `make dist` writes the sdist and the wheel here (DIST=dir to put them elsewhere).
+DIST ?= dist
 
-.PHONY: venv test test-all lint typecheck demo bench bench-quick bench-gpu clean
+.PHONY: venv test test-all lint typecheck demo bench bench-quick bench-gpu dist clean
 
 venv: $(STAMP)
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install --quiet --upgrade pip
-	$(BIN)/python -m pip install --quiet -e '.[dev,models,bench,convert,views]'
+	$(BIN)/python -m pip install --quiet -e '.[dev,models,bench,convert,views,plot,remote]'
 	touch $(STAMP) $(DEMO_STAMP)
 
 $(DEMO_STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install --quiet --upgrade pip
-	$(BIN)/python -m pip install --quiet -e '.[models]'
+	$(BIN)/python -m pip install --quiet -e '.[models,plot]'
 	touch $(DEMO_STAMP)
 
 lint: $(STAMP)
@@ -56,5 +58,11 @@ bench-quick: $(STAMP)
 bench-gpu: $(STAMP)
 	$(BIN)/python scripts/bench_gpu.py
 
+## make dist: the sdist and the wheel (pip install 'dist/saev_shards-<version>-py3-none-any.whl[torch]')
+dist: $(STAMP)
+	rm -rf $(DIST) build
+	$(BIN)/python -m build --outdir $(DIST) .
+	@ls -1 $(DIST)
+
 clean:
-	rm -rf $(VENV) build *.egg-info .mypy_cache .ruff_cache .pytest_cache .hypothesis
+	rm -rf $(VENV) build dist *.egg-info .mypy_cache .ruff_cache .pytest_cache .hypothesis

@@ -9,6 +9,8 @@
 3. Measure the shuffled loader's throughput, then train a top-k SAE for a few hundred
    steps from it (padding skipped, inputs normalised with the cache's statistics),
    printing a falling reconstruction loss.
+4. Save the loss curve and the cache's report (`saev-shards report`) as PNG files, and say
+   how to put ``saev-shards`` on PATH and what to try next on the cache.
 
 A few minutes on 2 CPU cores. ``python -m saev_shards.demo --help`` for the knobs.
 """
@@ -136,8 +138,69 @@ def main(argv: Sequence[str] | None = None) -> int:
     history = sae_mod.train(sae, acts(), steps=args.steps, mean=mean, scale=scale, lr=2e-3)
     first, last = history[0][1], history[-1][1]
     print(f"reconstruction loss fell from {first:.4f} to {last:.4f} ({100 * (1 - last / first):.0f}% lower)")
-    print(f"\ndemo finished in {time.perf_counter() - t_start:.0f} s; the cache stays at {path}")
+
+    _section("5. pictures")
+    loss_png = save_loss_curve(history, out / "loss.png", f"top-k SAE on layer {layer} of {md.hash[:12]}")
+    report_png = out / "report.png"
+    shards.report(report_png)
+    print(f"loss curve  {loss_png.absolute()}")
+    print(f"the cache   {report_png.absolute()}  (saev-shards report {md.hash[:8]})")
+    print(f"\ndemo finished in {time.perf_counter() - t_start:.0f} s")
+    print(next_steps(path))
     return 0
+
+
+def save_loss_curve(history: Sequence[tuple[int, float]], path: Path, title: str) -> Path:
+    """The training loss against the step, as a PNG (matplotlib: the ``plot`` extra)."""
+    from matplotlib.figure import Figure
+
+    fig = Figure(figsize=(6, 3.5), layout="constrained")
+    ax = fig.subplots()
+    ax.plot([s for s, _ in history], [loss for _, loss in history], marker="o")
+    ax.set(title=title, xlabel="step", ylabel="reconstruction loss (FVU)", yscale="log")
+    fig.savefig(path, dpi=100)
+    return path
+
+
+def next_steps(cache: Path) -> str:
+    """What to run next: how to get ``saev-shards`` on PATH, and commands on the demo's cache.
+
+    The cache's root (the demo's folder) is not a shards root the command line searches,
+    so the commands name it with ``SAEV_SHARDS_ROOT`` (every command also takes ``--root``).
+    """
+    import shutil
+
+    root = cache.parent.absolute()
+    bin_dir = Path(sys.executable).parent
+    script = bin_dir / "saev-shards"
+    on_path = shutil.which("saev-shards") == str(script)
+    prefix = cache.name[:8]
+    lines = ["", "=== next"]
+    if on_path:
+        lines.append(f"saev-shards is on your PATH ({script}).")
+    else:
+        lines += [
+            f"saev-shards is installed in {bin_dir}, which is not on your PATH; put it there with",
+            f'  source {bin_dir / "activate"}        (or: export PATH="{bin_dir}:$PATH")',
+        ]
+    lines += [
+        f"The cache is {cache.absolute()}; its root {root} is not one the command line searches, so say it:",
+        f"  export SAEV_SHARDS_ROOT={root}",
+        "then try:",
+        "  saev-shards ls                      # the caches there",
+        f"  saev-shards info {prefix}             # a readable summary",
+        f"  saev-shards verify {prefix}           # every checksum",
+        f"  saev-shards report {prefix} --out report.html   # the picture and its numbers",
+        f"  saev-shards shuffle {prefix} --layers {cache_layer(cache)} --exclude-token-ids 101,102,0   # for training",
+    ]
+    return "\n".join(lines)
+
+
+def cache_layer(cache: Path) -> int:
+    """The last recorded layer of the cache at ``cache``."""
+    import saev_shards as ss
+
+    return int(ss.open(cache).metadata.layers[-1])
 
 
 def _section(title: str) -> None:

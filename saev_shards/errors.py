@@ -328,6 +328,26 @@ class CacheInUseError(ShardsError):
         super().__init__(message)
 
 
+class RemoteError(ShardsError):
+    """Raised when an object store or HTTP server refuses a request or fails after every retry."""
+
+
+class RemoteCredentialsError(RemoteError):
+    """Raised when a remote request needs credentials and none are configured, or they are rejected."""
+
+
+class RemoteBucketError(RemoteError, FileNotFoundError):
+    """Raised when the bucket (or container) a remote URL names does not exist."""
+
+
+class RemoteRegionError(RemoteError):
+    """Raised when a bucket lives in another region than the one configured."""
+
+
+class RemoteAccessDeniedError(RemoteError, PermissionError):
+    """Raised when the credentials are valid but the request is denied (403)."""
+
+
 class RunError(ShardsError):
     """Raised when a run folder cannot be created or is not a run folder."""
 

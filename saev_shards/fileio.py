@@ -248,10 +248,14 @@ def pwrite_all(fd: int, view: memoryview, offset: int) -> None:
         offset += n
 
 
-def pread_exact(fd: int, view: memoryview, offset: int) -> None:
-    """Fill ``view`` from ``offset`` of ``fd``; `FileSizeError` if the file ends first."""
+def pread_exact(
+    fd: int, view: memoryview, offset: int, preadv: Callable[[int, list[memoryview], int], int] = os.preadv
+) -> None:
+    """Fill ``view`` from ``offset`` of ``fd``; `FileSizeError` if the file ends first.
+
+    ``preadv``: how to read (a remote cache's storage reads through its own, `Shards.files`)."""
     while view.nbytes:
-        n = os.preadv(fd, [view], offset)
+        n = preadv(fd, [view], offset)
         if n == 0:
             raise FileSizeError(f"unexpected end of file at byte {offset} (file truncated after open?)")
         view = view[n:]

@@ -1,6 +1,6 @@
 """`make bench`: every benchmark table, each figure a same-run ratio to the machine's limits.
 
-    .venv/bin/python scripts/bench.py [--quick] [--scale] [--only core,loaders,writers,shuffle,peers]
+    .venv/bin/python scripts/bench.py [--quick] [--scale] [--only core,loaders,writers,shuffle,peers,convert,remote]
 
 Tables print to stdout and are saved, with plots, under results/.
 """
@@ -26,6 +26,7 @@ SUITES = [
     ("shuffle", "scripts.bench_shuffle"),
     ("peers", "scripts.bench_peers"),
     ("convert", "scripts.bench_convert"),
+    ("remote", "scripts.bench_remote"),
 ]
 
 

@@ -148,15 +148,17 @@ def bench_page_cached(shards: ss.Shards, quick: bool) -> None:
     buffer = (64 if quick else 512) << 20
     rounds = 1 if quick else 3
     contenders = {
-        "ShuffledLoader, all layers": lambda: loaders.ShuffledLoader(shards, BATCH, buffer_bytes=buffer),
+        "ShuffledLoader, all layers": lambda: loaders.ShuffledLoader(
+            shards, BATCH, buffer_bytes=buffer, mix_layers=True
+        ),
         "ShuffledLoader, layer 11": lambda: loaders.ShuffledLoader(shards, BATCH, layers=11, buffer_bytes=buffer),
         "ShuffledLoader, all layers, out float32": lambda: loaders.ShuffledLoader(
-            shards, BATCH, buffer_bytes=buffer, out_dtype="float32"
+            shards, BATCH, buffer_bytes=buffer, out_dtype="float32", mix_layers=True
         ),
         "ShuffledLoader, 1 gather thread": lambda: loaders.ShuffledLoader(
-            shards, BATCH, buffer_bytes=buffer, gather_threads=1
+            shards, BATCH, buffer_bytes=buffer, gather_threads=1, mix_layers=True
         ),
-        "OrderedLoader, all layers": lambda: loaders.OrderedLoader(shards, BATCH),
+        "OrderedLoader, all layers": lambda: loaders.OrderedLoader(shards, BATCH, mix_layers=True),
     }
     bl.warm_cache(shards.path)
     table = loader_table(
@@ -184,9 +186,11 @@ def bench_cold(shards: ss.Shards, quick: bool, big: bool) -> None:
     rounds = 1 if (quick or big) else 3
     buffer = (64 if quick else 512) << 20
     contenders = {
-        "ShuffledLoader, all layers": lambda: loaders.ShuffledLoader(shards, BATCH, buffer_bytes=buffer),
+        "ShuffledLoader, all layers": lambda: loaders.ShuffledLoader(
+            shards, BATCH, buffer_bytes=buffer, mix_layers=True
+        ),
         "ShuffledLoader, layer 11": lambda: loaders.ShuffledLoader(shards, BATCH, layers=11, buffer_bytes=buffer),
-        "OrderedLoader, all layers": lambda: loaders.OrderedLoader(shards, BATCH),
+        "OrderedLoader, all layers": lambda: loaders.OrderedLoader(shards, BATCH, mix_layers=True),
     }
     where = f"cache larger than RAM ({md.nbytes / 2**30:.0f} GiB)" if big else f"cold cache ({md.nbytes / 1e9:.1f} GB)"
     # Dropped before each sample: a smaller cache would be read from memory, and the part of a
@@ -290,7 +294,7 @@ def bench_datasets(shards: ss.Shards, quick: bool) -> None:
     vector_bytes = md.d_model * md.itemsize
     cases: dict[str, tuple[Any, int, int]] = {
         # name: (dataset, batch size, bytes per item)
-        "ExampleDataset (example, layer) slices": (loaders.ExampleDataset(shards), 32, slice_bytes),
+        "ExampleDataset (example, layer) slices": (loaders.ExampleDataset(shards, mix_layers=True), 32, slice_bytes),
         "LayerPairDataset (b, 2, T, D)": (loaders.LayerPairDataset(shards), 32, 2 * slice_bytes),
         "TokenDataset single tokens": (loaders.TokenDataset(shards, layer=11), 1024, vector_bytes),
     }
@@ -354,7 +358,9 @@ def bench_cuda(shards: ss.Shards, quick: bool) -> None:
     )
     table.add("pinned 256 MiB host-to-device copy (limit)", limit, 1.0)
     for pin in (True, False):
-        loader = loaders.ShuffledLoader(shards, BATCH, pin_memory=pin, buffer_bytes=(64 if quick else 512) << 20)
+        loader = loaders.ShuffledLoader(
+            shards, BATCH, pin_memory=pin, buffer_bytes=(64 if quick else 512) << 20, mix_layers=True
+        )
         moved = 0
         t = time.perf_counter()
         for batch in loader:

@@ -23,6 +23,14 @@ settings.register_profile("thorough", max_examples=400, deadline=None, suppress_
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "dev"))
 
 
+@pytest.fixture(autouse=True)
+def _protocol_warning_per_test() -> None:
+    """The protocol 2.1 warning shows once per cache per process; each test starts afresh."""
+    import importlib
+
+    importlib.import_module("saev_shards.reader.open")._LEGACY_WARNED.clear()
+
+
 @pytest.fixture
 def root(tmp_path: Path) -> Path:
     """An empty shards root."""

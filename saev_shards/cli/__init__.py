@@ -28,6 +28,11 @@ from ..errors import (
     DiskFullError,
     InvalidCacheError,
     MissingDependencyError,
+    RemoteAccessDeniedError,
+    RemoteBucketError,
+    RemoteCredentialsError,
+    RemoteError,
+    RemoteRegionError,
     RootNotSetError,
     RunExistsError,
     RunNotFoundError,
@@ -36,7 +41,7 @@ from ..errors import (
     UnknownCacheError,
     WriterBusyError,
 )
-from . import caches, cleanup, convert, dump, runs, shuffle
+from . import caches, cleanup, convert, dump, remote, runs, shuffle
 from ._common import (
     EXIT_BROKEN_PIPE,
     EXIT_CODES_HELP,
@@ -71,7 +76,7 @@ __all__ = [
 ]
 
 #: The modules whose commands make up the command line, in --help order.
-COMMANDS = (caches, cleanup, shuffle, convert, runs, dump)
+COMMANDS = (caches, remote, cleanup, shuffle, convert, runs, dump)
 
 
 def build_parser(invoked: str | None = None) -> argparse.ArgumentParser:
@@ -88,7 +93,10 @@ def build_parser(invoked: str | None = None) -> argparse.ArgumentParser:
             "  saev-shards info 3f2a                   # a readable summary of one cache\n"
             "  saev-shards verify 3f2a                 # sizes, checksums and hash\n"
             "  saev-shards stage 3f2a                  # verified local copy in $TMPDIR\n"
+            "  saev-shards push 3f2a s3://bucket/shards # publish in an object store (prints the URL)\n"
+            "  saev-shards pull s3://bucket/shards/3f2a # verified copy into the shards root\n"
             "  saev-shards stats 3f2a                  # statistics for a cache written without them\n"
+            "  saev-shards report 3f2a                 # one picture: norms, dimensions, tokens, shards\n"
             "  saev-shards rm 3f2a                     # remove a cache (asks; refuses if a run links to it)\n"
             "  saev-shards clean --dry-run             # staging and copy folders whose writer is gone\n"
             "  saev-shards shuffle 3f2a --layers 11    # a perfectly shuffled copy for training\n"
@@ -120,6 +128,15 @@ def _invokedcommand(argv: Sequence[str]) -> str | None:
 
 
 def _exit_code(err: BaseException) -> int:
+    # Object stores: each refusal its own code (docs/cli.md), before the generic kinds below.
+    if isinstance(err, RemoteCredentialsError):
+        return EXIT_USAGE  # nothing (valid) configured: set the variables
+    if isinstance(err, RemoteBucketError):
+        return EXIT_NOT_FOUND
+    if isinstance(err, RemoteRegionError):
+        return EXIT_PROBLEM
+    if isinstance(err, (RemoteAccessDeniedError, RemoteError)):
+        return EXIT_SYSTEM  # a denied request, or the server failing after every retry
     if isinstance(err, (UnknownCacheError, CacheRefError, RunNotFoundError, SourceNotFoundError)):
         return EXIT_NOT_FOUND
     if isinstance(err, (ConfigError, RootNotSetError, RunExistsError, ConvertOptionError, MissingDependencyError)):

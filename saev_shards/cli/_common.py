@@ -34,10 +34,13 @@ EXIT_CODES_HELP = """\
 exit codes:
   0    success
   1    a problem was found: a cache is invalid or fails verification, a run has errors,
-       a source to convert is broken; `rm` or `clean` refused or was not confirmed
-  2    usage error: bad arguments or dump configuration, no root configured, a command not installed
-  3    not found: no cache or run matches, or a hash prefix is ambiguous or too short
-  4    system error: permission denied, disk full, another process holds the cache
+       a source to convert is broken; `rm` or `clean` refused or was not confirmed;
+       a bucket is in another region than AWS_REGION
+  2    usage error: bad arguments or dump configuration, no root configured, a command not installed,
+       no (valid) credentials for an object store
+  3    not found: no cache or run matches, a hash prefix is ambiguous or too short, no such bucket
+  4    system error: permission denied (a denied object-store request too), disk full, another
+       process holds the cache, a server failing after every retry
   5    internal error: a bug (rerun with --debug and report the traceback)
   130  interrupted (Ctrl-C); `stage`, `convert`, `shuffle` and `dump` resume where they stopped when run again
   141  the reader of the output went away (e.g. `| head`); nothing is printed
@@ -46,7 +49,7 @@ exit codes:
 ROOTS_HELP = """\
 roots:
   shards: --root DIR (repeatable) > $SAEV_SHARDS_ROOT (':'-separated, searched in order)
-          > $SAEV_SCRATCH/saev/shards
+          > $SAEV_SCRATCH/saev/shards; a root may be a URL (s3://bucket/shards), searched last
   runs:   --runs-root DIR > $SAEV_RUNS_ROOT > $SAEV_NFS/saev/runs
   stage:  --to DIR > $SAEV_STAGE_ROOT > $TMPDIR/saev/shards
 """
@@ -212,4 +215,7 @@ def command(
     return p
 
 
-REF_HELP = "a cache: its path, its full hash, or a unique hash prefix (4+ hex digits)"
+REF_HELP = (
+    "a cache: its path, its full hash, a unique hash prefix (4+ hex digits), or its URL "
+    "(s3://bucket/root/<hash or prefix>, https://host/root/<hash>)"
+)

@@ -5,15 +5,18 @@ from __future__ import annotations
 import argparse
 import sys
 import warnings
+from pathlib import Path
 from typing import Any
 
 import orjson
 
 from .. import store
+from ..errors import CommandError
 from ._common import (
     EXIT_NOT_FOUND,
     EXIT_OK,
     EXIT_PROBLEM,
+    EXIT_USAGE,
     REF_HELP,
     add_progress,
     add_roots,
@@ -61,6 +64,7 @@ def cmd_info(args: argparse.Namespace) -> int:
             f"{human_bytes(info['disk_nbytes'])} on disk",
         ),
         ("checksums", "xxh3_128 for every file" if info["checksums"] else "none recorded: sizes only (protocol 2.1)"),
+        *([("remote reads", _remote_row(info))] if info["url"] is not None else []),
         ("labels", "-" if info["labels"] is None else f"{info['labels']['dtype']} {tuple(info['labels']['shape'])}"),
         ("columns", ", ".join(f"{k} {c['dtype']} {tuple(c['shape'])}" for k, c in info["columns"].items()) or "-"),
         ("text", ", ".join(f"{k} ({t['n_lines']:,} lines)" for k, t in info["text"].items()) or "-"),
@@ -84,6 +88,15 @@ def cmd_info(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
+def _remote_row(info: dict[str, Any]) -> str:
+    if info["remote_verification"] == "per block":
+        return "every block checked against its digest (blocks.json) before use"
+    return (
+        "checked per whole file (no blocks.json: a protocol 3.0 cache): the first read of a file "
+        "downloads and checks all of it"
+    )
+
+
 def _protocol_row(info: dict[str, Any]) -> str:
     """``3.0`` for the protocol's own spelling; the dialect too where it is one of saev's."""
     if info["dialect"] == info["protocol"]:
@@ -99,7 +112,7 @@ def _tokens_row(info: dict[str, Any]) -> str:
 
 
 def _stats_row(info: dict[str, Any]) -> str:
-    sidecar = not info["stats_file"].startswith(info["path"] + "/")
+    sidecar = not info["stats_file"].startswith(info["path"].rstrip("/") + "/")
     return "per layer, over stored tokens" + (f" (computed later: {info['stats_file']}):" if sidecar else ":")
 
 
@@ -118,10 +131,17 @@ def _short_problem(entry: store.CacheEntry) -> str:
 
 
 def cmd_ls(args: argparse.Namespace) -> int:
-    roots = store.shards_roots(args.roots or None)
-    out = sys.stdout
-    listing = []
+    remote = store.remote_roots(args.roots or None)
     code = EXIT_OK
+    if remote:
+        code = _ls_remote(remote, args.json)
+        if args.roots and not store.local_roots(args.roots):
+            return code
+    roots = store.shards_roots(store.local_roots(args.roots or None))
+    out = sys.stdout
+    if remote and not args.json:
+        out.write("\n")
+    listing = []
     for root in roots:
         exists = root.path.is_dir()
         entries = store.list_caches(root.path) if exists else []
@@ -140,7 +160,16 @@ def cmd_ls(args: argparse.Namespace) -> int:
                     "exists": exists,
                     "caches": [_entry_json(e) for e in entries],
                     "unpublished": [
-                        {"path": str(u.path), "kind": u.kind, "nbytes": u.nbytes, "age_s": round(u.age), "live": u.live}
+                        {
+                            "path": str(u.path),
+                            "kind": u.kind,
+                            "nbytes": u.nbytes,
+                            "age_s": round(u.age),
+                            "live": u.live,
+                            "resumable": u.resumable,
+                            "sealed": u.sealed,
+                            "n_shards": u.n_shards,
+                        }
                         for u in unpublished
                     ],
                 }
@@ -179,12 +208,77 @@ def cmd_ls(args: argparse.Namespace) -> int:
                 )
             table(rows, out, indent="  ")
         for u in unpublished:
-            state = "a writer holds it" if u.live else "stale: `saev-shards clean` removes it"
             what = store.KIND_NAMES[u.kind]
             out.write(
                 f"  unpublished (being written, or interrupted): {u.path.name}  "
-                f"{what}, {human_bytes(u.nbytes)}, {human_age(u.age)} old, {state}\n"
+                f"{what}, {human_bytes(u.nbytes)}, {human_age(u.age)} old, {u.state}\n"
             )
+    return code
+
+
+def _ls_remote(roots: list[str], as_json: bool) -> int:
+    """``ls`` of remote roots: one listing each, every published cache opened (its JSON files)."""
+    out = sys.stdout
+    code = EXIT_OK
+    found = []
+    for root in roots:
+        entries = store.list_remote(root)
+        found.append((root, entries))
+        if any(e.published and not e.ok for e in entries):
+            code = EXIT_PROBLEM
+    if as_json:
+        print_json(
+            [
+                {
+                    "root": root,
+                    "caches": [
+                        {
+                            "hash": e.hash,
+                            "url": e.url,
+                            "ok": e.ok,
+                            "published": e.published,
+                            "problem": e.problem,
+                            "nbytes": e.nbytes,
+                            "n_shards": e.n_shards,
+                            "shape": list(e.metadata.shape) if e.metadata else None,
+                            "dtype": e.metadata.dtype if e.metadata else None,
+                        }
+                        for e in entries
+                    ],
+                }
+                for root, entries in found
+            ],
+            out,
+        )
+        return code
+    for i, (root, entries) in enumerate(found):
+        if i:
+            out.write("\n")
+        published = [e for e in entries if e.published]
+        total = sum(e.nbytes for e in published)
+        out.write(f"{root}: {plural(len(published), 'cache')}, {human_bytes(total)}\n")
+        if published:
+            rows = [("HASH", "MODEL", "DTYPE", "SHAPE", "SHARDS", "SIZE", "STATUS")]
+            for e in published:
+                md = e.metadata
+                rows.append(
+                    (
+                        e.hash[:12],
+                        f"{md.family}:{md.ckpt}" if md else "?",
+                        md.dtype if md else "?",
+                        f"({', '.join(map(str, md.shape))})" if md else "?",
+                        str(e.n_shards if e.n_shards is not None else "?"),
+                        human_bytes(e.nbytes),
+                        "ok" if e.ok else "BROKEN: " + (e.problem or "?").splitlines()[0],
+                    )
+                )
+            table(rows, out, indent="  ")
+        for e in entries:
+            if not e.published:
+                out.write(
+                    f"  unpublished (an upload in progress, or interrupted): {e.hash[:12]}  {human_bytes(e.nbytes)}, "
+                    "no shards.json: `saev-shards push` again completes it\n"
+                )
     return code
 
 
@@ -210,6 +304,23 @@ def _entry_json(e: store.CacheEntry) -> dict[str, Any]:
 # verify, resolve, stage
 
 
+def cmd_report(args: argparse.Namespace) -> int:
+    shards = store.open_cache(args.ref, roots=roots_arg(args))
+    out = Path(args.out) if args.out else Path(f"report-{shards.metadata.hash[:12]}.png")
+    if out.suffix.lower() not in (".png", ".html", ".htm"):
+        raise CommandError(EXIT_USAGE, f"--out: expected a file ending in .png or .html, found {str(out)!r}")
+    result = shards.report(out, progress=progress_arg(args))
+    for layer in result.layers:
+        listed = ", ".join(map(str, result.outliers[layer])) or "none"
+        sys.stderr.write(f"layer {layer}: median norm {result.median_norm(layer):.4g}; outlier dimensions: {listed}\n")
+    if result.truncated is not None and result.lengths is not None:
+        sys.stderr.write(
+            f"truncated to T={result.tokens_per_ex}: {result.truncated} of {len(result.lengths)} examples\n"
+        )
+    sys.stdout.write(f"{out.absolute()}\n")
+    return EXIT_OK
+
+
 def cmd_verify(args: argparse.Namespace) -> int:
     shards = store.open_cache(args.ref, roots=roots_arg(args))
     files = shards.manifest.files()
@@ -221,7 +332,7 @@ def cmd_verify(args: argparse.Namespace) -> int:
     unchecked = any(digest is None for _, _, digest in files)
     checked = "sizes only (no checksums recorded)" if unchecked else "sizes, xxh3_128 checksums"
     sys.stdout.write(
-        f"ok {shards.path}\n   {len(files)} files, {nbytes:,} bytes ({human_bytes(nbytes)}): "
+        f"ok {shards.location}\n   {len(files)} files, {nbytes:,} bytes ({human_bytes(nbytes)}): "
         f"{checked} and the metadata hash match\n"
     )
     return EXIT_OK
@@ -233,25 +344,26 @@ def cmd_stats(args: argparse.Namespace) -> int:
     name = shards.path.name[:12]
     if shards.manifest.stats is not None:
         err.write(f"{name}: has statistics of its own (stats.json), nothing to compute\n")
-        sys.stdout.write(f"{shards.path / shards.manifest.stats.name}\n")
+        sys.stdout.write(f"{shards.files.where(shards.manifest.stats.name)}\n")
         return EXIT_OK
     path = store.sidecar_path(shards)
+    where = store.sidecar.sidecar_location(shards)
     if path.exists() and not args.force:
         store.find_stats(shards)  # a damaged or stale sidecar is an error naming it
         err.write(f"{name}: statistics already computed and verified, nothing to do (--force computes again)\n")
-        sys.stdout.write(f"{path}\n")
+        sys.stdout.write(f"{where}\n")
         return EXIT_OK
     stats = store.compute_stats(shards, progress=progress_arg(args))
     store.write_sidecar(shards, stats)
     tokens = sum(stats["count"])
     layers = plural(len(stats["layers"]), "layer")
     err.write(f"{name}: statistics of {tokens:,} tokens over {layers} written beside the cache\n")
-    sys.stdout.write(f"{path}\n")
+    sys.stdout.write(f"{where}\n")
     return EXIT_OK
 
 
 def cmd_resolve(args: argparse.Namespace) -> int:
-    sys.stdout.write(f"{store.resolve(args.ref, roots_arg(args))}\n")
+    sys.stdout.write(f"{store.locate(args.ref, roots_arg(args))}\n")
     return EXIT_OK
 
 
@@ -319,6 +431,20 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser], invoked: 
         cmd_verify,
     )
     p.add_argument("ref", help=REF_HELP)
+    add_roots(p)
+    add_progress(p)
+
+    p = command(
+        sub,
+        "report",
+        "one picture of a cache: norms by layer, dimensions with outliers marked, CLS and content tokens, "
+        "lengths and truncation, shard sizes (needs the plot extra)",
+        "  saev-shards report 3f2a                       # report-<hash>.png here; its path on stdout\n"
+        "  saev-shards report 3f2a --out 3f2a.html       # the picture and the numbers in one page\n",
+        cmd_report,
+    )
+    p.add_argument("ref", help=REF_HELP)
+    p.add_argument("--out", metavar="FILE", help="FILE.png or FILE.html (default: report-<hash>.png here)")
     add_roots(p)
     add_progress(p)
 

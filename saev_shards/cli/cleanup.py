@@ -139,20 +139,45 @@ def cmd_clean(args: argparse.Namespace) -> int:
     if not stale:
         out.write("nothing to clean: no stale staging, copy or shuffle folders\n")
         return EXIT_OK
-    rows = [(store.KIND_NAMES[u.kind], human_bytes(u.nbytes), f"{human_age(u.age)} old", str(u.path)) for u in stale]
+    rows = [
+        (
+            store.KIND_NAMES[u.kind],
+            human_bytes(u.nbytes),
+            f"{human_age(u.age)} old",
+            _resumable_note(u) if u.resumable else "nothing to resume",
+            str(u.path),
+        )
+        for u in stale
+    ]
+    resumable = sum(u.resumable for u in stale)
     total = f"{plural(len(stale), 'stale folder')}, {human_bytes(sum(u.nbytes for u in stale))}"
-    out.write(("would remove " if args.dry_run else "to remove: ") + total + "\n")
+    them = "it" if resumable == 1 else "them"
+    warning = (
+        f" ({resumable} of them interrupted with work a rerun would resume: removing {them} starts it over)"
+        if resumable
+        else ""
+    )
+    out.write(("would remove " if args.dry_run else "to remove: ") + total + warning + "\n")
     table(rows, out, indent="  ", right=(1,))
     if args.dry_run:
         return EXIT_OK
     out.flush()
-    _confirm(f"remove {total}? (an interrupted dump or stage would then start over)", args)
+    holds = "1 of them holds" if resumable == 1 else f"{resumable} of them hold"
+    question = f"remove {total}?" + (f" {holds} resumable work, which would start over" if resumable else "")
+    _confirm(question, args)
     for u in stale:
         if store.remove_unpublished(u):
             out.write(f"removed {u.path}\n")
         else:
             out.write(f"kept {u.path}: a writer took its lock meanwhile\n")
     return EXIT_OK
+
+
+def _resumable_note(u: store.Unpublished) -> str:
+    """``resumable: 3 of 5 shards sealed`` (what a rerun would keep)."""
+    if u.kind == "staging":
+        return f"resumable: {u.sealed} of {u.n_shards if u.n_shards is not None else '?'} shards sealed"
+    return f"resumable: {human_bytes(u.nbytes)} kept"
 
 
 def register(sub: argparse._SubParsersAction[argparse.ArgumentParser], invoked: str | None) -> None:

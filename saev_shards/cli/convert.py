@@ -183,7 +183,7 @@ def cmd_convert(args: argparse.Namespace) -> int:
     out.flush()
     if args.dry_run:
         for note in plan.notes:
-            warn(f"not carried over: {note}")
+            warn(note)  # each says what was dropped or changed
         state = "published" if prepared.path.exists() else "not written (dry run)"
         out.write(f"{state}: {prepared.path}\n")
         return EXIT_OK
@@ -202,7 +202,7 @@ def cmd_convert(args: argparse.Namespace) -> int:
         check_space=not args.no_space_check,
     )
     for line in result.report.lines():
-        warn(f"not carried over: {line}")
+        warn(line)
     if result.already_published:
         out.write("already published\n")
     else:

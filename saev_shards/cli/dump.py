@@ -53,12 +53,14 @@ def cmd_dump(args: argparse.Namespace) -> int:
         return EXIT_OK
     if args.finalize:
         md = dump.plan(cfg, weights=False).metadata
-        if (root.path / md.hash).exists():
-            print(f"already published: {root.path / md.hash}")
-            return EXIT_OK
-        from ..writer import finalize
+        final = root.path / md.hash
+        if final.exists():
+            print(f"already published: {final}")
+        else:
+            from ..writer import finalize
 
-        print(f"published {finalize(root.path, md)}")
+            print(f"published {finalize(root.path, md)}")
+        print(final)  # the path alone, last, as every command that makes a cache prints it
         return EXIT_OK
     path = dump.dump(
         cfg,
@@ -70,6 +72,8 @@ def cmd_dump(args: argparse.Namespace) -> int:
         progress=args.progress,
         check_space=not args.no_space_check,
     )
+    if path is not None:
+        print(path, flush=True)  # the path alone, last, as every command that makes a cache prints it
     return EXIT_OK if path is not None or world_size > 1 else EXIT_PROBLEM
 
 

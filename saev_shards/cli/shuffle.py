@@ -6,10 +6,10 @@ import argparse
 import sys
 import time
 
-from .. import store
+from .. import store, world
 from ..errors import CommandError, DiskFullError, ShuffleError
 from ..format import DTYPES
-from ..shuffle import DEFAULT_MEMORY, plan_shuffle, run_plan
+from ..shuffle import DEFAULT_MEMORY, plan_shuffle, run_plan, run_rank
 from ..shuffle.source import TOKEN_CHOICES
 from ._common import (
     EXIT_OK,
@@ -34,6 +34,14 @@ def parse_layers(text: str) -> list[int]:
         raise argparse.ArgumentTypeError(f"expected layer values like 11 or 6,11, found {text!r}") from None
 
 
+def parse_token_ids(text: str) -> list[int]:
+    """``"101"`` or ``"101,0"`` -> token ids."""
+    try:
+        return [int(part) for part in text.split(",") if part.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected token ids like 101 or 101,0, found {text!r}") from None
+
+
 def cmd_shuffle(args: argparse.Namespace) -> int:
     source = store.open_cache(args.ref, roots=roots_arg(args))
     layers = [v for group in args.layers for v in group] if args.layers else None
@@ -50,6 +58,9 @@ def cmd_shuffle(args: argparse.Namespace) -> int:
             workers=args.workers,
             work_dir=args.work_dir,
             allow_nonfinite=args.allow_nonfinite,
+            exclude_token_ids=[v for group in args.exclude_token_ids for v in group] if args.exclude_token_ids else (),
+            max_norm_multiple=args.max_norm_multiple,
+            progress=args.progress,
         )
     except ShuffleError as error:  # the arguments do not fit this source: a usage error
         raise CommandError(EXIT_USAGE, str(error)) from error
@@ -62,10 +73,24 @@ def cmd_shuffle(args: argparse.Namespace) -> int:
         err.write(f"{plan.output.hash[:12]}: already shuffled, nothing to do\n")
         sys.stdout.write(f"{plan.path}\n")
         return EXIT_OK
-    err.write("\n".join(plan.describe()) + "\n")
+    found = world.detect(args.rank, args.world_size, slurm_array=True, error=ShuffleError)
+    rank, world_size = found.rank, found.world_size
+    if rank == 0:
+        err.write("\n".join(plan.describe()) + "\n")
     start = time.perf_counter()
     try:
-        shuffled = run_plan(plan, progress=progress_arg(args))
+        if world_size > 1:
+
+            def waiting(text: str) -> None:
+                err.write(f"rank {rank}: {text}\n")
+
+            done = run_rank(plan, rank, world_size, progress=progress_arg(args), on_wait=waiting)
+            if done is None:
+                err.write(f"rank {rank} of {world_size}: its share is written; rank 0 publishes\n")
+                return EXIT_OK
+            shuffled = done
+        else:
+            shuffled = run_plan(plan, progress=progress_arg(args))
     except DiskFullError as error:
         raise CommandError(EXIT_SYSTEM, str(error)) from error
     seconds = time.perf_counter() - start
@@ -88,7 +113,8 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser], invoked: 
         "  saev-shards shuffle 3f2a --layers 6,11 --tokens all --seed 1 --dtype bfloat16\n"
         "  saev-shards shuffle 3f2a --layers 11 --memory 16G --workers 4 --work-dir /local/ssd\n"
         "  saev-shards shuffle 3f2a --layers 11 --dry-run        # the plan: sizes, buckets, memory, scratch\n"
-        "  SHUFFLED=$(saev-shards shuffle 3f2a --layers 11)     # stdout is only the new cache's path\n",
+        "  SHUFFLED=$(saev-shards shuffle 3f2a --layers 11)     # stdout is only the new cache's path\n"
+        "  saev-shards shuffle 3f2a --layers 11 --rank 1 --world-size 4 --to /shared/shards   # one of 4 machines\n",
         cmd_shuffle,
         description=(
             "Write the chosen tokens of a cache, in a uniformly random order, as a new cache with one token per "
@@ -98,7 +124,10 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser], invoked: 
             "scattered into buckets on disk (--work-dir, about the output's size), then each bucket is sorted in "
             "memory and appended. The order depends only on the source, the selection and --seed. Interrupted? "
             "Run the same command again: it resumes. The new cache's path goes to stdout, the plan and a summary "
-            "to stderr; the output goes next to the source unless --to says otherwise."
+            "to stderr; the output goes next to the source unless --to says otherwise. Across machines: start "
+            "every rank with the same arguments, --rank R --world-size W (or RANK/WORLD_SIZE, or a SLURM array), "
+            "and --to and --work-dir on a filesystem they share: each scatters its share of the source and writes "
+            "its share of the output; rank 0 publishes; the bytes are those of a one-process shuffle."
         ),
     )
     p.set_defaults(interrupted_hint="the runs written so far are kept: run the same command again to resume")
@@ -111,6 +140,19 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser], invoked: 
         help="layer values to keep (default: every recorded layer; repeatable)",
     )
     p.add_argument("--tokens", choices=TOKEN_CHOICES, default="content", help="which tokens (default: content)")
+    p.add_argument(
+        "--exclude-token-ids",
+        type=parse_token_ids,
+        action="append",
+        metavar="ID[,ID...]",
+        help="leave out positions whose token_ids value is listed, e.g. BOS and padding (repeatable)",
+    )
+    p.add_argument(
+        "--max-norm-multiple",
+        type=float,
+        metavar="K",
+        help="leave out positions whose vector at a chosen layer has a norm above K times its layer's median norm",
+    )
     p.add_argument("--seed", type=int, default=0, help="decides the order (default: 0)")
     p.add_argument("--dtype", choices=list(DTYPES), help="stored dtype of the output (default: the source's)")
     p.add_argument("--to", metavar="DIR", help="shards root to publish the output in (default: the source's folder)")
@@ -127,6 +169,17 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser], invoked: 
         "--patches-per-shard", type=int, metavar="N", help="shard budget of the output (default: the source's)"
     )
     p.add_argument("--allow-nonfinite", action="store_true", help="store inf/NaN values instead of stopping")
+    p.add_argument(
+        "--rank",
+        type=int,
+        help="this process's rank when several share one shuffle (default: RANK or SLURM_ARRAY_TASK_ID, else 0)",
+    )
+    p.add_argument(
+        "--world-size",
+        type=int,
+        help="processes sharing one shuffle over a shared --work-dir and --to (default: WORLD_SIZE or "
+        "SLURM_ARRAY_TASK_COUNT, else 1); rank 0 publishes",
+    )
     p.add_argument("--dry-run", action="store_true", help="print the plan and exit")
     add_roots(p)
     add_progress(p)

@@ -158,7 +158,8 @@ class Chunk:
 
 
 class Report:
-    """What the conversion could not carry over: counts by description, and notes."""
+    """What the conversion could not carry over or changed: counts by description, and notes
+    (each a whole sentence: the command line prints one warning line per entry)."""
 
     def __init__(self) -> None:
         self.counts: dict[str, int] = {}

@@ -139,13 +139,22 @@ def open_source(path: Path, options: Options, scan: Callable[[int, int], None] |
     return CacheSource(plan, shards)
 
 
-def check_saev_family(family: str) -> None:
-    """`ConvertOptionError` unless saev's loader accepts ``family``."""
-    if family not in SAEV_FAMILIES:
-        raise ConvertOptionError(
-            f"--family: saev reads only {', '.join(SAEV_FAMILIES)}; found family {family!r} "
-            "(name one of them with --family)"
-        )
+def check_saev_family(family: str, cls_token: bool) -> None:
+    """`ConvertOptionError` unless saev's loader accepts ``family``, saying which to pick.
+
+    saev knows vision families only; a language model's cache (``bert``, ``gpt2``, ...) has
+    none of its own, so the message says that and names the family whose token layout
+    matches the cache's: ``clip`` with a [CLS] token first, ``siglip`` without one.
+    """
+    if family in SAEV_FAMILIES:
+        return
+    pick, layout = ("clip", "a [CLS] token first") if cls_token else ("siglip", "no [CLS] token")
+    raise ConvertOptionError(
+        f"--family: saev knows only vision model families ({', '.join(SAEV_FAMILIES)}), and this cache's "
+        f"family {family!r} is not one of them (a language model's cache never is); saev's loaders need one "
+        f"only as a label with a token layout, so name the one whose layout matches this cache, {layout}: "
+        f"--family {pick} (the activations are written unchanged)"
+    )
 
 
 def saev_data(data: Any) -> str:
@@ -189,7 +198,7 @@ def target_metadata(plan: Plan, src: Metadata, to_protocol: str, dtype: str | No
                 }
             }
         return Metadata(**common, data=data, dataset=src.dataset, dtype=dtype or src.dtype, protocol=to_protocol)
-    check_saev_family(plan.family)
+    check_saev_family(plan.family, src.cls_token)
     kept = _kept_fields(src.data) if not src.format.legacy else None
     if src.format.legacy:
         kept = {"data": src.data, "pixel_agg": src.pixel_agg, "protocol": src.protocol, "dialect": src.dialect}
@@ -216,7 +225,7 @@ def target_notes(src: Metadata, md: Metadata, has_stats: bool) -> list[str]:
     if md.format.legacy and not isinstance(src.data, str) and _kept_fields(src.data) is None:
         notes.append("data (an object) stored as base64 of its pickle, as saev stores its dataset config")
     if md.format.legacy and has_stats:
-        notes.append("stats.json (saev has no room for statistics)")
+        notes.append("stats.json not carried over (saev has no room for statistics)")
     if md.dataset != src.dataset:
         notes.append(f"dataset {src.dataset!r} stored in its normal path form {md.dataset!r}")
     return notes

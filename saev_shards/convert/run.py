@@ -98,7 +98,7 @@ def metadata_for(plan: Plan, to: Target, dtype: str | None, patches_per_shard: i
         )
     data = {"converted_from": {"kind": plan.kind, "version": CONVERT_VERSION}, "source": dict(plan.source)}
     if to.protocol not in V3_PROTOCOLS:
-        cache.check_saev_family(plan.family)
+        cache.check_saev_family(plan.family, plan.cls_token)
     try:
         return Metadata(
             family=plan.family,
@@ -206,7 +206,7 @@ def run(
     text = plan.text if to.extras else ()
     if not to.extras and (plan.columns or plan.text):
         dropped = [*(f"column {c}" for c in plan.columns), *(f"text {t}" for t in plan.text)]
-        report.note(f"not carried over: {', '.join(dropped)} (protocol {to.protocol} holds activations only)")
+        report.note(f"{', '.join(dropped)} not carried over (protocol {to.protocol} holds activations only)")
     with_lengths = "lengths" in columns
     if check_space:
         needed = space_needed(

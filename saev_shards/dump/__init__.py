@@ -74,7 +74,7 @@ from .plan import (
     plan,
     space_needed,
 )
-from .run import dump, truncation, truncation_line, try_finalize
+from .run import dump, shard_ranges, truncation, truncation_line, try_finalize
 
 __all__ = [
     "DEFAULT_PATCHES_PER_SHARD",
@@ -105,6 +105,7 @@ __all__ = [
     "parse_config",
     "plan",
     "sealed_shards",
+    "shard_ranges",
     "space_needed",
     "truncation",
     "truncation_line",

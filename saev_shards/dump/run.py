@@ -5,7 +5,7 @@ from __future__ import annotations
 import dataclasses
 import os
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -165,9 +165,28 @@ def try_finalize(root: Path, md: Metadata, *, say: Callable[[str], None] = print
         say("other writers are still running; the last one to finish publishes")
         return None
     except WriterError as err:
-        missing = sealed_shards(root, md)
-        say(f"not published yet: {md.n_shards - len(missing)} of {md.n_shards} shards sealed ({str(err)[:200]})")
+        sealed = set(sealed_shards(root, md))
+        missing = [k for k in range(md.n_shards) if k not in sealed]
+        if not missing:  # every shard is sealed, so finalize failed for another reason: say it whole
+            say(f"not published: every shard is sealed, but finalizing failed: {err}")
+        else:
+            say(
+                f"not published yet: {len(sealed)} of {md.n_shards} shards sealed; {shard_ranges(missing)} still to "
+                "be written by the other writers (the last to finish publishes; or run again with --finalize)"
+            )
         return None
+
+
+def shard_ranges(shards: Sequence[int]) -> str:
+    """``"shard 4"``, ``"shards 0-2, 4, 6-15"``: ascending shard indices as runs."""
+    runs: list[list[int]] = []
+    for k in shards:
+        if runs and k == runs[-1][1] + 1:
+            runs[-1][1] = k
+        else:
+            runs.append([k, k])
+    text = ", ".join(f"{a}" if a == b else f"{a}-{b}" for a, b in runs)
+    return ("shard " if len(shards) == 1 else "shards ") + text
 
 
 def truncation(shards: Shards) -> dict[str, Any]:

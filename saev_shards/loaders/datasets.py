@@ -23,7 +23,7 @@ from .._indexing import wrap_index
 from ..errors import LoaderError
 from ..protocol.jsonfile import is_int, short_repr
 from ..reader import Shards
-from .selection import CLS_LABEL, TokenSelection, as_shards, parse_layers, parse_out_dtype
+from .selection import CLS_LABEL, TokenSelection, as_shards, check_layers_not_mixed, parse_layers, parse_out_dtype
 from .tensors import require_torch, to_tensor
 
 if TYPE_CHECKING:
@@ -55,15 +55,23 @@ class TokenDataset(_MapDataset):
         ignore_labels: Iterable[int] = (),
         skip_padding: bool = True,
         out_dtype: str | None = None,
+        *,
+        exclude_token_ids: Iterable[int] = (),
+        max_norm_multiple: float | None = None,
     ) -> None:
         require_torch(type(self).__name__)
         self.shards = as_shards(shards)
         recorded = self.shards.metadata.layers
         if layer is None:
             if len(recorded) != 1:
-                raise LoaderError(f"layer: expected one of {list(recorded)} (the cache records several), found None")
+                raise LoaderError(
+                    f"layer: expected one of {list(recorded)} (the cache records several, and a TokenDataset yields "
+                    f"one layer; ExampleDataset and the token loaders can stack them), found None"
+                )
             layer = recorded[0]
-        self.selection = TokenSelection(self.shards, layer, tokens, ignore_labels, skip_padding)
+        self.selection = TokenSelection(
+            self.shards, layer, tokens, ignore_labels, skip_padding, exclude_token_ids, max_norm_multiple
+        )
         self.layer = self.selection.layer_values[0]
         self.layer_position = int(self.selection.layer_positions[0])
         self.out_dtype = parse_out_dtype(self.shards, out_dtype)
@@ -105,11 +113,14 @@ class TokenDataset(_MapDataset):
 class ExampleDataset(_MapDataset):
     """index -> the ``(T, D)`` slice of one ``(example, layer)`` pair, read with one ``pread``.
 
-    With one layer, index ``i`` is example ``i``; with several, index ``i`` is example
-    ``i // n_layers`` at the ``i % n_layers``-th chosen layer. Items are dicts: ``acts``,
-    ``example``, ``layer`` (the layer value), ``length`` when the cache has a lengths column,
-    and ``labels`` ``(patches_per_ex,)`` when ``with_labels`` is set. No other activation
-    bytes are read.
+    With one layer, index ``i`` is example ``i``. With several (a cache of more than one
+    layer and ``layers=None``, or a list), say how they come: ``stack_layers=True`` gives
+    example ``i`` at every chosen layer, ``acts`` ``(L, T, D)`` and ``layers`` (values);
+    ``mix_layers=True`` makes index ``i`` example ``i // n_layers`` at the ``i % n_layers``-th
+    chosen layer, so a shuffled DataLoader mixes layers in a batch. Items are dicts: ``acts``,
+    ``example``, ``layer`` (the layer value; ``layers`` when stacked), ``length`` when the cache
+    has a lengths column, and ``labels`` ``(patches_per_ex,)`` when ``with_labels`` is set.
+    No other activation bytes are read.
     """
 
     def __init__(
@@ -118,10 +129,15 @@ class ExampleDataset(_MapDataset):
         layers: int | Sequence[int] | None = None,
         out_dtype: str | None = None,
         with_labels: bool = False,
+        *,
+        stack_layers: bool = False,
+        mix_layers: bool = False,
     ) -> None:
         require_torch(type(self).__name__)
         self.shards = as_shards(shards)
         self.layers = parse_layers(self.shards, layers)
+        self.stack_layers = bool(stack_layers)
+        check_layers_not_mixed(self.shards, self.layers, self.stack_layers, bool(mix_layers))
         self.layer_positions = tuple(self.shards.layer_index(v) for v in self.layers)
         self.out_dtype = parse_out_dtype(self.shards, out_dtype)
         if with_labels and self.shards.manifest.labels is None:
@@ -130,17 +146,31 @@ class ExampleDataset(_MapDataset):
         self.has_lengths = "lengths" in self.shards.manifest.columns
 
     def __len__(self) -> int:
-        return self.shards.n_examples * len(self.layers)
+        return self.shards.n_examples * (1 if self.stack_layers else len(self.layers))
 
     def __getitem__(self, index: int) -> dict[str, Any]:
-        i = wrap_index(int(index), len(self), "index", "for a dataset of {n} (example, layer) slices")
-        example, which = divmod(i, len(self.layers))
-        raw = self.shards.read_example(example, self.layer_positions[which])
-        item: dict[str, Any] = {
-            "acts": to_tensor(raw, self.shards.dtype, self.out_dtype),
-            "example": example,
-            "layer": self.layers[which],
-        }
+        if self.stack_layers:
+            import torch
+
+            example = wrap_index(int(index), len(self), "index", "for a dataset of {n} examples")
+            md = self.shards.metadata
+            raw = np.empty((len(self.layers), md.tokens_per_ex, md.d_model), dtype=self.shards.numpy_dtype)
+            for j, position in enumerate(self.layer_positions):
+                self.shards.read_example(example, position, raw[j])
+            item: dict[str, Any] = {
+                "acts": to_tensor(raw, self.shards.dtype, self.out_dtype),
+                "example": example,
+                "layers": torch.tensor(self.layers, dtype=torch.int64),
+            }
+        else:
+            i = wrap_index(int(index), len(self), "index", "for a dataset of {n} (example, layer) slices")
+            example, which = divmod(i, len(self.layers))
+            raw = self.shards.read_example(example, self.layer_positions[which])
+            item = {
+                "acts": to_tensor(raw, self.shards.dtype, self.out_dtype),
+                "example": example,
+                "layer": self.layers[which],
+            }
         if self.has_lengths:
             item["length"] = int(self.shards.columns["lengths"][example])
         if self.with_labels:

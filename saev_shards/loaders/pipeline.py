@@ -5,7 +5,9 @@ GIL, and the consumer's thread (the training loop) does almost nothing:
 
 * **Reads.** A window's blocks are read by ``read_threads`` threads, a few blocks per task,
   into one of a few *slot* buffers (two, unless one batch spans more windows). The
-  window's index (its permutation and the batches' metadata) is computed beside them.
+  window's index (its permutation and the batches' metadata) is computed beside them. From
+  a remote cache the whole window is announced first (`Shards.prefetch`), so its blocks are
+  fetched with many requests in flight while the read threads copy what has arrived.
 * **Gathers.** A *chunk* (one batch, or several small ones: at least `CHUNK_BYTES`) is one
   task of the gather pool: one ``numpy.take`` per window it touches, straight into the
   output array, then its metadata sliced from the window's index. Chunks are gathered in
@@ -155,6 +157,9 @@ class WindowLoader:
         window = self.plan.windows[w]
         slot = self.slot(w)
         rows = cfg.blocks.rows[window.blocks]
+        if cfg.shards.files.copies:  # a remote cache: start fetching the whole window's blocks now
+            for b in window.blocks.tolist():
+                cfg.shards.prefetch(int(cfg.blocks.start[b]), int(cfg.blocks.stop[b]))
         offsets = np.zeros(len(rows), dtype=np.int64)
         np.cumsum(rows[:-1], out=offsets[1:])
         # The index first: it needs no data, so it is ready by the time the reads are.

@@ -12,6 +12,7 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
+from .. import norms
 from .._layers import string_layers_problem
 from ..errors import LoaderError
 from ..protocol.jsonfile import is_int
@@ -57,6 +58,25 @@ def parse_layers(shards: Shards, layers: int | Sequence[int] | None) -> tuple[in
     return tuple(values)
 
 
+def check_layers_not_mixed(shards: Shards, layer_values: Sequence[int], stack_layers: bool, mix_layers: bool) -> None:
+    """Refuse batches that would mix layers by accident: with more than one layer chosen, the
+    caller stacks them (``stack_layers=True``) or says mixing is meant (``mix_layers=True``).
+
+    An SAE trained on a batch that is half one layer, half another (at different scales) is
+    wrong and nothing else says so; the message names the three ways out.
+    """
+    if len(layer_values) <= 1 or stack_layers or mix_layers:
+        return
+    recorded = list(shards.metadata.layers)
+    chosen = list(layer_values)
+    which = "records layers" if chosen == recorded else f"records layers {recorded}; you chose"
+    raise LoaderError(
+        f"this cache {which} {chosen}, and a batch would mix them: choose one layer with layers={chosen[-1]}, "
+        f"stack them with stack_layers=True (each row one token at every chosen layer), or pass mix_layers=True "
+        f"to mix layers in one batch on purpose"
+    )
+
+
 def parse_out_dtype(shards: Shards, out_dtype: object) -> str:
     """The dtype name of returned activations: the stored one for None, else one of `OUT_DTYPES`."""
     if out_dtype is None:
@@ -74,6 +94,10 @@ class TokenSelection:
     0, caches with a CLS token) or ``"all"``. ``ignore_labels`` drops content tokens whose
     ``labels.bin`` value is listed (CLS tokens have no label and are never dropped by it).
     ``skip_padding`` drops positions ``>= lengths[i]`` when the cache has a ``lengths`` column.
+    The token masks: ``exclude_token_ids`` drops positions whose ``token_ids`` column value
+    is listed (BOS, padding ids: a dump records the column); ``max_norm_multiple=k`` drops
+    positions whose vector at any chosen layer has a norm above ``k`` times its layer's
+    median norm (`saev_shards.norms` defines both exactly; computed once, with ``progress``).
     Within an example the selected vectors are ordered by layer (metadata order), then token.
     """
 
@@ -84,6 +108,9 @@ class TokenSelection:
         tokens: str = "content",
         ignore_labels: Iterable[int] = (),
         skip_padding: bool = True,
+        exclude_token_ids: Iterable[int] = (),
+        max_norm_multiple: float | None = None,
+        progress: bool | None = None,
     ) -> None:
         md = shards.metadata
         self.shards = shards
@@ -118,9 +145,33 @@ class TokenSelection:
         self.label_filter = bool(ignore) and tokens != "cls" and md.patches_per_ex > 0
         self.length_filter = bool(skip_padding) and "lengths" in shards.manifest.columns
         self.skip_padding = bool(skip_padding)
+        if isinstance(exclude_token_ids, (str, bytes)) or not isinstance(exclude_token_ids, Iterable):
+            raise LoaderError(f"exclude_token_ids: expected a list of token ids, found {exclude_token_ids!r}")
+        excluded = list(exclude_token_ids)
+        if not all(is_int(t, numpy_ok=True) for t in excluded):
+            raise LoaderError(f"exclude_token_ids: expected integer token ids, found {excluded!r}")
+        self.exclude_token_ids = np.array(sorted({int(t) for t in excluded}), dtype=np.int64)
+        if len(self.exclude_token_ids) and "token_ids" not in shards.manifest.columns:
+            raise LoaderError(
+                f"exclude_token_ids: expected a cache with a token_ids column (saev-shards dump records it), "
+                f"found columns {sorted(shards.manifest.columns)} at {shards.path}"
+            )
+        multiple = norms.parse_multiple(max_norm_multiple, LoaderError)
+        #: The tokens ``max_norm_multiple`` drops (None without it); computed here, once.
+        self.norm_filter = (
+            None
+            if multiple is None
+            else norms.norm_filter(shards, multiple, [int(p) for p in self.layer_positions], progress=progress)
+        )
         #: True when the chosen tokens differ from example to example.
-        self.varies = self.label_filter or self.length_filter
+        self.varies = (
+            self.label_filter
+            or self.length_filter
+            or bool(len(self.exclude_token_ids))
+            or (self.norm_filter is not None)
+        )
         self._counts: npt.NDArray[np.int64] | None = None
+        self._dropped: dict[str, int] = {}
 
     # -- per-example masks -----------------------------------------------------------------
     def mask(
@@ -133,7 +184,13 @@ class TokenSelection:
         mask = np.broadcast_to(self.base_mask, (len(examples), self.tokens_per_ex))
         if not self.varies or len(examples) == 0:
             return mask
-        mask = mask.copy()
+        return self._masks(examples, labels)[0]
+
+    def _masks(
+        self, examples: npt.NDArray[np.int64], labels: npt.NDArray[np.uint8] | None = None
+    ) -> tuple[npt.NDArray[np.bool_], dict[str, npt.NDArray[np.bool_]]]:
+        """The chosen positions, and what each token mask took away from the rest (in order)."""
+        mask = np.broadcast_to(self.base_mask, (len(examples), self.tokens_per_ex)).copy()
         if self.label_filter:
             if labels is None:
                 labels = self.labels_of(examples)
@@ -141,7 +198,24 @@ class TokenSelection:
         if self.length_filter:
             lengths = np.asarray(self.shards.columns["lengths"][examples]).astype(np.int64)
             mask &= np.arange(self.tokens_per_ex) < lengths[:, None]
-        return mask
+        taken: dict[str, npt.NDArray[np.bool_]] = {}
+        if len(self.exclude_token_ids):
+            ids = np.asarray(self.shards.columns["token_ids"][examples])
+            taken["exclude_token_ids"] = mask & np.isin(ids, self.exclude_token_ids)
+            mask &= ~taken["exclude_token_ids"]
+        if self.norm_filter is not None:
+            taken["max_norm_multiple"] = mask & self.norm_filter.dropped(examples)
+            mask &= ~taken["max_norm_multiple"]
+        return mask, taken
+
+    @property
+    def dropped(self) -> dict[str, int]:
+        """Token positions each mask drops from what the other filters keep, per chosen layer
+        (``{"exclude_token_ids": n, "max_norm_multiple": m}``; a position both drop counts
+        for ``exclude_token_ids``); empty without token masks."""
+        if self.counts is not None and self._dropped:
+            return dict(self._dropped)
+        return {}
 
     def labels_of(self, examples: npt.NDArray[np.int64]) -> npt.NDArray[np.uint8]:
         """``(len(examples), patches_per_ex)`` labels of ``examples`` (sorted runs read fastest)."""
@@ -169,10 +243,15 @@ class TokenSelection:
         if self._counts is None:
             n = self.shards.n_examples
             counts = np.empty(n, dtype=np.int64)
+            dropped: dict[str, int] = {}
             for start in range(0, n, _COUNT_CHUNK):
                 stop = min(n, start + _COUNT_CHUNK)
-                counts[start:stop] = self.mask(np.arange(start, stop, dtype=np.int64)).sum(axis=1)
+                mask, taken = self._masks(np.arange(start, stop, dtype=np.int64))
+                counts[start:stop] = mask.sum(axis=1)
+                for name, where in taken.items():
+                    dropped[name] = dropped.get(name, 0) + int(where.sum())
             self._counts = counts
+            self._dropped = dropped
         return self._counts
 
     def tokens_before(self, examples: npt.NDArray[np.int64]) -> npt.NDArray[np.int64]:

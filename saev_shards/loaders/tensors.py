@@ -17,7 +17,7 @@ if TYPE_CHECKING:
 
 
 def require_torch(what: str) -> None:
-    """`MissingDependencyError` saying ``pip install 'saev-shards[torch]'`` when torch is
+    """`MissingDependencyError` saying how to install the ``torch`` extra when torch is
     missing: the loaders are the one part of reading that needs it (``what`` names the class)."""
     require("torch", "torch", what)
 

@@ -8,6 +8,7 @@ and `OrderedLoader` are the token loader with the shuffled and the ordered strat
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import hashlib
 import inspect
@@ -30,11 +31,23 @@ from .device import DeviceRun, Slots
 from .order import Order, parse_order
 from .pipeline import Config, HostRun, Schedule
 from .plan import BLOCK_BYTES, Blocks, EpochPlan, index_window, plan_epoch
-from .selection import TokenSelection, as_shards, parse_out_dtype
+from .selection import TokenSelection, as_shards, check_layers_not_mixed, parse_out_dtype
 from .tensors import require_torch
 
 #: Most threads the defaults pick: a node's memory bandwidth is saturated well before.
 MAX_DEFAULT_THREADS = 16
+
+#: Every running epoch in this process. An iterator still alive when the interpreter exits
+#: is closed at exit, while the modules its threads use still exist: closing it later, when
+#: the interpreter finalizes the generator, would print "Exception ignored in ..." noise.
+_LIVE_RUNS: weakref.WeakSet[HostRun | DeviceRun] = weakref.WeakSet()
+
+
+@atexit.register
+def _close_live_runs() -> None:
+    for run in list(_LIVE_RUNS):
+        with contextlib.suppress(Exception):
+            run.close()
 
 
 def usable_cores() -> int:
@@ -60,7 +73,9 @@ def default_read_threads(device_side: bool = False) -> int:
 class TokenLoader:
     """Batches ``(B, D)`` of single token vectors; every chosen token once per epoch.
 
-    ``layers``: None (all recorded), a layer value or a sequence of them. ``tokens``:
+    ``layers``: None (all recorded), a layer value or a sequence of them; more than one layer
+    needs ``stack_layers=True`` or ``mix_layers=True`` (a batch never mixes layers by accident,
+    so on a cache of several layers choose one, stack them, or say so). ``tokens``:
     ``"content"``, ``"cls"`` or ``"all"``. ``ignore_labels`` skips content tokens whose label is
     listed; ``skip_padding`` skips positions ``>= lengths[i]`` when the cache has a lengths
     column. ``out_dtype``: None (stored; bfloat16 comes back as torch.bfloat16), ``"float32"``,
@@ -73,6 +88,13 @@ class TokenLoader:
     ``(example, token)`` at every chosen layer, batches ``(B, L, D)``. ``device``: None
     gathers on the host (``pin_memory`` pins the batches); ``"cuda"`` copies whole windows to
     the GPU and shuffles there, batches come out on it (``"cpu"`` runs that path on the CPU).
+
+    Token masks: ``exclude_token_ids`` drops the positions whose ``token_ids`` column value is
+    listed (BOS, padding); ``max_norm_multiple=k`` drops the positions whose vector at any
+    chosen layer has a norm above ``k`` times its layer's median norm (`saev_shards.norms`:
+    exact, computed once per process with a progress bar when ``progress``). Both are
+    deterministic; every remaining token is still yielded once per epoch and resumes
+    exactly; `dropped` counts what they took.
 
     Iterating runs one epoch. Breaking out of the loop, `close`, or garbage collection stops
     the background threads. Memory: two windows of about ``buffer_bytes`` each (on the
@@ -101,7 +123,11 @@ class TokenLoader:
         gather_threads: int | None = None,
         order: str | Order = "shuffled",
         stack_layers: bool = False,
+        mix_layers: bool = False,
         device: Any = None,
+        exclude_token_ids: Iterable[int] = (),
+        max_norm_multiple: float | None = None,
+        progress: bool | None = None,
     ) -> None:
         require_torch(type(self).__name__)
         import torch
@@ -127,10 +153,13 @@ class TokenLoader:
         #: Where this process's share came from (`saev_shards.world.World`).
         self.world = world.detect(rank, world_size, slurm_array=False, error=LoaderError)
         self.rank, self.world_size = self.world.rank, self.world.world_size
-        self.selection = TokenSelection(self.shards, layers, tokens, ignore_labels, skip_padding)
+        self.selection = TokenSelection(
+            self.shards, layers, tokens, ignore_labels, skip_padding, exclude_token_ids, max_norm_multiple, progress
+        )
         self.layers = self.selection.layer_values
         self.out_dtype = parse_out_dtype(self.shards, out_dtype)
         self.stack_layers = bool(stack_layers)
+        check_layers_not_mixed(self.shards, self.layers, self.stack_layers, bool(mix_layers))
         self.device = None if device is None else _parse_device(device)
         self.pin_memory = bool(pin_memory) and torch.cuda.is_available() and self.device is None
         self.buffer_bytes = int(buffer_bytes)
@@ -199,7 +228,27 @@ class TokenLoader:
         }
         if self.stack_layers:  # only when set: states saved before the option still load
             config["stack_layers"] = True
+        if len(sel.exclude_token_ids):  # the token masks too: only when set
+            config["exclude_token_ids"] = sel.exclude_token_ids.tolist()
+        if sel.norm_filter is not None:
+            config["max_norm_multiple"] = sel.norm_filter.multiple
         return config
+
+    @property
+    def dropped(self) -> dict[str, int]:
+        """Token positions the token masks drop per epoch and chosen layer, by mask
+        (``{"exclude_token_ids": n, "max_norm_multiple": m}``; empty without masks): what
+        remains is yielded exactly once per epoch, as always."""
+        return self.selection.dropped
+
+    @property
+    def norm_medians(self) -> dict[int, float]:
+        """Layer value -> its median norm, for the chosen layers (with ``max_norm_multiple``; else empty)."""
+        nf = self.selection.norm_filter
+        if nf is None:
+            return {}
+        md = self.shards.metadata
+        return {md.layers[p]: float(nf.medians[p]) for p in nf.layer_positions}
 
     @property
     def fingerprint(self) -> str:
@@ -319,6 +368,7 @@ class TokenLoader:
             run = HostRun(cfg, plan, schedule, epoch, self._window_rng, buffers)
             release = lambda: self._give_buffers(buffers)  # noqa: E731
         self._runs.add(run)
+        _LIVE_RUNS.add(run)
         try:
             for i, batch in enumerate(run, start=start + 1):
                 if self._position is not None and self._position[0] == epoch:

@@ -8,6 +8,7 @@ both import them from here (the lock itself is taken by `saev_shards.writer.stag
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -45,6 +46,15 @@ def range_lock(shards: range) -> str:
 def part_record(k: int) -> str:
     """Name of shard ``k``'s part record in the staging directory."""
     return f"part{k:06d}.json"
+
+
+_PART_RECORD_RE = re.compile(r"part(\d{6})\.json")
+
+
+def part_record_shard(name: str) -> int | None:
+    """The shard a part record seals (``part000003.json`` -> 3); None for any other name."""
+    match = _PART_RECORD_RE.fullmatch(name)
+    return int(match.group(1)) if match else None
 
 
 def part_file(k: int, stream: str) -> str:

@@ -14,6 +14,12 @@ itself, taken when the cache is opened and released by `close` (taken again when
 is next read) or when the object goes away. A forked copy shares its parent's lock; an
 unpickled copy takes its own. ``saev-shards rm`` and `store.remove` refuse a folder that
 anyone holds so.
+
+The storage seam: every data file is reached through ``files``, which opens it, reads it
+(``preadv``) and closes it. A local cache has `LocalFiles` (descriptors and ``os.preadv``,
+the same calls as always, and memory maps); a remote one `remote.files.RemoteFiles`, whose
+reads are ranged requests checked against the manifest, and whose shards (and scale
+files) are `RemoteShard` array-likes returning copies.
 """
 
 from __future__ import annotations
@@ -21,8 +27,9 @@ from __future__ import annotations
 import contextlib
 import os
 import threading
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import numpy as np
 import numpy.typing as npt
@@ -33,7 +40,9 @@ from ..metadata import Metadata
 from ..protocol.common import SCALES_DTYPE
 
 #: Attributes that belong to one process: never pickled, rebuilt after fork or unpickling.
-_PER_PROCESS = ("_maps", "_fds", "_scale_maps", "_scale_fds", "_aux", "_pid", "_out_cache", "_lock", "_folder_lock")
+_PER_PROCESS = (
+    "_maps", "_fds", "_scale_maps", "_scale_fds", "_aux", "_pid", "_out_cache", "_lock", "_preadv", "_folder_lock"
+)  # fmt: skip
 
 
 class FolderLock:
@@ -54,6 +63,40 @@ class FolderLock:
             self.release()
 
 
+class Files(Protocol):
+    """The storage of a cache's data files, as the reader uses it (`LocalFiles`, `RemoteFiles`)."""
+
+    #: Whether reads return copies (remote) or views of memory maps may be returned (local).
+    copies: bool
+
+    @property
+    def url(self) -> str | None:
+        """The cache's URL, None for a local cache."""
+
+    def open(self, name: str) -> int: ...
+    def preadv(self, fd: int, views: list[memoryview], offset: int, /) -> int: ...
+    def close(self, fd: int) -> None: ...
+    def where(self, name: str) -> str: ...
+
+
+class LocalFiles:
+    """A local cache's data files: descriptors and ``os.preadv``, as the reader always read them."""
+
+    copies = False
+    url: str | None = None
+    preadv = staticmethod(os.preadv)
+    close = staticmethod(os.close)
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+
+    def open(self, name: str) -> int:
+        return os.open(self.path / name, os.O_RDONLY | os.O_CLOEXEC)
+
+    def where(self, name: str) -> str:
+        return str(self.path / name)
+
+
 class ShardHandles:
     """Memmaps and file descriptors of a cache's shards, one set per process (`Shards` is one)."""
 
@@ -61,9 +104,12 @@ class ShardHandles:
     metadata: Metadata
     manifest: Manifest
     numpy_dtype: np.dtype[Any]
+    #: Where the data files are read from (`LocalFiles`, or `RemoteFiles` for a remote cache).
+    files: Files
 
     def _reset(self) -> None:
         self._pid = os.getpid()
+        self._preadv = self.files.preadv  # the hot path reads it as one attribute
         self._maps: dict[int, npt.NDArray[Any]] = {}
         self._fds: dict[int, int] = {}
         self._scale_maps: dict[int, npt.NDArray[Any]] = {}
@@ -89,8 +135,9 @@ class ShardHandles:
         self._hold_folder()
 
     def _hold_folder(self) -> None:
-        """Hold the shared lock on the cache folder (taken once; again after `close`)."""
-        if getattr(self, "_folder_lock", None) is None:
+        """Hold the shared lock on a local cache's folder (taken once; again after `close`).
+        A remote cache has no folder of its data to lock."""
+        if getattr(self, "_folder_lock", None) is None and self.files.url is None:
             self._folder_lock: FolderLock | None = FolderLock(self.path)
 
     def close(self) -> None:
@@ -98,7 +145,10 @@ class ShardHandles:
         (all taken again on next use)."""
         if self._pid == os.getpid():
             for fd in (*self._fds.values(), *self._scale_fds.values()):
-                os.close(fd)
+                self.files.close(fd)
+        close_all = getattr(self.files, "close_all", None)
+        if close_all is not None:
+            close_all()
         lock = getattr(self, "_folder_lock", None)
         if lock is not None:
             lock.release()
@@ -110,11 +160,12 @@ class ShardHandles:
             self.close()
 
     def shard_path(self, k: int) -> Path:
-        """Absolute path of shard file ``k``."""
+        """Absolute path of shard file ``k`` (of a local cache: a remote one's files are `files`)."""
         return self.path / self.manifest.shards[k].name
 
     def shard(self, k: int) -> npt.NDArray[Any]:
-        """Shard ``k`` as a read-only array backed by a memory map, shape ``(n_examples_k, L, T, D)``."""
+        """Shard ``k`` as a read-only array backed by a memory map, shape ``(n_examples_k, L, T, D)``;
+        of a remote cache, a `RemoteShard` whose indexing returns copies."""
         self._check_pid()
         mm = self._maps.get(k)
         if mm is None:
@@ -129,6 +180,9 @@ class ShardHandles:
     def _open_map(self, k: int) -> npt.NDArray[Any]:
         entry = self.manifest.shards[k]
         shape = (entry.n_examples, *self.metadata.shard_shape[1:])
+        if self.files.copies:
+            read: Any = getattr(self, "read_range_raw")  # noqa: B009 - `reads.ReadPaths` has it
+            return RemoteShard(read, k * self.metadata.examples_per_shard, shape, self.numpy_dtype)  # type: ignore[return-value]
         if entry.n_examples == 0 or self.metadata.example_nbytes == 0:
             return np.zeros(shape, self.numpy_dtype)  # mmap cannot map 0 bytes
         # A plain ndarray over the map: np.memmap's Python-level __getitem__ costs ~1 us per index.
@@ -142,7 +196,7 @@ class ShardHandles:
                 fd = self._fds.get(k)
                 if fd is None:
                     self._hold_folder()
-                    fd = os.open(self.shard_path(k), os.O_RDONLY)
+                    fd = self.files.open(self.manifest.shards[k].name)
                     self._fds[k] = fd
         return fd
 
@@ -167,11 +221,16 @@ class ShardHandles:
                     self._hold_folder()
                     n = self.manifest.shards.counts[k]
                     shape = (n, *self.metadata.shard_shape[1:3])
-                    if n == 0 or shape[1] * shape[2] == 0:
-                        mm = np.zeros(shape, SCALES_DTYPE)
+                    made: Any
+                    if self.files.copies:
+                        read: Any = getattr(self, "read_range_scales")  # noqa: B009 - `reads.ReadPaths` has it
+                        first = k * self.metadata.examples_per_shard
+                        made = RemoteShard(read, first, shape, np.dtype(SCALES_DTYPE))
+                    elif n == 0 or shape[1] * shape[2] == 0:
+                        made = np.zeros(shape, SCALES_DTYPE)
                     else:
-                        mm = np.memmap(path, dtype=SCALES_DTYPE, mode="r", shape=shape).view(np.ndarray)
-                    self._scale_maps[k] = mm
+                        made = np.memmap(path, dtype=SCALES_DTYPE, mode="r", shape=shape).view(np.ndarray)
+                    mm = self._scale_maps[k] = made
         return mm
 
     def _scale_fd(self, k: int) -> int:
@@ -183,6 +242,62 @@ class ShardHandles:
                 fd = self._scale_fds.get(k)
                 if fd is None:
                     self._hold_folder()
-                    fd = os.open(path, os.O_RDONLY)
+                    fd = self.files.open(path.name)
                     self._scale_fds[k] = fd
         return fd
+
+
+class RemoteShard:
+    """Shard ``k`` of a remote cache (or its scales) as an array-like of shape ``(n_examples_k, ...)``.
+
+    Indexing reads the examples the key selects (``read(start, stop, out)`` over runs of
+    neighbours, so through the verified storage) and applies the rest of the key to them:
+    the result equals indexing the shard's array, and is always a copy.
+    """
+
+    def __init__(
+        self,
+        read: Callable[[int, int, npt.NDArray[Any]], Any],
+        first: int,
+        shape: tuple[int, ...],
+        dtype: np.dtype[Any],
+    ) -> None:
+        self.read = read
+        self.first = first
+        self.shape = shape
+        self.ndim = len(shape)
+        self.dtype = dtype
+
+    def __len__(self) -> int:
+        return self.shape[0]
+
+    def __array__(self, dtype: Any = None, copy: Any = None) -> npt.NDArray[Any]:
+        out = self._read(np.arange(self.shape[0]))
+        return out if dtype is None else out.astype(dtype)
+
+    def __getitem__(self, key: Any) -> npt.NDArray[Any]:
+        key = key if isinstance(key, tuple) else (key,)
+        if not key or key[0] is Ellipsis:
+            return np.asarray(self.__array__()[key])
+        first, rest = key[0], key[1:]
+        n = self.shape[0]
+        if isinstance(first, slice):  # exactly the rows the slice takes, in its order
+            return np.asarray(self._read(np.arange(n)[first])[(slice(None), *rest)])
+        picked = np.arange(n)[first]  # numpy's rules for an integer, an array, a boolean mask
+        if np.ndim(picked) == 0:
+            return np.asarray(self._read(np.array([int(picked)]))[(0, *rest)])
+        unique = np.unique(picked)
+        return np.asarray(self._read(unique)[(np.searchsorted(unique, picked), *rest)])
+
+    def _read(self, rows: npt.NDArray[Any]) -> npt.NDArray[Any]:
+        """Rows ``rows`` of the shard (any order, repeats allowed), read in runs of neighbours."""
+        unique, inverse = np.unique(rows, return_inverse=True)
+        out = np.empty((len(unique), *self.shape[1:]), self.dtype)
+        if len(unique):
+            breaks = np.flatnonzero(np.diff(unique) != 1) + 1
+            starts = np.r_[0, breaks]
+            stops = np.r_[breaks, len(unique)]
+            for a, b in zip(starts.tolist(), stops.tolist(), strict=True):
+                lo = self.first + int(unique[a])
+                self.read(lo, lo + b - a, out[a:b])
+        return out if len(unique) == len(rows) and bool(np.all(unique == rows)) else out[inverse.reshape(-1)]

@@ -8,6 +8,7 @@ and this package never imports the store.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import stat
 import warnings
@@ -20,6 +21,8 @@ from ..errors import (
     CacheNotFoundError,
     FileSizeError,
     HashMismatchError,
+    InvalidCacheError,
+    JSONFileError,
     ManifestError,
     MetadataError,
     MetadataFileError,
@@ -45,11 +48,14 @@ from ..protocol.common import (
     SHARD_NAME_RE,
     STATS_FILE,
     blocks_max_bytes,
+    manifest_max_bytes,
     scales_name,
     stats_max_bytes,
 )
 from ..protocol.jsonfile import load_json, short_repr
+from ..remote.url import is_url
 from .shards import Shards
+from .sidecars import SIDECAR_DIR
 
 PathLike = str | os.PathLike[str]
 
@@ -63,6 +69,9 @@ def open(path: PathLike, *, check_hash: bool = True) -> Shards:
     path through symbolic links (a run's ``links/train-shards``) is resolved once;
     `Shards.path` is the real directory, and its name is what must equal the hash.
 
+    ``path`` may also be the URL of a cache in an object store or on an HTTP server
+    (``s3://bucket/root/<hash>``, ``https://host/root/<hash>``): `open_remote`.
+
     Checks (protocol.md section 7): both JSON files are strict JSON (`protocol.jsonfile`)
     of bounded size with exact key sets and types, a known protocol version, the directory
     name equals the metadata hash (unless ``check_hash=False``), shard names and counts,
@@ -70,6 +79,8 @@ def open(path: PathLike, *, check_hash: bool = True) -> Shards:
     expected size, and no unlisted data file exists. Every problem is collected and raised
     at once (see `errors`).
     """
+    if is_url(path):
+        return open_remote(str(path), check_hash=check_hash)
     root = Path(os.path.realpath(Path(path).absolute()))
     where = str(root)
     if not root.exists():
@@ -85,14 +96,101 @@ def open(path: PathLike, *, check_hash: bool = True) -> Shards:
     raise_problems(problems, where)
     assert manifest is not None
     if md.format.legacy:
-        warnings.warn(
-            f"{where}: a protocol {md.protocol} cache ({md.format.summary}, float32), read with the "
-            f"compatibility rules of protocol.md section 9 (no checksums unless {CHECKSUMS_FILE} is "
-            "there; the last shard may be padded to a full shard)",
-            ProtocolWarning,
-            stacklevel=2,
-        )
+        _warn_legacy_once(root, md)
     return Shards(root, md, manifest)
+
+
+def open_remote(url: str, *, check_hash: bool = True) -> Shards:
+    """Open the remote cache at ``url`` by reading its JSON files only (protocol.md 7).
+
+    metadata.json and shards.json are fetched (and blocks.json where the manifest lists it,
+    and the statistics sidecar of the root where there is one) into a local folder of the
+    block cache (`remote.files.local_folder`), then checked exactly as for a local cache,
+    less what needs the data files: they are checked as they are read, every block against
+    its digest (`remote.files.RemoteFiles`), and by `Shards.verify`. Messages name URLs.
+    """
+    from ..remote.blockcache import BlockCache
+    from ..remote.client import Client
+    from ..remote.files import RemoteFiles, fetch_json, local_folder
+    from ..remote.url import strip
+
+    url = strip(url)
+    cache = BlockCache()
+    folder = local_folder(cache, url)
+    client = Client(url)
+
+    def fetch(name: str, max_bytes: int, kind: type[InvalidCacheError]) -> bool:
+        try:
+            return fetch_json(client, folder, name, max_bytes)
+        except JSONFileError as err:
+            raise_problems([Problem(kind, str(err))], url)
+            raise AssertionError("unreachable") from None
+
+    if not fetch(METADATA_FILE, MAX_METADATA_BYTES, MetadataFileError):
+        raise CacheNotFoundError(f"no cache at {url}: it has no {METADATA_FILE}")
+    md, problems = _load_metadata(folder, check_hash)
+    if md is None:
+        raise_problems(_at_url(problems, folder, url), url)
+        raise AssertionError("unreachable")
+    if md.format.legacy:
+        raise ManifestError(
+            f"{url}: a protocol {md.protocol} cache ({md.format.summary}): remote caches are read in protocol 3 "
+            f"only, whose manifest has a digest for every file; convert it first "
+            f"(`saev-shards convert <local copy> --to 3.0`), then push it"
+        )
+    if not fetch(MANIFEST_FILE, manifest_max_bytes(md.n_shards), ManifestError):
+        raise CacheNotFoundError(
+            f"no cache at {url}: it has {METADATA_FILE} but no {MANIFEST_FILE} (an upload in progress, or interrupted)"
+        )
+    manifest, more = md.format.load_manifest(folder, md)
+    problems.extend(more)
+    if manifest is not None and not more:
+        problems.extend(_check_shards(folder, md, manifest, on_disk=False))
+        if manifest.scales is not None:
+            problems.extend(_check_scales(folder, md, manifest, on_disk=False))
+        problems.extend(_check_other_files(folder, md, manifest, on_disk=False))
+    raise_problems(_at_url(problems, folder, url), url)
+    assert manifest is not None
+    sidecar = f"{SIDECAR_DIR}/{md.hash}.json"
+    if manifest.stats is None:  # statistics computed later, kept in the root beside the cache
+        fetch_json(
+            Client(url.rsplit("/", 1)[0]), folder.parent, sidecar, stats_max_bytes(md.n_layers, md.d_model) + 4096
+        )
+    if manifest.blocks is not None:  # protocol 3.1: checked against shards.json on first use
+        fetch(manifest.blocks.name, manifest.blocks.nbytes, ManifestError)
+    else:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(folder / BLOCKS_FILE)  # left by another cache of this name
+    files = RemoteFiles(url, {name: (nbytes, digest) for name, nbytes, digest in manifest.files()}, cache)
+    shards = Shards(folder, md, manifest, files=files)
+    block_size = shards.block_size
+    if block_size:  # every read verified per block; without blocks.json, per whole file
+        files.use_blocks(block_size, shards.block_digests)
+    return shards
+
+
+def _at_url(problems: list[Problem], folder: Path, url: str) -> list[Problem]:
+    """The problems found in the local copies of a remote cache's JSON files, naming the URL."""
+    return [Problem(p.kind, p.message.replace(str(folder), url)) for p in problems]
+
+
+#: Caches (resolved paths) whose protocol warning this process has shown: a saev user opens
+#: the same caches again and again (a command may open one twice), and one line says it all.
+_LEGACY_WARNED: set[str] = set()
+
+
+def _warn_legacy_once(root: Path, md: Metadata) -> None:
+    """One short `ProtocolWarning` per legacy cache per process (protocol.md section 8)."""
+    key = str(root.resolve())
+    if key in _LEGACY_WARNED:
+        return
+    _LEGACY_WARNED.add(key)
+    warnings.warn(
+        f"{root.name[:12]}: protocol {md.protocol} cache ({md.format.name} dialect), read by protocol.md "
+        f"section 9 (no checksums unless {CHECKSUMS_FILE})",
+        ProtocolWarning,
+        stacklevel=3,
+    )
 
 
 def _load_metadata(root: Path, check_hash: bool) -> tuple[Metadata | None, list[Problem]]:
@@ -131,7 +229,7 @@ def _load_manifest(root: Path, md: Metadata) -> tuple[Manifest | None, list[Prob
     return manifest, problems
 
 
-def _check_shards(root: Path, md: Metadata, manifest: Manifest) -> list[Problem]:
+def _check_shards(root: Path, md: Metadata, manifest: Manifest, *, on_disk: bool = True) -> list[Problem]:
     problems: list[Problem] = []
     where = root / MANIFEST_FILE
     expected = md.n_shards
@@ -159,7 +257,8 @@ def _check_shards(root: Path, md: Metadata, manifest: Manifest) -> list[Problem]
     if md.format.padded_last and count == expected and expected and sizes[-1] == full:
         want_sizes[-1] = full  # 2.1: the last shard's file padded to a full shard
     if names == want_names and counts == want_counts and sizes == want_sizes:
-        problems.extend(_check_files(root, names, sizes))
+        if on_disk:
+            problems.extend(_check_files(root, names, sizes))
         return problems
     ok_names: list[str] = []
     ok_sizes: list[int] = []
@@ -181,11 +280,12 @@ def _check_shards(root: Path, md: Metadata, manifest: Manifest) -> list[Problem]
         else:
             ok_names.append(s.name)
             ok_sizes.append(s.nbytes)
-    problems.extend(_check_files(root, ok_names, ok_sizes))
+    if on_disk:
+        problems.extend(_check_files(root, ok_names, ok_sizes))
     return problems
 
 
-def _check_scales(root: Path, md: Metadata, manifest: Manifest) -> list[Problem]:
+def _check_scales(root: Path, md: Metadata, manifest: Manifest, *, on_disk: bool = True) -> list[Problem]:
     """A float8_e4m3 cache's scale files (protocol 3.1): one per shard, named for it, a float32
     per vector of its examples, each a regular file of that size."""
     where = root / MANIFEST_FILE
@@ -214,7 +314,8 @@ def _check_scales(root: Path, md: Metadata, manifest: Manifest) -> list[Problem]
         else:
             ok_names.append(name)
             ok_sizes.append(nbytes)
-    problems.extend(_check_files(root, ok_names, ok_sizes))
+    if on_disk:
+        problems.extend(_check_files(root, ok_names, ok_sizes))
     return problems
 
 
@@ -248,11 +349,11 @@ def _check_files(root: Path, names: Sequence[str], sizes: Sequence[int]) -> list
         os.close(dir_fd)
     problems: list[Problem] = []
     for i in bad:
-        problems.extend(_check_file(root / names[i], sizes[i]))
+        problems.extend(_check_one_file(root / names[i], sizes[i]))
     return problems
 
 
-def _check_file(path: Path, nbytes: int) -> list[Problem]:
+def _check_one_file(path: Path, nbytes: int) -> list[Problem]:
     try:
         st = os.lstat(path)
     except FileNotFoundError:
@@ -267,9 +368,15 @@ def _check_file(path: Path, nbytes: int) -> list[Problem]:
     return []
 
 
-def _check_other_files(root: Path, md: Metadata, manifest: Manifest) -> list[Problem]:
+def _check_other_files(root: Path, md: Metadata, manifest: Manifest, *, on_disk: bool = True) -> list[Problem]:
+    """The shapes and sizes the manifest gives the files beside the shards; with ``on_disk``,
+    also each file itself, and no unlisted data file in ``root``."""
     problems: list[Problem] = []
     where = root / MANIFEST_FILE
+
+    def _check_file(path: Path, nbytes: int) -> list[Problem]:
+        return _check_one_file(path, nbytes) if on_disk else []
+
     if manifest.labels is not None:
         want = (md.n_examples, md.patches_per_ex)
         lab = manifest.labels
@@ -323,6 +430,8 @@ def _check_other_files(root: Path, md: Metadata, manifest: Manifest) -> list[Pro
             )
         else:
             problems.extend(_check_file(root / manifest.stats.name, manifest.stats.nbytes))
+    if not on_disk:
+        return problems
     present = set(os.listdir(root))
     unlisted = present.difference(manifest.shards.names)  # set operations in C: 10^4 names
     unlisted.difference_update(manifest.empty_shards.names)

@@ -148,8 +148,8 @@ class ReadPaths(ShardHandles):
         if fd is None:
             fd = self._fd(k)
         nbytes = self._slice_nbytes
-        if os.preadv(fd, [view], (i * n_layers + layer_idx) * nbytes) != nbytes:
-            pread_exact(fd, view, (i * n_layers + layer_idx) * nbytes)  # a short read: finish it
+        if self._preadv(fd, [view], (i * n_layers + layer_idx) * nbytes) != nbytes:
+            pread_exact(fd, view, (i * n_layers + layer_idx) * nbytes, self._preadv)  # a short read: finish it
         return out
 
     def _byte_view_of(self, out: npt.NDArray[Any]) -> memoryview:
@@ -189,7 +189,7 @@ class ReadPaths(ShardHandles):
             k, local = layout.shard_of(e, eps)
             count = min(stop, (k + 1) * eps) - e
             nbytes = count * example_nbytes
-            pread_exact(fd_of(k), view[pos : pos + nbytes], local * example_nbytes)
+            pread_exact(fd_of(k), view[pos : pos + nbytes], local * example_nbytes, self._preadv)
             pos += nbytes
             e += count
 
@@ -269,7 +269,7 @@ class ReadPaths(ShardHandles):
             fd = fd_of(k)
             for c in range(a, b, _IOV_MAX):
                 part = row_views[c : min(b, c + _IOV_MAX)]
-                got = os.preadv(fd, part, off + (c - a) * vec)
+                got = self._preadv(fd, part, off + (c - a) * vec)
                 if got != len(part) * vec:
                     raise FileSizeError(f"{path_of(k)}: short read at byte {off} (file truncated after open?)")
 
@@ -285,7 +285,7 @@ class ReadPaths(ShardHandles):
         out = self._scales_out(out, (tokens,))
         k, i = divmod(example, self.examples_per_shard)
         nbytes = tokens * SCALES_DTYPE.itemsize
-        pread_exact(self._scale_fd(k), out.view(np.uint8).data, (i * n_layers + layer_idx) * nbytes)
+        pread_exact(self._scale_fd(k), out.view(np.uint8).data, (i * n_layers + layer_idx) * nbytes, self._preadv)
         return out
 
     def read_range_scales(

@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import warnings
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -36,6 +37,7 @@ from ..protocol.common import CHECKSUMS_FILE, FLOAT8, MAX_METADATA_BYTES, METADA
 from ..protocol.jsonfile import is_int, load_json, short_repr
 from ..protocol.v31 import load_blocks
 from ..units import human_bytes
+from .handles import Files, LocalFiles
 from .reads import ReadPaths, check_read_dtype
 from .sidecars import Sidecars
 
@@ -73,10 +75,18 @@ class Shards(ReadPaths, Sidecars):
     this module keeps the notebook API, the views and `verify`.
     """
 
-    def __init__(self, path: Path, metadata: Metadata, manifest: Manifest, read_dtype: str | None = None) -> None:
+    def __init__(
+        self,
+        path: Path,
+        metadata: Metadata,
+        manifest: Manifest,
+        read_dtype: str | None = None,
+        files: Files | None = None,
+    ) -> None:
         self.path = path
         self.metadata = metadata
         self.manifest = manifest
+        self.files = files if files is not None else LocalFiles(path)
         md = metadata
         self.shape = md.shape
         #: The stored dtype (metadata.json's), and the numpy dtype of its raw values.
@@ -106,7 +116,7 @@ class Shards(ReadPaths, Sidecars):
         """This cache with its values read as ``dtype`` (``"float16"``, ``"float32"``, ``"bfloat16"``
         as uint16 bits; None: the default, `read_dtype`): a new `Shards` on the same files, which
         opens its own handles. ``ss.open(ref).with_dtype("float32")``."""
-        return Shards(self.path, self.metadata, self.manifest, dtype)
+        return Shards(self.path, self.metadata, self.manifest, dtype, self.files)
 
     @property
     def raw(self) -> StoredValues:
@@ -146,8 +156,35 @@ class Shards(ReadPaths, Sidecars):
             f"<saev_shards.Shards {md.hash[:12]} {md.family}:{md.ckpt} shape=({n}, {l_}, {t}, {d}) "
             f"{md.dtype}{read} layers={list(md.layers)} tokens={cls}{md.patches_per_ex} "
             f"shards={self.n_shards}x{md.examples_per_shard} {human_bytes(md.nbytes + md.scales_nbytes)} "
-            f"protocol={md.protocol}" + (f" [{', '.join(extras)}]" if extras else "") + f" at {self.path}>"
+            f"protocol={md.protocol}" + (f" [{', '.join(extras)}]" if extras else "") + f" at {self.location}>"
         )
+
+    @property
+    def url(self) -> str | None:
+        """The URL of a remote cache (``s3://bucket/root/<hash>``), None for a local one. A
+        remote cache's `path` is the local folder that keeps its JSON files (`remote.files`)."""
+        return self.files.url
+
+    @property
+    def location(self) -> str:
+        """Where the cache is, for messages: its URL, or its path."""
+        return self.files.url or str(self.path)
+
+    def prefetch(self, start: int, stop: int) -> None:
+        """Hint that examples ``[start, stop)`` are about to be read: a remote cache starts
+        fetching their blocks in the background (the loaders call it for each window); a
+        local one does nothing (the kernel's readahead does it)."""
+        prefetch = getattr(self.files, "prefetch", None)
+        if prefetch is None or stop <= start:
+            return
+        eps, example_nbytes = self.examples_per_shard, self.metadata.example_nbytes
+        e = max(0, start)
+        stop = min(stop, self.n_examples)
+        while e < stop:
+            k, local = layout.shard_of(e, eps)
+            count = min(stop, (k + 1) * eps) - e
+            prefetch(self.manifest.shards[k].name, local * example_nbytes, (local + count) * example_nbytes)
+            e += count
 
     def layer_index(self, layer: int) -> int:
         """Position (``0..L-1``) of layer *value* ``layer``; `NameNotFoundError` (a `KeyError`)
@@ -275,6 +312,14 @@ class Shards(ReadPaths, Sidecars):
 
         return to_xarray(self if dtype is None else self.with_dtype(dtype), examples_per_chunk)
 
+    def report(self, out: str | Path | None = None, *, progress: bool | None = None) -> Any:
+        """One picture of this cache (`saev_shards.report`: norms by layer, dimensions with outliers
+        marked, CLS and content tokens, lengths and truncation, shard sizes), from one streaming
+        pass; saved to ``out`` (``.png`` or ``.html``) when given. Needs the ``plot`` extra."""
+        from ..report import report
+
+        return report(self, out, progress=progress)
+
     # -- integrity -----------------------------------------------------------------------
     @property
     def block_size(self) -> int | None:
@@ -314,70 +359,111 @@ class Shards(ReadPaths, Sidecars):
         stats.json and blocks.json against their schemas. Where blocks.json holds a damaged
         file's block digests (protocol 3.1), the message names the blocks that differ.
 
-        Returns the number of bytes checked. Raises `ChecksumMismatchError` (or
-        `InvalidCacheError` for several kinds) listing every problem.
+        A remote cache is read from the server (not from the block cache), several files at
+        once, and its metadata.json fetched again. Returns the number of bytes checked.
+        Raises `ChecksumMismatchError` (or `InvalidCacheError` for several kinds) listing every
+        problem.
         """
-        md_path = self.path / METADATA_FILE
-        obj, problems = load_json(md_path, MAX_METADATA_BYTES, MetadataFileError)
-        if not problems:
-            try:
-                current = parse_metadata(obj, self.path.name)
-            except MetadataError as err:
-                problems.append(Problem(MetadataFileError, f"{md_path}: {err}"))
-            else:
-                if current != self.metadata:
-                    problems.append(Problem(HashMismatchError, f"{md_path}: changed since the cache was opened"))
-                elif self.path.name != current.hash:
-                    problems.append(
-                        Problem(HashMismatchError, f"{self.path}: directory name is not the hash {current.hash}")
-                    )
+        problems = self._metadata_problems()
         files = self.manifest.files()
         total = sum(n for _, n, _ in files)
         unchecked = [name for name, _, digest in files if digest is None]
         checked = 0
         blocks = self._verify_blocks()
-        buffer = memoryview(bytearray(IO_CHUNK))
         with Progress(total, f"verify {self.path.name[:12]}", enabled=progress) as bar:
-            for name, nbytes, digest in files:
-                path = self.path / name
 
-                def tick(n: int) -> None:
-                    bar.update(n)
-                    if on_bytes is not None:
-                        on_bytes(n)
+            def tick(n: int) -> None:
+                bar.update(n)
+                if on_bytes is not None:
+                    on_bytes(n)
 
-                listed = blocks.files.get(name) if blocks is not None else None
-                hasher = BlockHasher(blocks.block_size if blocks is not None and listed is not None else None)
-                try:
-                    size, found = hash_file(path, tick, regular_only=True, buffer=buffer, hasher=hasher)
-                except NotRegularFileError as err:
-                    problems.append(Problem(ManifestError, str(err)))
+            for (name, nbytes, digest), found in zip(files, self._hash_files(files, blocks, tick), strict=True):
+                where = self.files.where(name)
+                if isinstance(found, Problem):
+                    problems.append(found)
                     continue
-                except OSError as err:
-                    problems.append(Problem(CacheNotFoundError, f"{path}: {err.strerror}"))
-                    continue
+                size, got, block_digests = found
                 checked += size
                 if size != nbytes:
-                    problems.append(Problem(FileSizeError, f"{path}: expected {nbytes} bytes, found {size}"))
+                    problems.append(Problem(FileSizeError, f"{where}: expected {nbytes} bytes, found {size}"))
                     continue
-                if digest is not None and found != digest:
-                    where = _damaged_blocks(blocks, listed, hasher.block_hexdigests(), nbytes)
+                if digest is not None and got != digest:
+                    listed = blocks.files.get(name) if blocks is not None else None
+                    damaged = _damaged_blocks(blocks, listed, block_digests, nbytes)
                     problems.append(
-                        Problem(ChecksumMismatchError, f"{path}: xxh3_128 expected {digest}, found {found}{where}")
+                        Problem(ChecksumMismatchError, f"{where}: xxh3_128 expected {digest}, found {got}{damaged}")
                     )
                     continue
                 if name == STATS_FILE:  # its bytes are intact: check what they say
                     problems.extend(self._stats_problems())
                 if self.manifest.blocks is not None and name == self.manifest.blocks.name:
                     problems.extend(self._blocks_problems())
-        raise_problems(problems, str(self.path))
+        raise_problems(problems, self.location)
         if unchecked:
             warnings.warn(
-                f"{self.path}: {len(unchecked)} files have no recorded checksum (protocol 2.1 without "
+                f"{self.location}: {len(unchecked)} files have no recorded checksum (protocol 2.1 without "
                 f"{CHECKSUMS_FILE}); only their sizes were checked",
                 stacklevel=2,
             )
         return checked
+
+    def _metadata_problems(self) -> list[Problem]:
+        """metadata.json read again (from the server for a remote cache): the same configuration and hash?"""
+        where = self.files.where(METADATA_FILE)
+        if self.url is not None:
+            from ..remote.files import refetch_json
+
+            remote: Any = self.files
+            obj, problems = refetch_json(remote, METADATA_FILE, MAX_METADATA_BYTES, MetadataFileError)
+        else:
+            obj, problems = load_json(self.path / METADATA_FILE, MAX_METADATA_BYTES, MetadataFileError)
+        if problems:
+            return problems
+        try:
+            current = parse_metadata(obj, self.path.name)
+        except MetadataError as err:
+            return [Problem(MetadataFileError, f"{where}: {err}")]
+        if current != self.metadata:
+            return [Problem(HashMismatchError, f"{where}: changed since the cache was opened")]
+        if self.path.name != current.hash:
+            return [Problem(HashMismatchError, f"{self.location}: directory name is not the hash {current.hash}")]
+        return []
+
+    def _hash_files(
+        self, files: list[tuple[str, int, str | None]], blocks: Blocks | None, tick: Callable[[int], None]
+    ) -> Iterator[tuple[int, str, list[str]] | Problem]:
+        """``(size, xxh3_128, digests of its blocks)`` of each file in order (block digests where
+        ``blocks`` lists the file), or the problem reading it."""
+
+        def block_size(name: str) -> int | None:
+            return blocks.block_size if blocks is not None and name in blocks.files else None
+
+        remote = getattr(self.files, "verify_file", None)
+        if remote is not None:  # several files in flight: each is one stream from the server
+            from ..remote.client import requests_in_flight
+
+            def one(name: str) -> tuple[int, str, list[str]] | Problem:
+                try:
+                    return remote(name, block_size(name), tick)  # type: ignore[no-any-return]
+                except FileNotFoundError:
+                    return Problem(CacheNotFoundError, f"{self.files.where(name)}: missing")
+
+            with ThreadPoolExecutor(max(1, min(len(files), requests_in_flight() // 2))) as pool:
+                yield from pool.map(one, [name for name, _, _ in files])
+            return
+        buffer = memoryview(bytearray(IO_CHUNK))
+        for name, _, _ in files:
+            path = self.path / name
+            hasher = BlockHasher(block_size(name))
+            try:
+                size, found = hash_file(path, tick, regular_only=True, buffer=buffer, hasher=hasher)
+            except NotRegularFileError as err:
+                yield Problem(ManifestError, str(err))
+                continue
+            except OSError as err:
+                yield Problem(CacheNotFoundError, f"{path}: {err.strerror}")
+                continue
+            yield size, found, hasher.block_hexdigests()
 
     def _verify_blocks(self) -> Blocks | None:
         """blocks.json for `verify` to name damaged blocks with, fresh from disk; None if there

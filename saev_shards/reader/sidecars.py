@@ -9,6 +9,7 @@ store's job (`store.sidecar`).
 
 from __future__ import annotations
 
+import io
 import os
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
@@ -20,25 +21,47 @@ import orjson
 import xxhash
 
 from .._indexing import wrap_index
-from ..errors import InvalidCacheError, ManifestError, NameNotFoundError, Problem, StatsFileError, raise_problems
+from ..errors import (
+    InvalidCacheError,
+    JSONFileError,
+    ManifestError,
+    NameNotFoundError,
+    Problem,
+    StatsFileError,
+    raise_problems,
+)
 from ..fileio import hash_file
 from ..protocol.common import MANIFEST_FILE, stats_max_bytes
-from ..protocol.jsonfile import load_json, read_json_file, short_repr
+from ..protocol.jsonfile import load_json, read_json_file, short_repr, strict_json_loads
 from ..protocol.v3 import parse_stats, pretty_json
 from .handles import ShardHandles
 
 
 class TextColumn(Sequence[Any]):
-    """Per-example JSON values of one text field, read lazily from its JSON Lines file."""
+    """Per-example JSON values of one text field, read lazily from its JSON Lines file.
 
-    def __init__(self, path: Path, n_lines: int) -> None:
+    ``read``: where the file's bytes come from when it is not a local file (a remote cache's
+    storage, verified): read whole on first use; ``path`` then only names it in messages.
+    """
+
+    def __init__(self, path: Path | str, n_lines: int, read: Callable[[], bytes | bytearray] | None = None) -> None:
         self.path = path
         self.n_lines = n_lines
+        self._read = read
+        self._data: bytes | bytearray | None = None
         self._offsets: npt.NDArray[np.int64] | None = None
+
+    def _open(self) -> Any:
+        if self._read is None:
+            return open(self.path, "rb")
+        if self._data is None:
+            self._data = self._read()
+        return io.BytesIO(self._data)
 
     def _index(self) -> npt.NDArray[np.int64]:
         if self._offsets is None:
-            data = np.fromfile(self.path, dtype=np.uint8)
+            with self._open() as f:
+                data = np.frombuffer(f.read(), dtype=np.uint8)
             ends = np.flatnonzero(data == ord("\n")) + 1
             if len(ends) != self.n_lines:
                 raise ManifestError(f"{self.path}: expected {self.n_lines} lines, found {len(ends)}")
@@ -53,13 +76,13 @@ class TextColumn(Sequence[Any]):
             return [self[j] for j in range(*i.indices(self.n_lines))]
         i = wrap_index(int(i), self.n_lines, "example")
         offsets = self._index()
-        with self.path.open("rb") as f:
+        with self._open() as f:
             f.seek(int(offsets[i]))
             return self._value(f.read(int(offsets[i + 1] - offsets[i])), i)
 
     def __iter__(self) -> Iterator[Any]:
         count = 0
-        with self.path.open("rb") as f:
+        with self._open() as f:
             for count, line in enumerate(f, 1):
                 if count > self.n_lines:
                     break
@@ -129,7 +152,7 @@ class Sidecars(ShardHandles):
             return None
         self._check_pid()
         if "labels" not in self._aux:
-            self._aux["labels"] = _map(self.path / lab.name, np.dtype(lab.dtype), lab.shape)
+            self._aux["labels"] = self._array(lab.name, np.dtype(lab.dtype), lab.shape)
         return self._aux["labels"]  # type: ignore[no-any-return]
 
     @property
@@ -142,7 +165,7 @@ class Sidecars(ShardHandles):
 
             def load(name: str) -> npt.NDArray[Any]:
                 c = cols[name]
-                return _map(self.path / c.name, np.dtype(c.dtype), c.shape)
+                return self._array(c.name, np.dtype(c.dtype), c.shape)
 
             self._aux["columns"] = Fields("column", self.path, list(cols), load)
         return self._aux["columns"]  # type: ignore[no-any-return]
@@ -162,7 +185,10 @@ class Sidecars(ShardHandles):
             entries = self.manifest.text
 
             def load(name: str) -> TextColumn:
-                return TextColumn(self.path / entries[name].name, entries[name].n_lines)
+                entry = entries[name]
+                if self.files.copies:  # remote: the whole file, verified, on first use
+                    return TextColumn(self.files.where(entry.name), entry.n_lines, lambda: self._read_all(entry.name))
+                return TextColumn(self.path / entry.name, entry.n_lines)
 
             self._aux["text"] = Fields("text field", self.path, list(entries), load)
         return self._aux["text"]  # type: ignore[no-any-return]
@@ -181,13 +207,39 @@ class Sidecars(ShardHandles):
             return find_stats(self)
         if "stats" not in self._aux:
             md = self.metadata
-            path = self.path / entry.name
             # parse_stats type-checks every integer; a float is a float whatever its spelling.
             cap = stats_max_bytes(md.n_layers, md.d_model)
-            raw, problems = load_json(path, cap, StatsFileError, every_number=False)
-            raise_problems(problems, str(self.path))
-            self._aux["stats"] = parse_stats(raw, md.layers, md.d_model, str(path), md.n_examples * md.tokens_per_ex)
+            if self.files.copies:  # remote: its bytes are verified against the manifest first
+                raw, problems = self._remote_json(entry.name, cap)
+            else:
+                raw, problems = load_json(self.path / entry.name, cap, StatsFileError, every_number=False)
+            raise_problems(problems, self.files.url or str(self.path))
+            tokens = md.n_examples * md.tokens_per_ex
+            self._aux["stats"] = parse_stats(raw, md.layers, md.d_model, self.files.where(entry.name), tokens)
         return self._aux["stats"]  # type: ignore[no-any-return]
+
+    def _array(self, name: str, dtype: np.dtype[Any], shape: tuple[int, ...]) -> npt.NDArray[Any]:
+        """A raw array file beside the shards: a read-only memmap, or of a remote cache a
+        read-only copy (read whole, verified)."""
+        if not self.files.copies:
+            return _map(self.path / name, dtype, shape)
+        out = np.frombuffer(self._read_all(name), dtype=dtype).reshape(shape)
+        out.flags.writeable = False
+        return out
+
+    def _read_all(self, name: str) -> bytearray:
+        read: Callable[[str], bytearray] = self.files.read  # type: ignore[attr-defined]  # RemoteFiles
+        return read(name)
+
+    def _remote_json(self, name: str, cap: int) -> tuple[Any, list[Problem]]:
+        where = self.files.where(name)
+        nbytes = next(n for f, n, _ in self.manifest.files() if f == name)
+        if nbytes > cap:
+            return None, [Problem(StatsFileError, f"{where}: expected at most {cap:,} bytes, found {nbytes:,}")]
+        try:
+            return strict_json_loads(bytes(self._read_all(name)), every_number=False), []
+        except JSONFileError as err:
+            return None, [Problem(StatsFileError, f"{where}: {err}")]
 
     def _stats_problems(self) -> list[Problem]:
         self._aux.pop("stats", None)

@@ -42,13 +42,14 @@ from ..progress import Progress
 from ..protocol.staging import staging_dir
 from ..reader import Shards
 from ..reader import open as open_path
-from ..store import open_cache
+from ..store import open_cache, shards_roots
 from ..store.roots import SHUFFLE_LOCK_FILE as LOCK_FILE
 from ..store.roots import SHUFFLE_PREFIX as WORK_PREFIX
 from ..writer import ShardWriter, finalize
 from .append import write_buckets
 from .order import bucket_of, shuffle_order, sort_keys
 from .plan import DEFAULT_MEMORY, SOURCE_EXAMPLE, SOURCE_TOKEN, ShufflePlan, make_plan
+from .ranks import run_rank
 from .runs import PLAN_FILE, RUN_DISK_FULL_NOTE, load_record, run_file, run_record_file
 from .scatter import CLS_LABEL, scatter
 
@@ -61,6 +62,7 @@ __all__ = [
     "bucket_of",
     "plan_shuffle",
     "run_plan",
+    "run_rank",
     "shuffle_cache",
     "shuffle_order",
     "sort_keys",
@@ -88,6 +90,9 @@ def plan_shuffle(
     allow_nonfinite: bool = False,
     n_buckets: int | None = None,
     examples_per_chunk: int | None = None,
+    exclude_token_ids: Sequence[int] = (),
+    max_norm_multiple: float | None = None,
+    progress: bool | None = False,
 ) -> ShufflePlan:
     """What `shuffle_cache` would do, without doing it (``plan.describe()`` says it in words).
 
@@ -97,9 +102,11 @@ def plan_shuffle(
     not depend on them). See `shuffle_cache` for the rest; `run_plan` carries a plan out.
     """
     shards = source if isinstance(source, Shards) else open_cache(source)
+    if root is None:  # beside the source; a remote source's output goes to the local shards root
+        root = shards.path.parent if shards.url is None else shards_roots()[0].path
     return make_plan(
         shards,
-        Path(root) if root is not None else shards.path.parent,
+        Path(root),
         layers=layers,
         tokens=tokens,
         seed=seed,
@@ -111,6 +118,9 @@ def plan_shuffle(
         allow_nonfinite=allow_nonfinite,
         n_buckets=n_buckets,
         examples_per_chunk=examples_per_chunk,
+        exclude_token_ids=exclude_token_ids,
+        max_norm_multiple=max_norm_multiple,
+        progress=progress,
     )
 
 
@@ -127,6 +137,8 @@ def shuffle_cache(
     workers: int = 1,
     work_dir: PathLike | None = None,
     allow_nonfinite: bool = False,
+    exclude_token_ids: Sequence[int] = (),
+    max_norm_multiple: float | None = None,
     progress: bool | None = None,
     durable: bool = True,
 ) -> Shards:
@@ -146,6 +158,11 @@ def shuffle_cache(
         work_dir: where the scratch runs go (default: ``root``); they need about the output's
             size in free space until the end, and are deleted then.
         allow_nonfinite: store inf/NaN (after the cast) instead of raising `NonFiniteError`.
+        exclude_token_ids, max_norm_multiple: the loaders' token masks (`saev_shards.norms`):
+            positions whose ``token_ids`` value is listed, and positions whose vector at any
+            chosen layer is above ``max_norm_multiple`` times its layer's median norm, are left
+            out; the output's ``metadata.data["shuffle"]`` records both and how many each
+            dropped (without them the metadata, and so the hash, are what they always were).
         progress: progress bars on stderr (default: when stderr is a terminal).
         durable: fsync runs and output (turn off only for throwaway tests).
 
@@ -164,6 +181,9 @@ def shuffle_cache(
         workers=workers,
         work_dir=work_dir,
         allow_nonfinite=allow_nonfinite,
+        exclude_token_ids=exclude_token_ids,
+        max_norm_multiple=max_norm_multiple,
+        progress=progress,
     )
     return run_plan(plan, progress=progress, durable=durable)
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -140,10 +141,20 @@ class ShufflePlan:
 
 
 def output_metadata(
-    source: Shards, selection: Selection, seed: int, n_tokens: int, dtype: str, patches_per_shard: int
+    source: Shards,
+    selection: Selection,
+    seed: int,
+    n_tokens: int,
+    dtype: str,
+    patches_per_shard: int,
+    dropped: dict[str, int] | None = None,
 ) -> Metadata:
-    """The shuffled cache's metadata: one token per example, the chosen layers, the provenance in ``data``."""
+    """The shuffled cache's metadata: one token per example, the chosen layers, the provenance in
+    ``data`` (with the token masks, what they dropped: positions per chosen layer, by mask)."""
     md = source.metadata
+    shuffle: dict[str, Any] = {"source": md.hash, **selection.to_json(), "seed": seed, "order": ORDER_NAME}
+    if dropped:
+        shuffle["dropped"] = dict(dropped)
     return Metadata(
         family=md.family,
         ckpt=md.ckpt,
@@ -154,7 +165,7 @@ def output_metadata(
         n_examples=n_tokens,
         patches_per_shard=patches_per_shard,
         data={
-            "shuffle": {"source": md.hash, **selection.to_json(), "seed": seed, "order": ORDER_NAME},
+            "shuffle": shuffle,
             "source_data": md.data,
         },
         dataset=md.dataset,
@@ -201,6 +212,9 @@ def make_plan(
     allow_nonfinite: bool = False,
     n_buckets: int | None = None,
     examples_per_chunk: int | None = None,
+    exclude_token_ids: Sequence[int] = (),
+    max_norm_multiple: float | None = None,
+    progress: bool | None = False,
 ) -> ShufflePlan:
     """Check the arguments against the source and size the passes; raises `ShuffleError`.
 
@@ -216,7 +230,7 @@ def make_plan(
     dtype = source.dtype if dtype is None else str(dtype)
     if dtype not in DTYPES:
         raise ShuffleError(f"dtype: expected one of {list(DTYPES)}, found {dtype!r}")
-    selection = parse_selection(source, layers, tokens)
+    selection = parse_selection(source, layers, tokens, exclude_token_ids, max_norm_multiple, progress)
     md = source.metadata
     if patches_per_shard is None:
         patches_per_shard = md.patches_per_shard
@@ -282,10 +296,14 @@ def make_plan(
         examples_per_chunk = max(1, min(n_source, room // per_example))
     n_chunks = -(-n_source // examples_per_chunk)
     first = [0]
+    dropped: dict[str, int] = {}
     for c in range(n_chunks):
         start = c * examples_per_chunk
-        first.append(first[-1] + reader.count(start, min(n_source, start + examples_per_chunk)))
-    output = output_metadata(source, selection, int(seed), first[-1], dtype, patches_per_shard)
+        count, taken = reader.count_and_dropped(start, min(n_source, start + examples_per_chunk))
+        first.append(first[-1] + count)
+        for name, k in taken.items():
+            dropped[name] = dropped.get(name, 0) + k
+    output = output_metadata(source, selection, int(seed), first[-1], dtype, patches_per_shard, dropped)
     sized_buckets, bucket_rows = _n_buckets(output, per_process, fixed_write, per_bucket_row)
     base = Path(work_dir) if work_dir is not None else Path(root)
     return ShufflePlan(

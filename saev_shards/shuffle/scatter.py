@@ -109,7 +109,7 @@ def _read(reader: SourceReader, plan: ShufflePlan, chunk: int, buffer: npt.NDArr
 def _gather(plan: ShufflePlan, reader: SourceReader, data: _Chunk, buffer: Any) -> RunRecord:
     """Fill ``buffer`` with chunk ``data``'s run; its record (digests are added when it is written)."""
     n_examples = data.stop - data.start
-    mask = reader.mask(data.lengths, n_examples)
+    mask = reader.mask(data.lengths, n_examples, data.start)
     ex_local, tokens = np.nonzero(mask)  # source order: example, then token position
     n_rows = len(ex_local)
     first = plan.chunk_first[data.chunk]

@@ -9,13 +9,13 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
-import os
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import numpy as np
 import numpy.typing as npt
 
+from .. import norms
 from ..errors import ShuffleError
 from ..fileio import pread_exact
 from ..protocol.jsonfile import is_int
@@ -49,18 +49,49 @@ class Selection:
     positions: tuple[int, ...]
     #: Whether the source has a ``lengths`` column (chosen positions then vary per example).
     has_lengths: bool
+    #: Token masks (as the loaders'): positions whose ``token_ids`` value is listed are left out ...
+    exclude_token_ids: tuple[int, ...] = ()
+    #: ... and those `saev_shards.norms` drops above ``max_norm_multiple`` times the median norm.
+    norm_filter: norms.NormFilter | None = dataclasses.field(default=None, compare=False)
+    #: The source's recorded layers.
+    recorded: tuple[int, ...] = ()
 
     @property
     def per_example(self) -> int:
         """Chosen tokens of an example without padding."""
         return len(self.positions)
 
+    @property
+    def varies(self) -> bool:
+        """Whether the chosen positions differ from example to example."""
+        return self.has_lengths or bool(self.exclude_token_ids) or self.norm_filter is not None
+
     def to_json(self) -> dict[str, Any]:
-        return {"layers": list(self.layers), "tokens": self.tokens, "skip_padding": True}
+        """The selection as the output's metadata records it; the token masks only when set,
+        so a shuffle without them keeps the metadata (and hash) it always had."""
+        out: dict[str, Any] = {"layers": list(self.layers), "tokens": self.tokens, "skip_padding": True}
+        if self.exclude_token_ids:
+            out["exclude_token_ids"] = list(self.exclude_token_ids)
+        if self.norm_filter is not None:
+            out["max_norm_multiple"] = norms.to_json(self.norm_filter, self.all_layers)
+        return out
+
+    @property
+    def all_layers(self) -> tuple[int, ...]:
+        """The source's recorded layers (a norm filter's positions index them)."""
+        return self.recorded
 
 
-def parse_selection(shards: Shards, layers: object, tokens: object) -> Selection:
-    """Check ``layers`` (None, a layer value or a sequence of values) and ``tokens`` against the source."""
+def parse_selection(
+    shards: Shards,
+    layers: object,
+    tokens: object,
+    exclude_token_ids: object = (),
+    max_norm_multiple: object = None,
+    progress: bool | None = False,
+) -> Selection:
+    """Check ``layers`` (None, a layer value or a sequence of values), ``tokens`` and the token
+    masks against the source (a norm filter is computed here: `saev_shards.norms`)."""
     md = shards.metadata
     recorded = md.layers
     if layers is None:
@@ -93,12 +124,28 @@ def parse_selection(shards: Shards, layers: object, tokens: object) -> Selection
         positions = (0,)
     else:
         positions = tuple(range(md.tokens_per_ex))
+    if isinstance(exclude_token_ids, (str, bytes)) or not isinstance(exclude_token_ids, (list, tuple, range, set)):
+        raise ShuffleError(f"exclude_token_ids: expected a list of token ids, found {exclude_token_ids!r}")
+    if not all(is_int(t, numpy_ok=True) for t in exclude_token_ids):
+        raise ShuffleError(f"exclude_token_ids: expected integer token ids, found {sorted(exclude_token_ids)!r}")
+    excluded = tuple(sorted({int(t) for t in exclude_token_ids}))
+    if excluded and "token_ids" not in shards.manifest.columns:
+        raise ShuffleError(
+            f"exclude_token_ids: expected a source with a token_ids column (saev-shards dump records it), found "
+            f"columns {sorted(shards.manifest.columns)} at {shards.path}"
+        )
+    multiple = norms.parse_multiple(max_norm_multiple, ShuffleError)
     return Selection(
         layers=tuple(recorded[p] for p in positions_of_layers),
         tokens=str(tokens),
         layer_positions=positions_of_layers,
         positions=positions,
         has_lengths="lengths" in shards.manifest.columns,
+        exclude_token_ids=excluded,
+        norm_filter=None
+        if multiple is None
+        else norms.norm_filter(shards, multiple, positions_of_layers, progress=progress),
+        recorded=tuple(recorded),
     )
 
 
@@ -159,6 +206,7 @@ class SourceReader:
         (`Shards.read_example` keeps its last output buffer referenced, which would pin a
         whole read buffer beyond the scatter pass)."""
         layers = self.shards.metadata.layers
+        files = self.shards.files  # local descriptors, or a remote cache's verified reads
         fds: dict[int, int] = {}
         try:
             for j in range(stop - start):
@@ -166,11 +214,11 @@ class SourceReader:
                     shard, offset = self.shards.locate(start + j, layers[position], 0)
                     fd = fds.get(shard)
                     if fd is None:
-                        fd = fds[shard] = os.open(self.shards.shard_path(shard), os.O_RDONLY)
-                    pread_exact(fd, out[j, r].reshape(-1).view(np.uint8).data, offset)
+                        fd = fds[shard] = files.open(self.shards.manifest.shards[shard].name)
+                    pread_exact(fd, out[j, r].reshape(-1).view(np.uint8).data, offset, files.preadv)
         finally:
             for fd in fds.values():
-                os.close(fd)
+                files.close(fd)
 
     @property
     def layer_rows(self) -> npt.NDArray[np.int64]:
@@ -181,11 +229,12 @@ class SourceReader:
         row = int(np.prod(tail, dtype=np.int64)) * dtype.itemsize
         out = np.empty((stop - start, *tail), dtype)
         if out.nbytes:
-            fd = os.open(self.shards.path / name, os.O_RDONLY)
+            files = self.shards.files
+            fd = files.open(name)
             try:
-                pread_exact(fd, out.reshape(-1).view(np.uint8).data, start * row)
+                pread_exact(fd, out.reshape(-1).view(np.uint8).data, start * row, files.preadv)
             finally:
-                os.close(fd)
+                files.close(fd)
         return out
 
     def lengths(self, start: int, stop: int) -> npt.NDArray[np.int64] | None:
@@ -207,22 +256,54 @@ class SourceReader:
         entry = self.shards.manifest.columns[name]
         return self._array(entry.name, np.dtype(entry.dtype), (self.tokens_per_ex,), start, stop)
 
-    def mask(self, lengths: npt.NDArray[np.int64] | None, n: int) -> npt.NDArray[np.bool_]:
-        """``(n, T)``: the chosen positions of each example (padding removed)."""
+    def mask(self, lengths: npt.NDArray[np.int64] | None, n: int, start: int = 0) -> npt.NDArray[np.bool_]:
+        """``(n, T)``: the chosen positions of examples ``[start, start + n)`` (padding and what
+        the token masks drop removed)."""
+        return self._masks(lengths, n, start)[0]
+
+    def _masks(
+        self, lengths: npt.NDArray[np.int64] | None, n: int, start: int
+    ) -> tuple[npt.NDArray[np.bool_], dict[str, int]]:
+        """The chosen positions, and how many positions each token mask took from the rest."""
+        sel = self.selection
         base = np.zeros(self.tokens_per_ex, dtype=bool)
-        base[list(self.selection.positions)] = True
-        if lengths is None:
-            return np.broadcast_to(base, (n, self.tokens_per_ex))
-        return base & (np.arange(self.tokens_per_ex) < lengths[:, None])
+        base[list(sel.positions)] = True
+        mask = np.broadcast_to(base, (n, self.tokens_per_ex))
+        if lengths is not None:
+            mask = base & (np.arange(self.tokens_per_ex) < lengths[:, None])
+        taken: dict[str, int] = {}
+        if sel.exclude_token_ids:
+            hit = mask & np.isin(self.column("token_ids", start, start + n), sel.exclude_token_ids)
+            taken["exclude_token_ids"] = int(hit.sum())
+            mask = mask & ~hit
+        if sel.norm_filter is not None:
+            hit = mask & sel.norm_filter.dropped(np.arange(start, start + n, dtype=np.int64))
+            taken["max_norm_multiple"] = int(hit.sum())
+            mask = mask & ~hit
+        return mask, taken
 
     def count(self, start: int, stop: int) -> int:
-        """Chosen tokens of examples ``[start, stop)`` (one layer), reading only ``lengths``."""
-        if not self.selection.has_lengths:
-            return (stop - start) * self.selection.per_example
-        positions = np.array(self.selection.positions, dtype=np.int64)
+        """Chosen tokens of examples ``[start, stop)`` (one layer), reading only ``lengths``
+        (and ``token_ids`` with `exclude_token_ids`)."""
+        return self.count_and_dropped(start, stop)[0]
+
+    def count_and_dropped(self, start: int, stop: int) -> tuple[int, dict[str, int]]:
+        """`count`, and the positions each token mask dropped from examples ``[start, stop)``."""
+        sel = self.selection
+        if not sel.varies:
+            return (stop - start) * sel.per_example, {}
+        positions = np.array(sel.positions, dtype=np.int64)
         total = 0
+        dropped: dict[str, int] = {}
         for a in range(start, stop, SCAN_EXAMPLES):
-            lengths = self.lengths(a, min(stop, a + SCAN_EXAMPLES))
-            assert lengths is not None
-            total += int(np.searchsorted(positions, lengths, side="left").sum())
-        return total
+            b = min(stop, a + SCAN_EXAMPLES)
+            lengths = self.lengths(a, b)
+            if not (sel.exclude_token_ids or sel.norm_filter is not None):
+                assert lengths is not None
+                total += int(np.searchsorted(positions, lengths, side="left").sum())
+                continue
+            mask, taken = self._masks(lengths, b - a, a)
+            total += int(mask.sum())
+            for name, k in taken.items():
+                dropped[name] = dropped.get(name, 0) + k
+        return total, dropped

@@ -7,6 +7,9 @@
 * `sidecar`: statistics computed for an existing cache, kept in ``<root>/.stats/`` and
   found by `Shards.stats` (`compute_stats`, `write_sidecar`, `find_stats`);
 * `staging`: `stage` / `copy_cache`, a verified, atomic, resumable local copy;
+* `remote`: shards roots in object stores: `push`, `list_remote`, `resolve_remote`,
+  `locate` (a URL, a local reference, or a hash found in a remote root); `staging.pull`
+  copies a remote cache to local disk like `stage`;
 * `runs`: run folders (`create_run`, `open_run`, `Run`);
 * `doctor`: what is wrong with a run (`doctor`) or with the configured roots
   (`doctor_environment`).
@@ -37,6 +40,7 @@ from .caches import (
 )
 from .doctor import Finding, doctor, doctor_environment
 from .inuse import Holder, users
+from .remote import PushReport, RemoteEntry, list_remote, locate, push, resolve_remote
 from .roots import (
     COPY_PREFIX,
     MIN_PREFIX,
@@ -49,6 +53,8 @@ from .roots import (
     Root,
     Roots,
     check_reference,
+    local_roots,
+    remote_roots,
     resolve,
     runs_root,
     shards_root,
@@ -69,7 +75,7 @@ from .runs import (
     runs_linking,
 )
 from .sidecar import SIDECAR_DIR, compute_stats, find_stats, sidecar_path, write_sidecar
-from .staging import StageReport, copy_cache, stage
+from .staging import StageReport, copy_cache, pull, stage
 
 __all__ = [
     "CHECKPOINT_FILES",
@@ -90,6 +96,8 @@ __all__ = [
     "Finding",
     "Holder",
     "PathLike",
+    "PushReport",
+    "RemoteEntry",
     "Root",
     "Roots",
     "Run",
@@ -108,13 +116,20 @@ __all__ = [
     "folder_nbytes",
     "is_live",
     "list_caches",
+    "list_remote",
     "list_unpublished",
+    "local_roots",
+    "locate",
     "open_cache",
     "open_quietly",
     "open_run",
+    "pull",
+    "push",
+    "remote_roots",
     "remove",
     "remove_unpublished",
     "resolve",
+    "resolve_remote",
     "runs_linking",
     "runs_root",
     "shards_root",

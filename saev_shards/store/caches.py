@@ -30,9 +30,11 @@ from ..fileio import (
 )
 from ..metadata import Metadata, parse_metadata
 from ..protocol import is_cache_name
-from ..protocol.common import MAX_METADATA_BYTES, METADATA_FILE
+from ..protocol.common import MANIFEST_FILE, MAX_METADATA_BYTES, METADATA_FILE
 from ..protocol.jsonfile import read_json_file
-from ..protocol.staging import LOCK_SUFFIX, OLD_LOCK_FILE, STAGING_PREFIX
+from ..protocol.staging import LOCK_SUFFIX, OLD_LOCK_FILE, STAGING_PREFIX, part_record_shard
+from ..remote.url import is_url
+from ..units import human_bytes
 from .inuse import users
 from .roots import (
     COPY_PREFIX,
@@ -43,7 +45,6 @@ from .roots import (
     _cache_names,
     _scan,
     check_reference,
-    resolve,
 )
 from .sidecar import sidecar_path
 
@@ -126,6 +127,35 @@ class Unpublished:
     age: float
     #: A live process holds its lock: a writer at work, or a copy in progress.
     live: bool
+    #: Shards sealed in a staging folder (its part records; all of them once finalizing wrote
+    #: shards.json), and how many the cache has (None when its metadata.json is unreadable).
+    sealed: int = 0
+    n_shards: int | None = None
+
+    @property
+    def resumable(self) -> bool:
+        """Interrupted with work a rerun keeps: sealed shards of a writer, the complete files of
+        a copy, the buckets and runs of a shuffle. Removing it makes that rerun start over."""
+        if self.kind == "staging":
+            return self.sealed > 0
+        return self.kind in ("copy", "shuffle") and self.nbytes > 0
+
+    @property
+    def state(self) -> str:
+        """In words: live, interrupted and resumable (what is kept, how to resume), or abandoned."""
+        if self.live:
+            return {"staging": "a writer holds it", "copy": "a copy holds it", "shuffle": "a shuffle holds it"}.get(
+                self.kind, "a live process holds it"
+            )
+        if not self.resumable:
+            return "stale, nothing to resume: `saev-shards clean` removes it"
+        kept = {
+            "staging": f"{self.sealed} of {self.n_shards if self.n_shards is not None else '?'} shards sealed",
+            "copy": f"{human_bytes(self.nbytes)} copied",
+            "shuffle": f"{human_bytes(self.nbytes)} of buckets and runs",
+        }[self.kind]
+        again = {"staging": "its writer", "copy": "`saev-shards stage`", "shuffle": "the same shuffle"}[self.kind]
+        return f"interrupted, resumable ({kept}): run {again} again to resume; `saev-shards clean` would discard it"
 
     @property
     def hash(self) -> str:
@@ -166,8 +196,22 @@ def unpublished(root: PathLike) -> list[Unpublished]:
         except PermissionError:  # another user's (a shared $TMPDIR): listed, never judged stale
             out.append(Unpublished(path, kind, 0, max(0.0, now - os.lstat(path).st_mtime), True))
             continue
-        out.append(Unpublished(path, kind, nbytes, max(0.0, now - mtime), is_live(path, kind)))
+        sealed, n_shards = _sealed(path) if kind == "staging" else (0, None)
+        out.append(Unpublished(path, kind, nbytes, max(0.0, now - mtime), is_live(path, kind), sealed, n_shards))
     return out
+
+
+def _sealed(staging: Path) -> tuple[int, int | None]:
+    """Shards sealed in a staging folder and the cache's shard count (from its metadata.json)."""
+    md = _read_metadata(staging)
+    n_shards = md.n_shards if md is not None else None
+    try:
+        names = os.listdir(staging)
+    except OSError:
+        return 0, n_shards
+    if MANIFEST_FILE in names:  # finalizing passed its commit point: every shard is in
+        return n_shards or 1, n_shards
+    return sum(part_record_shard(name) is not None for name in names), n_shards
 
 
 def folder_nbytes(path: Path) -> int:
@@ -355,13 +399,19 @@ def open_cache(ref: PathLike, *, check_hash: bool = True, roots: Roots = None) -
     ``$SAEV_SCRATCH/saev/shards``; see `resolve`). An existing path always wins.
 
     This is `saev_shards.open`: the reference is resolved here, then `reader.open` (which
-    takes paths only) checks and opens the directory; see it for what is checked.
+    takes paths only) checks and opens the directory; see it for what is checked. A URL
+    (``s3://bucket/root/<hash or prefix>``), or a hash (prefix) found only in a remote root,
+    opens the remote cache (`reader.open_remote`).
     """
     check_reference(ref)
-    path = Path(ref).absolute()
-    if not path.exists():  # a hash, a prefix, or a mistake: `resolve` says which
-        path = resolve(ref, roots)
-    return reader.open(path, check_hash=check_hash)
+    from .remote import locate
+
+    if is_url(ref):
+        return reader.open(locate(ref, roots), check_hash=check_hash)
+    found: Path | str = Path(ref).absolute()
+    if not Path(found).exists():  # a hash, a prefix, or a mistake: `locate` says which
+        found = locate(ref, roots)
+    return reader.open(found, check_hash=check_hash)
 
 
 def open_quietly(path: Path, check_hash: bool = True) -> reader.Shards:
@@ -396,7 +446,11 @@ def summary(shards: reader.Shards) -> dict[str, Any]:
         ]
     return {
         "hash": md.hash,
-        "path": str(shards.path),
+        "path": shards.location,
+        # A remote cache: its URL, and how its reads are verified (per block with blocks.json,
+        # else per whole file); None for a local cache.
+        "url": shards.url,
+        "remote_verification": _remote_verification(shards),
         "protocol": md.protocol,
         # How metadata.json is spelled: the protocol's own ("3.0") or one of saev's (protocol 2.1).
         "dialect": md.dialect,
@@ -418,7 +472,7 @@ def summary(shards: reader.Shards) -> dict[str, Any]:
         "examples_per_shard": md.examples_per_shard,
         "n_shards": shards.n_shards,
         "nbytes": md.nbytes,
-        "disk_nbytes": _disk_bytes(shards.path),
+        "disk_nbytes": _disk_bytes(shards.path) if shards.url is None else _remote_bytes(shards),
         "checksums": all(d is not None for _, _, d in man.files()),
         "shards": [
             {"name": s.name, "n_examples": s.n_examples, "nbytes": s.nbytes, "xxh3_128": s.xxh3_128} for s in man.shards
@@ -428,13 +482,31 @@ def summary(shards: reader.Shards) -> dict[str, Any]:
         "text": {k: {"n_lines": t.n_lines} for k, t in sorted(man.text.items())},
         "stats": per_layer,
         # Where they come from: the cache's stats.json, or a sidecar written by `saev-shards stats`.
-        "stats_file": None if stats is None else str(_stats_file(shards)),
+        "stats_file": None if stats is None else _stats_file(shards),
     }
 
 
-def _stats_file(shards: reader.Shards) -> Path:
+def _stats_file(shards: reader.Shards) -> str:
     entry = shards.manifest.stats
-    return shards.path / entry.name if entry is not None else sidecar_path(shards)
+    if shards.url is not None:
+        root = shards.url.rsplit("/", 1)[0]
+        return shards.files.where(entry.name) if entry is not None else f"{root}/.stats/{shards.metadata.hash}.json"
+    return str(shards.path / entry.name if entry is not None else sidecar_path(shards))
+
+
+def _remote_verification(shards: reader.Shards) -> str | None:
+    """How reads of a remote cache are checked: ``"per block"`` or ``"per file"``; None locally."""
+    if shards.url is None:
+        return None
+    per_block = getattr(shards.files, "per_block", None)
+    names = [name for name, _, _ in shards.manifest.blocked_files()]
+    return "per block" if per_block is not None and names and all(per_block(n) for n in names) else "per file"
+
+
+def _remote_bytes(shards: reader.Shards) -> int:
+    """Bytes a remote cache's objects hold: its data files (from the manifest) and JSON files."""
+    data = sum(n for _, n, _ in shards.manifest.files())
+    return data + sum(p.stat().st_size for p in shards.path.iterdir() if p.is_file())
 
 
 def _dtype(spelling: str) -> str:

@@ -33,6 +33,7 @@ from ..errors import (
 from ..protocol import is_cache_name
 from ..protocol.jsonfile import short_repr
 from ..protocol.staging import STAGING_PREFIX
+from ..remote.url import is_url, split_roots
 
 PathLike = str | os.PathLike[str]
 Roots = PathLike | Sequence[PathLike] | None
@@ -79,15 +80,36 @@ def _env(name: str) -> str | None:
     return value or None
 
 
+def _given(roots: Roots) -> list[PathLike]:
+    if roots is None:
+        return []
+    return [roots] if isinstance(roots, (str, os.PathLike)) else list(roots)
+
+
+def remote_roots(roots: Roots = None) -> list[str]:
+    """The remote shards roots (URLs such as ``s3://bucket/shards``) among ``roots``, else among
+    ``$SAEV_SHARDS_ROOT``; searched after the local ones (`store.remote.locate`)."""
+    given = _given(roots)
+    if given:
+        return [str(p) for p in given if is_url(p)]
+    return [p for p in split_roots(_env(SHARDS_ROOT_ENV) or "") if is_url(p)]
+
+
+def local_roots(roots: Roots = None) -> list[PathLike] | None:
+    """``roots`` without its URLs (None when nothing local remains: the defaults apply)."""
+    local = [p for p in _given(roots) if not is_url(p)]
+    return local or None
+
+
 def shards_roots(roots: Roots = None) -> list[Root]:
-    """The shards roots, searched in order: ``roots`` > ``$SAEV_SHARDS_ROOT`` > ``$SAEV_SCRATCH/saev/shards``."""
-    if roots is not None:
-        given = [roots] if isinstance(roots, (str, os.PathLike)) else list(roots)
-        if given:
-            return [Root(Path(p).expanduser().absolute(), "argument") for p in given]
+    """The local shards roots, searched in order: ``roots`` > ``$SAEV_SHARDS_ROOT`` >
+    ``$SAEV_SCRATCH/saev/shards``. URLs among them are remote roots (`remote_roots`)."""
+    given = [p for p in _given(roots) if not is_url(p)]
+    if given:
+        return [Root(Path(p).expanduser().absolute(), "argument") for p in given]
     env = _env(SHARDS_ROOT_ENV)
-    if env is not None:
-        parts = [p for p in env.split(os.pathsep) if p]
+    parts = [p for p in split_roots(env or "") if not is_url(p)]
+    if parts:
         return [Root(Path(p).expanduser().absolute(), SHARDS_ROOT_ENV) for p in parts]
     scratch = _env(SCRATCH_ENV)
     if scratch is not None:

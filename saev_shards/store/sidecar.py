@@ -87,8 +87,20 @@ def write_sidecar(shards: reader.Shards, stats: dict[str, Any]) -> Path:
         "stats": stats,
         "stats_xxh3_128": xxhash.xxh3_128_hexdigest(pretty_json(stats)),
     }
-    _write_in_sidecar_folder(path, pretty_json(obj))
+    data = pretty_json(obj)
+    _write_in_sidecar_folder(path, data)
+    if shards.url is not None:  # a remote cache: the sidecar goes beside it, in its root (protocol.md 6.1)
+        from ..remote.client import Client
+
+        Client(shards.url.rsplit("/", 1)[0]).put(f"{SIDECAR_DIR}/{shards.metadata.hash}.json", data)
     return path
+
+
+def sidecar_location(shards: reader.Shards) -> str:
+    """Where the statistics sidecar of ``shards`` lives, for people: a path, or a URL in a remote root."""
+    if shards.url is not None:
+        return f"{shards.url.rsplit('/', 1)[0]}/{SIDECAR_DIR}/{shards.metadata.hash}.json"
+    return str(sidecar_path(shards))
 
 
 def _write_in_sidecar_folder(path: Path, data: bytes) -> None:
@@ -137,6 +149,7 @@ __all__ = [
     "compute_stats",
     "find_stats",
     "manifest_digest",
+    "sidecar_location",
     "sidecar_path",
     "write_sidecar",
 ]

@@ -6,7 +6,9 @@ import contextlib
 import dataclasses
 import os
 import shutil
+import threading
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import xxhash
@@ -30,12 +32,15 @@ from ..fileio import (
     publish_dir,
     stream,
     take_lock,
+    write_all,
     write_file_atomic,
 )
 from ..progress import Progress
 from ..protocol.common import MANIFEST_FILE, METADATA_FILE
+from ..remote.client import requests_in_flight
 from .caches import check_not_in_use, delete_folder, hold_exclusively, open_quietly, remove
-from .roots import COPY_PREFIX, PathLike, Roots, _scan, resolve, stage_root
+from .remote import locate
+from .roots import COPY_PREFIX, PathLike, Roots, _scan, local_roots, shards_roots, stage_root
 from .sidecar import carry_sidecar
 
 # --------------------------------------------------------------------------------------
@@ -65,6 +70,22 @@ class StageReport:
     already_staged: bool = False
     #: A published local copy was damaged (e.g. files purged) and has been repaired.
     repaired: bool = False
+    _lock: threading.Lock = dataclasses.field(default_factory=threading.Lock, repr=False, compare=False)
+
+    def add(self, *, copied: int = 0, kept: int = 0, resumed: int = 0) -> None:
+        """Count one file: copied whole (``copied`` bytes), kept whole, or resumed (``resumed``
+        bytes kept, ``copied`` appended). Safe from several threads."""
+        with self._lock:
+            if kept:
+                self.kept_files += 1
+                self.kept_bytes += kept
+            elif resumed:
+                self.resumed_files += 1
+                self.kept_bytes += resumed
+                self.copied_bytes += copied
+            else:
+                self.copied_files += 1
+                self.copied_bytes += copied
 
 
 def stage(
@@ -83,6 +104,25 @@ def stage(
         ref, dest, roots=roots, progress=progress, on_bytes=on_bytes, durable=durable, check_space=check_space
     )
     return open_quietly(report.path)
+
+
+def pull(
+    ref: PathLike,
+    dest: PathLike | None = None,
+    *,
+    roots: Roots = None,
+    progress: bool | None = False,
+    on_bytes: Callable[[int], None] | None = None,
+    durable: bool = True,
+    check_space: bool = True,
+) -> StageReport:
+    """Copy the remote cache ``ref`` names (a URL, or a hash found in a remote root) into
+    ``dest``, by default the first local shards root, exactly as `copy_cache` does: every
+    byte checked against the manifest, atomic, resumable."""
+    base = Path(dest) if dest is not None else shards_roots(local_roots(roots))[0].path
+    return copy_cache(
+        ref, base, roots=roots, progress=progress, on_bytes=on_bytes, durable=durable, check_space=check_space
+    )
 
 
 def copy_cache(
@@ -115,7 +155,7 @@ def copy_cache(
     Statistics computed later for the source (its sidecar, `sidecar.carry_sidecar`) are
     copied beside the copy.
     """
-    source = reader.open(resolve(ref, roots))
+    source = reader.open(locate(ref, roots))
     report = _copy_cache(source, stage_root(dest).path, progress, on_bytes, durable, check_space)
     carry_sidecar(source, report.path)  # statistics computed later travel with the cache
     return report
@@ -208,29 +248,39 @@ def _copy_files(
 ) -> dict[str, int]:
     """Copy ``files`` and the JSON files into ``partial``; returns what it then holds (name -> size)."""
     total = sum(n for _, n, _ in files)
+    lock = threading.Lock()
     with Progress(total, f"stage {source.path.name[:12]}", enabled=progress) as bar:
 
         def tick(n: int) -> None:
-            bar.update(n)
+            with lock:
+                bar.update(n)
             if on_bytes is not None:
                 on_bytes(n)
 
-        for fname, nbytes, digest in files:
-            src, dst = source.path / fname, partial / fname
+        def one(row: tuple[str, int, str | None]) -> None:
+            fname, nbytes, digest = row
+            dst = partial / fname
             if digest is None:
-                report.unverified.append(fname)
-                _copy_file(src, dst, nbytes, None, tick, 0, durable)
-                report.copied_files += 1
-                report.copied_bytes += nbytes
-                continue
+                with lock:
+                    report.unverified.append(fname)
+                _copy_file(source, fname, dst, nbytes, None, tick, 0, durable)
+                report.add(copied=nbytes)
+                return
             before = bar.done
-            if _resume_file(src, dst, nbytes, digest, report, tick, durable):
-                continue
-            bar.total += bar.done - before  # bytes hashed in vain are read again
-            report.recopied.append(fname)
-            _copy_file(src, dst, nbytes, digest, tick, 0, durable)
-            report.copied_files += 1
-            report.copied_bytes += nbytes
+            if _resume_file(source, fname, dst, nbytes, digest, report, tick, durable):
+                return
+            with lock:
+                bar.total += bar.done - before  # bytes hashed in vain are read again
+                report.recopied.append(fname)
+            _copy_file(source, fname, dst, nbytes, digest, tick, 0, durable)
+            report.add(copied=nbytes)
+
+        if source.url is None:
+            for row in files:
+                one(row)
+        else:  # a remote source: several files in flight, each one stream
+            with ThreadPoolExecutor(max(1, min(requests_in_flight(), len(files))), "saev-pull") as pool:
+                list(pool.map(one, files))
     expected = {fname: nbytes for fname, nbytes, _ in files}
     # The small JSON files go last: their presence never suggests the data is complete.
     sidecars = source.metadata.format.sidecar_names
@@ -250,7 +300,8 @@ def _copy_files(
 
 
 def _resume_file(
-    src: Path,
+    source: reader.Shards,
+    fname: str,
     dst: Path,
     nbytes: int,
     digest: str,
@@ -261,26 +312,22 @@ def _resume_file(
     """Use what an interrupted copy left at ``dst``; True when ``dst`` now verifies."""
     have = _size(dst)
     if have < 0:
-        _copy_file(src, dst, nbytes, digest, tick, 0, durable)
-        report.copied_files += 1
-        report.copied_bytes += nbytes
+        _copy_file(source, fname, dst, nbytes, digest, tick, 0, durable)
+        report.add(copied=nbytes)
         return True
     if have == nbytes:
         if hash_file(dst, tick)[1] == digest:
-            report.kept_files += 1
-            report.kept_bytes += nbytes
+            report.add(kept=nbytes)
             return True
         return False
     if have > nbytes:
         return False
     # Half-written: hash what is there, append the rest; the whole file's digest decides.
     try:
-        _copy_file(src, dst, nbytes, digest, tick, have, durable)
+        _copy_file(source, fname, dst, nbytes, digest, tick, have, durable)
     except ChecksumMismatchError:
         return False
-    report.resumed_files += 1
-    report.kept_bytes += have
-    report.copied_bytes += nbytes - have
+    report.add(resumed=have, copied=nbytes - have)
     return True
 
 
@@ -292,7 +339,8 @@ def _size(path: Path) -> int:
 
 
 def _copy_file(
-    src: Path,
+    source: reader.Shards,
+    fname: str,
     dst: Path,
     nbytes: int,
     digest: str | None,
@@ -300,18 +348,28 @@ def _copy_file(
     start: int,
     durable: bool,
 ) -> None:
-    """Copy ``src`` to ``dst`` from byte ``start`` on (earlier bytes are kept and hashed),
-    checking the size and, if given, the xxh3_128 digest of the whole file."""
+    """Copy file ``fname`` of ``source`` to ``dst`` from byte ``start`` on (earlier bytes are
+    kept and hashed), checking the size and, if given, the xxh3_128 digest of the whole file.
+    A remote source is streamed from its server (`RemoteFiles.stream`)."""
     h = xxhash.xxh3_128()
     buf = memoryview(bytearray(IO_CHUNK))
+    src = source.files.where(fname)
     note = "; what was copied is kept: free some space and stage again to resume"
     with naming_disk_full(dst, nbytes, note), open(dst, "r+b" if start else "wb", buffering=0) as out:
         if start:
             out.truncate(start)
             stream(out, None, h, tick, buf)
-        with open(src, "rb", buffering=0) as inp:
-            inp.seek(start)
-            stream(inp, out, h, tick, buf)
+        remote_stream = getattr(source.files, "stream", None)
+        if remote_stream is not None:
+            for chunk in remote_stream(fname, start):
+                view = memoryview(chunk)
+                h.update(view)
+                write_all(out, view)
+                tick(view.nbytes)
+        else:
+            with open(source.path / fname, "rb", buffering=0) as inp:
+                inp.seek(start)
+                stream(inp, out, h, tick, buf)
         size = out.tell()
         if durable:
             os.fsync(out.fileno())
@@ -325,7 +383,7 @@ def _copy_file(
         os.unlink(dst)
         raise ChecksumMismatchError(
             f"{src}: xxh3_128 expected {digest}, found {found} while copying it; the source cache "
-            f"is damaged (check it with: saev-shards verify {src.parent})"
+            f"is damaged (check it with: saev-shards verify {source.location})"
         )
 
 

@@ -19,6 +19,7 @@ from .. import dtypes, float8, world
 from ..errors import MetadataError, NonFiniteError, Problems, ProtocolWarning, WriterError
 from ..metadata import Metadata
 from ..protocol.common import COLUMN_DTYPES, FIELD_NAME_RE, FLOAT8, LABELS_DTYPE
+from ..protocol.jsonfile import is_int
 from ..protocol.saev_code import SAEV_ROOT_PARTS
 from ..protocol.staging import SCALES, staging_dir
 from .direct import _release_buffers
@@ -60,7 +61,11 @@ class ShardWriter:
         stats: gather per-layer statistics into stats.json (padding excluded when a
             ``lengths`` column is given in the same `write` call).
         labels, columns, text: declare streams up front (needed for ``resume``);
-            undeclared streams are also accepted on first use.
+            undeclared streams are also accepted on first use. ``columns`` maps each
+            column's name to ``(dtype, shape)``: the numpy dtype of one value (one of
+            `COLUMN_DTYPES`: bool, (u)int8-64, float16-64) and the shape of one example's
+            value, ``()`` for a scalar: ``{"lengths": ("int32", ()), "token_ids":
+            ("int32", (T,))}``. Anything else raises `WriterError` saying so.
         background: write and hash in a background thread, overlapping the caller.
         durable: fsync files and folders (turn off only for throwaway tests).
     """
@@ -76,7 +81,7 @@ class ShardWriter:
         allow_nonfinite: bool = False,
         stats: bool = False,
         labels: bool = False,
-        columns: Mapping[str, tuple[Any, tuple[int, ...]]] | None = None,
+        columns: Mapping[str, tuple[Any, Sequence[int]]] | None = None,
         text: Iterable[str] = (),
         background: bool = True,
         durable: bool = True,
@@ -105,8 +110,8 @@ class ShardWriter:
         self._specs: dict[str, _StreamSpec] = {"acts": _StreamSpec("acts", md.numpy_dtype, md.shard_shape[1:])}
         if labels:
             self._declare("labels", LABELS_DTYPE, (md.patches_per_ex,))
-        for name, (dt, tail) in (columns or {}).items():
-            self._declare(f"column.{_field(name)}", np.dtype(dt), tuple(tail))
+        for name, (dt, tail) in _parse_columns(columns).items():
+            self._declare(f"column.{_field(name)}", dt, tail)
         for name in text:
             self._declare(f"text.{_field(name)}", None, ())
         # Whether statistics see lengths (decided by the first batch; see write()).
@@ -354,6 +359,46 @@ class ShardWriter:
             f"ShardWriter({str(self.path)!r}, rank={self.rank}/{self.world_size}, "
             f"examples [{self.start}, {self.stop}), next={self._next.get('acts', self.next_example)})"
         )
+
+
+_COLUMNS_EXAMPLE = "{'lengths': ('int32', ()), 'token_ids': ('int32', (64,))}"
+
+
+def _parse_columns(columns: object) -> dict[str, tuple[np.dtype[Any], tuple[int, ...]]]:
+    """``columns=`` checked: name -> (numpy dtype, shape of one example's value); every
+    problem in one `WriterError` (a wrong value once gave "too many values to unpack")."""
+    if columns is None:
+        return {}
+    if not isinstance(columns, Mapping):
+        raise WriterError(
+            f"columns: expected a mapping of column name -> (dtype, shape) such as {_COLUMNS_EXAMPLE}, "
+            f"found {type(columns).__name__}"
+        )
+    problems = Problems(WriterError)
+    parsed: dict[str, tuple[np.dtype[Any], tuple[int, ...]]] = {}
+    for name, spec in columns.items():
+        where = f"columns[{name!r}]"
+        if not isinstance(name, str):
+            problems.expected(where, "a column name (a string)", type(name).__name__)
+            continue
+        if isinstance(spec, (str, bytes, np.dtype, type)) or not isinstance(spec, (tuple, list)) or len(spec) != 2:
+            problems.expected(where, "(dtype, shape) such as ('int32', ()) or ('int32', (64,))", repr(spec))
+            continue
+        dt, shape = spec
+        try:
+            dtype = np.dtype(dt)
+        except TypeError:
+            problems.expected(f"{where} dtype", f"a numpy dtype of {list(COLUMN_DTYPES)}", repr(dt))
+            continue
+        if isinstance(shape, int) or not isinstance(shape, (tuple, list)):
+            problems.expected(f"{where} shape", "a tuple of sizes, () for one value per example", repr(shape))
+            continue
+        if not all(is_int(n, numpy_ok=True) and n >= 0 for n in shape):
+            problems.expected(f"{where} shape", "sizes >= 0", repr(shape))
+            continue
+        parsed[name] = (dtype, tuple(int(n) for n in shape))
+    problems.raise_if_any()
+    return parsed
 
 
 def _field(name: str) -> str:

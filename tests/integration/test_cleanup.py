@@ -229,7 +229,8 @@ def test_clean_removes_the_scratch_folder_of_a_shuffle_that_died_and_keeps_a_liv
         run_plan(plan, durable=False, after_step=die_after_first_run)
     assert plan.work.parent == root and plan.work.is_dir()
     code, out, _ = run(env, "ls")
-    assert code == 0 and f"{plan.work.name}  shuffle scratch, " in out and "stale" in out, out
+    assert code == 0 and f"{plan.work.name}  shuffle scratch, " in out, out
+    assert "interrupted, resumable (" in out and "run the same shuffle again to resume" in out, out
     # While a shuffle holds its lock, the folder is live and kept.
     held = os.open(plan.work / ".lock", os.O_RDWR)
     try:
@@ -240,6 +241,7 @@ def test_clean_removes_the_scratch_folder_of_a_shuffle_that_died_and_keeps_a_liv
         os.close(held)
     code, out, _ = run(env, "clean", "--dry-run")
     assert code == 0 and "would remove 1 stale folder" in out and "shuffle scratch" in out, out
+    assert "1 of them interrupted with work a rerun would resume" in out and "resumable: " in out, out
     code, out, _ = run(env, "clean", "--yes")
     assert code == 0 and f"removed {plan.work}\n" in out and not plan.work.exists()
     assert sorted(p.name for p in root.iterdir()) == [md.hash]
@@ -409,3 +411,40 @@ def test_stats_json_inside_a_cache_is_range_checked_too(tmp_path: Path) -> None:
     raw["var"][1][0] = -1e-3
     with pytest.raises(ss.StatsFileError, match=r"var\[1, 0\]: expected a number >= 0"):
         parse_stats(raw, md.layers, md.d_model, "stats.json", md.n_examples * md.tokens_per_ex)
+
+
+def test_ls_and_clean_tell_an_interrupted_resumable_write_from_an_abandoned_one(tmp_path: Path):
+    """A dump interrupted after sealing shards resumes when run again: `ls` says so (its part
+    records, its lock free) instead of calling it stale, and `clean` says what it would discard."""
+    env = environment(tmp_path)
+    root = tmp_path / "scratch" / "saev" / "shards"
+    md = small_metadata(n_examples=20, patches_per_shard=5 * 5 * 2)  # 5 examples per shard: 4 shards
+    assert md.n_shards == 4
+    acts = np.zeros((10, *md.shape[1:]), np.float16)
+    with pytest.raises(KeyboardInterrupt), ss.ShardWriter(root, md, durable=False) as w:
+        w.write(acts)  # shards 0 and 1 sealed
+        raise KeyboardInterrupt  # as Ctrl-C: the writer aborts and keeps what is sealed
+    abandoned = root / f".staging-{small_metadata(n_examples=9).hash}"
+    abandoned.mkdir()
+    (abandoned / "part000000.acts.bin").write_bytes(b"x" * 100)  # a part file, never sealed
+    code, out, _ = run(env, "ls")
+    lines = {line.split(":", 1)[1].split()[0]: line for line in out.splitlines() if "unpublished" in line}
+    resumable = lines[f".staging-{md.hash}"]
+    assert "interrupted, resumable (2 of 4 shards sealed): run its writer again to resume" in resumable, out
+    assert "`saev-shards clean` would discard it" in resumable and "stale" not in resumable
+    assert "stale, nothing to resume: `saev-shards clean` removes it" in lines[abandoned.name], out
+    code, out, _ = run(env, "ls", "--json")
+    listed = {Path(u["path"]).name: u for u in json.loads(out)[0]["unpublished"]}
+    assert (listed[f".staging-{md.hash}"]["resumable"], listed[f".staging-{md.hash}"]["sealed"]) == (True, 2)
+    assert listed[abandoned.name]["resumable"] is False
+    code, out, _ = run(env, "clean", "--dry-run")
+    assert "would remove 2 stale folders" in out and "(1 of them interrupted with work a rerun would resume" in out
+    assert "resumable: 2 of 4 shards sealed" in out and "nothing to resume" in out, out
+    code, _, err = run(env, "clean", stdin="n\n")
+    assert code == 1 and "1 of them holds resumable work, which would start over [y/N]" in err, err
+    # The rerun resumes from the sealed shards; then nothing is left to clean but the abandoned folder.
+    with ss.ShardWriter(root, md, durable=False, resume=True) as w:
+        assert w.next_example == 10
+        w.write(np.zeros((10, *md.shape[1:]), np.float16))
+    code, out, _ = run(env, "clean", "--yes")
+    assert code == 0 and f"removed {abandoned}" in out and "resumable" not in out, out

@@ -197,12 +197,13 @@ def test_ls_lists_caches_sizes_and_unpublished_folders(st: Store, tmp_path: Path
     assert listing[0]["unpublished"][0].pop("age_s") >= 0
     assert listing == [
         {"root": str(tmp_path), "source": "argument", "exists": True, "caches": [], "unpublished": [
-            {"path": str(tmp_path / ".copying-abcd"), "kind": "copy", "nbytes": 0, "live": False}]}
+            {"path": str(tmp_path / ".copying-abcd"), "kind": "copy", "nbytes": 0, "live": False,
+             "resumable": False, "sealed": 0, "n_shards": None}]}
     ]  # fmt: skip
     r = st.run("ls", str(tmp_path))
     assert re.fullmatch(
         r"  unpublished \(being written, or interrupted\): \.copying-abcd  partial copy, 0 B, \d+ s old, "
-        r"stale: `saev-shards clean` removes it",
+        r"stale, nothing to resume: `saev-shards clean` removes it",
         r.out.splitlines()[-1],
     )
     r = st.run("ls", str(tmp_path / "nowhere"))
@@ -633,6 +634,11 @@ def test_info_of_a_saev_cache_shows_its_dialect_pixel_agg_and_no_cls():
     command = [sys.executable, "-m", "saev_shards", "info", str(saev_cache)]
     r = subprocess.run(command, check=False, capture_output=True, text=True, timeout=120)
     assert r.returncode == 0, r.stderr
+    # One short line, once (it was ~300 characters, sometimes twice per command).
+    assert r.stderr == (
+        "saev-shards: warning: 3a3c1749: protocol 2.1 cache (saev dialect), read by protocol.md section 9 "
+        "(no checksums unless checksums.json)\n"
+    )
     fields = dict(line.split(None, 1) for line in r.stdout.splitlines() if line and not line.startswith(" "))
     assert fields["protocol"] == "2.1, dialect saev (protocol 2.1 as saev's code writes it)"
     assert fields["pixel_agg"] == "majority"

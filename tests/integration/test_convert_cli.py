@@ -14,7 +14,7 @@ import pytest
 
 import saev_shards as ss
 
-from ..support.caches import tree_bytes
+from ..support.caches import small_metadata, tree_bytes, write_cache
 from ..support.sources import assert_converted, npy_source, pickle_source, zarr_source
 
 REPO = str(Path(__file__).resolve().parents[2])
@@ -127,8 +127,28 @@ def test_not_carried_over_goes_to_stderr(tmp_path: Path) -> None:
     r = cli("convert", str(tmp_path / "run"), "--root", str(tmp_path / "root"), "--max-tokens", "5")
     assert r.code == 0, r.err
     assert "ONE cache" in r.out
-    assert "saev-shards: warning: not carried over:" in r.err and "truncated" in r.err
+    assert any(line.startswith("saev-shards: warning: ") and "truncated" in line for line in r.err.splitlines())
     assert "not carried over" not in r.out
+
+
+def test_a_language_model_cache_to_saev_says_which_family_and_each_drop_once(tmp_path: Path) -> None:
+    """A dumped language model (family bert, columns and text) -> saev: the refusal says saev
+    knows vision families only and which to pick; with it, each dropped thing is one line."""
+    md = small_metadata(family="bert", ckpt="sentence-transformers/all-MiniLM-L6-v2", n_examples=4, dtype="float16")
+    write_cache(tmp_path / "src", md, lengths=np.array([5, 3, 5, 2]), stats=True)
+    src = str(tmp_path / "src" / md.hash)
+    root = str(tmp_path / "saev" / "shards")
+    r = cli("convert", src, "--to", "saev", "--root", root)
+    assert r.code == 2 and "saev knows only vision model families" in r.err and "--family clip" in r.err, r.err
+    assert "family 'bert' is not one of them (a language model's cache never is)" in r.err
+    r = cli("convert", src, "--to", "saev", "--family", "clip", "--root", root)
+    assert r.code == 0, r.err
+    warnings = [line for line in r.err.splitlines() if line.startswith("saev-shards: warning: ")]
+    assert "saev-shards: warning: column lengths not carried over (protocol 2.1 holds activations only)" in warnings
+    assert "saev-shards: warning: stats.json not carried over (saev has no room for statistics)" in warnings
+    assert all(line.count("not carried over") <= 1 for line in warnings), warnings
+    with pytest.warns(ss.ProtocolWarning):
+        assert ss.open(r.out.splitlines()[-1]).metadata.family == "clip"
 
 
 # --------------------------------------------------------------------------------------
@@ -228,4 +248,4 @@ def test_missing_optional_package_names_the_extra(tmp_path: Path) -> None:
     )
     assert proc.returncode == 2, proc.stderr
     line = one_line(Result(proc.returncode, proc.stdout, proc.stderr))
-    assert "converting zarr activation logs needs zarr" in line and "pip install 'saev-shards[convert]'" in line
+    assert "converting zarr activation logs needs zarr" in line and f"pip install -e '{REPO}[convert]'" in line

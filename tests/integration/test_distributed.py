@@ -171,7 +171,7 @@ def test_loaders_ignore_slurm_arrays(tmp_path: Path) -> None:
     write_cache(tmp_path, md)
     code = (
         "import sys; from saev_shards.loaders import ShuffledLoader; "
-        f"l = ShuffledLoader({str(tmp_path / md.hash)!r}, batch_size=4); "
+        f"l = ShuffledLoader({str(tmp_path / md.hash)!r}, batch_size=4, mix_layers=True); "
         "print(l.world.rank, l.world.world_size, l.world.source, l.n_tokens)"
     )
     env = clean_env(SLURM_ARRAY_TASK_ID="1", SLURM_ARRAY_TASK_COUNT="2")

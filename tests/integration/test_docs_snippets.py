@@ -166,3 +166,31 @@ def test_the_checks_catch_drift() -> None:
     assert missing_names("import saev_shards as ss\nshards = ss.open('x')\nshards.anything\n") == []
     documented = signature_block("ShuffledLoader(shards, batch_size=4096, ...,\n   seed=0)")
     assert documented == ("ShuffledLoader", ["shards", "batch_size", "seed"], {"batch_size": "4096", "seed": "0"})
+
+
+#: What a pip line may install: the checkout (editable, with extras) or make dist's wheel.
+INSTALLABLE = re.compile(r"-e (?:\.|'\.\[([\w,]+)\]')|'dist/saev_shards-[\w.]+-py3-none-any\.whl\[([\w,]+)\]'")
+PIP_LINE = re.compile(r"pip install ([^`\n]*?)(?=`|\s*#|\s*$)", re.M)
+
+
+def test_every_pip_line_installs_from_a_checkout_with_extras_that_exist() -> None:
+    """No doc line may say ``pip install 'saev-shards[...]'``: the package is not on an index, so
+    that fails with "No matching distribution". Every line installs the checkout (``-e .``,
+    with extras) or `make dist`'s wheel, and names only extras pyproject.toml defines
+    (`test_install.py` installs the wheel, with and without ``[torch]``)."""
+    import tomllib
+
+    extras = set(tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["optional-dependencies"])
+    found = []
+    for path in DOCS:
+        for m in PIP_LINE.finditer(path.read_text()):
+            target = m.group(1).strip()
+            where = f"{path.relative_to(REPO)}: pip install {target}"
+            found.append(where)
+            form = re.fullmatch(
+                r"-e (?:\.|'\.\[([\w,]+)\]')|'dist/saev_shards-[\w.]+-py3-none-any\.whl\[([\w,]+)\]'", target
+            )
+            assert form is not None, f"{where}: expected -e '.[extra]' or the wheel from make dist"
+            named = (form.group(1) or form.group(2) or "").split(",")
+            assert set(filter(None, named)) <= extras, f"{where}: unknown extra"
+    assert len(found) >= 8, found

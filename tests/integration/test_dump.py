@@ -226,6 +226,21 @@ def test_dry_run_prints_hash_shards_and_bytes_and_writes_nothing(tmp_path: Path,
     assert not (tmp_path / "shards").exists()
 
 
+def test_one_writer_of_many_says_how_many_shards_are_sealed(tmp_path: Path) -> None:
+    """Writer 3 of 5 seals one shard of five: it says 1 of 5, and which shards are still to come."""
+    cfg = make_config(tmp_path)  # 23 examples, 5 per shard: 5 shards, one per writer
+    lines: list[str] = []
+    assert dump_mod.dump(cfg, rank=3, world_size=5, durable=False, log=lines.append) is None
+    assert lines[-1] == (
+        "not published yet: 1 of 5 shards sealed; shards 0-2, 4 still to be written by the other writers "
+        "(the last to finish publishes; or run again with --finalize)"
+    )
+    lines.clear()
+    assert dump_mod.dump(cfg, rank=0, world_size=5, durable=False, log=lines.append) is None
+    assert lines[-1].startswith("not published yet: 2 of 5 shards sealed; shards 1-2, 4 still to be written")
+    assert dump_mod.shard_ranges([7]) == "shard 7" and dump_mod.shard_ranges([0, 1, 3, 5, 6, 7]) == "shards 0-1, 3, 5-7"
+
+
 def test_no_finalize_then_finalize(tmp_path: Path, capsys: Any) -> None:
     cfg = make_config(tmp_path)
     md = plan(cfg).metadata

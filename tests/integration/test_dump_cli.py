@@ -108,6 +108,11 @@ def test_without_root_the_cache_goes_to_the_shards_root_where_ls_info_and_open_f
     done = _cli("dump", str(config), "--no-progress", env=env)
     assert done.returncode == 0, done.stdout + done.stderr
     assert f"published {shards_root / digest}" in done.stdout
+    assert done.stdout.splitlines()[-1] == str(shards_root / digest)  # the path last, alone, as convert prints it
+    again = _cli("dump", str(config), "--no-progress", env=env)
+    assert again.stdout.splitlines() == [f"already published: {shards_root / digest}", str(shards_root / digest)]
+    finalized = _cli("dump", str(config), "--finalize", env=env)
+    assert finalized.stdout.splitlines()[-1] == str(shards_root / digest)
     assert {p.split(os.sep)[0] for p in _tree(tmp_path)} == {"dump.json", "scratch"}  # nothing beside the config
 
     listed = _cli("ls", env=env)

@@ -409,6 +409,20 @@ def test_create_run_links_the_recorded_dataset_only_when_it_is_a_path_here(run_s
     run = store.create_run(from_file.hash, runs_root=s["runs"], roots=s["root"], run_id="file")
     assert run.train_dataset == texts
     assert set(levels(store.doctor(run))) == {"ok", "note"}
+    # Given explicitly, a dataset link is made even when its target is absent here: doctor calls it dangling.
+    absent = s["datasets"]["train"].parent / "elsewhere"
+    run = store.create_run(from_file.hash, runs_root=s["runs"], roots=s["root"], run_id="given", train_dataset=absent)
+    assert os.readlink(run.link("train-dataset")) == str(absent)
+    assert levels(store.doctor(run))["error"] == [
+        f"links/train-dataset: dangling: points to {absent}, which does not exist"
+    ]
+    # docs/cli.md says these rules (it said the default link was made for an absent path, and a
+    # missing train-dataset or a file link were errors).
+    docs = " ".join((Path(__file__).resolve().parents[2] / "docs" / "cli.md").read_text().split())
+    assert "linked even when that path is absent here (`doctor` then reports the link dangling)" in docs
+    assert "only when that is an absolute path that exists on this machine (a folder, or the one file" in docs
+    assert "neither a folder nor a regular file" in docs and "a dataset link missing though the cache's dataset" in docs
+    assert "created even when that path does not exist" not in docs and "`train-dataset` missing" not in docs
 
 
 def test_create_run_warns_at_init_about_what_training_relies_on(run_setup: dict[str, Any]):

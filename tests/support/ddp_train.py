@@ -21,7 +21,9 @@ from saev_shards.loaders import Batch, ShuffledLoader
 
 
 def make_loader(cache: str) -> ShuffledLoader:
-    return ShuffledLoader(cache, batch_size=7, seed=3, drop_last=True, buffer_bytes=300, block_bytes=64)
+    return ShuffledLoader(
+        cache, batch_size=7, seed=3, drop_last=True, buffer_bytes=300, block_bytes=64, mix_layers=True
+    )
 
 
 def keys(batch: Batch) -> list[tuple[int, int, int]]:

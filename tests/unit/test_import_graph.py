@@ -25,8 +25,8 @@ ENTRY = "<entry points>"
 LAYERS: tuple[tuple[str, ...], ...] = (
     ("errors",),
     ("units", "layout", "optional", "world", "fileio", "progress", "_layers", "float8"),
-    ("protocol", "manifest", "metadata", "format", "dtypes", "_indexing", "statistics"),
-    ("reader", "views", "writer"),
+    ("protocol", "manifest", "metadata", "format", "dtypes", "_indexing", "statistics", "norms", "remote"),
+    ("reader", "views", "writer", "report"),
     ("store",),
     ("loaders", "datasets", "shuffle", "convert", "dump", "recorder", "corpus", "sae"),
     ("saev_shards",),  # the package's own __init__: the facade that re-exports the library

@@ -99,12 +99,28 @@ def open_quiet(path: Path) -> ss.Shards:
         return ss.open(path)
 
 
+def test_the_protocol_warning_is_one_short_line_once_per_cache_per_process() -> None:
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for _ in range(3):
+            ss.open(EXACT)
+            ss.open(PARTIAL)
+    messages = [str(w.message) for w in caught if issubclass(w.category, ss.ProtocolWarning)]
+    assert sorted(messages) == sorted(
+        f"{p.name}: protocol 2.1 cache (saev dialect), read by protocol.md section 9 (no checksums unless "
+        "checksums.json)"
+        for p in (EXACT, PARTIAL)
+    )
+    assert all(len(m) < 120 and "\n" not in m for m in messages)
+
+
 @pytest.mark.parametrize("path", [PARTIAL, EXACT])
 def test_golden_saev_caches_read_exactly(path: Path) -> None:
     fields = orjson.loads((path / "metadata.json").read_bytes())
     assert tuple(fields) == SAEV_KEYS
     assert path.name == saev_name(fields)
-    with pytest.warns(ss.ProtocolWarning, match=r"protocol 2\.1 cache \(protocol 2\.1 as saev's code writes it"):
+    warned = r"^[0-9a-f]{8}: protocol 2\.1 cache \(saev dialect\), read by protocol\.md section 9"
+    with pytest.warns(ss.ProtocolWarning, match=warned):
         shards = ss.open(path)
     md = shards.metadata
     assert md == metadata_of(fields)

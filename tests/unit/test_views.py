@@ -100,7 +100,7 @@ def test_missing_extra_names_it(root: Path, monkeypatch: pytest.MonkeyPatch) -> 
 
     shards, _ = _cache(root)
     monkeypatch.setitem(sys.modules, "xarray", None)  # as if not installed
-    with pytest.raises(MissingDependencyError, match=r"needs xarray.*pip install 'saev-shards\[views\]'"):
+    with pytest.raises(MissingDependencyError, match=r"needs xarray.*pip install -e '.*\[views\]'"):
         shards.to_xarray()
 
 

@@ -206,6 +206,42 @@ def test_columns_dtype_and_shape_checks(root: Path) -> None:
     w.abort()
 
 
+@pytest.mark.parametrize(
+    ("columns", "message"),
+    [
+        ("lengths", "columns: expected a mapping of column name -> (dtype, shape) such as {'lengths': ('int32', ())"),
+        (
+            {"lengths": "int32"},
+            "columns['lengths']: expected (dtype, shape) such as ('int32', ()) or ('int32', (64,)), found 'int32'",
+        ),
+        ({"lengths": np.int32}, "columns['lengths']: expected (dtype, shape)"),
+        ({"lengths": ("int32", (), 0)}, "columns['lengths']: expected (dtype, shape)"),
+        ({"lengths": ("int33", ())}, "columns['lengths'] dtype: expected a numpy dtype of ['|b1', "),
+        (
+            {"ids": ("int32", 64)},
+            "columns['ids'] shape: expected a tuple of sizes, () for one value per example, found 64",
+        ),
+        ({"ids": ("int32", (-1,))}, "columns['ids'] shape: expected sizes >= 0, found (-1,)"),
+        ({"ids": ("complex64", ())}, "column.ids: dtype complex64 is not allowed"),
+    ],
+)
+def test_columns_declaration_is_checked_with_a_clear_error(root: Path, columns: Any, message: str) -> None:
+    """docs/dump.md's ``ShardWriter(..., columns=...)``: a wrong value once gave 'too many values to unpack'."""
+    with pytest.raises(ss.WriterError) as info:
+        ss.ShardWriter(root, small_metadata(), columns=columns, durable=False)
+    assert message in str(info.value)
+    assert not (root / small_metadata().hash).exists()
+
+
+def test_columns_declared_as_documented(root: Path) -> None:
+    md = small_metadata(n_examples=2)
+    columns = {"lengths": ("int32", ()), "token_ids": (np.int32, [md.tokens_per_ex])}
+    with ss.ShardWriter(root, md, columns=columns, durable=False) as w:
+        w.write(np.zeros(md.shape, np.float16), columns={"lengths": [5, 3], "token_ids": np.ones((2, 5), np.int32)})
+    shards = ss.open(root / md.hash)
+    assert shards.columns["token_ids"].shape == (2, 5) and shards.columns["lengths"].tolist() == [5, 3]
+
+
 def test_legacy_protocol_refuses_columns(root: Path) -> None:
     md = small_metadata(dtype="float32", protocol="2.1", data="x")
     with pytest.raises(ss.WriterError, match=r"protocol 2\.1 caches .* hold activations and labels only"):

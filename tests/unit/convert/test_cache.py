@@ -74,8 +74,13 @@ def test_float16_to_saev_and_back_keeps_the_float16_values(tmp_path: Path) -> No
 def test_saev_needs_a_family_it_knows(tmp_path: Path) -> None:
     md = small_metadata(n_examples=3, dtype="float32", family="vit-b")
     write_cache(tmp_path / "src", md)
-    with pytest.raises(ConvertOptionError, match="--family: saev reads only"):
+    with pytest.raises(ConvertOptionError) as info:
         convert(tmp_path / "src" / md.hash, to="saev", root=tmp_path / "saev" / "shards", durable=False)
+    assert str(info.value).startswith("--family: saev knows only vision model families (bird-mae, clip, ")
+    assert "family 'vit-b' is not one of them" in str(info.value)
+    assert str(info.value).endswith(
+        "matches this cache, a [CLS] token first: --family clip (the activations are written unchanged)"
+    )
     done = convert(
         tmp_path / "src" / md.hash,
         to="saev",

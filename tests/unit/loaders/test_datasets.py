@@ -78,16 +78,17 @@ def test_example_dataset_reads_one_slice_and_nothing_else(make_cache: Any, monke
     md = small_metadata(n_examples=12)
     lengths = np.arange(12) % md.tokens_per_ex
     shards, logical = make_cache(md, labels=True, lengths=lengths)
-    ds = ExampleDataset(shards, with_labels=True)
+    ds = ExampleDataset(shards, with_labels=True, mix_layers=True)
     assert len(ds) == 12 * 2
     reads: list[int] = []
-    real = os.preadv
+    real = shards._preadv  # every read of the cache's files goes through its storage (os.preadv here)
+    assert real is os.preadv
 
     def counting(fd: int, buffers: list[Any], offset: int) -> int:
         reads.append(sum(memoryview(b).nbytes for b in buffers))
         return real(fd, buffers, offset)
 
-    monkeypatch.setattr(os, "preadv", counting)
+    monkeypatch.setattr(shards, "_preadv", counting)
     for i in (0, 5, 23, -1):
         item = ds[i]
         e, which = divmod(i % len(ds), 2)
@@ -100,6 +101,23 @@ def test_example_dataset_reads_one_slice_and_nothing_else(make_cache: Any, monke
     assert len(one_layer) == 12 and one_layer[3]["layer"] == 11
     with pytest.raises(IndexError):
         one_layer[12]
+    stacked = ExampleDataset(shards, stack_layers=True)
+    assert len(stacked) == 12 and stacked[5]["layers"].tolist() == list(md.layers)
+    np.testing.assert_array_equal(stacked[5]["acts"].numpy(), logical[5])
+    with pytest.raises(IndexError):
+        stacked[12]
+
+
+def test_example_dataset_refuses_to_mix_layers_by_accident(make_cache: Any) -> None:
+    md = small_metadata(layers=(2, 5, 9), n_examples=4)
+    shards, _ = make_cache(md)
+    for layers in (None, [2, 9]):
+        with pytest.raises(LoaderError) as info:
+            ExampleDataset(shards, layers=layers)
+        message = str(info.value)
+        assert "layers=" in message and "stack_layers=True" in message and "mix_layers=True" in message
+    assert "records layers [2, 5, 9]; you chose [2, 9]" in message
+    assert len(ExampleDataset(shards, layers=[2, 9], mix_layers=True)) == 8
 
 
 def test_layer_pair_dataset(make_cache: Any) -> None:
@@ -127,7 +145,7 @@ def test_layer_pair_dataset(make_cache: Any) -> None:
 
 def test_datasets_pickle_without_handles(make_cache: Any) -> None:
     shards, logical = make_cache(small_metadata(), labels=True)
-    ds = ExampleDataset(shards)
+    ds = ExampleDataset(shards, mix_layers=True)
     ds[0]  # opens a descriptor in this process
     clone = pickle.loads(pickle.dumps(ds))
     assert clone.shards._fds == {} and clone.shards._maps == {}

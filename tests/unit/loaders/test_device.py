@@ -12,12 +12,24 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 import saev_shards as ss
+from saev_shards import loaders
 from saev_shards.errors import LoaderError
-from saev_shards.loaders import OrderedLoader, ShuffledLoader, device
+from saev_shards.loaders import device
 
 from ...support import strategies
 from ...support.caches import small_metadata
 from ...support.loaders import cache, keys, live_loader_threads
+
+# These tests check every token of every layer once: on their caches of two layers a batch
+# mixes layers on purpose (the loaders refuse that unless told: test_mixed_layers_are_refused).
+
+
+def ShuffledLoader(*args: Any, **kwargs: Any) -> loaders.ShuffledLoader:
+    return loaders.ShuffledLoader(*args, mix_layers=True, **kwargs)
+
+
+def OrderedLoader(*args: Any, **kwargs: Any) -> loaders.OrderedLoader:
+    return loaders.OrderedLoader(*args, mix_layers=True, **kwargs)
 
 
 def assert_same_batches(host: list[Any], dev: list[Any]) -> None:

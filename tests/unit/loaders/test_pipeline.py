@@ -12,11 +12,19 @@ from hypothesis import given
 from hypothesis import strategies as st
 from hypothesis.extra import numpy as hnp
 
-from saev_shards.loaders import ShuffledLoader, pipeline
+from saev_shards import loaders
+from saev_shards.loaders import pipeline
 from saev_shards.loaders.tensors import torch_dtype
 
 from ...support.caches import expected_vectors, small_metadata
 from ...support.loaders import check_batch
+
+# These tests check every token of every layer once: on their caches of two layers a batch
+# mixes layers on purpose (the loaders refuse that unless told: test_mixed_layers_are_refused).
+
+
+def ShuffledLoader(*args: Any, **kwargs: Any) -> loaders.ShuffledLoader:
+    return loaders.ShuffledLoader(*args, mix_layers=True, **kwargs)
 
 
 @pytest.mark.parametrize("out_dtype", [None, "float32"])

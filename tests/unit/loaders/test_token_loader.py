@@ -18,11 +18,23 @@ from hypothesis import strategies as st
 import saev_shards as ss
 from saev_shards import loaders
 from saev_shards.errors import LoaderError
-from saev_shards.loaders import CLS_LABEL, OrderedLoader, ShuffledLoader
+from saev_shards.loaders import CLS_LABEL
 
 from ...support import strategies
 from ...support.caches import expected_vectors, labels_for, small_metadata, write_cache
 from ...support.loaders import cache, check_batch, keys, live_loader_threads
+
+# These tests check every token of every layer once: on their caches of two layers a batch
+# mixes layers on purpose (the loaders refuse that unless told: test_mixed_layers_are_refused).
+
+
+def ShuffledLoader(*args: Any, **kwargs: Any) -> loaders.ShuffledLoader:
+    return loaders.ShuffledLoader(*args, mix_layers=True, **kwargs)
+
+
+def OrderedLoader(*args: Any, **kwargs: Any) -> loaders.OrderedLoader:
+    return loaders.OrderedLoader(*args, mix_layers=True, **kwargs)
+
 
 small_sizes = st.fixed_dictionaries(
     {
@@ -387,6 +399,32 @@ def test_batches_are_independent_tensors(make_cache: Any) -> None:
         np.testing.assert_array_equal(acts.numpy(), logical[ex.numpy(), positions, tok.numpy()])
 
 
+def test_mixed_layers_are_refused(make_cache: Any) -> None:
+    """A batch half one layer, half another trains a wrong SAE: more than one layer needs
+    stack_layers=True or mix_layers=True, and the one message names the three ways out."""
+    md = small_metadata(n_examples=6)
+    shards, _ = make_cache(md)
+    for make in (loaders.ShuffledLoader, loaders.OrderedLoader):
+        for layers in (None, [6, 11]):
+            with pytest.raises(LoaderError) as info:
+                make(shards, batch_size=4, layers=layers)
+            assert str(info.value) == (
+                "this cache records layers [6, 11], and a batch would mix them: choose one layer with layers=11, "
+                "stack them with stack_layers=True (each row one token at every chosen layer), or pass "
+                "mix_layers=True to mix layers in one batch on purpose"
+            )
+    one = loaders.ShuffledLoader(shards, batch_size=4, layers=6)
+    assert {int(v) for b in one for v in b.layers} == {6}
+    stacked = loaders.ShuffledLoader(shards, batch_size=4, stack_layers=True)
+    assert next(iter(stacked)).acts.shape[1:] == (2, md.d_model)
+    mixed = loaders.ShuffledLoader(shards, batch_size=4, mix_layers=True)
+    assert {int(v) for b in mixed for v in b.layers} == {6, 11}
+    assert mixed.fingerprint == ShuffledLoader(shards, batch_size=4).fingerprint  # a permission, not a setting
+    single = small_metadata(layers=(3,), n_examples=4)
+    shards1, _ = make_cache(single)
+    assert len(loaders.ShuffledLoader(shards1, batch_size=4)) > 0  # one recorded layer: nothing to choose
+
+
 def test_configuration_errors(make_cache: Any) -> None:
     shards, _ = make_cache(small_metadata(cls_token=False))
     with pytest.raises(LoaderError, match=r"expected recorded layer values \[6, 11\], found 7"):
@@ -439,6 +477,22 @@ def test_early_break_and_gc_stop_threads(make_cache: Any) -> None:
     assert live_loader_threads() == []
     with pytest.raises(StopIteration):
         next(it)
+
+
+@pytest.mark.parametrize("device", [None, "cpu"])
+def test_a_live_iterator_at_interpreter_exit_prints_nothing(make_cache: Any, device: str | None) -> None:
+    """A notebook or script that ends with an iterator mid-epoch exits quietly (it printed
+    "Exception ignored in: <generator object TokenLoader._iterate ...> AttributeError")."""
+    shards, _ = make_cache(small_metadata(n_examples=200, patches_per_shard=400))
+    code = (
+        "from saev_shards.loaders import ShuffledLoader\n"
+        f"loader = ShuffledLoader({str(shards.path)!r}, batch_size=4, layers=6, buffer_bytes=2000, "
+        f"block_bytes=200, device={device!r})\n"
+        "it = iter(loader)\nnext(it)\nstacked = iter(ShuffledLoader(loader.shards, batch_size=4, stack_layers=True))\n"
+        "next(stacked)\nprint('ok')\n"
+    )
+    run = subprocess.run([sys.executable, "-c", code], check=False, capture_output=True, text=True, timeout=120)
+    assert (run.returncode, run.stdout, run.stderr) == (0, "ok\n", "")
 
 
 def test_read_errors_reach_the_consumer(make_cache: Any, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -519,7 +573,7 @@ def test_ordered_ranks_split_the_order(make_cache: Any) -> None:
     md = small_metadata(n_examples=11)
     shards, logical = make_cache(md)
 
-    def vectors(loader: OrderedLoader) -> list[tuple[int, int, int]]:
+    def vectors(loader: loaders.OrderedLoader) -> list[tuple[int, int, int]]:
         return [v for b in loader for v in check_batch(b, md, logical)]
 
     whole = vectors(OrderedLoader(shards, batch_size=7))
@@ -707,4 +761,5 @@ def test_loaders_without_torch_say_to_install_the_torch_extra(make_cache: Any) -
         "TokenDataset",
         "ExampleDataset",
     ], proc.stdout
-    assert all(line.endswith("install it with: pip install 'saev-shards[torch]'") for line in lines), proc.stdout
+    checkout = Path(ss.__file__).resolve().parents[1]  # an editable install names its checkout
+    assert all(line.endswith(f"install it with: pip install -e '{checkout}[torch]'") for line in lines), proc.stdout

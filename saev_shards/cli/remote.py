@@ -1,0 +1,101 @@
+"""Commands over object stores: ``push`` a cache to a remote shards root, ``pull`` one back."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from .. import store
+from ._common import EXIT_OK, REF_HELP, add_progress, add_roots, command, human_bytes, progress_arg, roots_arg
+
+
+def cmd_push(args: argparse.Namespace) -> int:
+    report = store.push(
+        args.ref, args.root_url, roots=roots_arg(args), verify=not args.no_verify, progress=progress_arg(args)
+    )
+    err = sys.stderr
+    name = report.url.rsplit("/", 1)[-1][:12]
+    if report.already_pushed:
+        err.write(f"{name}: already pushed, nothing uploaded\n")
+    else:
+        done = f"uploaded {report.uploaded_files} files ({human_bytes(report.uploaded_bytes)})"
+        if report.kept_files:
+            done += f"; kept {report.kept_files} already there ({human_bytes(report.kept_bytes)})"
+        err.write(f"{name}: {done}; metadata.json and shards.json written last\n")
+    if report.verified_bytes:
+        err.write(f"{name}: read back {human_bytes(report.verified_bytes)} from the server: every digest matches\n")
+    else:
+        err.write(f"{name}: sizes checked (--no-verify: `saev-shards verify {report.url}` reads it all back)\n")
+    sys.stdout.write(f"{report.url}\n")
+    return EXIT_OK
+
+
+def cmd_pull(args: argparse.Namespace) -> int:
+    report = store.pull(
+        args.url, args.to, roots=roots_arg(args), progress=progress_arg(args), check_space=not args.no_space_check
+    )
+    name = report.path.name[:12]
+    if report.already_staged:
+        sys.stderr.write(f"{name}: already here, nothing downloaded\n")
+    else:
+        kept = (
+            f"; kept {report.kept_files + report.resumed_files} files of an interrupted pull"
+            if report.kept_bytes
+            else ""
+        )
+        sys.stderr.write(
+            f"{name}: downloaded {report.copied_files} files ({human_bytes(report.copied_bytes)}){kept}; "
+            "every checksum verified\n"
+        )
+    sys.stdout.write(f"{report.path}\n")
+    return EXIT_OK
+
+
+def register(sub: argparse._SubParsersAction[argparse.ArgumentParser], invoked: str | None) -> None:
+    """Add this module's commands to the ``saev-shards`` parser."""
+    p = command(
+        sub,
+        "push",
+        "publish a cache in an object store as ROOT_URL/<hash>: uploaded, verified, shards.json last",
+        "  saev-shards push 3f2a s3://my-bucket/saev/shards\n"
+        "  AWS_ENDPOINT_URL=http://localhost:9000 saev-shards push 3f2a s3://local/shards   # MinIO\n"
+        "  URL=$(saev-shards push 3f2a s3://my-bucket/saev/shards)   # stdout is only the URL\n",
+        cmd_push,
+        description=(
+            "Upload a local cache to a remote shards root (s3://, gs://, az://) as ROOT_URL/<hash>: the data "
+            "files first (several at once, each a multipart upload, hashed while read so damaged local bytes are "
+            "never published), then metadata.json, and shards.json last: until then no reader sees a cache there. "
+            "Interrupted? Run it again: files already uploaded are kept. Afterwards every file is read back and "
+            "checked (--no-verify: sizes only). Credentials, region and endpoint come from the standard AWS "
+            "variables (AWS_ACCESS_KEY_ID, AWS_REGION, AWS_ENDPOINT_URL, AWS_PROFILE). Prints the URL last."
+        ),
+    )
+    p.add_argument("ref", help=REF_HELP)
+    p.add_argument("root_url", metavar="ROOT_URL", help="remote shards root, e.g. s3://bucket/saev/shards")
+    p.add_argument("--no-verify", action="store_true", help="check sizes only instead of reading everything back")
+    p.set_defaults(interrupted_hint="uploaded files are kept: run the same command again to resume")
+    add_roots(p)
+    add_progress(p)
+
+    p = command(
+        sub,
+        "pull",
+        "copy a remote cache into the shards root with every checksum verified (like stage); print its path",
+        "  saev-shards pull s3://my-bucket/saev/shards/3f2a\n"
+        "  saev-shards pull 3f2a --root s3://my-bucket/saev/shards --to /local/ssd/saev/shards\n",
+        cmd_pull,
+        description=(
+            "Download a remote cache (its URL, a hash prefix in it, or a hash found in a remote --root) into "
+            "<dest>/.copying-<hash>/, every file checked against the manifest, then renamed to <dest>/<hash>. "
+            "Interrupted? Run it again: what was downloaded is re-verified and kept. Default destination: the "
+            "first local shards root."
+        ),
+    )
+    p.add_argument(
+        "url", metavar="URL", help="a remote cache: s3://bucket/root/<hash or prefix>, or a hash with --root URL"
+    )
+    p.add_argument("--to", metavar="DIR", help="destination root (default: the first local shards root)")
+    p.add_argument("--no-space-check", action="store_true", help="download even if the free space looks too small")
+    p.set_defaults(interrupted_hint="what was downloaded is kept: run the same command again to resume")
+    add_roots(p)
+    add_progress(p)

@@ -1,0 +1,519 @@
+"""`RemoteFiles`: the reader's storage for a cache in an object store or on an HTTP server.
+
+The reader reads a local cache through descriptors (``os.open``, ``os.preadv``); a remote
+cache gives it this object instead, with the same three calls (`open`, `preadv`, `close`),
+so every read path of `Shards` (indexing, `read_example`, `read_range`, `read_vectors`, the
+loaders, the shuffle) works on both.
+
+A read is served in *units*: the blocks of blocks.json (protocol 3.1: each with its own
+xxh3_128 digest), or, for a cache without blocks.json, the whole file (its digest is the
+only one the manifest has). A unit is taken from the block cache (`blockcache`, checked on
+open) or fetched with a ranged request, its length and digest compared with the manifest,
+stored in the block cache, and only then copied out: no byte reaches the caller unchecked.
+A unit that arrives short or damaged is fetched again (`VERIFY_ATTEMPTS` in all, with
+backoff); one that never matches raises `ChecksumMismatchError` naming the block.
+
+Requests in flight: a read needing several units fetches them in parallel, and `prefetch`
+(called by the loaders for every window they are about to read) starts the fetches of
+whole windows on a pool of `client.requests_in_flight` threads; concurrent reads of one
+unit wait for a single fetch.
+"""
+
+from __future__ import annotations
+
+import collections
+import contextlib
+import os
+import threading
+import time
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import xxhash
+
+from ..errors import (
+    CacheNotFoundError,
+    ChecksumMismatchError,
+    FileSizeError,
+    InvalidCacheError,
+    JSONFileError,
+    Problem,
+    RemoteAccessDeniedError,
+    RemoteBucketError,
+    RemoteCredentialsError,
+    RemoteError,
+    RemoteRegionError,
+)
+from ..fileio import DISK_FULL_ERRNOS, BlockHasher, write_file_atomic
+from ..protocol.jsonfile import strict_json_loads
+from .blockcache import BlockCache, root_id
+from .client import Client, requests_in_flight
+from .url import split_url, strip
+
+#: Fetches of one unit before a mismatch is reported (each after a longer wait).
+VERIFY_ATTEMPTS = 4
+#: First wait before fetching a mismatching unit again (doubles each time).
+VERIFY_BACKOFF = 0.2
+#: Units whose descriptors a process keeps open, and bytes it keeps in memory (units just
+#: fetched, until the reads holding them are done; units the block cache could not store).
+MAX_OPEN = 256
+MAX_MEMORY = 512 << 20
+#: Bytes of fetched units waiting to be written to the block cache by the background writer;
+#: beyond it a fetch writes its unit itself (the disk sets the pace).
+MAX_PENDING_WRITES = 512 << 20
+#: Bytes per piece when a whole file is streamed (verify, whole-file units).
+STREAM_CHUNK = 8 << 20
+
+
+#: Refusals a new request would get again (the others are worth a new attempt).
+_FINAL = (RemoteCredentialsError, RemoteAccessDeniedError, RemoteBucketError, RemoteRegionError)
+
+
+@dataclass(frozen=True)
+class Unit:
+    """A verifiable piece of a file: bytes ``[start, start + nbytes)`` whose digest is ``digest``."""
+
+    name: str
+    key: str
+    digest: str
+    start: int
+    nbytes: int
+    #: Block index in blocks.json, or -1 for a whole file.
+    block: int
+
+
+class _Entry:
+    """A unit this process holds: a descriptor of its block cache entry, or its bytes."""
+
+    __slots__ = ("closed", "data", "fd", "users")
+
+    def __init__(self, fd: int | None, data: Any = None) -> None:
+        self.fd = fd
+        self.data = data
+        self.users = 0
+        self.closed = False
+
+    @property
+    def nbytes_in_memory(self) -> int:
+        return 0 if self.data is None else memoryview(self.data).nbytes
+
+    def close(self) -> None:
+        self.closed = True
+        if self.fd is not None:
+            os.close(self.fd)
+            self.fd = None
+        self.data = None
+
+
+def fetch_json(client: Client, folder: Path, name: str, max_bytes: int) -> bool:
+    """Download the JSON file ``name`` of the cache behind ``client`` into ``folder`` (atomically);
+    False, leaving no local copy, when the server has none. `JSONFileError` when it is larger
+    than ``max_bytes`` (its body is then not read)."""
+    try:
+        data = client.get_bytes(name, max_bytes)
+    except RemoteBucketError:
+        raise
+    except FileNotFoundError:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(folder / name)
+        return False
+    folder.mkdir(parents=True, exist_ok=True)
+    write_file_atomic(folder / name, data, durable=False)
+    return True
+
+
+def refetch_json(
+    files: RemoteFiles, name: str, max_bytes: int, kind: type[InvalidCacheError]
+) -> tuple[Any, list[Problem]]:
+    """The JSON file ``name`` read again from the server, under the strict rules of every JSON
+    file of a cache: ``(value, [])``, or ``(None, [the problem, worded for kind])``."""
+    where = files.where(name)
+    try:
+        return strict_json_loads(files.client.get_bytes(name, max_bytes)), []
+    except FileNotFoundError:
+        return None, [Problem(CacheNotFoundError, f"{where}: missing")]
+    except JSONFileError as err:
+        text = str(err)
+        return None, [Problem(kind, text if text.startswith(where) else f"{where}: {text}")]
+
+
+def local_folder(cache: BlockCache, url: str) -> Path:
+    """Where the JSON files of the remote cache ``url`` are kept on this node:
+    ``<block cache>/roots/<id of its root>/<HASH>``, a folder laid out like a shards root, so
+    the reader's checks of those files (and the statistics sidecar beside them) run as for a
+    local cache."""
+    root, name = split_url(url)
+    return cache.roots() / root_id(root) / name
+
+
+class RemoteFiles:
+    """The data files of one remote cache (module docstring). Pickles without connections,
+    descriptors or threads; each process opens its own."""
+
+    #: Reads return copies (a remote cache has no memory map to return views of).
+    copies = True
+
+    def __init__(self, url: str, files: Mapping[str, tuple[int, str | None]], cache: BlockCache) -> None:
+        self.url = strip(url)
+        self.client = Client(self.url)
+        self.cache = cache
+        self.files = dict(files)
+        self.block_size: int | None = None
+        self.block_digests: Callable[[str], list[str] | None] | None = None
+        self._reset()
+
+    def _reset(self) -> None:
+        self._pid = os.getpid()
+        self._names: list[str] = []
+        self._ids: dict[str, int] = {}
+        self._held: collections.OrderedDict[str, _Entry] = collections.OrderedDict()
+        self._inflight: dict[str, Future[None]] = {}
+        self._lock = threading.Lock()
+        self._pool: ThreadPoolExecutor | None = None
+        self._writer: ThreadPoolExecutor | None = None
+        self._writing: dict[str, Future[None]] = {}
+        self._writing_bytes = 0
+        #: Units fetched again because what came did not match (for reports and tests).
+        self.refetched = 0
+
+    def __getstate__(self) -> dict[str, Any]:
+        keep = ("url", "client", "cache", "files", "block_size", "block_digests")
+        return {k: self.__dict__[k] for k in keep}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state)
+        self._reset()
+
+    def _check_pid(self) -> None:
+        if self._pid != os.getpid():  # forked: the parent's descriptors and threads are not ours
+            self._reset()
+
+    def use_blocks(self, block_size: int, digests: Callable[[str], list[str] | None]) -> None:
+        """Verify per block: ``digests(name)`` gives a file's block digests (blocks.json)."""
+        self.block_size = block_size
+        self.block_digests = digests
+
+    def where(self, name: str) -> str:
+        return f"{self.url}/{name}"
+
+    def per_block(self, name: str) -> bool:
+        """Whether reads of ``name`` are verified per block (else per whole file)."""
+        return self._digests_of(name) is not None
+
+    def _digests_of(self, name: str) -> list[str] | None:
+        """``name``'s block digests, None for a file without (blocks.json itself, a 3.0 cache)."""
+        if self.block_digests is None:
+            return None
+        try:
+            return self.block_digests(name)
+        except KeyError:  # a listed file blocks.json has no digests of: blocks.json itself
+            return None
+
+    # -- the descriptor interface of the reader --------------------------------------------
+    def open(self, name: str) -> int:
+        """A small integer standing for ``name`` (what `preadv` takes); `FileNotFoundError` if
+        the manifest does not list it."""
+        self._check_pid()
+        if name not in self.files:
+            raise FileNotFoundError(f"{self.where(name)}: not a data file of this cache")
+        with self._lock:
+            fd = self._ids.get(name)
+            if fd is None:
+                fd = self._ids[name] = len(self._names)
+                self._names.append(name)
+        return fd
+
+    def close(self, fd: int) -> None:
+        return None  # nothing per file to release: units are held by key
+
+    def close_all(self) -> None:
+        """Release every held unit and stop the fetch threads (`Shards.close`)."""
+        if self._pid != os.getpid():
+            self._reset()
+            return
+        with self._lock:
+            held, self._held = list(self._held.values()), collections.OrderedDict()
+        for entry in held:
+            if entry.users == 0:
+                entry.close()
+            else:
+                entry.closed = True
+        if self._pool is not None:
+            self._pool.shutdown(wait=False, cancel_futures=True)
+            self._pool = None
+        self.flush()
+
+    def flush(self) -> None:
+        """Wait until every unit fetched so far is written to the block cache."""
+        with self._lock:
+            writer, self._writer = self._writer, None
+        if writer is not None:
+            writer.shutdown(wait=True)
+
+    def preadv(self, fd: int, views: Sequence[memoryview], offset: int) -> int:
+        """Fill ``views`` in order from byte ``offset`` of the file behind ``fd`` (as ``os.preadv``:
+        fewer bytes only at the end of the file); every byte verified first."""
+        name = self._names[fd]
+        size = self.files[name][0]
+        total = sum(memoryview(v).nbytes for v in views)
+        stop = min(size, offset + total)
+        if stop <= offset:
+            return 0
+        units = self.units(name, offset, stop)
+        if len(units) > 1:
+            self._warm(units)
+        done = 0
+        pos = offset
+        queue = [memoryview(v).cast("B") for v in views]
+        for unit in units:
+            entry = self._acquire(unit)
+            try:
+                while queue and pos < min(stop, unit.start + unit.nbytes):
+                    dest = queue[0]
+                    n = min(dest.nbytes, unit.start + unit.nbytes - pos, stop - pos)
+                    _copy(entry, dest[:n], pos - unit.start)
+                    pos += n
+                    done += n
+                    queue[0] = dest[n:]
+                    if not queue[0].nbytes:
+                        queue.pop(0)
+            finally:
+                self._release(entry)
+        return done
+
+    def read(self, name: str, start: int = 0, stop: int | None = None) -> bytearray:
+        """Bytes ``[start, stop)`` of ``name`` (verified), as a new buffer."""
+        size = self.files[name][0]
+        stop = size if stop is None else min(stop, size)
+        out = bytearray(max(0, stop - start))
+        got = self.preadv(self.open(name), [memoryview(out)], start)
+        if got != len(out):
+            raise FileSizeError(f"{self.where(name)}: expected {len(out)} bytes at {start}, found {got}")
+        return out
+
+    def prefetch(self, name: str, start: int, stop: int) -> None:
+        """Start fetching the units of bytes ``[start, stop)`` of ``name`` in the background."""
+        self._check_pid()
+        size = self.files[name][0]
+        stop = min(stop, size)
+        if stop > start:
+            self._warm(self.units(name, start, stop), wait=False)
+
+    # -- units -------------------------------------------------------------------------------
+    def units(self, name: str, start: int, stop: int) -> list[Unit]:
+        """The units that hold bytes ``[start, stop)`` of ``name``, in order."""
+        size, whole = self.files[name]
+        digests = self._digests_of(name)
+        if digests is None or self.block_size is None:
+            if whole is None:
+                raise ChecksumMismatchError(f"{self.where(name)}: the manifest records no digest for it")
+            return [Unit(name, f"file-{whole}", whole, 0, size, -1)]
+        bs = self.block_size
+        first, last = start // bs, (max(start, stop - 1)) // bs
+        return [Unit(name, digests[i], digests[i], i * bs, min(bs, size - i * bs), i) for i in range(first, last + 1)]
+
+    def _warm(self, units: list[Unit], wait: bool = True) -> None:
+        """Fetch the units not held yet, several at once (``wait``: until all are there)."""
+        with self._lock:
+            todo = [u for u in units if u.key not in self._held and (wait or u.key not in self._inflight)]
+            if self._pool is None and todo:
+                self._pool = ThreadPoolExecutor(requests_in_flight(), thread_name_prefix="saev-remote")
+            pool = self._pool
+        if not todo or pool is None:
+            return
+        futures = [pool.submit(self._hold, u) for u in todo]
+        if wait:
+            for f in futures:
+                f.result()
+
+    def _hold(self, unit: Unit) -> None:
+        self._release(self._acquire(unit))
+
+    def _acquire(self, unit: Unit) -> _Entry:
+        """The entry of ``unit``, held (`_release` it): from this process, the block cache, or fetched."""
+        while True:
+            with self._lock:
+                entry = self._held.get(unit.key)
+                if entry is not None:
+                    self._held.move_to_end(unit.key)
+                    entry.users += 1
+                    return entry
+                future = self._inflight.get(unit.key)
+                owner = future is None
+                if future is None:
+                    future = self._inflight[unit.key] = Future()
+            if not owner:
+                future.result()  # raises what the fetch raised
+                continue
+            try:
+                entry = self._load(unit)
+            except BaseException as err:
+                with self._lock:
+                    del self._inflight[unit.key]
+                future.set_exception(err)
+                raise
+            with self._lock:
+                self._held[unit.key] = entry
+                entry.users += 1
+                del self._inflight[unit.key]
+                self._shrink()
+            future.set_result(None)
+            return entry
+
+    def _release(self, entry: _Entry) -> None:
+        with self._lock:
+            entry.users -= 1
+            if entry.closed and entry.users == 0:
+                entry.close()
+
+    def _shrink(self) -> None:
+        """Let go of the least recently used units no read holds (lock held)."""
+        memory = sum(e.nbytes_in_memory for e in self._held.values())
+        for key in list(self._held):
+            if len(self._held) <= MAX_OPEN and memory <= MAX_MEMORY:
+                return
+            entry = self._held[key]
+            if entry.users:
+                continue
+            del self._held[key]
+            memory -= entry.nbytes_in_memory
+            entry.close()
+
+    def _load(self, unit: Unit) -> _Entry:
+        with self._lock:
+            writing = self._writing.get(unit.key)
+        if writing is not None:  # fetched a moment ago and let go of: on its way to the block cache
+            writing.result()
+        fd = self.cache.open(unit.key, unit.nbytes, unit.digest)
+        if fd is not None:
+            return _Entry(fd)
+        problems: list[str] = []
+        failure: RemoteError | None = None
+        for attempt in range(VERIFY_ATTEMPTS):
+            if attempt:
+                self.refetched += 1
+                time.sleep(VERIFY_BACKOFF * 2 ** (attempt - 1))
+            try:
+                result = self._fetch_file(unit) if unit.block < 0 else self._fetch_block(unit)
+            except RemoteError as err:
+                if isinstance(err, _FINAL):  # no point asking again: the same answer would come
+                    raise
+                failure = err  # the server failed even after the client's own retries
+                continue
+            if isinstance(result, _Entry):
+                return result
+            problems.append(result)
+        if not problems and failure is not None:
+            raise failure
+        raise ChecksumMismatchError(
+            f"{self.where(unit.name)}: {describe(unit)} does not match the manifest after {VERIFY_ATTEMPTS} "
+            f"fetches ({'; '.join(dict.fromkeys(problems))}): the remote copy is damaged (check it with "
+            f"`saev-shards verify {self.url}`)"
+        )
+
+    def _fetch_block(self, unit: Unit) -> _Entry | str:
+        data = self.client.get_range(unit.name, unit.start, unit.start + unit.nbytes)
+        checked = self._checked(unit, data)
+        if isinstance(checked, str) or self._write_later(unit.key, data):
+            return checked  # served from memory while the background writer stores it
+        fd = self.cache.insert(unit.key, data)
+        return _Entry(fd) if fd is not None else checked
+
+    def _write_later(self, key: str, data: Any) -> bool:
+        """Queue verified ``data`` for the block cache on the writer thread, so a read never
+        waits for the disk; False (the caller writes it) when `MAX_PENDING_WRITES` are queued."""
+        nbytes = memoryview(data).nbytes
+        with self._lock:
+            if self._writing_bytes + nbytes > MAX_PENDING_WRITES or key in self._writing:
+                return False
+            if self._writer is None:
+                self._writer = ThreadPoolExecutor(1, thread_name_prefix="saev-remote-cache")
+            self._writing_bytes += nbytes
+            self._writing[key] = self._writer.submit(self._write_entry, key, data, nbytes)
+        return True
+
+    def _write_entry(self, key: str, data: Any, nbytes: int) -> None:
+        try:
+            fd = self.cache.insert(key, data)
+            if fd is not None:
+                os.close(fd)
+        except OSError as err:  # the block cache is an optimisation: say so once, keep reading
+            self.cache.warn_unwritable(err)
+        finally:
+            with self._lock:
+                self._writing_bytes -= nbytes
+                self._writing.pop(key, None)
+
+    def _fetch_file(self, unit: Unit) -> _Entry | str:
+        """A whole file, streamed into the block cache's temporary folder while hashed."""
+        tmp = self.cache.tmp_path(unit.key)
+        h = xxhash.xxh3_128()
+        got = 0
+        try:
+            with open(tmp, "wb") as out:
+                for chunk in self.stream(unit.name):
+                    h.update(chunk)
+                    out.write(chunk)
+                    got += memoryview(chunk).nbytes
+        except BaseException as err:
+            with contextlib.suppress(OSError):
+                os.unlink(tmp)
+            if not (isinstance(err, OSError) and err.errno in DISK_FULL_ERRNOS):
+                raise
+            data = self.client.get_range(unit.name, 0, unit.nbytes)  # no room in the block cache: memory
+            return self._checked(unit, data)
+        if got != unit.nbytes or h.hexdigest() != unit.digest:
+            os.unlink(tmp)
+            return _mismatch(unit, got, h.hexdigest())
+        return _Entry(self.cache.commit_file(tmp, unit.key))
+
+    def _checked(self, unit: Unit, data: Any) -> _Entry | str:
+        view = memoryview(data)
+        found = xxhash.xxh3_128_hexdigest(view) if view.nbytes == unit.nbytes else ""
+        return _Entry(None, data) if found == unit.digest else _mismatch(unit, view.nbytes, found)
+
+    def stream(self, name: str, start: int = 0) -> Iterator[Any]:
+        """The bytes of ``name`` from ``start`` on, in order, straight from the server (not
+        checked, not cached: the caller hashes them)."""
+        return self.client.stream(name, start, STREAM_CHUNK)
+
+    def verify_file(self, name: str, block_size: int | None, tick: Callable[[int], None]) -> tuple[int, str, list[str]]:
+        """Read ``name`` from the server (not from the block cache): ``(bytes, xxh3_128 of the
+        whole, xxh3_128 of each ``block_size`` bytes)`` (no block digests without a block size)."""
+        hasher = BlockHasher(block_size)
+        total = 0
+        for chunk in self.stream(name):
+            view = memoryview(chunk)
+            hasher.update(view)
+            tick(view.nbytes)
+            total += view.nbytes
+        return total, hasher.hexdigest(), hasher.block_hexdigests()
+
+
+def _mismatch(unit: Unit, got: int, found: str) -> str:
+    if got != unit.nbytes:
+        return f"{got} bytes came instead of {unit.nbytes}"
+    return f"xxh3_128 {found} instead of {unit.digest}"
+
+
+def _copy(entry: _Entry, dest: memoryview, offset: int) -> None:
+    """Copy ``dest.nbytes`` bytes of ``entry`` from ``offset`` into ``dest``."""
+    if entry.fd is None:
+        dest[:] = memoryview(entry.data).cast("B")[offset : offset + dest.nbytes]
+        return
+    while dest.nbytes:
+        n = os.preadv(entry.fd, [dest], offset)
+        if n == 0:
+            raise FileSizeError(f"block cache entry ended early at byte {offset} (removed while read?)")
+        dest = dest[n:]
+        offset += n
+
+
+def describe(unit: Unit) -> str:
+    """``block 7 (bytes 117440512-134217727)``, or ``the whole file`` for a whole-file unit."""
+    if unit.block < 0:
+        return "the whole file"
+    return f"block {unit.block} (bytes {unit.start}-{unit.start + unit.nbytes - 1})"

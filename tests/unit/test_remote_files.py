@@ -1,0 +1,123 @@
+"""The offset arithmetic of remote reads (`remote.files.RemoteFiles.preadv`), property-tested
+against plain slicing of the file's bytes, per block and per whole file, with a server in
+memory; and the block cache's rules (entries checked on open, a replaced entry kept)."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any
+
+import pytest
+import xxhash
+from hypothesis import given
+from hypothesis import strategies as st
+
+from saev_shards.errors import ChecksumMismatchError
+from saev_shards.remote.blockcache import BlockCache
+from saev_shards.remote.files import RemoteFiles
+from saev_shards.remote.url import is_url, join_url, split_roots, split_url
+
+DATA = bytes((i * 7 + i // 251) % 256 for i in range(5000))
+
+
+class MemoryClient:
+    """Serves one file from memory; ``damage`` flips a byte of the next ``n`` answers."""
+
+    def __init__(self, data: bytes) -> None:
+        self.data = data
+        self.requests: list[tuple[int, int]] = []
+        self.damage = 0
+
+    def get_range(self, name: str, start: int, end: int) -> bytes:
+        self.requests.append((start, end))
+        body = bytearray(self.data[start:end])
+        if self.damage and body:
+            self.damage -= 1
+            body[0] ^= 1
+        return bytes(body)
+
+    def stream(self, name: str, start: int = 0, chunk: int = 0) -> Any:
+        self.requests.append((start, len(self.data)))
+        yield self.data[start : start + 1000]
+        yield self.data[start + 1000 :]
+
+
+def remote_file(tmp_path: Path, block_size: int | None) -> tuple[RemoteFiles, MemoryClient]:
+    files = RemoteFiles(
+        "s3://bucket/root/" + "a" * 64, {"f.bin": (len(DATA), xxhash.xxh3_128_hexdigest(DATA))}, BlockCache(tmp_path)
+    )
+    client = MemoryClient(DATA)
+    files.client = client  # type: ignore[assignment]
+    if block_size is not None:
+        digests = [xxhash.xxh3_128_hexdigest(DATA[i : i + block_size]) for i in range(0, len(DATA), block_size)]
+        files.use_blocks(block_size, {"f.bin": digests}.get)
+    return files, client
+
+
+@given(
+    block_size=st.none() | st.sampled_from([1, 7, 64, 1000, 4999, 5000, 8192]),
+    offset=st.integers(0, len(DATA) + 10),
+    sizes=st.lists(st.integers(0, 1500), min_size=1, max_size=4),
+)
+def test_preadv_equals_slicing(
+    tmp_path_factory: pytest.TempPathFactory, block_size: int | None, offset: int, sizes: list[int]
+) -> None:
+    files, client = remote_file(tmp_path_factory.mktemp("bc"), block_size)
+    views = [memoryview(bytearray(n)) for n in sizes]
+    try:
+        got = files.preadv(files.open("f.bin"), views, offset)
+    finally:
+        files.close_all()
+    want = DATA[offset : offset + sum(sizes)]
+    assert got == len(want)  # short only at the end of the file, as os.preadv
+    assert b"".join(bytes(v) for v in views)[:got] == want
+    if block_size is not None and got:  # only the blocks holding the bytes asked for, once per content
+        first, last = offset // block_size, (offset + got - 1) // block_size
+        blocks = [(i * block_size, min(len(DATA), (i + 1) * block_size)) for i in range(first, last + 1)]
+        assert set(client.requests) <= set(blocks)
+        assert len(client.requests) == len({DATA[a:b] for a, b in blocks})
+
+
+def test_a_damaged_answer_is_fetched_again_and_a_damaged_file_named(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr("saev_shards.remote.files.VERIFY_BACKOFF", 0.0)
+    files, client = remote_file(tmp_path / "a", 64)
+    client.damage = 1
+    assert bytes(files.read("f.bin", 100, 110)) == DATA[100:110]
+    assert files.refetched == 1 and len(client.requests) == 2
+    files, client = remote_file(tmp_path / "b", 64)
+    client.damage = 99
+    with pytest.raises(
+        ChecksumMismatchError, match=r"f\.bin: block 1 \(bytes 64-127\) does not match the manifest after 4"
+    ):
+        files.read("f.bin", 100, 110)
+
+
+def test_block_cache_entries_are_checked_when_opened(tmp_path: Path) -> None:
+    cache = BlockCache(tmp_path, limit=1 << 20)
+    digest = xxhash.xxh3_128_hexdigest(b"hello")
+    fd = cache.insert(digest, b"hello")
+    assert fd is not None
+    os.close(fd)
+    fd = cache.open(digest, 5, digest)
+    assert fd is not None and os.pread(fd, 5, 0) == b"hello"
+    os.close(fd)
+    path = cache.path(digest)
+    path.chmod(0o644)
+    path.write_bytes(b"jello")
+    assert cache.open(digest, 5, digest) is None and not path.exists()  # damaged: discarded
+    assert cache.open(digest, 5, digest) is None  # and simply missing now
+
+
+def test_urls() -> None:
+    assert is_url("s3://bucket/x") and is_url("https://host/p") and not is_url("/scratch/s3://x") and not is_url("3f2a")
+    assert not is_url(Path("s3://bucket"))
+    assert split_url("s3://b/root/3f2a/") == ("s3://b/root", "3f2a")
+    assert join_url("s3://b/root/", "/3f2a", "shards.json") == "s3://b/root/3f2a/shards.json"
+    assert split_roots("/scratch/shards:s3://b/shards::https://h/p") == [
+        "/scratch/shards",
+        "s3://b/shards",
+        "https://h/p",
+    ]
