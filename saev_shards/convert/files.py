@@ -165,7 +165,13 @@ def gunzip(data: bytes, max_bytes: int, path: Path, *, hint: str = "") -> bytes:
     return b"".join(out)
 
 
-def read_line(f: io.FileIO, path: Path, line: int) -> bytes:
+def open_lines(path: Path, what: str = "") -> io.BufferedReader:
+    """A regular text file opened for reading line by line through a 1 MiB buffer (an
+    unbuffered file reads a line one byte per system call)."""
+    return io.BufferedReader(open_file(path, what), buffer_size=1 << 20)
+
+
+def read_line(f: io.BufferedReader, path: Path, line: int) -> bytes:
     """One line of a text file (up to `MAX_LINE_BYTES`; `ConvertError` naming the line beyond)."""
     data = f.readline(MAX_LINE_BYTES + 1)
     if len(data) > MAX_LINE_BYTES and not data.endswith(b"\n"):

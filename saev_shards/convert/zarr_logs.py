@@ -159,7 +159,7 @@ def _line_index(path: Path, n: int, offset: int) -> npt.NDArray[np.int64]:
     placed: bool | None = None  # whether lines carry "i" (decided by the first line)
     pos = 0
     number = 0
-    with files.open_file(path, "a text file of the store") as f:
+    with files.open_lines(path, "a text file of the store") as f:
         while line := files.read_line(f, path, number + 1):
             number += 1
             if line.strip():
@@ -299,7 +299,7 @@ def _lines(path: Path | None, index: npt.NDArray[np.int64] | None, a: int, b: in
     if path is None or index is None:
         return [None] * (b - a)
     out: list[Any] = []
-    with files.open_file(path, "a text file of the store") as f:
+    with files.open_lines(path, "a text file of the store") as f:
         for off in index[a:b].tolist():
             if off < 0:
                 out.append(None)
