@@ -19,20 +19,15 @@ import pytest
 
 from ..support.cli import cli_with_ctrl_c
 from ..support.hostile_sources import (
-    BASES,
     CASE_BUDGET,
     CASE_SECONDS,
-    CATALOGUE,
-    MAY_CONVERT,
     CaseOutcome,
     check_outcome,
     convert_in_child,
-    copy_source,
-    random_damage,
     run_case,
-    source_path,
     tree_listing,
 )
+from ..support.source_catalogue import BASES, CATALOGUE, MAY_CONVERT, copy_source, random_damage, source_path
 
 pytest.importorskip("zarr")
 pytest.importorskip("datasets")
