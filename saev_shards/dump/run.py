@@ -20,10 +20,10 @@ from ..protocol.common import FLOAT8
 from ..reader import Shards
 from ..reader import open as open_shards
 from ..units import human_bytes
-from ..writer import ShardWriter, finalize, rank_shards, world_from_env
+from ..writer import ShardWriter, finalize, rank_shards, sealed_shards, world_from_env
 from .config import DumpConfig
 from .model import check_model, device_of, load_model, record_dtype
-from .plan import Plan, batches, output_root, plan, sealed_shards, space_needed
+from .plan import Plan, batches, output_root, plan, space_needed
 
 
 def dump(

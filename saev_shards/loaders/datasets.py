@@ -21,6 +21,7 @@ import numpy.typing as npt
 
 from .._indexing import wrap_index
 from ..errors import LoaderError
+from ..protocol.jsonfile import is_int, short_repr
 from ..reader import Shards
 from .selection import CLS_LABEL, TokenSelection, as_shards, check_layers_not_mixed, parse_layers, parse_out_dtype
 from .tensors import require_torch, to_tensor
@@ -219,6 +220,8 @@ class LayerPairDataset(_MapDataset):
 
     def set_epoch(self, epoch: int) -> None:
         """Draw the pairs of epoch ``epoch`` from now on."""
+        if not (is_int(epoch, numpy_ok=True) and 0 <= epoch < 2**63):
+            raise LoaderError(f"epoch: expected an integer >= 0, found {short_repr(epoch)}")
         self.epoch = int(epoch)
 
     def __len__(self) -> int:

@@ -23,8 +23,8 @@ import numpy as np
 import numpy.typing as npt
 
 from .. import world
-from ..errors import LoaderError
-from ..protocol.jsonfile import is_int
+from ..errors import LoaderError, Problems
+from ..protocol.jsonfile import is_int, short_repr, type_name
 from ..reader import Shards
 from .batch import Batch
 from .device import DeviceRun, Slots
@@ -261,8 +261,8 @@ class TokenLoader:
     # -- epochs and resuming -----------------------------------------------------------
     def set_epoch(self, epoch: int) -> None:
         """Make the next ``iter()`` run epoch ``epoch`` from its first batch."""
-        if int(epoch) < 0:
-            raise LoaderError(f"epoch: expected an integer >= 0, found {epoch}")
+        if not (is_int(epoch, numpy_ok=True) and 0 <= epoch < 2**63):
+            raise LoaderError(f"epoch: expected an integer >= 0, found {short_repr(epoch)}")
         self._next_epoch = int(epoch)
         self._resume_batch = 0
         self._position = None
@@ -284,11 +284,30 @@ class TokenLoader:
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Resume exactly where `state_dict` was taken (same cache and settings)."""
+        """Resume exactly where `state_dict` was taken (same cache and settings).
+
+        Accepts exactly what `state_dict` gives: ``epoch`` an integer >= 0, ``batch`` an
+        integer in ``[0, len(self)]`` (never a float, a bool or a string: 1.9 would replay a
+        batch), ``seed`` an integer, ``fingerprint`` 16 hex digits, ``settings`` (optional:
+        states saved before it still load) an object; `LoaderError` names every field that is
+        not, and the setting that differs when the state is another loader's."""
         expected = {"epoch", "batch", "seed", "fingerprint"}  # and "settings" (states before it still load)
         if not isinstance(state, dict) or not expected <= set(state) <= expected | {"settings"}:
-            found = sorted(state) if isinstance(state, dict) else type(state).__name__
+            found = [short_repr(k) for k in state] if isinstance(state, dict) else type_name(state)
             raise LoaderError(f"state: expected keys {sorted(expected | {'settings'})}, found {found}")
+        with Problems(LoaderError, head="state: ") as problems:
+            epoch, batch = state["epoch"], state["batch"]
+            if not (is_int(epoch) and 0 <= epoch < 2**63):
+                problems.expected("epoch", "an integer >= 0", short_repr(epoch))
+            if not (is_int(batch) and 0 <= batch <= self._len):
+                problems.expected("batch", f"an integer in [0, {self._len}]", short_repr(batch))
+            if not is_int(state["seed"]):
+                problems.expected("seed", "an integer", short_repr(state["seed"]))
+            fingerprint = state["fingerprint"]
+            if not (isinstance(fingerprint, str) and len(fingerprint) == 16 and set(fingerprint) <= _HEX):
+                problems.expected("fingerprint", "16 hex digits", short_repr(fingerprint))
+            if "settings" in state and not isinstance(state["settings"], dict):
+                problems.expected("settings", "an object", short_repr(state["settings"]))
         if state["fingerprint"] != self.fingerprint or state["seed"] != self.seed:
             differ = _differences(
                 {**_as_dict(state.get("settings")), "seed": state["seed"]}, {**self.settings, "seed": self.seed}
@@ -299,9 +318,6 @@ class TokenLoader:
                 + (f": {differ}" if differ else "")
                 + ")"
             )
-        epoch, batch = int(state["epoch"]), int(state["batch"])
-        if epoch < 0 or not 0 <= batch <= self._len:
-            raise LoaderError(f"state: expected epoch >= 0 and batch in [0, {self._len}], found {epoch}, {batch}")
         self._next_epoch, self._resume_batch = (epoch + 1, 0) if batch == self._len else (epoch, batch)
         self._position = None
 
@@ -470,6 +486,9 @@ class OrderedLoader(TokenLoader):
         super().__init__(**bound.arguments, order="ordered")
 
 
+_HEX = frozenset("0123456789abcdef")
+
+
 def _as_dict(value: object) -> dict[str, Any]:
     return dict(value) if isinstance(value, dict) else {}
 
@@ -479,9 +498,10 @@ def _differences(state: dict[str, Any], here: dict[str, Any]) -> str:
     settings are absent from states saved before they were recorded: then nothing is named)."""
     if set(state) == {"seed"}:
         return "" if state["seed"] == here["seed"] else f"seed {state['seed']} in the state, {here['seed']} here"
-    names = sorted(set(state) | set(here), key=lambda k: (k != "cache", k))
+    names = sorted(set(state) | set(here), key=lambda k: (k != "cache", str(k)))
     return "; ".join(
-        f"{k} {state.get(k, 'unset')!r} in the state, {here.get(k, 'unset')!r} here"
+        f"{short_repr(k)[1:-1] if isinstance(k, str) else short_repr(k)} {short_repr(state.get(k, 'unset'))} "
+        f"in the state, {short_repr(here.get(k, 'unset'))} here"
         for k in names
         if state.get(k) != here.get(k)
     )

@@ -67,6 +67,7 @@ def scatter(
     reads = ThreadPoolExecutor(1, "saev-shuffle-read")
     writes = ThreadPoolExecutor(1, "saev-shuffle-write")
     pending: list[Future[None]] = []
+    failed = True
     try:
         next_read = reads.submit(_read, reader, plan, chunks[0], read_buffers[0])
         for i in range(len(chunks)):
@@ -80,11 +81,14 @@ def scatter(
             pending.append(writes.submit(_write, plan, record, buffer, durable, on_rows, after_run))
         for fut in pending:
             fut.result()
+        failed = False
     finally:
         for fut in pending:  # never unmap a buffer a write is still using
             with contextlib.suppress(BaseException):
                 fut.result()
-        reads.shutdown(wait=True, cancel_futures=True)
+        # A read may block on a slow or hung filesystem: after an error or Ctrl-C it is not
+        # waited for (its buffer stays referenced by the thread; the command ends anyway).
+        reads.shutdown(wait=not failed, cancel_futures=True)
         writes.shutdown(wait=True, cancel_futures=True)
         for mm in run_buffers:
             with contextlib.suppress(BufferError):  # a view still held by a traceback: freed with it
