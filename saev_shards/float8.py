@@ -22,9 +22,15 @@ product (`error_bound`).
 Quantizing uses torch's ``float8_e4m3fn`` cast when torch is installed: vectorised, about 8x
 ml_dtypes' ufunc cast on this machine (4.7 against 0.58 GB/s of float32 input on one core).
 Without torch it uses ml_dtypes'. Both round the same way, bit for bit (a hypothesis test
-compares them). Dequantizing needs numpy alone: a table of every pair of E4M3 bytes (ml_dtypes'
-values) looked up in chunks that stay in cache, ~1.5 GB/s of float8 input on one core here,
-where ml_dtypes' cast and torch's run at ~0.17.
+compares them).
+
+Dequantizing moves each byte's bits into a float32 (``q * 2**-120``, exact; no table) and
+multiplies by ``s * 2**120``: in one compiled pass per batch with numba (`float8_kernels`,
+the ``fast`` extra), else in numpy passes over chunks that stay in cache, then rounds to
+float16 (torch's vectorised cast when torch is imported) or bfloat16. Both give the bits of
+ml_dtypes' values times the scale (tests compare them on every byte). On one core here, in
+GB/s of float8 input: numba ~10-16, numpy ~3 (float32 out), where the table of byte pairs
+this replaced ran at ~1.5 and ml_dtypes' and torch's float8 casts at ~0.17.
 """
 
 from __future__ import annotations
@@ -32,6 +38,7 @@ from __future__ import annotations
 import itertools
 import os
 import sys
+import threading
 import warnings
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
@@ -53,13 +60,14 @@ _MIN_NORMAL = np.float32(2.0**-126)
 #: float16's largest finite value, and the smallest float32 that rounds to float16 infinity.
 FLOAT16_MAX = 65504.0
 _FLOAT16_OVERFLOW = np.float32(65520.0)
-#: Values per step of the chunked loops: their float32 scratch (512 KiB) and the pair table
-#: (512 KiB) stay in a 1 MiB L2 cache; measured best of 2**14 to 2**19 here.
+#: Values per step of the chunked numpy loops: their float32 scratch (512 KiB) stays in a
+#: 1 MiB L2 cache; measured best of 2**14 to 2**19 here.
 _CHUNK_VALUES = 1 << 17
-#: Dtypes values are dequantized into here (`saev_shards.dtypes.convert` rounds float32 on to bfloat16).
+#: Dtypes values are dequantized into.
 OUT_DTYPES: dict[str, np.dtype[Any]] = {
     "float16": np.dtype("<f2"),
     "float32": np.dtype("<f4"),
+    "bfloat16": np.dtype("<u2"),  # its bits, as `saev_shards.dtypes` holds bfloat16
 }
 
 
@@ -247,23 +255,93 @@ def quantize_tensor(t: Any) -> tuple[Any, Any]:
 
 
 # -- dequantizing ----------------------------------------------------------------------------
+#
+# Two implementations of one rule, the same bits (tests/unit/test_float8_kernels.py): the
+# compiled kernels of `float8_kernels` (numba, the ``fast`` extra), one pass over the bytes,
+# and numpy below, a pass per step over chunks that stay in cache. Both decode a byte by
+# moving its bits into a float32 (``q * 2**-120``, exact), multiply by the scale times
+# ``2**120`` and round to the output dtype.
 
-_TABLES: dict[str, npt.NDArray[Any]] = {}
+#: ``(int32(int8(byte)) << 20) & _PLACED`` is the float32 ``q * 2**-120`` (float8_kernels).
+_PLACED = np.array(0x87F00000, np.uint32).view(np.int32)
+_TWO_120 = np.float32(2.0**120)
+#: Below this a scale times 2**120 stays finite (exact: a power of two), one multiply suffices.
+_SMALL_SCALE = np.float32(2.0**7)
+#: A float32 subnormal: multiplied by 2**20 it stays 2**-120 unless this thread flushes
+#: subnormal inputs to zero (x86's DAZ, set by torch.set_flush_denormal or -ffast-math code).
+_SUBNORMAL = np.array([2.0**-140], np.float32)
 
 
-def _table(kind: str) -> npt.NDArray[Any]:
-    """``"single"``: float32 value of each of the 256 bytes (ml_dtypes'); ``"pair"``: of each
-    of the 65536 little-endian byte pairs, as two float32 packed in a uint64 (512 KiB)."""
-    table = _TABLES.get(kind)
-    if table is None:
-        single = np.arange(256, dtype=np.uint8).view(FLOAT8_DTYPE).astype(np.float32)
-        if kind == "single":
-            table = single
-        else:
-            pairs = np.arange(65536, dtype="<u2").view(np.uint8).reshape(-1, 2)
-            table = np.ascontiguousarray(single[pairs]).reshape(-1).view("<u8")
-        _TABLES[kind] = table
-    return table
+def _subnormals_kept() -> bool:
+    """Whether this thread's arithmetic reads subnormal floats as they are (then moving bytes
+    into float32 bits is exact; otherwise a table of the 256 values is)."""
+    return bool(np.multiply(_SUBNORMAL, np.float32(2.0**20))[0] == np.float32(2.0**-120))
+
+
+#: ``[float8_kernels]`` once it has loaded and passed its check, ``[None]`` when it cannot be
+#: used (numba not installed, failing here, or SAEV_SHARDS_NUMBA=0), empty before the first use.
+_KERNELS: list[Any] = []
+_KERNELS_LOCK = threading.Lock()
+
+
+def _kernels() -> Any:
+    """The compiled kernels (`float8_kernels`) when they can be used on this thread, else None."""
+    if not _subnormals_kept():
+        return None
+    if not _KERNELS:
+        with _KERNELS_LOCK:
+            if not _KERNELS:
+                _KERNELS.append(_load_kernels())
+    return _KERNELS[0]
+
+
+def kernels_in_use() -> bool:
+    """True when `dequantize` runs numba's compiled kernels here (the ``fast`` extra), False
+    when it runs numpy alone."""
+    return _kernels() is not None
+
+
+def _load_kernels() -> Any:
+    if os.environ.get("SAEV_SHARDS_NUMBA", "1") == "0":
+        return None
+    try:
+        from . import float8_kernels
+    except ImportError:
+        return None
+    try:
+        mismatch = _check_kernels(float8_kernels)
+    except Exception as err:  # numba installed but unable to compile here: numpy does the work
+        mismatch = f"{type(err).__name__}: {err}"
+    if mismatch:
+        warnings.warn(f"float8: numba's kernels are not used ({mismatch}); dequantizing with numpy", stacklevel=3)
+        return None
+    return float8_kernels
+
+
+def _check_kernels(kernels: Any) -> str:
+    """Every byte times scales across float32's range (subnormal, needing two multiplies, NaN)
+    through each kernel, against the numpy code: what differs, or ""."""
+    scales = np.array(
+        [0, 1, 2.0**-140, 3e-39, 1.5e-30, 0.37, 127.99, 128, 300, 1e30, 7e35, np.nan, -2.5], np.float32
+    )
+    codes = np.tile(np.arange(256, dtype=np.uint8), (len(scales), 1))
+    rows = np.arange(len(scales))[::-1].copy()
+    for dtype, want in OUT_DTYPES.items():
+        expected = np.empty(codes.shape, want)
+        _dequantize_numpy(codes, scales, expected, dtype)
+        got, taken = np.empty(codes.shape, want), np.empty(codes.shape, want)
+        kernels.DEQUANTIZE[dtype](codes, scales, _bits(got))
+        kernels.TAKE[dtype](codes, scales, rows, _bits(taken))
+        for name, result, reference in (("dequantize", got, expected), ("take", taken, expected[rows])):
+            nan_equal = dtype != "bfloat16"  # bfloat16's NaN is one pattern; float16 and float32 NaNs compare as equal
+            if not np.array_equal(result, reference, equal_nan=nan_equal):
+                return f"its {name} to {dtype} differs from numpy's"
+    return ""
+
+
+def _bits(out: npt.NDArray[Any]) -> npt.NDArray[Any]:
+    """float16 output as its uint16 bits, which the kernels write (numba has no float16 arrays)."""
+    return out.view(np.uint16) if out.dtype == np.float16 else out
 
 
 def check_range(scales: npt.NDArray[Any], dtype: str, where: str = "") -> None:
@@ -285,6 +363,13 @@ def check_range(scales: npt.NDArray[Any], dtype: str, where: str = "") -> None:
         )
 
 
+def _out_dtype(dtype: str) -> np.dtype[Any]:
+    want = OUT_DTYPES.get(dtype)
+    if want is None:
+        raise ValueError(f"dtype: expected one of {list(OUT_DTYPES)}, found {dtype!r}")
+    return want
+
+
 def dequantize(
     values: npt.NDArray[Any],
     scales: npt.NDArray[Any],
@@ -294,15 +379,14 @@ def dequantize(
     checked: bool = False,
 ) -> npt.NDArray[Any]:
     """E4M3 ``values`` ``(..., D)`` (`FLOAT8_DTYPE` or their uint8 bytes) with their float32
-    ``scales`` ``(...)``, dequantized into ``dtype`` (``"float16"`` or ``"float32"``):
-    ``RN32(float32(q) * s)``, rounded to ``dtype``.
+    ``scales`` ``(...)``, dequantized into ``dtype`` (one of `OUT_DTYPES`; bfloat16 as its
+    uint16 bits): ``RN32(float32(q) * s)``, rounded to ``dtype`` (nearest, ties to even).
 
     Into ``out`` (a C-contiguous array of that dtype and shape) when given. `DtypeRangeError`
     when float16 cannot hold the values (`check_range`; ``checked``: the caller has checked).
+    One compiled pass with numba (the ``fast`` extra), else numpy (`kernels_in_use`).
     """
-    want = OUT_DTYPES.get(dtype)
-    if want is None:
-        raise ValueError(f"dtype: expected one of {list(OUT_DTYPES)}, found {dtype!r}")
+    want = _out_dtype(dtype)
     shape = values.shape
     if scales.shape != shape[:-1]:
         raise ValueError(f"scales: expected shape {shape[:-1]} for values of shape {shape}, found {scales.shape}")
@@ -312,28 +396,114 @@ def dequantize(
         raise ValueError(f"out: expected a C-contiguous {want} array of shape {shape}, found {out.dtype} {out.shape}")
     if not checked:
         check_range(np.asarray(scales), dtype)
-    d_model = shape[-1] if shape else 1
     if out.size == 0:
         return out
+    d_model = shape[-1] if shape else 1
     codes = np.ascontiguousarray(values).view(np.uint8).reshape(-1, d_model)
     s = np.ascontiguousarray(scales, dtype=np.float32).reshape(-1)
     flat = out.reshape(-1, d_model)
-    rows = _rows_per_chunk(d_model)
-    wide = dtype == "float32"
-    scratch = None if wide else np.empty((min(rows, len(codes)), d_model), np.float32)
-    pairs = d_model % 2 == 0
-    table = _table("pair" if pairs else "single")
-    for a in range(0, len(codes), rows):
-        b = min(a + rows, len(codes))
-        dst = flat[a:b] if scratch is None else scratch[: b - a]
-        if pairs:  # two values per lookup: half the gathers
-            np.take(table, codes[a:b].view("<u2"), out=dst.view("<u8"), mode="clip")
-        else:
-            np.take(table, codes[a:b], out=dst, mode="clip")
-        np.multiply(dst, s[a:b, None], out=dst)
-        if scratch is not None:
-            _narrow(dst, flat[a:b], dtype)
+    kernels = _kernels()
+    if kernels is not None:
+        kernels.DEQUANTIZE[dtype](codes, s, _bits(flat))
+    else:
+        _dequantize_numpy(codes, s, flat, dtype)
     return out
+
+
+def take_dequantize(
+    values: npt.NDArray[Any],
+    scales: npt.NDArray[np.float32],
+    rows: npt.NDArray[np.integer[Any]],
+    out: npt.NDArray[Any],
+    dtype: str,
+    *,
+    checked: bool = False,
+) -> None:
+    """The vectors ``rows`` (integers, any shape; clipped to ``[0, W)`` as ``numpy.take``'s
+    ``mode="clip"``) of ``values`` ``(W, D)`` (E4M3 bytes) with their ``scales`` ``(W,)``,
+    dequantized into ``out`` (C-contiguous, ``(*rows.shape, D)``, of ``dtype``): a loader's
+    gather, one pass from the window into the batch with numba, a gather then `dequantize`
+    without it. `DtypeRangeError` as `dequantize`.
+    """
+    want = _out_dtype(dtype)
+    d_model = values.shape[-1]
+    if out.shape != (*rows.shape, d_model) or out.dtype != want or not out.flags.c_contiguous:
+        raise ValueError(
+            f"out: expected a C-contiguous {want} array of shape {(*rows.shape, d_model)}, found {out.dtype} {out.shape}"
+        )
+    flat_rows = rows.reshape(-1)
+    scales = np.ascontiguousarray(scales, dtype=np.float32)
+    if not checked:
+        check_range(np.take(scales, flat_rows, mode="clip"), dtype)
+    if out.size == 0:
+        return
+    codes = values.view(np.uint8).reshape(-1, d_model)
+    flat = out.reshape(-1, d_model)
+    kernels = _kernels()
+    if kernels is not None:
+        if len(codes):
+            kernels.TAKE[dtype](codes, scales, np.clip(flat_rows, 0, len(codes) - 1, dtype=np.int64), _bits(flat))
+        return
+    picked = np.take(codes, flat_rows, axis=0, mode="clip")
+    _dequantize_numpy(picked, np.take(scales, flat_rows, mode="clip"), flat, dtype)
+
+
+def _dequantize_numpy(
+    codes: npt.NDArray[np.uint8], scales: npt.NDArray[np.float32], out: npt.NDArray[Any], dtype: str
+) -> None:
+    """`dequantize` of ``codes`` ``(n, D)`` into ``out`` ``(n, D)`` with numpy, in chunks of
+    `_CHUNK_VALUES` that stay in cache; float32 is computed in ``out`` itself."""
+    d_model = codes.shape[1]
+    rows = _rows_per_chunk(d_model)
+    scratch = None if dtype == "float32" else np.empty((min(rows, len(codes)), d_model), np.float32)
+    with np.errstate(all="ignore"):  # NaN vectors, and scales beyond float16 when the caller skipped check_range
+        for a in range(0, len(codes), rows):
+            b = min(a + rows, len(codes))
+            wide = out[a:b] if scratch is None else scratch[: b - a]
+            biased = _decode(codes[a:b], wide)
+            s = scales[a:b, None]
+            if biased and bool((s < _SMALL_SCALE).all()):
+                np.multiply(wide, s * _TWO_120, out=wide)
+            else:
+                if biased:
+                    np.multiply(wide, _TWO_120, out=wide)
+                np.multiply(wide, s, out=wide)
+            _nan_codes(codes[a:b], wide)
+            if dtype == "float16":
+                _narrow(wide, out[a:b])
+            elif dtype == "bfloat16":
+                round_bfloat16(wide, out[a:b])
+
+
+def _decode(codes: npt.NDArray[np.uint8], wide: npt.NDArray[np.float32]) -> bool:
+    """Write the bytes ``codes`` into ``wide`` as float32 ``q * 2**-120`` and return True; or,
+    where this thread flushes subnormal inputs, as ``q`` (ml_dtypes' values) and return False."""
+    if not _subnormals_kept():
+        np.take(_values(), codes, out=wide)
+        return False
+    bits = wide.view(np.int32)
+    np.copyto(bits, codes.view(np.int8), casting="unsafe")  # sign-extending: the sign bit to bit 31
+    np.left_shift(bits, 20, out=bits)
+    np.bitwise_and(bits, _PLACED, out=bits)
+    return True
+
+
+def _nan_codes(codes: npt.NDArray[np.uint8], wide: npt.NDArray[np.float32]) -> None:
+    """NaN (with the byte's sign) where a byte is one of E4M3's NaNs, 0x7F or 0xFF: decoded as
+    bits they would be a finite 480."""
+    nan = (codes & 0x7F) == 0x7F
+    if nan.any():
+        wide[nan] = np.where(codes[nan] & 0x80, np.float32(-np.nan), np.float32(np.nan))
+
+
+_VALUES: list[npt.NDArray[np.float32]] = []
+
+
+def _values() -> npt.NDArray[np.float32]:
+    """The float32 value of each of the 256 bytes (ml_dtypes')."""
+    if not _VALUES:
+        _VALUES.append(np.arange(256, dtype=np.uint8).view(FLOAT8_DTYPE).astype(np.float32))
+    return _VALUES[0]
 
 
 #: Elements per torch copy in `_narrow`: below torch's parallel grain size (32,768), so each copy
@@ -342,7 +512,7 @@ def dequantize(
 _TORCH_PIECE = 1 << 15
 
 
-def _narrow(wide: npt.NDArray[np.float32], dest: npt.NDArray[Any], dtype: str) -> None:
+def _narrow(wide: npt.NDArray[np.float32], dest: npt.NDArray[Any]) -> None:
     """``dest[...] = wide`` rounded to float16 (to nearest, ties to even)."""
     torch = sys.modules.get("torch")
     if torch is not None:  # vectorised, and rounds as numpy does; used when torch is already imported
@@ -352,6 +522,20 @@ def _narrow(wide: npt.NDArray[np.float32], dest: npt.NDArray[Any], dtype: str) -
         return
     with np.errstate(over="ignore"):  # beyond float16's range only when the caller skipped check_range
         np.copyto(dest, wide, casting="unsafe")
+
+
+def round_bfloat16(wide: npt.NDArray[np.float32], dest: npt.NDArray[np.uint16]) -> None:
+    """``dest[...]`` = the bits of ``wide`` rounded to bfloat16 (to nearest, ties to even, as
+    torch; NaN as 0x7FC0). ``wide`` is used as scratch: its values are lost."""
+    nan = np.isnan(wide)
+    bits = wide.view(np.uint32)
+    odd = (bits >> 16) & np.uint32(1)
+    bits += np.uint32(0x7FFF)
+    bits += odd
+    bits >>= 16
+    np.copyto(dest, bits, casting="unsafe")
+    if nan.any():
+        dest[nan] = 0x7FC0
 
 
 def error_bound(x: npt.NDArray[Any], scales: npt.NDArray[Any]) -> npt.NDArray[np.float64]:
@@ -369,14 +553,21 @@ def error_bound(x: npt.NDArray[Any], scales: npt.NDArray[Any]) -> npt.NDArray[np
 def dequantize_elementwise(values: npt.NDArray[Any], scales: npt.NDArray[Any], dtype: str) -> npt.NDArray[Any]:
     """`dequantize` where ``scales`` already has ``values``' shape (each value's vector's scale,
     as indexing a cache gives them): the same arithmetic, for arrays of any shape."""
-    want = OUT_DTYPES.get(dtype)
-    if want is None:
-        raise ValueError(f"dtype: expected one of {list(OUT_DTYPES)}, found {dtype!r}")
+    want = _out_dtype(dtype)
     s = np.asarray(scales, np.float32)
     check_range(s, dtype)
-    wide: npt.NDArray[np.float32] = np.asarray(np.multiply(_table("single")[np.asarray(values).view(np.uint8)], s))
-    if dtype == "float32":
-        return wide
-    out = np.empty(wide.shape, want)
-    _narrow(wide, out, dtype)
+    codes = np.ascontiguousarray(values).view(np.uint8)
+    wide = np.empty(codes.shape, np.float32)
+    with np.errstate(all="ignore"):
+        if _decode(codes, wide):
+            np.multiply(wide, _TWO_120, out=wide)
+        np.multiply(wide, s, out=wide)
+        _nan_codes(codes, wide)
+        if dtype == "float32":
+            return wide
+        out = np.empty(wide.shape, want)
+        if dtype == "float16":
+            _narrow(wide, out)
+        else:
+            round_bfloat16(wide, out)
     return out

@@ -1,0 +1,174 @@
+"""float8_e4m3 dequantizing in one pass, compiled by numba (the ``fast`` extra): `float8` uses
+these when numba imports, and its numpy code otherwise. The same bits either way.
+
+Each kernel reads every stored byte once and writes its dequantized value once, in the
+output dtype, with no array in between: the loop decodes a byte, multiplies it by its
+vector's scale and rounds the product, and LLVM vectorises it (16 values per AVX-512
+instruction here). numpy needs a pass over memory for each of those steps, and float16 out
+of numpy is a scalar cast; torch's casts are vectorised but each call costs microseconds and
+must stay below torch's parallel grain size on a loader's thread (`float8._TORCH_PIECE`).
+
+The decoding is a relabelling, not a table: an E4M3 byte ``S EEEE MMM`` shifted so that its
+sign lands on float32's sign and its 7 other bits on float32's exponent and mantissa, the
+rest zero, is the float32 whose value is ``q * 2**-120`` exactly, for E4M3's normals and
+subnormals alike (the latter become float32 subnormals). Multiplying it by ``s * 2**120``
+(exact: a power of two, and ``s < 2**7`` keeps it finite) rounds ``q * s`` once, as
+protocol.md 5 defines; a larger scale multiplies by ``2**120`` first (exact) and then by
+``s``. The NaN codes (0x7F, 0xFF) give NaN. float16 is LLVM's ``fptrunc`` (a hardware
+conversion, rounding to nearest even: vcvtps2ph on x86), bfloat16 the usual integer
+rounding (nearest, ties to even, NaN as 0x7FC0, as `dtypes.float32_to_bf16`).
+
+Exact only where subnormal inputs are not flushed to zero: `float8` checks that on the
+calling thread before each use, and compares the kernels with its numpy code on every code
+and a range of scales once per process before trusting them.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numba
+import numpy as np
+from llvmlite import ir
+from numba import types
+from numba.extending import intrinsic
+
+_I16 = ir.IntType(16)
+_I32 = ir.IntType(32)
+#: float32 with the value ``q * 2**-120``, from the byte's sign (bit 7 -> 31) and 7 other
+#: bits (0..6 -> 20..26): ``(int32(int8(byte)) << 20) & _PLACED``.
+_PLACED = 0x87F00000
+_TWO_120 = np.float32(2.0**120)
+#: Below this a scale times 2**120 stays finite (and exact).
+_SMALL_SCALE = np.float32(2.0**7)
+
+
+@intrinsic
+def _decode(typingctx: Any, code: Any) -> Any:
+    """float32 ``q * 2**-120`` of an E4M3 byte (``q`` its value), NaN codes aside."""
+
+    def codegen(context: Any, builder: Any, signature: Any, args: Any) -> Any:
+        word = builder.shl(builder.sext(args[0], _I32), ir.Constant(_I32, 20))
+        return builder.bitcast(builder.and_(word, ir.Constant(_I32, _PLACED)), ir.FloatType())
+
+    return types.float32(types.uint8), codegen
+
+
+@intrinsic
+def _float16_bits(typingctx: Any, value: Any) -> Any:
+    """The bits of ``value`` rounded to float16 (nearest, ties to even; LLVM's ``fptrunc``)."""
+
+    def codegen(context: Any, builder: Any, signature: Any, args: Any) -> Any:
+        return builder.bitcast(builder.fptrunc(args[0], ir.HalfType()), _I16)
+
+    return types.uint16(types.float32), codegen
+
+
+@intrinsic
+def _bfloat16_bits(typingctx: Any, value: Any) -> Any:
+    """The bits of ``value`` rounded to bfloat16 (nearest, ties to even; NaN as 0x7FC0)."""
+
+    def codegen(context: Any, builder: Any, signature: Any, args: Any) -> Any:
+        word = builder.bitcast(args[0], _I32)
+        odd = builder.and_(builder.lshr(word, ir.Constant(_I32, 16)), ir.Constant(_I32, 1))
+        rounded = builder.add(builder.add(word, ir.Constant(_I32, 0x7FFF)), odd)
+        bits = builder.trunc(builder.lshr(rounded, ir.Constant(_I32, 16)), _I16)
+        nan = builder.fcmp_unordered("uno", args[0], args[0])
+        return builder.select(nan, ir.Constant(_I16, 0x7FC0), bits)
+
+    return types.uint16(types.float32), codegen
+
+
+@intrinsic
+def _nan_for_nan_codes(typingctx: Any, code: Any, value: Any) -> Any:
+    """``value``, or NaN with the byte's sign where the byte is one of E4M3's NaNs (as ml_dtypes
+    decodes them)."""
+
+    def codegen(context: Any, builder: Any, signature: Any, args: Any) -> Any:
+        code32 = builder.zext(args[0], _I32)
+        is_nan = builder.icmp_unsigned("==", builder.and_(code32, ir.Constant(_I32, 0x7F)), ir.Constant(_I32, 0x7F))
+        sign = builder.shl(builder.and_(code32, ir.Constant(_I32, 0x80)), ir.Constant(_I32, 24))
+        nan = builder.bitcast(builder.or_(sign, ir.Constant(_I32, 0x7FC00000)), ir.FloatType())
+        return builder.select(is_nan, nan, args[1])
+
+    return types.float32(types.uint8, types.float32), codegen
+
+
+# One kernel per output dtype and per shape of work: a pass over vectors ``(n, D)`` with
+# their scales ``(n,)``, or a gather of the vectors ``rows`` of a window ``(W, D)`` with its
+# scales ``(W,)`` into ``out`` ``(len(rows), D)``. float16 and bfloat16 are written as uint16.
+# Each row takes one of two loops, by its scale (one multiply, or two for a large scale).
+
+
+@numba.njit(nogil=True, inline="always")
+def _row_float32(src: Any, dst: Any, scale: Any) -> None:
+    if scale < _SMALL_SCALE:
+        factor = scale * _TWO_120
+        for j in range(src.shape[0]):
+            dst[j] = _nan_for_nan_codes(src[j], _decode(src[j]) * factor)
+    else:
+        for j in range(src.shape[0]):
+            dst[j] = _nan_for_nan_codes(src[j], (_decode(src[j]) * _TWO_120) * scale)
+
+
+@numba.njit(nogil=True, inline="always")
+def _row_float16(src: Any, dst: Any, scale: Any) -> None:
+    if scale < _SMALL_SCALE:
+        factor = scale * _TWO_120
+        for j in range(src.shape[0]):
+            dst[j] = _float16_bits(_nan_for_nan_codes(src[j], _decode(src[j]) * factor))
+    else:
+        for j in range(src.shape[0]):
+            dst[j] = _float16_bits(_nan_for_nan_codes(src[j], (_decode(src[j]) * _TWO_120) * scale))
+
+
+@numba.njit(nogil=True, inline="always")
+def _row_bfloat16(src: Any, dst: Any, scale: Any) -> None:
+    if scale < _SMALL_SCALE:
+        factor = scale * _TWO_120
+        for j in range(src.shape[0]):
+            dst[j] = _bfloat16_bits(_nan_for_nan_codes(src[j], _decode(src[j]) * factor))
+    else:
+        for j in range(src.shape[0]):
+            dst[j] = _bfloat16_bits(_nan_for_nan_codes(src[j], (_decode(src[j]) * _TWO_120) * scale))
+
+
+@numba.njit(nogil=True, cache=True)
+def dequantize_float32(codes: Any, scales: Any, out: Any) -> None:
+    for i in range(codes.shape[0]):
+        _row_float32(codes[i], out[i], scales[i])
+
+
+@numba.njit(nogil=True, cache=True)
+def dequantize_float16(codes: Any, scales: Any, out: Any) -> None:
+    for i in range(codes.shape[0]):
+        _row_float16(codes[i], out[i], scales[i])
+
+
+@numba.njit(nogil=True, cache=True)
+def dequantize_bfloat16(codes: Any, scales: Any, out: Any) -> None:
+    for i in range(codes.shape[0]):
+        _row_bfloat16(codes[i], out[i], scales[i])
+
+
+@numba.njit(nogil=True, cache=True)
+def take_float32(codes: Any, scales: Any, rows: Any, out: Any) -> None:
+    for i in range(rows.shape[0]):
+        _row_float32(codes[rows[i]], out[i], scales[rows[i]])
+
+
+@numba.njit(nogil=True, cache=True)
+def take_float16(codes: Any, scales: Any, rows: Any, out: Any) -> None:
+    for i in range(rows.shape[0]):
+        _row_float16(codes[rows[i]], out[i], scales[rows[i]])
+
+
+@numba.njit(nogil=True, cache=True)
+def take_bfloat16(codes: Any, scales: Any, rows: Any, out: Any) -> None:
+    for i in range(rows.shape[0]):
+        _row_bfloat16(codes[rows[i]], out[i], scales[rows[i]])
+
+
+#: The kernels by output dtype name.
+DEQUANTIZE = {"float32": dequantize_float32, "float16": dequantize_float16, "bfloat16": dequantize_bfloat16}
+TAKE = {"float32": take_float32, "float16": take_float16, "bfloat16": take_bfloat16}
