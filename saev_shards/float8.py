@@ -93,14 +93,15 @@ def quantize(x: Any) -> tuple[npt.NDArray[Any], npt.NDArray[np.float32]]:
         x = (x if x.dtype in (torch.float16, torch.float32, torch.float64) else x.to(torch.float32)).numpy()
     arr = np.asarray(x)
     _check_float(arr.dtype)
-    return _quantize(arr, torch)
+    return _quantize(arr, torch, _kernels())
 
 
 def quantize_numpy(x: npt.NDArray[Any]) -> tuple[npt.NDArray[Any], npt.NDArray[np.float32]]:
-    """`quantize` with ml_dtypes' cast only (what runs without torch); the same bytes."""
+    """`quantize` with numpy and ml_dtypes' cast only (what runs without torch and numba); the
+    same bytes."""
     arr = np.asarray(x)
     _check_float(arr.dtype)
-    return _quantize(arr, None)
+    return _quantize(arr, None, None)
 
 
 def _check_float(dtype: np.dtype[Any]) -> None:
@@ -134,9 +135,12 @@ _QUANTIZE_THREADS = min(8, len(os.sched_getaffinity(0)) if hasattr(os, "sched_ge
 _POOLS: dict[int, ThreadPoolExecutor] = {}
 
 
-def _quantize(arr: npt.NDArray[Any], torch: Any) -> tuple[npt.NDArray[Any], npt.NDArray[np.float32]]:
+def _quantize(
+    arr: npt.NDArray[Any], torch: Any, kernels: Any
+) -> tuple[npt.NDArray[Any], npt.NDArray[np.float32]]:
     """The rule over every vector of ``arr``, in chunks that stay in cache, on several threads
-    for large inputs. The E4M3 cast is torch's when ``torch`` is given, else ml_dtypes'."""
+    for large inputs: by the compiled kernel when ``kernels`` is given (`float8_kernels`), else
+    with numpy and torch's E4M3 cast when ``torch`` is given, else ml_dtypes'."""
     if arr.dtype.str not in ("<f2", "<f4", "<f8"):
         arr = arr.astype(np.float32)  # float128, big-endian: torch has no such dtype
     arr = np.ascontiguousarray(arr)
@@ -150,13 +154,16 @@ def _quantize(arr: npt.NDArray[Any], torch: Any) -> tuple[npt.NDArray[Any], npt.
     n_chunks = -(-n // rows)
     threads = min(_QUANTIZE_THREADS, n_chunks // 4)  # a thread only for a share of 4 chunks or more
     if threads <= 1:
-        _quantize_rows(flat, q, scales, 0, n, rows, torch)
+        _quantize_rows(flat, q, scales, 0, n, rows, torch, kernels)
     else:
         pool = _POOLS.get(os.getpid())  # per process: a forked child has no threads of its parent's
         if pool is None:
             pool = _POOLS.setdefault(os.getpid(), ThreadPoolExecutor(_QUANTIZE_THREADS, "saev-shards-quantize"))
         bounds = [min(n, -(-n_chunks * i // threads) * rows) for i in range(threads + 1)]
-        jobs = [pool.submit(_quantize_rows, flat, q, scales, a, b, rows, torch) for a, b in itertools.pairwise(bounds)]
+        jobs = [
+            pool.submit(_quantize_rows, flat, q, scales, a, b, rows, torch, kernels)
+            for a, b in itertools.pairwise(bounds)
+        ]
         for job in jobs:
             job.result()
     return q.view(FLOAT8_DTYPE).reshape(shape), scales.reshape(shape[:-1])
@@ -170,10 +177,12 @@ def _quantize_rows(
     stop: int,
     rows: int,
     torch: Any,
+    kernels: Any,
 ) -> None:
     """Vectors ``[start, stop)`` of ``flat`` into ``q`` (bytes) and ``scales``, ``rows`` at a time.
 
-    numpy for the arithmetic (never multi-threaded), then the E4M3 cast: torch's copy into a
+    The compiled kernel, one pass per vector, when ``kernels`` is given. Otherwise numpy for
+    the arithmetic (never multi-threaded), then the E4M3 cast: torch's copy into a
     float8_e4m3fn view, in pieces below its parallel grain so it stays on this thread (its
     intra-op threads would spin against ours on a busy machine), or ml_dtypes' ``astype``.
     """
@@ -187,6 +196,9 @@ def _quantize_rows(
             if chunk.dtype != np.float32:
                 _copy(chunk, scratch[: b - a], torch)  # float32 is what the rule divides
                 chunk = scratch[: b - a]
+            if kernels is not None:
+                kernels.quantize_float32(np.ascontiguousarray(chunk), q[a:b], scales[a:b])
+                continue
             np.abs(chunk, out=absolute[: b - a])
             s = absolute[: b - a].max(axis=1) if d_model else np.zeros(b - a, np.float32)
             s /= np.float32(FLOAT8_MAX)
@@ -319,10 +331,11 @@ def _load_kernels() -> Any:
 
 
 def _check_kernels(kernels: Any) -> str:
-    """Every byte times scales across float32's range (subnormal, needing two multiplies, NaN)
-    through each kernel, against the numpy code: what differs, or ""."""
+    """Every byte times scales across float32's range (subnormal, needing two multiplies, NaN,
+    negative) through each dequantizing kernel against the numpy code, and vectors through the
+    quantizing one against ml_dtypes' cast: what differs, or ""."""
     scales = np.array(
-        [0, 1, 2.0**-140, 3e-39, 1.5e-30, 0.37, 127.99, 128, 300, 1e30, 7e35, np.nan, -2.5], np.float32
+        [0, 1, 2.0**-140, 3e-39, 1.5e-30, 0.37, 127.99, 128, 300, 1e30, 7e35, np.nan, -2.5, -256], np.float32
     )
     codes = np.tile(np.arange(256, dtype=np.uint8), (len(scales), 1))
     rows = np.arange(len(scales))[::-1].copy()
@@ -336,6 +349,21 @@ def _check_kernels(kernels: Any) -> str:
             nan_equal = dtype != "bfloat16"  # bfloat16's NaN is one pattern; float16 and float32 NaNs compare as equal
             if not np.array_equal(result, reference, equal_nan=nan_equal):
                 return f"its {name} to {dtype} differs from numpy's"
+    # Quantizing: every finite E4M3 value (exact), values between them (rounding, ties), a
+    # vector needing the clamp (subnormal scale), zeros, NaN and inf.
+    finite = _values()[(np.arange(256) & 0x7F) != 0x7F]
+    between = np.linspace(-470, 470, 9409, dtype=np.float32)
+    x = np.zeros((12, 1024), np.float32)
+    x[0, : len(finite)] = finite
+    x[1:10] = np.clip(between[: 9 * 1024].reshape(9, 1024), -448, 448)
+    x[10] = np.linspace(-1, 1, 1024, dtype=np.float32) * np.float32(3e-40)
+    x[11, 7], x[1, 3] = np.inf, np.nan
+    x[:10] *= np.float32(2.0**-9)
+    q, s = np.empty(x.shape, np.uint8), np.empty(len(x), np.float32)
+    kernels.quantize_float32(x, q, s)
+    want_q, want_s = quantize_numpy(x)
+    if not (np.array_equal(q, want_q.view(np.uint8)) and np.array_equal(s, want_s, equal_nan=True)):
+        return "its quantizing differs from ml_dtypes'"
     return ""
 
 
@@ -444,31 +472,42 @@ def take_dequantize(
         if len(codes):
             kernels.TAKE[dtype](codes, scales, np.clip(flat_rows, 0, len(codes) - 1, dtype=np.int64), _bits(flat))
         return
-    picked = np.take(codes, flat_rows, axis=0, mode="clip")
-    _dequantize_numpy(picked, np.take(scales, flat_rows, mode="clip"), flat, dtype)
+    _dequantize_numpy(codes, scales, flat, dtype, flat_rows)
 
 
 def _dequantize_numpy(
-    codes: npt.NDArray[np.uint8], scales: npt.NDArray[np.float32], out: npt.NDArray[Any], dtype: str
+    codes: npt.NDArray[np.uint8],
+    scales: npt.NDArray[np.float32],
+    out: npt.NDArray[Any],
+    dtype: str,
+    take: npt.NDArray[np.integer[Any]] | None = None,
 ) -> None:
     """`dequantize` of ``codes`` ``(n, D)`` into ``out`` ``(n, D)`` with numpy, in chunks of
-    `_CHUNK_VALUES` that stay in cache; float32 is computed in ``out`` itself."""
+    `_CHUNK_VALUES` that stay in cache; float32 is computed in ``out`` itself. With ``take``,
+    the rows ``take`` of ``codes`` and ``scales`` instead, gathered a chunk at a time."""
     d_model = codes.shape[1]
+    n = len(codes) if take is None else len(take)
     rows = _rows_per_chunk(d_model)
-    scratch = None if dtype == "float32" else np.empty((min(rows, len(codes)), d_model), np.float32)
+    scratch = None if dtype == "float32" else np.empty((min(rows, n), d_model), np.float32)
+    picked = None if take is None else np.empty((min(rows, n), d_model), np.uint8)
     with np.errstate(all="ignore"):  # NaN vectors, and scales beyond float16 when the caller skipped check_range
-        for a in range(0, len(codes), rows):
-            b = min(a + rows, len(codes))
+        for a in range(0, n, rows):
+            b = min(a + rows, n)
             wide = out[a:b] if scratch is None else scratch[: b - a]
-            biased = _decode(codes[a:b], wide)
-            s = scales[a:b, None]
-            if biased and bool((s < _SMALL_SCALE).all()):
+            if picked is None:
+                chunk, s = codes[a:b], scales[a:b, None]
+            else:
+                assert take is not None
+                chunk = np.take(codes, take[a:b], axis=0, out=picked[: b - a], mode="clip")
+                s = np.take(scales, take[a:b], mode="clip")[:, None]
+            biased = _decode(chunk, wide)
+            if biased and bool((np.abs(s) < _SMALL_SCALE).all()):
                 np.multiply(wide, s * _TWO_120, out=wide)
             else:
                 if biased:
                     np.multiply(wide, _TWO_120, out=wide)
                 np.multiply(wide, s, out=wide)
-            _nan_codes(codes[a:b], wide)
+            _nan_codes(chunk, wide)
             if dtype == "float16":
                 _narrow(wide, out[a:b])
             elif dtype == "bfloat16":

@@ -1,5 +1,6 @@
-"""float8_e4m3 dequantizing in one pass, compiled by numba (the ``fast`` extra): `float8` uses
-these when numba imports, and its numpy code otherwise. The same bits either way.
+"""float8_e4m3 in one pass, compiled by numba (the ``fast`` extra): dequantizing (below) and
+quantizing (the rule, further down). `float8` uses these when numba imports, and numpy (with
+torch's or ml_dtypes' cast) otherwise: the same bits either way.
 
 Each kernel reads every stored byte once and writes its dequantized value once, in the
 output dtype, with no array in between: the loop decodes a byte, multiplies it by its
@@ -12,7 +13,7 @@ The decoding is a relabelling, not a table: an E4M3 byte ``S EEEE MMM`` shifted 
 sign lands on float32's sign and its 7 other bits on float32's exponent and mantissa, the
 rest zero, is the float32 whose value is ``q * 2**-120`` exactly, for E4M3's normals and
 subnormals alike (the latter become float32 subnormals). Multiplying it by ``s * 2**120``
-(exact: a power of two, and ``s < 2**7`` keeps it finite) rounds ``q * s`` once, as
+(exact: a power of two, and ``|s| < 2**7`` keeps it finite) rounds ``q * s`` once, as
 protocol.md 5 defines; a larger scale multiplies by ``2**120`` first (exact) and then by
 ``s``. The NaN codes (0x7F, 0xFF) give NaN. float16 is LLVM's ``fptrunc`` (a hardware
 conversion, rounding to nearest even: vcvtps2ph on x86), bfloat16 the usual integer
@@ -102,7 +103,7 @@ def _nan_for_nan_codes(typingctx: Any, code: Any, value: Any) -> Any:
 
 @numba.njit(nogil=True, inline="always")
 def _row_float32(src: Any, dst: Any, scale: Any) -> None:
-    if scale < _SMALL_SCALE:
+    if abs(scale) < _SMALL_SCALE:
         factor = scale * _TWO_120
         for j in range(src.shape[0]):
             dst[j] = _nan_for_nan_codes(src[j], _decode(src[j]) * factor)
@@ -113,7 +114,7 @@ def _row_float32(src: Any, dst: Any, scale: Any) -> None:
 
 @numba.njit(nogil=True, inline="always")
 def _row_float16(src: Any, dst: Any, scale: Any) -> None:
-    if scale < _SMALL_SCALE:
+    if abs(scale) < _SMALL_SCALE:
         factor = scale * _TWO_120
         for j in range(src.shape[0]):
             dst[j] = _float16_bits(_nan_for_nan_codes(src[j], _decode(src[j]) * factor))
@@ -124,7 +125,7 @@ def _row_float16(src: Any, dst: Any, scale: Any) -> None:
 
 @numba.njit(nogil=True, inline="always")
 def _row_bfloat16(src: Any, dst: Any, scale: Any) -> None:
-    if scale < _SMALL_SCALE:
+    if abs(scale) < _SMALL_SCALE:
         factor = scale * _TWO_120
         for j in range(src.shape[0]):
             dst[j] = _bfloat16_bits(_nan_for_nan_codes(src[j], _decode(src[j]) * factor))
@@ -167,6 +168,86 @@ def take_float16(codes: Any, scales: Any, rows: Any, out: Any) -> None:
 def take_bfloat16(codes: Any, scales: Any, rows: Any, out: Any) -> None:
     for i in range(rows.shape[0]):
         _row_bfloat16(codes[rows[i]], out[i], scales[rows[i]])
+
+
+# -- quantizing -------------------------------------------------------------------------------
+#
+# The rule of protocol.md 5 per vector: ``s = RN32(max|x| / 448)``; NaN bytes and a NaN scale
+# for a vector holding inf or NaN, zeros for a zero scale, else ``E4M3(clamp(RN32(x / s)))``.
+# The largest ``|x|`` is an integer maximum of the bits without their sign (the same order
+# for floats; inf and NaN sort above every finite value), so the reduction vectorises. The
+# E4M3 rounding (nearest, ties to even, as torch's and ml_dtypes' casts) is integer arithmetic
+# on the float32 bits above E4M3's normal range (2**-6) and, below it, the float addition of
+# 2**14, whose float32 spacing there is E4M3's subnormal step 2**-9. Clamping every quotient to
+# 448 is the rule's clamp: only a subnormal scale carries a quotient past 464, where rounding
+# would otherwise reach NaN, and below that the rounding gives 448 anyway.
+
+_FLOAT32_INF = 0x7F800000
+
+
+@intrinsic
+def _abs_bits(typingctx: Any, value: Any) -> Any:
+    """The bits of ``|value|`` as an int32 (ordered as the magnitudes are; inf and NaN above)."""
+
+    def codegen(context: Any, builder: Any, signature: Any, args: Any) -> Any:
+        return builder.and_(builder.bitcast(args[0], _I32), ir.Constant(_I32, 0x7FFFFFFF))
+
+    return types.int32(types.float32), codegen
+
+
+@intrinsic
+def _float_of_bits(typingctx: Any, bits: Any) -> Any:
+    def codegen(context: Any, builder: Any, signature: Any, args: Any) -> Any:
+        return builder.bitcast(args[0], ir.FloatType())
+
+    return types.float32(types.int32), codegen
+
+
+@intrinsic
+def _encode(typingctx: Any, value: Any) -> Any:
+    """The E4M3 byte of a float32 ``|value| <= 448``, rounded to nearest, ties to even."""
+
+    def codegen(context: Any, builder: Any, signature: Any, args: Any) -> Any:
+        def const(v: int) -> Any:
+            return ir.Constant(_I32, v)
+
+        bits = builder.bitcast(args[0], _I32)
+        sign = builder.and_(builder.lshr(bits, const(24)), const(0x80))
+        magnitude = builder.and_(bits, const(0x7FFFFFFF))
+        # Normal: round off 20 mantissa bits (ties to even), rebias the exponent from 127 to 7.
+        odd = builder.and_(builder.lshr(magnitude, const(20)), const(1))
+        rounded = builder.add(builder.add(magnitude, const(0x7FFFF)), odd)
+        normal = builder.sub(builder.lshr(rounded, const(20)), const((127 - 7) << 3))
+        # Subnormal (and zero): |value| + 2**14 rounds |value| to a multiple of 2**-9.
+        shifted = builder.fadd(builder.bitcast(magnitude, ir.FloatType()), ir.Constant(ir.FloatType(), 16384.0))
+        subnormal = builder.sub(builder.bitcast(shifted, _I32), const(141 << 23))
+        tiny = builder.icmp_signed("<", magnitude, const(121 << 23))  # below 2**-6
+        code = builder.or_(builder.select(tiny, subnormal, normal), sign)
+        return builder.trunc(code, ir.IntType(8))
+
+    return types.uint8(types.float32), codegen
+
+
+@numba.njit(nogil=True, cache=True)
+def quantize_float32(x: Any, q: Any, scales: Any) -> None:
+    """Vectors ``x`` ``(n, D)`` float32 into their E4M3 bytes ``q`` ``(n, D)`` uint8 and
+    ``scales`` ``(n,)`` float32, by the rule."""
+    for i in range(x.shape[0]):
+        row, out = x[i], q[i]
+        largest = np.int32(0)
+        for j in range(row.shape[0]):
+            largest = max(largest, _abs_bits(row[j]))
+        if largest >= _FLOAT32_INF:  # inf or NaN
+            out[:] = 0x7F
+            scales[i] = np.float32(np.nan)
+            continue
+        s = _float_of_bits(largest) / np.float32(448.0)
+        scales[i] = s
+        if s == 0:
+            out[:] = 0
+            continue
+        for j in range(row.shape[0]):
+            out[j] = _encode(min(max(row[j] / s, np.float32(-448.0)), np.float32(448.0)))
 
 
 #: The kernels by output dtype name.

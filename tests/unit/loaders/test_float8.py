@@ -11,6 +11,7 @@ import pytest
 import torch
 
 import saev_shards as ss
+from saev_shards import float8
 from saev_shards.loaders import ExampleDataset, LayerPairDataset, OrderedLoader, ShuffledLoader, TokenDataset, device
 
 from ...support.caches import small_metadata, write_cache
@@ -117,3 +118,24 @@ def test_datasets_dequantize(cache8: tuple[ss.Shards, Any]) -> None:
     assert pair["acts"].dtype == torch.bfloat16
     want = torch.from_numpy(logical[2][[md.layers.index(int(v)) for v in pair["layers"]]].astype(np.float32))
     assert torch.equal(pair["acts"], want.to(torch.bfloat16))
+
+
+@pytest.mark.parametrize("stack_layers", [False, True])
+def test_compiled_and_numpy_dequantizing_give_the_same_batches(
+    cache8: tuple[ss.Shards, Any], stack_layers: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The host path gathers and dequantizes a batch in one pass (numba's kernel, the `fast`
+    extra) or a gather and numpy's passes: the same batches, in every output dtype."""
+    pytest.importorskip("numba")
+    shards, _ = cache8
+    assert float8.kernels_in_use()
+    for out_dtype in (None, "float32", "bfloat16"):
+        kwargs: dict[str, Any] = dict(
+            batch_size=9, seed=3, buffer_bytes=500, block_bytes=100, stack_layers=stack_layers, out_dtype=out_dtype,
+            mix_layers=not stack_layers,
+        )  # fmt: skip
+        compiled = list(ShuffledLoader(shards, **kwargs))
+        with monkeypatch.context() as m:
+            m.setattr(float8, "_kernels", lambda: None)
+            plain = list(ShuffledLoader(shards, **kwargs))
+        assert_same_batches(compiled, plain)
