@@ -95,10 +95,9 @@ def _nan_for_nan_codes(typingctx: Any, code: Any, value: Any) -> Any:
     return types.float32(types.uint8, types.float32), codegen
 
 
-# One kernel per output dtype and per shape of work: a pass over vectors ``(n, D)`` with
-# their scales ``(n,)``, or a gather of the vectors ``rows`` of a window ``(W, D)`` with its
-# scales ``(W,)`` into ``out`` ``(len(rows), D)``. float16 and bfloat16 are written as uint16.
-# Each row takes one of two loops, by its scale (one multiply, or two for a large scale).
+# One kernel per output dtype: vectors ``(n, D)`` with their scales ``(n,)`` into ``out``
+# ``(n, D)``, float16 and bfloat16 as their uint16 bits. Each row takes one of two loops, by
+# its scale (one multiply, or two for a large one).
 
 
 @numba.njit(nogil=True, inline="always")
@@ -150,24 +149,6 @@ def dequantize_float16(codes: Any, scales: Any, out: Any) -> None:
 def dequantize_bfloat16(codes: Any, scales: Any, out: Any) -> None:
     for i in range(codes.shape[0]):
         _row_bfloat16(codes[i], out[i], scales[i])
-
-
-@numba.njit(nogil=True, cache=True)
-def take_float32(codes: Any, scales: Any, rows: Any, out: Any) -> None:
-    for i in range(rows.shape[0]):
-        _row_float32(codes[rows[i]], out[i], scales[rows[i]])
-
-
-@numba.njit(nogil=True, cache=True)
-def take_float16(codes: Any, scales: Any, rows: Any, out: Any) -> None:
-    for i in range(rows.shape[0]):
-        _row_float16(codes[rows[i]], out[i], scales[rows[i]])
-
-
-@numba.njit(nogil=True, cache=True)
-def take_bfloat16(codes: Any, scales: Any, rows: Any, out: Any) -> None:
-    for i in range(rows.shape[0]):
-        _row_bfloat16(codes[rows[i]], out[i], scales[rows[i]])
 
 
 # -- quantizing -------------------------------------------------------------------------------
@@ -252,4 +233,3 @@ def quantize_float32(x: Any, q: Any, scales: Any) -> None:
 
 #: The kernels by output dtype name.
 DEQUANTIZE = {"float32": dequantize_float32, "float16": dequantize_float16, "bfloat16": dequantize_bfloat16}
-TAKE = {"float32": take_float32, "float16": take_float16, "bfloat16": take_bfloat16}
