@@ -625,9 +625,12 @@ def error_bound(x: npt.NDArray[Any], scales: npt.NDArray[Any]) -> npt.NDArray[np
 
 def dequantize_elementwise(values: npt.NDArray[Any], scales: npt.NDArray[Any], dtype: str) -> npt.NDArray[Any]:
     """`dequantize` where ``scales`` already has ``values``' shape (each value's vector's scale,
-    as indexing a cache gives them): the same arithmetic, for arrays of any shape."""
+    as indexing a cache gives them): the same arithmetic, for arrays of any shape. Scales
+    broadcast along the last axis (a stride of 0: one per vector) go to `dequantize`."""
     want = _out_dtype(dtype)
     s = np.asarray(scales, np.float32)
+    if s.ndim and s.shape == np.shape(values) and s.shape[-1] and s.strides[-1] == 0:
+        return dequantize(np.asarray(values), s[..., 0], dtype)
     check_range(s, dtype)
     codes = np.ascontiguousarray(values).view(np.uint8)
     wide = np.empty(codes.shape, np.float32)
