@@ -110,6 +110,11 @@ class Schedule:
         #: windows one chunk spans, whichever is larger.
         span = int((self.w_last - self.w_first).max()) + 1 if len(self) else 1
         self.n_slots = max(2, span)
+        #: Chunks that gather from each window of the plan (a window is free once all have).
+        edges = np.zeros(len(plan.windows) + 1, dtype=np.int64)
+        np.add.at(edges, self.w_first, 1)
+        np.add.at(edges, self.w_last + 1, -1)
+        self.readers = np.cumsum(edges[:-1])
 
     def __len__(self) -> int:
         return len(self.first_batch)
@@ -173,25 +178,9 @@ class WindowLoader:
             self.pool.submit(self._read_blocks, slot, window.blocks, offsets, next_block)
             for _ in range(min(len(rows), cfg.read_threads))
         ]
-        done: Future[Any] = Future()
-        remaining = [len(parts)]
-        lock = threading.Lock()
-
-        def part_done(_: Future[Any]) -> None:
-            with lock:
-                remaining[0] -= 1
-                if remaining[0]:
-                    return
-            try:
-                for part in parts:
-                    part.result()  # the first failure (or cancellation) is the window's
-                done.set_result(self.finish(w, slot, index.result()))
-            except BaseException as err:
-                done.set_exception(err)
-
-        for part in parts:
-            part.add_done_callback(part_done)
-        return done
+        load = _Countdown(functools.partial(self.finish, w, slot))
+        load.watch(parts)
+        return load.done
 
     def _read_blocks(
         self, slot: int, ids: npt.NDArray[np.int64], offsets: npt.NDArray[np.int64], next_block: Iterator[int]
@@ -225,6 +214,52 @@ class WindowLoader:
     def close(self) -> None:
         self.stop.set()
         self.pool.shutdown(wait=True, cancel_futures=True)
+        # Nothing of this epoch outlives it: the caller's callbacks may refer back to its run.
+        self.buffers = ()
+        self.ready_to_write = self.finish = _closed
+
+
+def _closed(*_: Any) -> Any:
+    raise CancelledError
+
+
+class _Countdown:
+    """``done`` resolves to ``finish(result of the first part)`` once every part has finished
+    (or fails with the first part's failure).
+
+    The parts' callbacks refer to this object, so it lets go of the parts and of ``finish``
+    once it resolves: no reference cycle keeps a window's arrays alive until the garbage
+    collector runs (a run's window buffers and output arrays used to stay allocated until
+    then, so every new loader touched fresh memory: docs/loaders.md, "Read-ahead").
+    """
+
+    def __init__(self, finish: Callable[[Any], Any]) -> None:
+        self.done: Future[Any] = Future()
+        self.finish: Callable[[Any], Any] | None = finish
+        self.parts: list[Future[Any]] = []
+        self.remaining = 0
+        self.lock = threading.Lock()
+
+    def watch(self, parts: list[Future[Any]]) -> None:
+        self.parts = parts
+        self.remaining = len(parts)
+        for part in parts:
+            part.add_done_callback(self._part_done)
+
+    def _part_done(self, _: Future[Any]) -> None:
+        with self.lock:
+            self.remaining -= 1
+            if self.remaining:
+                return
+        parts, finish = self.parts, self.finish
+        self.parts, self.finish = [], None
+        assert finish is not None
+        try:
+            for part in parts:
+                part.result()  # the first failure (or cancellation) is the window's
+            self.done.set_result(finish(parts[0].result()))
+        except BaseException as err:
+            self.done.set_exception(err)
 
 
 # --------------------------------------------------------------------------------------
@@ -332,11 +367,15 @@ class HostRun:
     def __iter__(self) -> Iterator[Batch]:
         return self._consume()
 
-    # The schedule is driven by completions, under one lock: when a chunk finishes, the
-    # windows no unfinished chunk needs are released, the next windows start loading into
-    # their slots, and more chunks are submitted (at most `depth` not yet consumed). A slot
-    # is thus refilled as soon as the gathers are done with it, not when the training loop
-    # has caught up, and the consumer only pops finished chunks.
+    # The schedule is driven by completions, under one lock: when a gather has taken its
+    # rows of a window, and it was the last one to need that window, the window is
+    # released and the next windows start loading into the freed slots; more chunks are
+    # submitted (at most `depth` not yet consumed) as windows load and the consumer pops.
+    # A slot is thus refilled as soon as the gathers are done with it, not when the
+    # training loop has caught up, nor when a chunk that also spans the next window has
+    # waited for that one to load: with two slots, that wait kept the window after next
+    # from loading until the next was read in full, so the reads stopped at every window
+    # boundary (the OrderedLoader's cold reads, docs/loaders.md "Read-ahead").
     def _consume(self) -> Iterator[Batch]:
         sched = self.schedule
         n_chunks = len(sched)
@@ -344,8 +383,7 @@ class HostRun:
             return
         self.loads: dict[int, Future[WindowIndex]] = {}
         self.futures: dict[int, Future[list[Batch]]] = {}
-        self.done = np.zeros(n_chunks, dtype=bool)
-        self.lowest_unfinished = 0
+        self.unread = sched.readers.copy()  # gathers yet to take their rows of each window
         self.next_load = int(sched.w_first[0])
         self.release_below = self.next_load  # windows before this are done with
         self.next_chunk = 0
@@ -383,18 +421,17 @@ class HostRun:
             future = self.gather_pool.submit(self._chunk, c, {w: self.loads[w] for w in wanted})
             self.futures[c] = future
             self.next_chunk += 1
-            future.add_done_callback(functools.partial(self._chunk_done, c))
 
-    def _chunk_done(self, c: int, _: Future[list[Batch]]) -> None:
-        sched = self.schedule
+    def _taken(self, w: int) -> None:
+        """A gather has taken its rows of window ``w``: release the windows no gather needs any more."""
         with self.lock:
-            self.done[c] = True
-            while self.lowest_unfinished < len(sched) and self.done[self.lowest_unfinished]:
-                self.lowest_unfinished += 1
-            low = self.lowest_unfinished
-            self.release_below = int(sched.w_first[low]) if low < len(sched) else int(sched.w_last[-1]) + 1
-            for w in [w for w in self.loads if w < self.release_below]:
-                del self.loads[w]
+            self.unread[w] -= 1
+            if w != self.release_below or self.unread[w]:
+                return
+            last_window = int(self.schedule.w_last[-1])
+            while self.release_below <= last_window and not self.unread[self.release_below]:
+                self.loads.pop(self.release_below, None)
+                self.release_below += 1
             self._pump()
 
     # -- one chunk, on a gather thread -------------------------------------------------
@@ -414,6 +451,7 @@ class HostRun:
             buffer = self.windows.buffers[self.windows.slot(w)]
             # mode="clip": with the default "raise", numpy gathers into a temporary and copies.
             np.take(buffer, index.flat[a:b], axis=0, out=raw[filled : filled + b - a], mode="clip")
+            self._taken(w)
             pieces.append((index, a, b))
             filled += b - a
         if converts:
@@ -486,6 +524,9 @@ class HostRun:
         self.stop.set()
         self.gather_pool.shutdown(wait=True, cancel_futures=True)
         self.windows.close()
+        with self.lock:
+            self.loads, self.futures = {}, {}
+        self.recycler.arrays.clear()
 
     def __del__(self) -> None:
         with contextlib.suppress(Exception):
