@@ -114,7 +114,7 @@ class Schedule:
         edges = np.zeros(len(plan.windows) + 1, dtype=np.int64)
         np.add.at(edges, self.w_first, 1)
         np.add.at(edges, self.w_last + 1, -1)
-        self.readers = np.cumsum(edges[:-1])
+        self.readers = np.cumsum(edges)  # and a 0 after the last window
 
     def __len__(self) -> int:
         return len(self.first_batch)
@@ -426,7 +426,7 @@ class HostRun:
         """A gather has taken its rows of window ``w``: release the windows no gather needs any more."""
         with self.lock:
             self.unread[w] -= 1
-            if w != self.release_below or self.unread[w]:
+            if self.unread[self.release_below]:
                 return
             last_window = int(self.schedule.w_last[-1])
             while self.release_below <= last_window and not self.unread[self.release_below]:
