@@ -41,6 +41,7 @@ import numpy.typing as npt
 from ..dtypes import float32_to_bf16
 from ..reader import Shards
 from .batch import Batch
+from .mapped import CacheMap
 from .plan import Blocks, EpochPlan, WindowIndex, index_window
 from .selection import TokenSelection
 from .tensors import as_numpy, pinned_empty, to_tensor, torch_dtype
@@ -74,6 +75,9 @@ class Config:
         self.read_threads = read_threads
         self.prefetch = prefetch
         self.gather_threads = gather_threads
+        #: The cache mapped in place (`mapped.CacheMap`): windows are gathered from the page
+        #: cache, not from buffers. None: windows are read into buffers.
+        self.mapped: CacheMap | None = None
         md = shards.metadata
         self.tokens = md.tokens_per_ex
         self.d_model = md.d_model
@@ -151,6 +155,7 @@ class WindowLoader:
         self.stop = stop
         self.ready_to_write = ready_to_write
         self.finish = finish
+        self.local = threading.local()  # each read thread's scratch buffer (windows read in place)
         self.pool = ThreadPoolExecutor(max_workers=cfg.read_threads, thread_name_prefix="saev-loader-read")
 
     def slot(self, w: int) -> int:
@@ -168,7 +173,7 @@ class WindowLoader:
         offsets = np.zeros(len(rows), dtype=np.int64)
         np.cumsum(rows[:-1], out=offsets[1:])
         # The index first: it needs no data, so it is ready by the time the reads are.
-        index = self.pool.submit(index_window, cfg.selection, cfg.blocks, window, self.window_rng(self.epoch, w))
+        index = self.pool.submit(self._index, w)
         parts: list[Future[Any]] = [index]
         # One task per read thread, each taking the next block in window order until none is
         # left: as balanced as a task per block (no thread idles while others read the last
@@ -181,6 +186,21 @@ class WindowLoader:
         load = _Countdown(functools.partial(self.finish, w, slot))
         load.watch(parts)
         return load.done
+
+    def _index(self, w: int) -> WindowIndex:
+        """Window ``w``'s index; read in place, in the map's vectors, and the pages of the window
+        whose slot this one takes unmapped."""
+        cfg = self.cfg
+        index = index_window(cfg.selection, cfg.blocks, self.plan.windows[w], self.window_rng(self.epoch, w))
+        if cfg.mapped is not None:
+            blocks = cfg.blocks
+            positions = np.arange(blocks.rows_per_ex) if blocks.whole else blocks.read_positions
+            index.flat = cfg.mapped.translate(index.flat, index.examples, blocks.rows_per_ex, positions)
+            before = w - len(self.buffers)
+            if before >= 0:
+                for b in self.plan.windows[before].blocks.tolist():
+                    cfg.mapped.unmap_pages(*cfg.mapped.byte_range(int(blocks.start[b]), int(blocks.stop[b])))
+        return index
 
     def _read_blocks(
         self, slot: int, ids: npt.NDArray[np.int64], offsets: npt.NDArray[np.int64], next_block: Iterator[int]
@@ -198,6 +218,9 @@ class WindowLoader:
         cfg = self.cfg
         blocks = cfg.blocks
         start, stop = int(blocks.start[block]), int(blocks.stop[block])
+        if cfg.mapped is not None:
+            self._make_resident(cfg.mapped, start, stop)
+            return
         count = stop - start
         rows_per_ex = blocks.rows_per_ex
         dest = buffer[row_offset * cfg.tokens : (row_offset + count * rows_per_ex) * cfg.tokens]
@@ -210,6 +233,38 @@ class WindowLoader:
                 raise CancelledError
             for s, position in enumerate(blocks.read_positions.tolist()):
                 cfg.shards.read_example(start + e, position, slices[e, s])
+
+    def _make_resident(self, mapped: CacheMap, start: int, stop: int) -> None:
+        """Examples ``[start, stop)`` (their chosen slices) in the page cache and mapped: what is
+        not in the page cache is read into this thread's scratch buffer first (`mapped`)."""
+        cfg = self.cfg
+        blocks = cfg.blocks
+        mapped.check_size(start, stop)
+        if blocks.whole:
+            addr, nbytes = mapped.byte_range(start, stop)
+            if not mapped.resident(addr, nbytes):
+                shape = (stop - start, *cfg.shards.metadata.shard_shape[1:])
+                cfg.shards.read_range_raw(start, stop, self._scratch(shape))
+            mapped.populate(addr, nbytes)
+            return
+        for e in range(start, stop):
+            if self.stop.is_set():
+                raise CancelledError
+            for position in blocks.read_positions.tolist():
+                addr, nbytes = mapped.byte_range(e, e + 1, position)
+                if not mapped.resident(addr, nbytes):
+                    cfg.shards.read_example_raw(e, position, self._scratch((cfg.tokens, cfg.d_model)))
+                mapped.populate(addr, nbytes)
+
+    def _scratch(self, shape: tuple[int, ...]) -> npt.NDArray[Any]:
+        """This thread's buffer of ``shape`` (stored dtype) for reads whose bytes only need to
+        reach the page cache."""
+        arr: npt.NDArray[Any] | None = getattr(self.local, "scratch", None)
+        n = int(np.prod(shape))
+        if arr is None or arr.size < n:
+            arr = np.empty(n, dtype=self.cfg.numpy_dtype)
+            self.local.scratch = arr
+        return arr[:n].reshape(shape)
 
     def close(self) -> None:
         self.stop.set()

@@ -24,10 +24,13 @@ import numpy.typing as npt
 
 from .. import world
 from ..errors import LoaderError
+from ..protocol.common import FLOAT8
 from ..protocol.jsonfile import is_int
 from ..reader import Shards
+from . import mapped
 from .batch import Batch
 from .device import DeviceRun, Slots
+from .mapped import CacheMap
 from .order import Order, parse_order
 from .pipeline import Config, HostRun, Schedule
 from .plan import BLOCK_BYTES, Blocks, EpochPlan, index_window, plan_epoch
@@ -63,9 +66,18 @@ def default_gather_threads() -> int:
     return max(1, min(MAX_DEFAULT_THREADS, usable_cores()))
 
 
-def default_read_threads(device_side: bool = False) -> int:
+def default_read_threads(device_side: bool = False, sequential: bool = False) -> int:
     """Threads reading blocks: at least 4 requests in flight for a disk, half the cores when
-    they also gather on the host, every core when the device gathers (at most 16)."""
+    they also gather on the host, every core when the device gathers (at most 16).
+
+    ``sequential`` (the ordered walk, whose blocks follow each other in each file) on the
+    host: 2. The kernel's readahead keeps such a stream's next requests in flight by itself,
+    and more threads reading one file's consecutive blocks break the stream up: on the
+    development machine's disk 4 threads read a cold file at about half the rate of 1 or 2
+    (docs/loaders.md, "Read-ahead"). The device mode's read threads also copy every window,
+    so they stay one per core."""
+    if sequential and not device_side:
+        return 2
     cores = usable_cores()
     return max(4, min(MAX_DEFAULT_THREADS, cores if device_side else cores // 2))
 
@@ -176,7 +188,11 @@ class TokenLoader:
             self.batch_size,
             self.out_dtype,
             self.pin_memory,
-            default_read_threads(device_side) if read_threads is None else int(read_threads),
+            (
+                default_read_threads(device_side, getattr(self.order, "sequential", False))
+                if read_threads is None
+                else int(read_threads)
+            ),
             int(prefetch),
             default_gather_threads() if gather_threads is None else int(gather_threads),
         )
@@ -193,6 +209,8 @@ class TokenLoader:
         self._runs: weakref.WeakSet[HostRun | DeviceRun] = weakref.WeakSet()
         self._spare: list[npt.NDArray[Any]] = []
         self._slots: Slots | None = None
+        self._map: CacheMap | None = None
+        self._map_possible = mapped.available(self.shards) and self.shards.metadata.dtype != FLOAT8
         self._spare_lock = threading.Lock()
 
     # -- size and identity -------------------------------------------------------------
@@ -348,9 +366,14 @@ class TokenLoader:
             run = DeviceRun(cfg, plan, schedule, epoch, self._window_rng, slots)
             release = lambda: self._give_slots(slots)  # noqa: E731
         else:
-            buffers = self._take_buffers(schedule.n_slots, rows) if len(schedule) else []
+            cfg.mapped = self._cache_map()
+            if cfg.mapped is not None:  # windows read in place: no buffers
+                buffers = [cfg.mapped.values] * schedule.n_slots
+                release = lambda: None  # noqa: E731
+            else:
+                buffers = self._take_buffers(schedule.n_slots, rows) if len(schedule) else []
+                release = lambda: self._give_buffers(buffers)  # noqa: E731
             run = HostRun(cfg, plan, schedule, epoch, self._window_rng, buffers)
-            release = lambda: self._give_buffers(buffers)  # noqa: E731
         self._runs.add(run)
         _LIVE_RUNS.add(run)
         try:
@@ -361,6 +384,18 @@ class TokenLoader:
         finally:
             run.close()
             release()
+
+    def _cache_map(self) -> CacheMap | None:
+        """The cache mapped in place for the host path (made once), or None where windows are
+        read into buffers: a remote cache, another system than Linux, or a map that could not
+        be made (`mapped`)."""
+        with self._spare_lock:
+            if self._map is None and self._map_possible:
+                try:
+                    self._map = CacheMap(self.shards)
+                except (OSError, AttributeError, ValueError):
+                    self._map_possible = False
+            return self._map
 
     def _buffer_rows(self) -> int:
         """``(T, D)`` slices one window buffer holds: a window and one more block."""
@@ -400,6 +435,7 @@ class TokenLoader:
         with self._spare_lock:
             self._spare = []
             self._slots = None
+            self._map = None
 
     def __del__(self) -> None:
         with contextlib.suppress(Exception):

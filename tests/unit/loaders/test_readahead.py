@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 from saev_shards import loaders
-from saev_shards.loaders import pipeline
+from saev_shards.loaders import mapped, pipeline
 
 from ...support.caches import expected_vectors, small_metadata
 from ...support.loaders import check_batch
@@ -23,7 +23,7 @@ from ...support.loaders import check_batch
 WINDOWED: dict[str, Any] = dict(batch_size=7, buffer_bytes=800, block_bytes=320, mix_layers=True)
 
 
-@pytest.mark.parametrize("device", [None, "cpu"])
+@pytest.mark.parametrize("device", [None, "cpu", "in place"])
 @pytest.mark.parametrize("order", ["ordered", "shuffled"])
 def test_the_window_after_next_loads_before_the_next_is_read(
     make_cache: Any, monkeypatch: pytest.MonkeyPatch, device: str | None, order: str
@@ -53,6 +53,9 @@ def test_the_window_after_next_loads_before_the_next_is_read(
     monkeypatch.setattr(pipeline.WindowLoader, "submit", submit)
     monkeypatch.setattr(pipeline.WindowLoader, "_read_blocks", read_blocks)
     monkeypatch.setattr(pipeline, "CHUNK_BYTES", 1)  # one batch per gather, as with real-sized rows
+    if device == "in place":  # the host path, windows read in place (`loaders.mapped`)
+        monkeypatch.setattr(mapped, "MIN_SHARD_BYTES", 0)
+        device = None
     loader = loaders.TokenLoader(shards, order=order, device=device, read_threads=1, **WINDOWED)
     plan = loader.plan(0)
     assert loader._config.chunk_batches == 1 and len(plan.windows) > 3
@@ -69,8 +72,11 @@ def _epoch(loader: loaders.TokenLoader) -> Iterator[Any]:
         yield b.examples
 
 
+@pytest.mark.parametrize("in_place", [False, True], ids=["buffers", "in place"])
 @pytest.mark.parametrize("order", ["ordered", "shuffled"])
-def test_an_epoch_frees_its_buffers_when_it_ends(make_cache: Any, monkeypatch: pytest.MonkeyPatch, order: str) -> None:
+def test_an_epoch_frees_its_buffers_when_it_ends(
+    make_cache: Any, monkeypatch: pytest.MonkeyPatch, order: str, in_place: bool
+) -> None:
     """Window buffers and output arrays of a closed loader are freed at once, the garbage
     collector disabled: nothing of a finished epoch waits for a collection (a new loader
     would otherwise touch fresh memory, and its buffers add up until one runs)."""
@@ -92,6 +98,8 @@ def test_an_epoch_frees_its_buffers_when_it_ends(make_cache: Any, monkeypatch: p
 
     monkeypatch.setattr(pipeline.Recycler, "get", get)
     monkeypatch.setattr(loaders.TokenLoader, "_take_buffers", take)
+    if in_place:
+        monkeypatch.setattr(mapped, "MIN_SHARD_BYTES", 0)
     gc.collect()
     gc.disable()
     try:

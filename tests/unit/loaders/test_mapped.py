@@ -1,0 +1,178 @@
+"""Windows read in place (`loaders.mapped`): the same batches as windows read into buffers,
+from the page cache or from disk, with every option that changes what a window holds."""
+
+from __future__ import annotations
+
+import gc
+import os
+import sys
+import weakref
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+
+import saev_shards as ss
+from saev_shards import loaders
+from saev_shards.errors import FileSizeError
+from saev_shards.loaders import mapped, plan
+from saev_shards.loaders.mapped import CacheMap
+
+from ...support.caches import expected_vectors, small_metadata, write_cache
+from ...support.loaders import check_batch, live_loader_threads
+
+pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="windows are read in place on Linux only")
+
+
+def evict(shards: ss.Shards) -> None:
+    """Drop the cache's files from the page cache (clean pages only: they were fsynced)."""
+    for k in range(shards.n_shards):
+        fd = os.open(shards.shard_path(k), os.O_RDONLY)
+        try:
+            os.fsync(fd)
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        finally:
+            os.close(fd)
+
+
+def batches(shards: ss.Shards, in_place: bool, monkeypatch: pytest.MonkeyPatch, **kwargs: Any) -> list[Any]:
+    """Every batch of one epoch, windows read in place or into buffers."""
+    monkeypatch.setattr(mapped, "MIN_SHARD_BYTES", 0 if in_place else 1 << 62)
+    loader = loaders.TokenLoader(shards, **kwargs)
+    out = [(b.acts.clone(), b.examples, b.tokens, b.layers, b.labels) for b in loader]
+    assert (loader._map is not None) == in_place
+    loader.close()
+    return out
+
+
+def same(a: list[Any], b: list[Any]) -> None:
+    assert len(a) == len(b)
+    for x, y in zip(a, b, strict=True):
+        for u, v in zip(x, y, strict=True):
+            assert (u is None and v is None) or torch.equal(u, v)
+
+
+CASES: dict[str, dict[str, Any]] = {
+    "shuffled, all layers": dict(mix_layers=True),
+    "ordered, all layers": dict(order="ordered", mix_layers=True),
+    "one layer": dict(layers=11),
+    "stacked layers": dict(stack_layers=True),
+    "all tokens, rank 1 of 2": dict(tokens="all", rank=1, world_size=2, mix_layers=True),
+    "small windows and blocks": dict(mix_layers=True, buffer_bytes=700, block_bytes=300),
+    "out float32": dict(out_dtype="float32", layers=6),
+}
+
+
+@pytest.mark.parametrize("slices", [False, True], ids=["whole examples", "slice by slice"])
+@pytest.mark.parametrize("case", list(CASES))
+def test_in_place_batches_equal_the_buffered_ones(
+    make_cache: Any, monkeypatch: pytest.MonkeyPatch, case: str, slices: bool
+) -> None:
+    md = small_metadata(n_examples=37, patches_per_shard=60, layers=(2, 6, 11))
+    shards, logical = make_cache(md, labels=True)
+    if slices:  # a subset of layers is read slice by slice, whatever the slices' size
+        monkeypatch.setattr(plan, "MIN_SLICE_READ", 0)
+    kwargs = dict(batch_size=9, seed=3, **CASES[case])
+    want = batches(shards, False, monkeypatch, **kwargs)
+    got = batches(shards, True, monkeypatch, **kwargs)
+    same(got, want)
+    evict(shards)
+    same(batches(shards, True, monkeypatch, **kwargs), want)  # from disk
+    if case == "shuffled, all layers":  # and the values themselves, once
+        seen = []
+        monkeypatch.setattr(mapped, "MIN_SHARD_BYTES", 0)
+        for b in loaders.ShuffledLoader(shards, batch_size=9, mix_layers=True):
+            seen += check_batch(b, md, logical)
+        assert sorted(seen) == sorted(expected_vectors(md))
+
+
+def test_in_place_resumes_mid_epoch_and_masks_tokens(make_cache: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A state taken mid-epoch from a loader reading in place resumes on one reading into
+    buffers, and the reverse: the batches do not depend on how windows are read."""
+    md = small_metadata(n_examples=40, patches_per_shard=60)
+    shards, _ = make_cache(md)
+    kwargs: dict[str, Any] = dict(batch_size=7, mix_layers=True, buffer_bytes=900, block_bytes=320)
+    full = batches(shards, False, monkeypatch, **kwargs)
+    for first, then in ((True, False), (False, True)):
+        monkeypatch.setattr(mapped, "MIN_SHARD_BYTES", 0 if first else 1 << 62)
+        loader = loaders.ShuffledLoader(shards, **kwargs)
+        it = iter(loader)
+        head = [next(it).acts.clone() for _ in range(5)]
+        state = loader.state_dict()
+        loader.close()
+        monkeypatch.setattr(mapped, "MIN_SHARD_BYTES", 0 if then else 1 << 62)
+        resumed = loaders.ShuffledLoader(shards, **kwargs)
+        resumed.load_state_dict(state)
+        tail = [b.acts.clone() for b in resumed]
+        assert all(torch.equal(a, b[0]) for a, b in zip(head + tail, full, strict=True))
+
+
+def test_a_shard_cut_short_on_disk_is_a_file_size_error(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Pages not in the page cache are read with pread first: a shard truncated after open is
+    the reader's `FileSizeError` in the training loop, never a SIGBUS."""
+    md = small_metadata(n_examples=40, patches_per_shard=60)
+    write_cache(tmp_path, md)
+    shards = ss.open(tmp_path / md.hash)
+    monkeypatch.setattr(mapped, "MIN_SHARD_BYTES", 0)
+    loader = loaders.OrderedLoader(shards, batch_size=7, mix_layers=True, buffer_bytes=600, block_bytes=320)
+    path = shards.shard_path(1)
+    os.chmod(path, 0o644)
+    with open(path, "r+b") as f:
+        f.truncate(os.path.getsize(path) // 2)
+    evict(shards)
+    with pytest.raises(FileSizeError):
+        for _ in loader:
+            pass
+    loader.close()
+    gc.collect()
+    assert live_loader_threads() == []
+
+
+def test_the_map_is_released_with_the_loader(make_cache: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    """No window buffer is allocated, and the address range is unmapped once the loader and
+    its batches are gone (the garbage collector disabled: nothing waits for it)."""
+    md = small_metadata(n_examples=37, patches_per_shard=60)
+    shards, _ = make_cache(md)
+    monkeypatch.setattr(mapped, "MIN_SHARD_BYTES", 0)
+    taken: list[int] = []
+
+    def take_buffers(self: loaders.TokenLoader, n: int, rows: int) -> list[Any]:
+        taken.append(n)
+        return []
+
+    monkeypatch.setattr(loaders.TokenLoader, "_take_buffers", take_buffers)
+    gc.collect()
+    gc.disable()
+    try:
+        loader = loaders.ShuffledLoader(shards, batch_size=9, mix_layers=True)
+        assert sum(len(b) for b in loader) == len(expected_vectors(md))
+        assert loader._map is not None
+        regions = [weakref.ref(r) for r in loader._map.regions]
+        loader.close()
+        del loader
+        alive = [r for r in regions if r() is not None]
+    finally:
+        gc.enable()
+    assert taken == [] and regions and alive == []
+
+
+def test_translate_places_every_vector(make_cache: Any) -> None:
+    """The map's vector of each (example, layer position, token) holds that vector's values,
+    in every shard (the layout's padding between shards never indexed)."""
+    md = small_metadata(n_examples=23, patches_per_shard=20, layers=(2, 6, 11))
+    shards, logical = make_cache(md)
+    cache_map = CacheMap(shards)
+    grid = np.meshgrid(np.arange(md.n_examples), np.arange(md.n_layers), np.arange(md.tokens_per_ex))
+    ex, pos, tok = (g.ravel() for g in grid)
+    # As a window of every example, whole, in order: slot = layer position.
+    flat = (ex * md.n_layers + pos) * md.tokens_per_ex + tok
+    where = cache_map.translate(flat, ex, md.n_layers, np.arange(md.n_layers))
+    np.testing.assert_array_equal(cache_map.values[where], logical[ex, pos, tok])
+
+
+def test_the_ordered_walk_reads_with_two_threads() -> None:
+    assert loaders.default_read_threads(sequential=True) == 2
+    assert loaders.default_read_threads(device_side=True, sequential=True) >= 4
+    assert loaders.default_read_threads() >= 4
