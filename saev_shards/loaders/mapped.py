@@ -9,7 +9,7 @@ file of a local cache is mapped read-only, back to back, into one reserved addre
 * **Layout.** Shard ``k`` starts at vector ``base[k]`` of one ``(vectors, D)`` array, a
   multiple of what keeps every row whole and every shard's first byte on a 2 MiB boundary
   (so that the kernel can map the page cache's large folios with huge pages). A window's
-  index, computed as for a window buffer, is translated once per window (`CacheMap.translate`).
+  index says where its rows are in that array (`CacheMap.source`).
 * **Reads** become "make resident": per block, ``mincore`` says whether its pages are in
   the page cache; those that are not are read with ``pread`` into a small per-thread scratch
   buffer (the same requests as before, so a cold cache reads at the same rate), then
@@ -43,6 +43,7 @@ import numpy.typing as npt
 
 from ..errors import FileSizeError
 from ..reader import Shards
+from .plan import Blocks
 
 _PAGE = mmap.PAGESIZE
 _HUGE = 2 << 20
@@ -181,23 +182,15 @@ class CacheMap:
                 os.close(fd)
         return _array(region, 0, max(total, 1) * item, dtype, (max(total, 1), *row))
 
-    def translate(
-        self,
-        flat: npt.NDArray[np.int64],
-        examples: npt.NDArray[np.int64],
-        rows_per_ex: int,
-        positions: npt.NDArray[np.int64],
-    ) -> npt.NDArray[np.int64]:
-        """The index ``flat`` of a window buffer (vectors ``(i * rows_per_ex + s) * T + t`` of the
-        window's ``i``-th example, slot ``s``, token ``t``) as vectors of this map, where the
-        window's units are of ``examples`` (one per row of ``flat``) and slot ``s`` holds layer
-        position ``positions[s]``."""
-        tokens = self.tokens
-        slot = (flat // tokens) % rows_per_ex
-        token = flat % tokens
-        ex = examples.reshape(-1, *([1] * (flat.ndim - 1)))
-        shard, local = np.divmod(ex, self.eps)
-        return self.base[shard] + (local * self.layers + positions[slot]) * tokens + token
+    def source(
+        self, examples: npt.NDArray[np.int64], blocks: Blocks
+    ) -> tuple[npt.NDArray[np.int64], npt.NDArray[np.int64]]:
+        """Where a window's rows are here (`plan.RowSource`): the first vector of each of its
+        ``examples``, and the offset of each slot (a layer position: every layer of an example
+        is mapped, whichever ``blocks`` reads)."""
+        shard, local = np.divmod(examples, self.eps)
+        positions = np.arange(blocks.rows_per_ex, dtype=np.int64) if blocks.whole else blocks.read_positions
+        return self.base[shard] + local * self.vectors_per_example, positions * self.tokens
 
     # -- residency -------------------------------------------------------------------------
     def byte_range(self, start: int, stop: int, position: int | None = None, scales: bool = False) -> tuple[int, int]:

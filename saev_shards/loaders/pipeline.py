@@ -191,16 +191,15 @@ class WindowLoader:
         """Window ``w``'s index; read in place, in the map's vectors, and the pages of the window
         whose slot this one takes unmapped."""
         cfg = self.cfg
-        index = index_window(cfg.selection, cfg.blocks, self.plan.windows[w], self.window_rng(self.epoch, w))
-        if cfg.mapped is not None:
+        window, rng = self.plan.windows[w], self.window_rng(self.epoch, w)
+        if cfg.mapped is None:
+            return index_window(cfg.selection, cfg.blocks, window, rng)
+        before = w - len(self.buffers)
+        if before >= 0:
             blocks = cfg.blocks
-            positions = np.arange(blocks.rows_per_ex) if blocks.whole else blocks.read_positions
-            index.flat = cfg.mapped.translate(index.flat, index.examples, blocks.rows_per_ex, positions)
-            before = w - len(self.buffers)
-            if before >= 0:
-                for b in self.plan.windows[before].blocks.tolist():
-                    cfg.mapped.unmap_pages(*cfg.mapped.byte_range(int(blocks.start[b]), int(blocks.stop[b])))
-        return index
+            for b in self.plan.windows[before].blocks.tolist():
+                cfg.mapped.unmap_pages(*cfg.mapped.byte_range(int(blocks.start[b]), int(blocks.stop[b])))
+        return index_window(cfg.selection, cfg.blocks, window, rng, cfg.mapped.source)
 
     def _read_blocks(
         self, slot: int, ids: npt.NDArray[np.int64], offsets: npt.NDArray[np.int64], next_block: Iterator[int]

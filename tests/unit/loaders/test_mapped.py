@@ -19,6 +19,7 @@ from saev_shards import loaders
 from saev_shards.errors import FileSizeError
 from saev_shards.loaders import mapped, plan
 from saev_shards.loaders.mapped import CacheMap
+from saev_shards.loaders.selection import TokenSelection
 
 from ...support.caches import expected_vectors, small_metadata, write_cache
 from ...support.loaders import check_batch, live_loader_threads
@@ -158,18 +159,21 @@ def test_the_map_is_released_with_the_loader(make_cache: Any, monkeypatch: pytes
     assert taken == [] and regions and alive == []
 
 
-def test_translate_places_every_vector(make_cache: Any) -> None:
-    """The map's vector of each (example, layer position, token) holds that vector's values,
-    in every shard (the layout's padding between shards never indexed)."""
+@pytest.mark.parametrize("layers", [None, (2, 11)])
+def test_the_map_places_every_vector(make_cache: Any, monkeypatch: pytest.MonkeyPatch, layers: Any) -> None:
+    """The vector an index points at in the map holds that unit's values, in every shard (the
+    padding between shards never indexed), reading whole examples or slice by slice."""
     md = small_metadata(n_examples=23, patches_per_shard=20, layers=(2, 6, 11))
     shards, logical = make_cache(md)
+    monkeypatch.setattr(plan, "MIN_SLICE_READ", 0)
     cache_map = CacheMap(shards)
-    grid = np.meshgrid(np.arange(md.n_examples), np.arange(md.n_layers), np.arange(md.tokens_per_ex))
-    ex, pos, tok = (g.ravel() for g in grid)
-    # As a window of every example, whole, in order: slot = layer position.
-    flat = (ex * md.n_layers + pos) * md.tokens_per_ex + tok
-    where = cache_map.translate(flat, ex, md.n_layers, np.arange(md.n_layers))
-    np.testing.assert_array_equal(cache_map.values[where], logical[ex, pos, tok])
+    selection = TokenSelection(shards, layers=layers, tokens="all")
+    blocks = plan.Blocks(shards, selection, 500)
+    order = np.arange(len(blocks))
+    for window in plan.plan_epoch(blocks, order, 0, 1, 12, 5, False).windows:
+        index = plan.index_window(selection, blocks, window, np.random.default_rng(0), cache_map.source)
+        positions = [md.layers.index(v) for v in index.layers.tolist()]  # type: ignore[union-attr]
+        np.testing.assert_array_equal(cache_map.values[index.flat], logical[index.examples, positions, index.tokens])
 
 
 def test_the_ordered_walk_reads_with_two_threads() -> None:
