@@ -13,10 +13,12 @@ file of a local cache is mapped read-only, back to back, into one reserved addre
 * **Reads** become "make resident": per block, ``mincore`` says whether its pages are in
   the page cache; those that are not are read with ``pread`` into a small per-thread scratch
   buffer (the same requests as before, so a cold cache reads at the same rate), then
-  ``MADV_POPULATE_READ`` maps the block so that the gathers do not fault. A shard cut short
-  since it was opened is a `FileSizeError`, as before (one ``fstat`` per block). A released
-  window's blocks are unmapped again (``MADV_DONTNEED``: the page tables, not the page
-  cache), so the mapped memory stays that of the windows in use.
+  ``MADV_POPULATE_READ`` maps the block (once per loader) so that the gathers do not fault.
+  A shard cut short since it was opened is a `FileSizeError`, as before (one ``fstat`` per
+  block). Checking a mapped block costs microseconds; mapping one again for every window
+  (and unmapping it after) cost more than the copy it saves, so pages stay mapped while the
+  loader lives: RSS counts them (shared, clean file pages the kernel may still reclaim; the
+  loader's windows are no longer anonymous memory, which it could not).
 * **Lifetime.** The arrays keep the mapping alive; it is unmapped when the last is gone.
 
 Linux only (``mmap`` at a fixed address through libc, ``mincore``, ``madvise``). Anywhere
@@ -49,7 +51,6 @@ _PAGE = mmap.PAGESIZE
 _HUGE = 2 << 20
 _MAP_FIXED = 0x10  # the same on every Linux architecture
 _PROT_NONE = 0
-_MADV_DONTNEED = 4
 _MADV_POPULATE_READ = 22  # Linux 5.14; older kernels say EINVAL and the gathers fault instead
 
 
@@ -154,6 +155,8 @@ class CacheMap:
         self.base = np.zeros(len(counts), dtype=np.int64)
         np.cumsum(slots[:-1], out=self.base[1:])
         total = int(slots.sum())
+        #: Examples whose pages were mapped (``MADV_POPULATE_READ``) by this map: not again.
+        self.populated = np.zeros(md.n_examples, dtype=bool)
         #: The reserved ranges (values, then scales): unmapped when the last array over them is gone.
         self.regions: list[_Region] = []
         self.values = self._map(shards, total, self.row_nbytes, vectors, False, shards.numpy_dtype, (md.d_model,))
@@ -229,10 +232,3 @@ class CacheMap:
         """Map the pages of ``[addr, addr + nbytes)`` now (no-op where the kernel cannot)."""
         lo, hi = addr - addr % _PAGE, -(-(addr + nbytes) // _PAGE) * _PAGE
         _get_libc().madvise(lo, hi - lo, _MADV_POPULATE_READ)
-
-    def unmap_pages(self, addr: int, nbytes: int) -> None:
-        """Drop the page-table entries of the whole pages inside ``[addr, addr + nbytes)`` (the
-        page cache keeps the data; the next access maps it again)."""
-        lo, hi = -(-addr // _PAGE) * _PAGE, (addr + nbytes) // _PAGE * _PAGE
-        if hi > lo:
-            _get_libc().madvise(lo, hi - lo, _MADV_DONTNEED)

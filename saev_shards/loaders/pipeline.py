@@ -188,18 +188,10 @@ class WindowLoader:
         return load.done
 
     def _index(self, w: int) -> WindowIndex:
-        """Window ``w``'s index; read in place, in the map's vectors, and the pages of the window
-        whose slot this one takes unmapped."""
+        """Window ``w``'s index (read in place: in the map's vectors)."""
         cfg = self.cfg
-        window, rng = self.plan.windows[w], self.window_rng(self.epoch, w)
-        if cfg.mapped is None:
-            return index_window(cfg.selection, cfg.blocks, window, rng)
-        before = w - len(self.buffers)
-        if before >= 0:
-            blocks = cfg.blocks
-            for b in self.plan.windows[before].blocks.tolist():
-                cfg.mapped.unmap_pages(*cfg.mapped.byte_range(int(blocks.start[b]), int(blocks.stop[b])))
-        return index_window(cfg.selection, cfg.blocks, window, rng, cfg.mapped.source)
+        source = None if cfg.mapped is None else cfg.mapped.source
+        return index_window(cfg.selection, cfg.blocks, self.plan.windows[w], self.window_rng(self.epoch, w), source)
 
     def _read_blocks(
         self, slot: int, ids: npt.NDArray[np.int64], offsets: npt.NDArray[np.int64], next_block: Iterator[int]
@@ -239,21 +231,25 @@ class WindowLoader:
         cfg = self.cfg
         blocks = cfg.blocks
         mapped.check_size(start, stop)
+        ranges: list[tuple[int, int, int | None]]
         if blocks.whole:
-            addr, nbytes = mapped.byte_range(start, stop)
-            if not mapped.resident(addr, nbytes):
-                shape = (stop - start, *cfg.shards.metadata.shard_shape[1:])
-                cfg.shards.read_range_raw(start, stop, self._scratch(shape))
-            mapped.populate(addr, nbytes)
-            return
-        for e in range(start, stop):
+            ranges = [(start, stop, None)]
+        else:
+            ranges = [(e, e + 1, p) for e in range(start, stop) for p in blocks.read_positions.tolist()]
+        for a, b, position in ranges:
             if self.stop.is_set():
                 raise CancelledError
-            for position in blocks.read_positions.tolist():
-                addr, nbytes = mapped.byte_range(e, e + 1, position)
-                if not mapped.resident(addr, nbytes):
-                    cfg.shards.read_example_raw(e, position, self._scratch((cfg.tokens, cfg.d_model)))
-                mapped.populate(addr, nbytes)
+            addr, nbytes = mapped.byte_range(a, b, position)
+            if mapped.resident(addr, nbytes):
+                if not mapped.populated[a]:
+                    mapped.populate(addr, nbytes)
+                continue
+            if position is None:
+                cfg.shards.read_range_raw(a, b, self._scratch((b - a, *cfg.shards.metadata.shard_shape[1:])))
+            else:
+                cfg.shards.read_example_raw(a, position, self._scratch((cfg.tokens, cfg.d_model)))
+            mapped.populate(addr, nbytes)
+        mapped.populated[start:stop] = True
 
     def _scratch(self, shape: tuple[int, ...]) -> npt.NDArray[Any]:
         """This thread's buffer of ``shape`` (stored dtype) for reads whose bytes only need to
