@@ -199,7 +199,7 @@ def buffered_read_gbps(paths: Sequence[Path], threads: int, block: int = 4 << 20
     buffers = [np.ones(block, np.uint8) for _ in range(threads)]  # touched before timing
 
     def work(i: int) -> None:
-        view = memoryview(buffers[i])
+        view = buffers[i].data
         while True:
             with lock:
                 j = next(order, None)
@@ -258,7 +258,7 @@ def gather_gbps(
                 np.take(source, b, axis=0, out=outs[o][: len(b)], mode="clip")
 
         dt = _in_threads(threads, work)
-    return passes * per_pass / dt / 1e9
+    return float(passes * per_pass / dt / 1e9)
 
 
 def fill_file(path: Path, nbytes: int) -> None:
