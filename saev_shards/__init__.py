@@ -19,6 +19,7 @@ from .dtypes import bf16_to_float32, to_float32
 from .errors import (
     AlreadyPublishedError,
     AmbiguousPrefixError,
+    CacheInUseError,
     CacheNotFoundError,
     CacheRefError,
     ChecksumMismatchError,
@@ -71,6 +72,7 @@ __all__ = [
     "SUPPORTED_PROTOCOLS",
     "AlreadyPublishedError",
     "AmbiguousPrefixError",
+    "CacheInUseError",
     "CacheNotFoundError",
     "CacheRefError",
     "ChecksumMismatchError",

@@ -318,6 +318,16 @@ class UnknownCacheError(CacheNotFoundError, CacheRefError):
     """Raised when a path, hash or hash prefix names no cache in the shards roots."""
 
 
+class CacheInUseError(ShardsError):
+    """Raised when removing a cache that other processes use (they hold its lock, or have its
+    files open or mapped), or an unpublished folder whose writer holds its lock; `.holders`
+    names the processes where the system says (`saev_shards.store.inuse.Holder`)."""
+
+    def __init__(self, message: str, holders: Sequence[object] = ()) -> None:
+        self.holders = list(holders)
+        super().__init__(message)
+
+
 class RemoteError(ShardsError):
     """Raised when an object store or HTTP server refuses a request or fails after every retry."""
 

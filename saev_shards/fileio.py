@@ -3,7 +3,7 @@
 Durable small files (`write_file_atomic`, `fsync_dir`), streaming copies and digests in
 large sequential chunks (`stream`, `hash_file`), exact positional reads and writes
 (`pread_exact`, `pwrite_all`), opening a file only if it is a regular one
-(`open_regular`), advisory locks (`try_flock`, `take_lock`), publishing a
+(`open_regular`), advisory locks (`try_flock`, `take_lock`, `hold_folder`), publishing a
 finished directory under its final name after checking exactly what it holds
 (`publish_dir`), disk-full errors that name the file (`naming_disk_full`,
 `check_free_space`) and the named points where tests stop or pause a process
@@ -67,28 +67,38 @@ def fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
-def write_file_atomic(path: Path, data: bytes, durable: bool = True, *, note: str = "") -> None:
+def write_file_atomic(
+    path: Path, data: bytes, durable: bool = True, *, note: str = "", dir_fd: int | None = None
+) -> None:
     """Write ``data`` to ``path`` via a temporary name in the same folder and a rename.
 
     A full disk raises `DiskFullError` naming ``path`` (``note`` appended: what to do about
-    it) and leaves no temporary file.
+    it) and leaves no temporary file. The temporary file is never opened through a link.
+    ``dir_fd``: an open descriptor of the folder, and every name is taken relative to it
+    (the folder cannot be swapped for a link between a check and the write).
     """
     # A unique temporary name: several writers may race to create the same file.
-    tmp = path.with_name(f"{path.name}.{os.getpid()}.{threading.get_ident()}.tmp")
+    tmp_name = f"{path.name}.{os.getpid()}.{threading.get_ident()}.tmp"
+    tmp: str | Path = tmp_name if dir_fd is not None else path.with_name(tmp_name)
+    final: str | Path = path.name if dir_fd is not None else path
     try:
         with naming_disk_full(path, len(data), note):
-            with open(tmp, "wb") as f:
+            flags = os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW | os.O_CLOEXEC
+            with open(os.open(tmp, flags, 0o666, dir_fd=dir_fd), "wb") as f:
                 f.write(data)
                 if durable:
                     f.flush()
                     os.fsync(f.fileno())
-            os.replace(tmp, path)
+            os.replace(tmp, final, src_dir_fd=dir_fd, dst_dir_fd=dir_fd)
     except BaseException:
         with _suppress_os_errors():
-            os.unlink(tmp)
+            os.unlink(tmp, dir_fd=dir_fd)
         raise
     if durable:
-        fsync_dir(path.parent)
+        if dir_fd is not None:
+            os.fsync(dir_fd)
+        else:
+            fsync_dir(path.parent)
 
 
 def stream(
@@ -179,21 +189,26 @@ def hash_file(
     return total, h.hexdigest()
 
 
-def open_regular(path: Path) -> io.FileIO:
+def open_regular(path: Path, *, follow_links: bool = False) -> io.FileIO:
     """Open ``path`` for unbuffered reading only if it is a regular file, never through a symlink.
 
     Raises `NotRegularFileError` naming what was found instead. ``lstat`` first, so a FIFO
     or a device is never opened at all (opening a FIFO blocks until a writer appears); the
     open itself refuses links (``O_NOFOLLOW``), never blocks (``O_NONBLOCK``) and is checked
     with ``fstat`` to be the file just inspected.
+
+    ``follow_links``: a symbolic link is followed (``stat`` instead of ``lstat``), and what
+    it leads to must be a regular file (converter sources are often linked in; a cache's
+    files never are).
     """
-    before = os.lstat(path)
+    before = os.stat(path) if follow_links else os.lstat(path)
     if not stat.S_ISREG(before.st_mode):
-        raise NotRegularFileError(f"{path}: expected a regular file, found {file_kind(before.st_mode)}")
+        linked = " (through a symbolic link)" if follow_links and os.path.islink(path) else ""
+        raise NotRegularFileError(f"{path}: expected a regular file, found {file_kind(before.st_mode)}{linked}")
     try:
-        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC | (0 if follow_links else os.O_NOFOLLOW))
     except OSError as err:
-        if err.errno == errno.ELOOP:  # replaced by a link since the lstat
+        if err.errno == errno.ELOOP and not follow_links:  # replaced by a link since the lstat
             raise NotRegularFileError(f"{path}: expected a regular file, found a symbolic link") from None
         raise
     f = io.FileIO(fd, "rb", closefd=True)
@@ -256,6 +271,33 @@ def try_flock(fd: int, *, shared: bool = False) -> bool:
             return False
         raise
     return True
+
+
+#: flock errors that mean "this filesystem does not lock" (some NFS mounts), not "held".
+NO_FLOCK_ERRNOS = frozenset({errno.ENOLCK, errno.EOPNOTSUPP, errno.EBADF, errno.EINVAL, errno.ENOSYS})
+
+
+def hold_folder(path: Path, *, shared: bool) -> int | None:
+    """Open the folder ``path`` and ``flock`` it without waiting (shared or exclusive); its fd,
+    or None when the lock is not taken: another process holds it (exclusively, for a shared
+    request), the filesystem does not lock, or the folder cannot be opened (another user's,
+    or gone). Published caches are read-only folders: their lock is the folder itself, never
+    a file inside. The caller closes the fd to release the lock."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    except OSError:
+        return None
+    try:
+        taken = try_flock(fd, shared=shared)
+    except OSError as err:
+        if err.errno not in NO_FLOCK_ERRNOS:
+            os.close(fd)
+            raise
+        taken = False
+    if not taken:
+        os.close(fd)
+        return None
+    return fd
 
 
 def take_lock(path: Path, *, shared: bool = False, directory: bool = False) -> int | None:

@@ -11,7 +11,7 @@ import numpy as np
 from . import layout
 from .errors import DtypeError, MetadataError, NameNotFoundError, Problems
 from .protocol import DEFAULT_DIALECTS, DIALECTS, SUPPORTED_PROTOCOLS, Dialect, detect
-from .protocol.common import DEFAULT_DTYPE, DTYPES, FLOAT8, PROTOCOL
+from .protocol.common import DEFAULT_DTYPE, DTYPES, FLOAT8, PROTOCOL, SCALES_DTYPE
 from .protocol.jsonfile import is_int, json_value_problem, short_repr, type_name
 from .protocol.saev_code import DEFAULT_PIXEL_AGG as SAEV_DEFAULT_PIXEL_AGG
 from .protocol.v3 import KEYS
@@ -168,7 +168,16 @@ class Metadata:
     @property
     def scales_nbytes(self) -> int:
         """Bytes of all scales (float8_e4m3: a float32 per vector, in the scale files; else 0)."""
-        return self.n_examples * self.n_layers * self.tokens_per_ex * 4 if self.dtype == FLOAT8 else 0
+        return self.n_examples * self.vector_scales_nbytes
+
+    @property
+    def vector_scales_nbytes(self) -> int:
+        """Bytes of one example's scales: ``L * T * 4`` for float8_e4m3, else 0."""
+        return self.n_layers * self.tokens_per_ex * SCALES_DTYPE.itemsize if self.dtype == FLOAT8 else 0
+
+    def shard_scales_nbytes(self, shard: int) -> int:
+        """Exact length of shard ``shard``'s scale file (float8_e4m3; 0 for other dtypes, which have none)."""
+        return self.shard_n_examples(shard) * self.vector_scales_nbytes
 
     def shard_n_examples(self, shard: int) -> int:
         """Examples in shard ``shard``."""

@@ -219,7 +219,8 @@ class AsyncWriter:
         self._thread.start()
 
     def submit(self, acts: torch.Tensor, **extras: Any) -> None:
-        """Queue ``writer.write(acts, **extras)``; ``acts`` must not be changed afterwards."""
+        """Queue ``writer.write(acts, **extras)``; ``acts`` (and a tensor of ``scales``) must not
+        be changed afterwards."""
         self._check()
         event = None
         if acts.is_cuda:
@@ -227,19 +228,27 @@ class AsyncWriter:
             if stream is None:
                 stream = self._streams[acts.device] = torch.cuda.Stream(acts.device)  # type: ignore[no-untyped-call]
             stream.wait_stream(torch.cuda.current_stream(acts.device))
-            host = torch.empty(acts.shape, dtype=acts.dtype, pin_memory=True)
             with torch.cuda.stream(stream):
-                host.copy_(acts, non_blocking=True)
+                acts = self._to_pinned(acts, stream)
+                scales = extras.get("scales")
+                if isinstance(scales, torch.Tensor) and scales.is_cuda:  # a float8_e4m3 cache's
+                    extras = {**extras, "scales": self._to_pinned(scales, stream)}
                 event = torch.cuda.Event()  # type: ignore[no-untyped-call]
                 event.record(stream)
-            acts.record_stream(stream)  # the allocator must not reuse acts before the copy ends
-            acts = host
         while True:  # wait for room, but notice if the thread died meanwhile
             try:
                 self._queue.put((acts, event, extras), timeout=0.5)
                 return
             except queue.Full:
                 self._check()
+
+    @staticmethod
+    def _to_pinned(tensor: torch.Tensor, stream: Any) -> torch.Tensor:
+        """A pinned host copy of a CUDA tensor, made on ``stream`` (the current stream)."""
+        host = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=True)
+        host.copy_(tensor, non_blocking=True)
+        tensor.record_stream(stream)  # the allocator must not reuse it before the copy ends
+        return host
 
     def _run(self) -> None:
         while True:

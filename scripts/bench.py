@@ -1,6 +1,8 @@
 """`make bench`: every benchmark table, each figure a same-run ratio to the machine's limits.
 
-    .venv/bin/python scripts/bench.py [--quick] [--scale] [--only core,loaders,writers,shuffle,peers,convert,remote]
+    .venv/bin/python scripts/bench.py [--quick] [--scale] [--only core,loaders,...]
+
+Suites: core, loaders, writers, shuffle, peers, convert, float8, remote.
 
 Tables print to stdout and are saved, with plots, under results/.
 """
@@ -26,6 +28,7 @@ SUITES = [
     ("shuffle", "scripts.bench_shuffle"),
     ("peers", "scripts.bench_peers"),
     ("convert", "scripts.bench_convert"),
+    ("float8", "scripts.bench_float8"),
     ("remote", "scripts.bench_remote"),
 ]
 

@@ -10,14 +10,17 @@ only when it is invoked.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import sys
 import traceback
 import warnings
 from collections.abc import Sequence
+from typing import NoReturn
 
 from .. import __version__
 from ..errors import (
+    CacheInUseError,
     CacheRefError,
     CommandError,
     ConfigError,
@@ -69,6 +72,7 @@ __all__ = [
     "build_parser",
     "human_bytes",
     "main",
+    "run",
 ]
 
 #: The modules whose commands make up the command line, in --help order.
@@ -137,7 +141,7 @@ def _exit_code(err: BaseException) -> int:
         return EXIT_NOT_FOUND
     if isinstance(err, (ConfigError, RootNotSetError, RunExistsError, ConvertOptionError, MissingDependencyError)):
         return EXIT_USAGE
-    if isinstance(err, (WriterBusyError, DiskFullError)):
+    if isinstance(err, (WriterBusyError, CacheInUseError, DiskFullError)):
         return EXIT_SYSTEM  # another process holds it, or the disk is full: the system, not the cache
     if isinstance(err, (InvalidCacheError, ShardsError)):
         return EXIT_PROBLEM
@@ -151,6 +155,23 @@ def _message(err: BaseException) -> str:
         where = f"{err.filename}: " if err.filename else ""
         return f"{where}{err.strerror}"
     return str(err) or type(err).__name__
+
+
+def run(argv: Sequence[str] | None = None) -> NoReturn:
+    """The ``saev-shards`` console script (and ``python -m saev_shards``): `main`, then exit.
+
+    An interrupted command (Ctrl-C: `main` has printed what it keeps and returns 130) ends
+    the process at once, without waiting for any thread it started: a read ahead of a
+    source, a copy, the scratch writes of a shuffle. Each command has already released
+    what it holds (writers aborted, locks closed) before `main` returns.
+    """
+    code = main(argv)
+    if code == EXIT_INTERRUPTED:
+        for stream in (sys.stdout, sys.stderr):
+            with contextlib.suppress(Exception):
+                stream.flush()
+        os._exit(code)
+    sys.exit(code)
 
 
 def main(argv: Sequence[str] | None = None) -> int:

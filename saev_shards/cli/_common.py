@@ -124,6 +124,18 @@ def table(rows: Sequence[Sequence[str]], out: TextIO, indent: str = "", right: S
         out.write(indent + "  ".join(cells).rstrip() + "\n")
 
 
+_SIZE_RE = re.compile(r"(\d+(?:\.\d+)?)\s*([kmgt]?)(?:i?b)?", re.IGNORECASE)
+_UNITS = {"": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40}
+
+
+def parse_size(text: str) -> int:
+    """``"2G"``, ``"512MiB"``, ``"1.5g"`` or plain bytes -> bytes (binary units: 2G = 2 GiB)."""
+    match = _SIZE_RE.fullmatch(text.strip())
+    if match is None or len(match.group(1)) > 20:
+        raise argparse.ArgumentTypeError(f"expected a size like 2G, 512M or 1073741824, found {text!r:.40}")
+    return int(float(match.group(1)) * _UNITS[match.group(2).lower()])
+
+
 def plural(n: int, word: str) -> str:
     return f"{n} {word}" + ("" if n == 1 else "s")
 

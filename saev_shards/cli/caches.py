@@ -54,16 +54,17 @@ def cmd_info(args: argparse.Namespace) -> int:
         ("dataset", info["dataset"] or "-"),
         ("data", data if len(data) <= 100 else data[:97] + "..."),
         ("shape", f"({n}, {layers}, {tokens}, {d})  examples x layers x tokens x d_model"),
-        ("dtype", f"{info['dtype']} ({itemsize} bytes per value)"),
+        ("dtype", _dtype_row(info, itemsize)),
         ("layers", str(info["layers"])),
         ("tokens", _tokens_row(info)),
         ("shards", f"{info['n_shards']} x {info['examples_per_shard']} examples{last}"),
         (
             "bytes",
             f"{info['nbytes']:,} bytes of activations ({human_bytes(info['nbytes'])}), "
-            f"{human_bytes(info['disk_nbytes'])} on disk",
+            + (f"{human_bytes(info['scales_nbytes'])} of scales, " if info["scales_nbytes"] else "")
+            + f"{human_bytes(info['disk_nbytes'])} on disk",
         ),
-        ("checksums", "xxh3_128 for every file" if info["checksums"] else "none recorded: sizes only (protocol 2.1)"),
+        ("checksums", _checksums_row(info)),
         *([("remote reads", _remote_row(info))] if info["url"] is not None else []),
         ("labels", "-" if info["labels"] is None else f"{info['labels']['dtype']} {tuple(info['labels']['shape'])}"),
         ("columns", ", ".join(f"{k} {c['dtype']} {tuple(c['shape'])}" for k, c in info["columns"].items()) or "-"),
@@ -86,6 +87,22 @@ def cmd_info(args: argparse.Namespace) -> int:
         ]
         table(per_layer, out, indent="  ", right=range(1, 6))
     return EXIT_OK
+
+
+def _dtype_row(info: dict[str, Any], itemsize: int) -> str:
+    if info["dtype"] != info["read_dtype"]:  # float8_e4m3
+        return f"{info['dtype']} ({itemsize} byte per value, a float32 scale per vector; read as {info['read_dtype']})"
+    return f"{info['dtype']} ({itemsize} bytes per value)"
+
+
+def _checksums_row(info: dict[str, Any]) -> str:
+    if not info["checksums"]:
+        return "none recorded: sizes only (protocol 2.1)"
+    if info["block_size"] is not None:
+        size = info["block_size"]
+        block = f"{size >> 20} MiB" if size % (1 << 20) == 0 else f"{size >> 10} KiB"  # powers of two
+        return f"xxh3_128 for every file and every {block} block of it (blocks.json)"
+    return "xxh3_128 for every file"
 
 
 def _remote_row(info: dict[str, Any]) -> str:

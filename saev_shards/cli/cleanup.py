@@ -85,8 +85,20 @@ def cmd_rm(args: argparse.Namespace) -> int:
             f"refusing to remove {plural(len(linked), 'cache')} that runs link to "
             "(pass --force to remove anyway; those links then dangle): " + "; ".join(lines),
         )
+    in_use = {p: store.users(p) for p in paths}
+    if not args.force:
+        for p in paths:  # before asking: the processes are named, nothing is removed
+            store.check_not_in_use(p)
     sizes = {p: store.folder_nbytes(p) for p in paths}
     note = {p: f"  (linked by {plural(len(runs), 'run link')})" for p, runs in linked.items()}
+    for p, holders in in_use.items():
+        if holders:
+            note[p] = (
+                note.get(p, "")
+                + f"  (in use by {plural(len(holders), 'process')}: pids "
+                + ", ".join(str(h.pid) for h in holders)
+                + ")"
+            )
     rows = [(p.name[:12], human_bytes(sizes[p]), str(p) + note.get(p, "")) for p in paths]
     total = f"{plural(len(paths), 'cache')}, {human_bytes(sum(sizes.values()))}"
     out = sys.stdout
@@ -97,7 +109,7 @@ def cmd_rm(args: argparse.Namespace) -> int:
     out.flush()
     _confirm(f"remove {total}?", args)
     for p in paths:
-        store.remove(p)
+        store.remove(p, force=args.force)
         out.write(f"removed {p}\n")
     return EXIT_OK
 
@@ -173,7 +185,8 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser], invoked: 
     p = command(
         sub,
         "rm",
-        "remove published caches (read-only folders too), refusing those a run links to unless --force",
+        "remove published caches (read-only folders too), refusing those a run links to or a process uses "
+        "unless --force",
         "  saev-shards rm 3f2a                  # lists it with its size, then asks\n"
         "  saev-shards rm 3f2a 9c1d --yes       # no question\n"
         "  saev-shards rm 3f2a --dry-run        # only list\n",
@@ -181,13 +194,19 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser], invoked: 
         description=(
             "Remove published caches. Every reference is resolved first (a mistake removes nothing); "
             "a cache that a run under the runs root links to (links/train-shards, links/val-shards) is refused "
-            "unless --force. Lists what it would remove with sizes and asks; --yes removes without asking, "
-            "--dry-run only lists. Not confirmed: nothing removed, exit 1."
+            "unless --force (exit 1), and so is a cache in use: a reader or a training loader holds its lock "
+            "(a shared flock on the cache folder, held while it is open) or has its files open or mapped; the "
+            "processes are named (exit 4). Lists what it would remove with sizes and asks; --yes removes without "
+            "asking, --dry-run only lists. Not confirmed: nothing removed, exit 1."
         ),
     )
     p.add_argument("refs", nargs="+", metavar="REF", help=REF_HELP)
     _add_confirm_options(p)
-    p.add_argument("--force", action="store_true", help="remove caches even if runs link to them")
+    p.add_argument(
+        "--force",
+        action="store_true",
+        help="remove caches even if runs link to them or processes use them (those then fail at their next read)",
+    )
     p.add_argument("--runs-root", metavar="DIR", help="where runs live (default: $SAEV_RUNS_ROOT, $SAEV_NFS/saev/runs)")
     add_roots(p)
 

@@ -13,7 +13,7 @@ import sys
 from ..convert import SOURCES, TARGETS, Options, prepare, run
 from ..progress import Progress
 from ..protocol.common import DTYPES_BY_PROTOCOL, PROTOCOL, PROTOCOL_30
-from ._common import EXIT_OK, add_progress, command, human_bytes, plural, warn
+from ._common import EXIT_OK, add_progress, command, human_bytes, parse_size, plural, warn
 
 EXAMPLES = """\
   saev-shards convert ./activations                 # seed 001 pickle shards (metadata.json + shard_0001.pkl.gz)
@@ -109,6 +109,18 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser], invoked: 
         action="store_true",
         help="store values that are inf or NaN after the cast instead of failing",
     )
+    p.add_argument(
+        "--max-memory",
+        type=parse_size,
+        metavar="SIZE",
+        help="memory the source's data may take at once, e.g. 16G (default: half the machine's memory); a pickle "
+        "shard may expand to a quarter of it, a zarr chunk to half; larger ones are refused before they are read",
+    )
+    p.add_argument(
+        "--no-space-check",
+        action="store_true",
+        help="write even if the free space under the root looks too small (e.g. a compressing filesystem)",
+    )
     p.add_argument("--no-stats", dest="stats", action="store_false", help="skip per-layer statistics (stats.json)")
     p.add_argument("--restart", action="store_true", help="discard sealed shards of an interrupted run and start over")
     p.add_argument(
@@ -120,7 +132,12 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser], invoked: 
 def cmd_convert(args: argparse.Namespace) -> int:
     out = sys.stdout
     options = Options(
-        max_tokens=args.max_tokens, layers=args.layers, cls_token=args.cls_token, family=args.family, ckpt=args.ckpt
+        max_tokens=args.max_tokens,
+        layers=args.layers,
+        cls_token=args.cls_token,
+        family=args.family,
+        ckpt=args.ckpt,
+        memory_bytes=args.max_memory,
     )
     bar: list[Progress] = []
 
@@ -157,7 +174,7 @@ def cmd_convert(args: argparse.Namespace) -> int:
         (
             "cache",
             f"{md.hash[:12]} ({n:,}, {n_layers}, {tokens}, {d_model}) {md.dtype}, {plural(md.n_shards, 'shard')}, "
-            f"{human_bytes(md.nbytes)} of activations, protocol {md.protocol}",
+            f"{human_bytes(md.nbytes + md.scales_nbytes)} of activations, protocol {md.protocol}",
         ),
     ]
     width = max(len(k) for k, _ in lines)
@@ -182,6 +199,7 @@ def cmd_convert(args: argparse.Namespace) -> int:
         restart=args.restart,
         progress=args.progress,
         log=say,
+        check_space=not args.no_space_check,
     )
     for line in result.report.lines():
         warn(line)

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import re
 import sys
 import time
 
@@ -21,20 +20,10 @@ from ._common import (
     add_roots,
     command,
     human_bytes,
+    parse_size,
     progress_arg,
     roots_arg,
 )
-
-_SIZE_RE = re.compile(r"(\d+(?:\.\d+)?)\s*([kmgt]?)(?:i?b)?", re.IGNORECASE)
-_UNITS = {"": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40}
-
-
-def parse_size(text: str) -> int:
-    """``"2G"``, ``"512MiB"``, ``"1.5g"`` or plain bytes -> bytes (binary units: 2G = 2 GiB)."""
-    match = _SIZE_RE.fullmatch(text.strip())
-    if match is None:
-        raise argparse.ArgumentTypeError(f"expected a size like 2G, 512M or 1073741824, found {text!r}")
-    return int(float(match.group(1)) * _UNITS[match.group(2).lower()])
 
 
 def parse_layers(text: str) -> list[int]:
@@ -105,7 +94,7 @@ def cmd_shuffle(args: argparse.Namespace) -> int:
     except DiskFullError as error:
         raise CommandError(EXIT_SYSTEM, str(error)) from error
     seconds = time.perf_counter() - start
-    nbytes = shuffled.metadata.nbytes
+    nbytes = shuffled.metadata.nbytes + shuffled.metadata.scales_nbytes
     err.write(
         f"{plan.output.hash[:12]}: shuffled {plan.n_tokens:,} tokens ({human_bytes(nbytes)}) in {seconds:.1f} s, "
         f"{human_bytes(nbytes / max(seconds, 1e-9))}/s\n"

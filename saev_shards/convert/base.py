@@ -16,6 +16,8 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
+import math
+import os
 import re
 from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
@@ -24,9 +26,11 @@ from typing import Any, Protocol
 import numpy as np
 import numpy.typing as npt
 
-from ..errors import ConvertError, ConvertOptionError, SourceChecksumError
+from ..errors import ConvertError, ConvertOptionError, SourceChecksumError, SourceNotFoundError
 from ..format import COLUMN_DTYPES, FIELD_NAME_RE
 from ..metadata import Metadata
+from ..protocol.jsonfile import is_int, short_repr
+from . import files
 
 #: Version of the mapping from sources to caches; part of every converted cache's `data`, so a
 #: change in how a source is mapped gives new hashes instead of silently different bytes.
@@ -45,7 +49,10 @@ class Options:
     ``max_tokens``: keep at most this many token positions per example (longer ones are
     truncated and counted); ``layers``: the layer numbers of the stored layers, in order,
     for sources that do not name them; ``cls_token``: token 0 of every example is a [CLS]
-    token; ``family`` and ``ckpt``: the model, where the source does not say.
+    token; ``family`` and ``ckpt``: the model, where the source does not say;
+    ``memory_bytes``: what the source's data may take in memory at once (default: half the
+    machine's memory, `default_memory`): a pickle shard may expand to a quarter of it (it is
+    held with the next one, each as pickle bytes and as arrays), a zarr chunk to half.
     """
 
     max_tokens: int | None = None
@@ -53,14 +60,45 @@ class Options:
     cls_token: bool = False
     family: str | None = None
     ckpt: str | None = None
+    memory_bytes: int | None = None
 
     def __post_init__(self) -> None:
-        if self.max_tokens is not None and self.max_tokens < 1:
-            raise ConvertOptionError(f"max_tokens: expected a positive number of tokens, found {self.max_tokens}")
+        if self.max_tokens is not None and not (is_int(self.max_tokens) and 1 <= self.max_tokens < 2**31):
+            raise ConvertOptionError(f"max_tokens: expected a positive number of tokens, found {self.max_tokens!r:.40}")
         if self.layers is not None:
+            if not all(is_int(v, numpy_ok=True) and -(2**63) <= v < 2**63 for v in self.layers):
+                raise ConvertOptionError(f"layers: expected integers, found {list(self.layers)!r:.80}")
             object.__setattr__(self, "layers", tuple(int(v) for v in self.layers))
             if not self.layers or len(set(self.layers)) != len(self.layers):
                 raise ConvertOptionError(f"layers: expected distinct layer numbers, found {list(self.layers)}")
+        if self.memory_bytes is not None and not (is_int(self.memory_bytes) and self.memory_bytes >= MIN_MEMORY):
+            raise ConvertOptionError(
+                f"memory_bytes (--max-memory): expected at least {MIN_MEMORY:,} bytes, found {self.memory_bytes!r:.40}"
+            )
+
+    @property
+    def memory(self) -> int:
+        """``memory_bytes``, or `default_memory`."""
+        return self.memory_bytes if self.memory_bytes is not None else default_memory()
+
+    @property
+    def shard_bytes(self) -> int:
+        """The most a pickle shard may expand to (a quarter of `memory`: see the class)."""
+        return self.memory // 4
+
+
+#: Smallest ``memory_bytes`` accepted: one chunk (`CHUNK_BYTES`) and some room.
+MIN_MEMORY = 4 * (64 << 20)
+#: Said with every refusal for size: how to allow more.
+MEMORY_HINT = " (raise --max-memory, memory_bytes, to allow more)"
+
+
+def default_memory() -> int:
+    """Half the machine's physical memory (8 GiB where the system does not say)."""
+    try:
+        return max(MIN_MEMORY, os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") // 2)
+    except (OSError, ValueError):
+        return 8 << 30
 
 
 @dataclasses.dataclass(frozen=True)
@@ -117,6 +155,9 @@ class Chunk:
     labels: npt.NDArray[Any] | None = None
     #: Bytes of the source this chunk consumed (for the progress line).
     source_nbytes: int = 0
+    #: A float8_e4m3 cache source: ``acts`` are its stored values and these their scales
+    #: ``(B, L, T)``, copied as they are into a float8_e4m3 cache, dequantized for another dtype.
+    scales: npt.NDArray[Any] | None = None
 
 
 class Report:
@@ -201,28 +242,37 @@ def token_count(longest: int, options: Options) -> int:
     return options.max_tokens if options.max_tokens is not None else max(1, longest)
 
 
+#: Checksum algorithms a source's index may name: hashlib's fixed-length digests.
+CHECKSUM_ALGORITHMS = frozenset(
+    ["md5", "sha1", "sha224", "sha256", "sha384", "sha512", "blake2b", "blake2s", "sha3_224", "sha3_256",
+     "sha3_384", "sha3_512"]
+)  # fmt: skip
+
+
 def parse_checksum(value: object, where: str) -> tuple[str, str] | None:
-    """``"sha256:<hex>"`` -> ``("sha256", hex)``; None when absent. Any hashlib algorithm is accepted."""
+    """``"sha256:<hex>"`` -> ``("sha256", hex)``; None when absent. `CHECKSUM_ALGORITHMS` are accepted,
+    with exactly as many hex digits as the algorithm's digest has."""
     if value is None:
         return None
     if not isinstance(value, str) or ":" not in value:
-        raise ConvertError(f"{where}: expected a checksum like 'sha256:<hex digits>', found {value!r}")
+        raise ConvertError(f"{where}: expected a checksum like 'sha256:<hex digits>', found {short_repr(value)}")
     algorithm, digest = value.split(":", 1)
     algorithm = algorithm.lower()
-    if algorithm not in hashlib.algorithms_available:
-        raise ConvertError(f"{where}: unknown checksum algorithm {algorithm!r} (known: sha256, sha1, md5, ...)")
-    if not re.fullmatch(r"[0-9a-fA-F]+", digest):
-        raise ConvertError(f"{where}: expected hex digits after '{algorithm}:', found {digest!r}")
+    if algorithm not in CHECKSUM_ALGORITHMS:
+        known = ", ".join(sorted(CHECKSUM_ALGORITHMS))
+        raise ConvertError(f"{where}: unknown checksum algorithm {short_repr(algorithm)} (known: {known})")
+    digits = 2 * hashlib.new(algorithm).digest_size
+    if not re.fullmatch(rf"[0-9a-fA-F]{{{digits}}}", digest):
+        raise ConvertError(f"{where}: expected {digits} hex digits after '{algorithm}:', found {short_repr(digest)}")
     return algorithm, digest.lower()
 
 
-def read_verified(path: Path, checksum: tuple[str, str] | None, size: int | None) -> bytes:
-    """The bytes of ``path``, after checking them against the size and checksum the source records."""
+def read_verified(path: Path, checksum: tuple[str, str] | None, size: int | None, max_bytes: int) -> bytes:
+    """The bytes of ``path`` (a regular file of at most ``max_bytes``), after checking them
+    against the size and checksum the source records."""
     try:
-        data = path.read_bytes()
-    except FileNotFoundError:
-        from ..errors import SourceNotFoundError
-
+        data = files.read_bytes(path, max_bytes, hint=MEMORY_HINT)
+    except SourceNotFoundError:
         raise SourceNotFoundError(f"{path}: listed in the source's index but missing") from None
     if size is not None and len(data) != size:
         raise SourceChecksumError(f"{path}: expected {size:,} bytes (size_bytes in the index), found {len(data):,}")
@@ -244,23 +294,39 @@ def stat_identity(paths: Sequence[Path], base: Path) -> list[list[Any]]:
     """``[[relative name, size, mtime_ns], ...]``: the identity of files that carry no checksum."""
     out = []
     for p in paths:
-        st = p.stat()
+        try:
+            st = p.stat()
+        except OSError as err:
+            raise ConvertError(f"{p}: cannot be read ({err.strerror or err})") from None
         out.append([str(p.relative_to(base)) if p != base else p.name, st.st_size, st.st_mtime_ns])
     return out
 
 
-def plain(value: Any) -> Any:
-    """``value`` as plain JSON types (numpy scalars and arrays become numbers and lists)."""
+#: Deepest nesting `plain` keeps (a source's own description and text values): beyond it, a
+#: value is written as its bounded repr (`short_repr`), so nothing can recurse without end.
+PLAIN_DEPTH = 32
+
+
+def plain(value: Any, _depth: int = 0) -> Any:
+    """``value`` as plain JSON types (numpy scalars and arrays become numbers and lists,
+    non-finite floats None, integers beyond 64 bits their decimal strings, anything else or
+    nested deeper than `PLAIN_DEPTH` its bounded repr)."""
+    if _depth > PLAIN_DEPTH:
+        return short_repr(value)
     if isinstance(value, dict):
-        return {str(k): plain(v) for k, v in value.items()}
+        return {str(k): plain(v, _depth + 1) for k, v in value.items()}
     if isinstance(value, (list, tuple)):
-        return [plain(v) for v in value]
-    if isinstance(value, np.generic):
-        return value.item()
+        return [plain(v, _depth + 1) for v in value]
     if isinstance(value, np.ndarray):
-        return value.tolist()
-    if isinstance(value, bytes):
-        return value.decode("utf-8", "replace")
-    if isinstance(value, float) and np.isnan(value):
-        return None  # NaN is not JSON
-    return value
+        return plain(value.tolist(), _depth) if value.size <= 1 << 16 else short_repr(value)
+    if isinstance(value, np.generic):
+        return plain(value.item(), _depth)
+    if isinstance(value, (bytes, bytearray)):
+        return bytes(value).decode("utf-8", "replace")
+    if isinstance(value, bool) or value is None or isinstance(value, str):
+        return value
+    if isinstance(value, int):
+        return value if -(2**63) <= value < 2**64 else str(value)
+    if isinstance(value, float):
+        return value if math.isfinite(value) else None  # NaN and Infinity are not JSON
+    return short_repr(value)

@@ -11,8 +11,13 @@ one shard at a time, so memory stays bounded by one chunk. What the target keeps
   strings, numbers), which saev's ``pickle.loads`` turns back into the same object. A
   family outside saev's list needs ``--family``. ``pixel_agg`` is the source's (saev's
   code), else "majority", as saev writes it when there are no labels to aggregate.
-* ``--to 3.0``: everything the source holds; the stored dtype stays the source's unless
-  ``--dtype`` says otherwise. A 2.1 cache's fields that 3.0 has no key for are kept in
+* ``--to 3.1`` (or ``3.0``): everything the source holds; the stored dtype stays the source's
+  unless ``--dtype`` says otherwise (3.0 has no float8_e4m3: float16 then). A float8_e4m3
+  source's values and scales are copied as they are into a float8_e4m3 cache, and
+  dequantized (float32, exact) for any other dtype, ``--to saev`` included; a dequantized
+  cache's ``data`` is ``{"dequantized_from": {"cache": <source hash>, "dtype":
+  "float8_e4m3"}, "source_data": <the source's data>}``, so it never takes the name of the
+  cache the float8_e4m3 one was made from. A 2.1 cache's fields that 3.0 has no key for are kept in
   ``data`` as ``{"saev": {"data", "pixel_agg", "protocol", "dialect"}}``, so converting
   that 3.0 cache back ``--to saev`` gives the original metadata.json, name and bytes.
 
@@ -37,7 +42,7 @@ from ..errors import ConvertError, ConvertOptionError, ProtocolWarning, ShardsEr
 from ..fileio import hash_file
 from ..metadata import Metadata
 from ..protocol import is_cache_name
-from ..protocol.common import MANIFEST_FILE, METADATA_FILE, SAEV_CODE_PROTOCOLS, V3_PROTOCOLS
+from ..protocol.common import FLOAT8, MANIFEST_FILE, METADATA_FILE, SAEV_CODE_PROTOCOLS, V3_PROTOCOLS
 from ..protocol.saev_code import DEFAULT_PIXEL_AGG, SAEV_FAMILIES
 from ..reader import Shards
 from ..reader import open as open_cache
@@ -46,6 +51,9 @@ from .base import Chunk, Options, Plan, Report
 KIND = "cache"
 #: The key of a 3.0 cache's ``data`` that keeps a 2.1 cache's fields 3.0 has no key for.
 SAEV_KEY = "saev"
+#: The key of the ``data`` of a cache holding a float8_e4m3 cache's dequantized values: the
+#: source's hash and dtype (its own ``data`` goes under ``source_data``).
+DEQUANTIZED_KEY = "dequantized_from"
 _SAEV_DIALECTS = ("saev", "saev-64")
 
 
@@ -78,12 +86,14 @@ class CacheSource:
             first, end = max(start, k * eps), k * eps + shard.n_examples
             for a in range(first, end, step):
                 b = min(end, a + step)
-                raw = shards.read_range(a, b)
+                raw = shards.read_range_raw(a, b)
                 acts = to_float32(raw, md.dtype) if md.dtype == "bfloat16" else raw
+                scales = shards.read_range_scales(a, b) if md.dtype == FLOAT8 else None
                 columns = {name: np.array(col[a:b]) for name, col in shards.columns.items()}
                 text = {name: list(itertools.islice(it, b - a)) for name, it in texts.items()}
                 labels = None if shards.labels is None else np.array(shards.labels[a:b])
-                yield Chunk(acts, columns, text, labels, source_nbytes=(b - a) * md.example_nbytes)
+                nbytes = (b - a) * (md.example_nbytes + (0 if scales is None else scales[0].nbytes))
+                yield Chunk(acts, columns, text, labels, source_nbytes=nbytes, scales=scales)
 
 
 def _verify(path: Path, nbytes: int, digest: str | None) -> None:
@@ -186,6 +196,23 @@ def target_metadata(plan: Plan, src: Metadata, to_protocol: str, dtype: str | No
         n_examples=src.n_examples,
         patches_per_shard=pps if pps is not None else src.patches_per_shard,
     )
+    target_dtype = (dtype or src.dtype) if to_protocol in V3_PROTOCOLS else "float32"
+    if src.dtype == FLOAT8 and target_dtype != FLOAT8:
+        # Dequantized values are not the values the source's configuration was written from:
+        # another configuration (and hash), so a float16 cache taken to float8_e4m3 and back
+        # never takes the name of the original.
+        dequantized = {DEQUANTIZED_KEY: {"cache": src.hash, "dtype": FLOAT8}, "source_data": src.data}
+        if to_protocol in V3_PROTOCOLS:
+            return Metadata(**common, data=dequantized, dataset=src.dataset, dtype=target_dtype, protocol=to_protocol)
+        check_saev_family(plan.family, src.cls_token)
+        return Metadata(
+            **common,
+            data=saev_data(dequantized),
+            dataset=str(PurePosixPath(src.dataset)),
+            dtype="float32",
+            protocol="2.1",
+            pixel_agg=DEFAULT_PIXEL_AGG,
+        )
     if to_protocol in V3_PROTOCOLS:
         data = src.data
         if src.format.legacy:
@@ -197,7 +224,7 @@ def target_metadata(plan: Plan, src: Metadata, to_protocol: str, dtype: str | No
                     "dialect": src.dialect,
                 }
             }
-        return Metadata(**common, data=data, dataset=src.dataset, dtype=dtype or src.dtype, protocol=to_protocol)
+        return Metadata(**common, data=data, dataset=src.dataset, dtype=target_dtype, protocol=to_protocol)
     check_saev_family(plan.family, src.cls_token)
     kept = _kept_fields(src.data) if not src.format.legacy else None
     if src.format.legacy:
@@ -220,7 +247,11 @@ def target_metadata(plan: Plan, src: Metadata, to_protocol: str, dtype: str | No
 def target_notes(src: Metadata, md: Metadata, has_stats: bool) -> list[str]:
     """What a conversion from ``src`` to ``md`` changes, for the report."""
     notes = []
-    if md.format.legacy and src.dtype != "float32":
+    if md.dtype == FLOAT8 and src.dtype != FLOAT8:
+        notes.append(f"{src.dtype} activations quantized to float8_e4m3 (a float32 scale per vector)")
+    if src.dtype == FLOAT8 and md.dtype != FLOAT8:
+        notes.append(f"float8_e4m3 activations dequantized to {md.dtype} (data records the source cache)")
+    elif md.format.legacy and src.dtype != "float32":
         notes.append(f"{src.dtype} activations widened to float32 (saev reads float32 only)")
     if md.format.legacy and not isinstance(src.data, str) and _kept_fields(src.data) is None:
         notes.append("data (an object) stored as base64 of its pickle, as saev stores its dataset config")

@@ -15,6 +15,7 @@ from typing import Any
 import numpy as np
 
 from ..errors import ConvertError
+from . import files
 from .base import Chunk, Options, Plan, Report, pick_layers, stat_identity
 
 KIND = "npy"
@@ -22,11 +23,12 @@ _MAGIC = b"\x93NUMPY"
 
 
 def detect(path: Path) -> bool:
-    """A file starting with the ``.npy`` magic string."""
-    if not path.is_file():
+    """A regular file starting with the ``.npy`` magic string."""
+    try:
+        with files.open_file(path) as f:
+            return f.read(len(_MAGIC)) == _MAGIC
+    except (OSError, ConvertError):
         return False
-    with path.open("rb") as f:
-        return f.read(len(_MAGIC)) == _MAGIC
 
 
 @dataclasses.dataclass
@@ -41,7 +43,8 @@ class NpySource:
         per_example = self.array[0].nbytes if len(self.array) else 0
         for a in range(start, self.plan.n_examples, step):
             b = min(self.plan.n_examples, a + step)
-            # A C-ordered copy of just this chunk: the memmap is read once, sequentially.
+            # A C-ordered copy of just this chunk: the memmap is read once, sequentially. (A
+            # file cut short since it was mapped raises SIGBUS; it is checked when opened.)
             block = np.ascontiguousarray(self.array[a:b, :, :tokens])
             if dropped > 0:
                 report.count(
@@ -51,10 +54,12 @@ class NpySource:
 
 
 def open_source(path: Path, options: Options, scan: Callable[[int, int], None] | None = None) -> NpySource:
-    try:
+    files.open_file(path, "a .npy").close()  # a regular file: numpy opens it itself
+    # The header is capped (numpy's max_header_size) and the memory map checks the file holds
+    # what the header declares: nothing is allocated for the data. numpy raises several kinds
+    # for a broken header (ValueError, OverflowError, EOFError, tokenize's TokenError...).
+    with files.library_errors(path, ".npy of numbers"):
         array = np.load(path, mmap_mode="r", allow_pickle=False)
-    except ValueError as err:
-        raise ConvertError(f"{path}: not a readable .npy of numbers ({err})") from None
     if array.ndim != 4:
         raise ConvertError(
             f"{path}: expected shape (N, L, T, D) = (examples, layers, tokens, d_model), found {array.shape}"

@@ -19,15 +19,11 @@ Memory: two shards (the one being converted and the next, read ahead) plus one c
 from __future__ import annotations
 
 import dataclasses
-import gzip
 import hashlib
 import itertools
-import json
 import numbers
 import re
-import zlib
 from collections.abc import Callable, Iterator, Mapping
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -35,8 +31,20 @@ import numpy as np
 import numpy.typing as npt
 
 from ..errors import ConvertError, ConvertOptionError, SourceNotFoundError
-from . import safe_pickle
-from .base import Chunk, Options, Plan, Report, field_name, parse_checksum, plain, read_verified, stat_identity
+from ..protocol.jsonfile import is_int, short_repr, type_name
+from . import files, safe_pickle
+from .base import (
+    MEMORY_HINT,
+    Chunk,
+    Options,
+    Plan,
+    Report,
+    field_name,
+    parse_checksum,
+    plain,
+    read_verified,
+    stat_identity,
+)
 
 KIND = "pickle"
 INDEX = "metadata.json"
@@ -49,13 +57,13 @@ _KNOWN_KEYS = frozenset(["sample_idx", "activation", "shape", "text_preview", "m
 
 def detect(path: Path) -> bool:
     """A folder with ``metadata.json`` listing ``shards`` and at least one ``shard_*.pkl[.gz]`` file."""
-    if not (path / INDEX).is_file():
-        return False
-    if not any(_SHARD_NAME.fullmatch(p.name) for p in path.iterdir()):
+    if not (files.is_dir(path) and files.is_file(path / INDEX)):
         return False
     try:
-        index = json.loads((path / INDEX).read_bytes())
-    except (OSError, ValueError):
+        if not any(_SHARD_NAME.fullmatch(p.name) for p in path.iterdir()):
+            return False
+        index = files.read_json(path / INDEX)
+    except (OSError, ConvertError):
         return False
     return isinstance(index, dict) and isinstance(index.get("shards"), list)
 
@@ -68,6 +76,16 @@ class ShardInfo:
     num_samples: int | None
     size: int | None
     checksum: tuple[str, str] | None
+
+    @property
+    def nbytes(self) -> int:
+        """The file's size (for the progress line): ``size_bytes``, else what the file has now."""
+        if self.size is not None:
+            return self.size
+        try:
+            return self.path.stat().st_size
+        except OSError:
+            return 0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -82,125 +100,175 @@ class Fields:
 def _parse_index(path: Path) -> tuple[dict[str, Any], list[ShardInfo]]:
     where = path / INDEX
     try:
-        index = json.loads(where.read_bytes())
-    except FileNotFoundError:
+        index = files.read_json(where, "seed 001's index of the shards")
+    except SourceNotFoundError:
         raise SourceNotFoundError(f"{where}: missing (seed 001's index of the shards)") from None
-    except ValueError as err:
-        raise ConvertError(f"{where}: not valid JSON ({err})") from None
     if not isinstance(index, dict) or not isinstance(index.get("shards"), list):
-        raise ConvertError(f"{where}: expected an object with a 'shards' list, found {type(index).__name__}")
+        raise ConvertError(f"{where}: expected an object with a 'shards' list, found {type_name(index)}")
     shards = []
+    names: dict[str, int] = {}
     for i, entry in enumerate(index["shards"]):
         at = f"{where}: shards[{i}]"
         if not isinstance(entry, dict) or not isinstance(entry.get("filename"), str):
-            raise ConvertError(f"{at}: expected an object with a 'filename', found {entry!r:.100}")
+            raise ConvertError(f"{at}: expected an object with a 'filename', found {short_repr(entry)}")
         name = entry["filename"]
-        if "/" in name or "\\" in name or name in (".", ".."):
-            raise ConvertError(f"{at}: expected a file name inside {path}, found {name!r}")
+        if not name or "/" in name or "\\" in name or "\0" in name or name in (".", "..") or len(name) > 255:
+            raise ConvertError(f"{at}: expected a file name inside {path}, found {short_repr(name)}")
+        if name in names:
+            raise ConvertError(f"{at}: {short_repr(name)} is listed twice (also shards[{names[name]}])")
+        names[name] = i
         num = entry.get("num_samples")
         size = entry.get("size_bytes")
         for key, value in (("num_samples", num), ("size_bytes", size)):
-            if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 0):
-                raise ConvertError(f"{at}: {key} must be a non-negative integer, found {value!r}")
+            if value is not None and not (is_int(value) and 0 <= value < 2**62):
+                raise ConvertError(f"{at}: {key} must be a non-negative integer, found {short_repr(value)}")
         shards.append(ShardInfo(path / name, num, size, parse_checksum(entry.get("checksum"), at)))
     if not shards:
         raise ConvertError(f"{where}: the 'shards' list is empty: nothing to convert")
     return index, shards
 
 
-def load_shard(info: ShardInfo) -> dict[str, Any]:
-    """Shard ``info`` as a dict, after its size and checksum are verified; unpickled safely."""
-    data = read_verified(info.path, info.checksum, info.size)
+def load_shard(info: ShardInfo, max_bytes: int) -> dict[str, Any]:
+    """Shard ``info`` as a dict, after its size and checksum are verified; unpickled safely,
+    its file and its pickle each at most ``max_bytes`` (`Options.shard_bytes`)."""
+    data = read_verified(info.path, info.checksum, info.size, max_bytes)
     if data[:2] == _GZIP_MAGIC:
-        # One call into zlib for the whole shard: it releases the GIL for all of it (a
-        # streaming GzipFile makes thousands of small calls), so the read-ahead thread
-        # decompresses while the main thread converts. Memory: one shard's pickle bytes.
-        try:
-            data = gzip.decompress(data)
-        except (OSError, EOFError, zlib.error) as err:
-            raise ConvertError(f"{info.path}: not a readable gzip file ({err})") from None
-    shard = safe_pickle.load(data, info.path)
+        # One call into zlib per member: it releases the GIL for all of it (a streaming
+        # GzipFile makes thousands of small calls), so the read-ahead thread decompresses
+        # while the main thread converts. Memory: one shard's pickle bytes, capped.
+        data = files.gunzip(data, max_bytes, info.path, hint=MEMORY_HINT)
+    try:
+        shard = safe_pickle.load(data, info.path, max_bytes=max_bytes)
+    except MemoryError:
+        raise ConvertError(f"{info.path}: not enough memory to unpickle it{MEMORY_HINT}") from None
+    del data
     if not isinstance(shard, dict) or not shard:
-        raise ConvertError(f"{info.path}: expected a dict of layer_<idx> -> records, found {type(shard).__name__}")
+        raise ConvertError(f"{info.path}: expected a dict of layer_<idx> -> records, found {type_name(shard)}")
     return shard
 
 
-def loaded(shards: list[ShardInfo]) -> Iterator[tuple[ShardInfo, dict[str, Any]]]:
+def loaded(shards: list[ShardInfo], max_bytes: int) -> Iterator[tuple[ShardInfo, dict[str, Any]]]:
     """``(info, shard)`` in order, the next shard verified and unpickled in a thread meanwhile.
 
     zlib, hashlib and the copies in unpickling release the GIL for large buffers, so reading
-    shard k+1 overlaps converting and writing shard k (at most two shards in memory).
+    shard k+1 overlaps converting and writing shard k (at most two shards in memory). The
+    thread is never waited for after an error or Ctrl-C (`files.read_ahead`).
     """
-    if not shards:
-        return
-    with ThreadPoolExecutor(1, "saev-shards-convert-read") as pool:
-        pending = pool.submit(load_shard, shards[0])
-        for k, info in enumerate(shards):
-            shard = pending.result()
-            if k + 1 < len(shards):
-                pending = pool.submit(load_shard, shards[k + 1])
-            yield info, shard
-            del shard
+    return files.read_ahead(lambda info: load_shard(info, max_bytes), shards)
 
 
 def _layers_of(shard: Mapping[str, Any], where: Path) -> dict[int, list[Any]]:
     out: dict[int, list[Any]] = {}
+    keys: dict[int, str] = {}
     for key, records in shard.items():
-        m = _LAYER_KEY.fullmatch(str(key))
+        m = _LAYER_KEY.fullmatch(key) if isinstance(key, str) else None
         if m is None:
-            raise ConvertError(f"{where}: expected keys like 'layer_15', found {key!r}")
+            raise ConvertError(f"{where}: expected keys like 'layer_15', found {short_repr(key)}")
+        layer = int(m.group(1))
+        if not -(2**63) <= layer < 2**63:
+            raise ConvertError(f"{where}: {short_repr(key)}: the layer number does not fit 64 bits")
+        if layer in keys:  # layer_1 and layer_01: one would silently replace the other
+            raise ConvertError(f"{where}: keys {keys[layer]!r} and {key!r} name the same layer {layer}")
         if not isinstance(records, list):
-            raise ConvertError(f"{where}: {key}: expected a list of records, found {type(records).__name__}")
-        out[int(m.group(1))] = records
+            raise ConvertError(f"{where}: {key}: expected a list of records, found {type_name(records)}")
+        keys[layer] = key
+        out[layer] = records
     return dict(sorted(out.items()))
 
 
 def _activation(record: Any, where: str) -> npt.NDArray[Any]:
     if not isinstance(record, dict) or "activation" not in record:
-        raise ConvertError(f"{where}: expected a record with an 'activation', found {type(record).__name__}")
+        raise ConvertError(f"{where}: expected a record with an 'activation', found {type_name(record)}")
     act = record["activation"]
     if not isinstance(act, np.ndarray) or act.ndim != 2 or act.dtype.kind != "f":
         shape = getattr(act, "shape", None)
         raise ConvertError(
             f"{where}: expected 'activation' as a float array (seq_len, hidden), found "
-            f"{type(act).__name__} {getattr(act, 'dtype', '')} {shape if shape is not None else ''}".rstrip()
+            f"{type_name(act)} {getattr(act, 'dtype', '')} {shape if shape is not None else ''}".rstrip()
         )
     shape = record.get("shape")
-    if shape is not None and tuple(shape) != act.shape:
-        raise ConvertError(f"{where}: 'shape' says {tuple(shape)} but the activation is {act.shape}")
+    if shape is not None:
+        if not (
+            isinstance(shape, (list, tuple, np.ndarray))
+            and len(shape) == 2
+            and all(is_int(v, numpy_ok=True) for v in shape)
+        ):
+            raise ConvertError(
+                f"{where}: expected 'shape' as two integers (seq_len, hidden), found {short_repr(shape)}"
+            )
+        if tuple(int(v) for v in shape) != act.shape:  # a truncated record: fewer rows than it says
+            raise ConvertError(
+                f"{where}: 'shape' says {tuple(int(v) for v in shape)} but the activation is {act.shape}"
+            )
     return act
 
 
+def _seq_len(records: list[Any], layer: int, where: Path) -> list[int]:
+    return [_activation(r, f"{where}: layer_{layer}[{j}]").shape[0] for j, r in enumerate(records)]
+
+
+def _sample_idx(record: dict[str, Any], where: str) -> int:
+    """A record's ``sample_idx``: an integer of 64 bits (an integral float is taken; a fractional one
+    is an error, never truncated)."""
+    value: Any = record.get("sample_idx")
+    if isinstance(value, (float, np.floating)) and float(value).is_integer() and abs(float(value)) < 2**53:
+        value = int(value)
+    if not (is_int(value, numpy_ok=True) and -(2**63) <= int(value) < 2**63):
+        raise ConvertError(f"{where}: expected 'sample_idx' as an integer of 64 bits, found {short_repr(value)}")
+    return int(value)
+
+
+def _metadata(record: dict[Any, Any], where: str) -> dict[Any, Any]:
+    meta = record.get("metadata")
+    if meta is None:
+        return {}
+    if not isinstance(meta, dict):
+        raise ConvertError(f"{where}: expected 'metadata' as a dict, found {type_name(meta)}")
+    return meta
+
+
 def _is_number(v: Any) -> bool:
-    return isinstance(v, (numbers.Number, np.number, np.bool_)) and not isinstance(v, complex)
+    return isinstance(v, (numbers.Real, np.number, np.bool_)) and not isinstance(v, (complex, np.complexfloating))
 
 
-def _fields(shard: Mapping[int, list[Any]], report: Report) -> Fields:
+def _fits_int64(v: Any) -> bool:
+    return not isinstance(v, (numbers.Integral, np.integer)) or -(2**63) <= int(v) < 2**63
+
+
+def _fields(shard: Mapping[int, list[Any]], report: Report, where: Path) -> Fields:
     """Columns and text fields from the first shard's records (first layer)."""
-    records = next(iter(shard.values()))
+    layer, records = next(iter(shard.items()))
     keys: dict[str, list[Any]] = {}
-    for r in records:
-        meta = r.get("metadata") or {}
-        if not isinstance(meta, dict):
-            raise ConvertError(f"'metadata' must be a dict, found {type(meta).__name__}")
-        for k, v in meta.items():
-            keys.setdefault(str(k), []).append(v)
+    for j, r in enumerate(records):
+        at = f"{where}: layer_{layer}[{j}]"
+        if not isinstance(r, dict):
+            raise ConvertError(f"{at}: expected a record (a dict), found {type_name(r)}")
+        for k, v in _metadata(r, at).items():
+            if not isinstance(k, str):
+                report.count(f"metadata values under keys that are not strings ({type_name(k)}) not carried over")
+                continue
+            keys.setdefault(k, []).append(v)
     numeric: dict[str, tuple[str, np.dtype[Any]]] = {}
     text: dict[str, str] = {}
     taken = {"sample_idx", "lengths", "true_lengths"}
     for key, values in keys.items():
         name = field_name(key)
         if name is None or name in taken:
-            report.note(f"metadata field {key!r} not carried over (no usable column name)")
+            report.note(f"metadata field {short_repr(key)} not carried over (no usable column name)")
             continue
-        if len(values) == len(records) and all(_is_number(v) for v in values):
-            dt: np.dtype[Any]
-            if all(isinstance(v, (bool, np.bool_)) for v in values):
-                dt = np.dtype("|b1")
-            elif all(isinstance(v, (numbers.Integral, np.integer)) for v in values):
-                dt = np.dtype("<i8")
-            else:
-                dt = np.dtype("<f8")
+        bools = [isinstance(v, (bool, np.bool_)) for v in values]
+        dt: np.dtype[Any] | None = None
+        if len(values) != len(records) or not all(_is_number(v) and _fits_int64(v) for v in values):
+            dt = None  # not one number per record: text
+        elif all(bools):
+            dt = np.dtype("|b1")
+        elif any(bools):
+            dt = None  # bools among numbers: kept as they are, as text
+        elif all(isinstance(v, (numbers.Integral, np.integer)) for v in values):
+            dt = np.dtype("<i8")
+        else:
+            dt = np.dtype("<f8")
+        if dt is not None:
             numeric[name] = (key, dt)
         else:
             text[name] = key
@@ -209,10 +277,29 @@ def _fields(shard: Mapping[int, list[Any]], report: Report) -> Fields:
     if preview and "text_preview" in text:
         report.note("metadata field 'text_preview' not carried over (the record's own text_preview is kept)")
         del text["text_preview"]
-    extra = sorted({k for r in records for k in r if k not in _KNOWN_KEYS})
+    extra = sorted({short_repr(k) for r in records for k in r if k not in _KNOWN_KEYS})
     for k in extra:
-        report.note(f"record key {k!r} not carried over (seed 001 does not define it)")
+        report.note(f"record key {k} not carried over (seed 001 does not define it)")
     return Fields(numeric, text, preview)
+
+
+def _column_value(value: Any, dt: np.dtype[Any], key: str, where: str) -> Any:
+    """``value`` as it goes into a column of ``dt`` (decided from the first shard); a value the
+    column cannot hold exactly (a fraction in an integer column, a number in a bool column,
+    an integer beyond 64 bits) is an error, never rounded."""
+    is_bool = isinstance(value, (bool, np.bool_))
+    ok = _is_number(value) and (
+        (dt.kind == "b" and is_bool)
+        or (dt.kind == "i" and not is_bool and isinstance(value, (numbers.Integral, np.integer)) and _fits_int64(value))
+        or (dt.kind == "f" and not is_bool and _fits_int64(value))
+    )
+    if not ok:
+        kind = {"b": "a bool", "i": "an integer of 64 bits", "f": "a number"}[dt.kind]
+        raise ConvertError(
+            f"{where}: expected {kind} for metadata field {short_repr(key)} (as in the first shard), "
+            f"found {short_repr(value)}"
+        )
+    return bool(value) if dt.kind == "b" else value
 
 
 @dataclasses.dataclass
@@ -220,6 +307,8 @@ class PickleSource:
     plan: Plan
     shards: list[ShardInfo]
     fields: Fields
+    #: The most a shard may expand to (`Options.shard_bytes`).
+    shard_bytes: int
     #: The first shard, loaded while planning, handed to the first `chunks` call (not read twice).
     first: dict[str, Any] | None = None
 
@@ -235,9 +324,9 @@ class PickleSource:
         head, self.first = self.first, None
         stream: Iterator[tuple[ShardInfo, dict[str, Any]]]
         if head is not None and todo[:1] == self.shards[:1]:
-            stream = itertools.chain([(todo[0], head)], loaded(todo[1:]))
+            stream = itertools.chain([(todo[0], head)], loaded(todo[1:], self.shard_bytes))
         else:
-            stream = loaded(todo)
+            stream = loaded(todo, self.shard_bytes)
         del head
         for info, shard in stream:
             layered = _layers_of(shard, info.path)
@@ -271,21 +360,22 @@ class PickleSource:
         text: dict[str, list[Any]] = {name: [] for name in self.fields.text}
         if self.fields.text_preview:
             text["text_preview"] = []
+        known_keys = {key for key, _ in self.fields.numeric.values()} | set(self.fields.text.values())
         for j in range(a, b):
             head = lists[0][j]
             where = f"{info.path}: layer_{self.plan.layers[0]}[{j}]"
             if not isinstance(head, dict) or "sample_idx" not in head:
-                raise ConvertError(f"{where}: expected a record with a 'sample_idx'")
-            sid = head["sample_idx"]
+                raise ConvertError(f"{where}: expected a record with a 'sample_idx', found {type_name(head)}")
+            sid = _sample_idx(head, where)
             seq_len = -1
             for li, records in enumerate(lists):
                 rec = records[j]
                 at = f"{info.path}: layer_{self.plan.layers[li]}[{j}]"
                 act = _activation(rec, at)
-                if rec.get("sample_idx") != sid:
+                if li and _sample_idx(rec, at) != sid:
                     raise ConvertError(
                         f"{at}: expected sample_idx {sid} as under layer_{self.plan.layers[0]}, "
-                        f"found {rec.get('sample_idx')!r}"
+                        f"found {short_repr(rec.get('sample_idx'))}"
                     )
                 if act.shape[1] != d_model:
                     raise ConvertError(f"{at}: expected hidden size {d_model}, found {act.shape[1]}")
@@ -297,19 +387,19 @@ class PickleSource:
                     )
                 keep = min(seq_len, tokens)
                 acts[j - a, li, :keep] = act[:keep]
+                for k in rec:
+                    if k not in _KNOWN_KEYS:
+                        report.count(f"values under record key {short_repr(k)} not carried over (not in seed 001)")
             true_lengths[j - a] = seq_len
-            sample_idx[j - a] = int(sid)
-            meta = head.get("metadata") or {}
+            sample_idx[j - a] = sid
+            meta = _metadata(head, where)
             for name, (key, dt) in self.fields.numeric.items():
-                value = meta.get(key)
-                if value is None or not _is_number(value):
-                    raise ConvertError(
-                        f"{where}: expected a number for metadata field {key!r} (as in the first shard), "
-                        f"found {value!r}"
-                    )
-                numeric[name][j - a] = value if dt.kind != "b" else bool(value)
+                numeric[name][j - a] = _column_value(meta.get(key), dt, key, where)
             for name, key in self.fields.text.items():
                 text[name].append(plain(meta.get(key)))
+            for k in meta:
+                if k not in known_keys:  # no column or text field to go to (decided from the first shard)
+                    report.count(f"values of metadata field {short_repr(k)} not carried over")
             if self.fields.text_preview:
                 preview = head.get("text_preview")
                 text["text_preview"].append(preview if isinstance(preview, str) else plain(preview))
@@ -324,7 +414,7 @@ class PickleSource:
             "sample_idx": sample_idx,
             **numeric,
         }
-        return Chunk(acts, columns, text, source_nbytes=info.path.stat().st_size * (b - a) // max(1, len(lists[0])))
+        return Chunk(acts, columns, text, source_nbytes=info.nbytes * (b - a) // max(1, len(lists[0])))
 
 
 def open_source(path: Path, options: Options, scan: Callable[[int, int], None] | None = None) -> PickleSource:
@@ -332,7 +422,7 @@ def open_source(path: Path, options: Options, scan: Callable[[int, int], None] |
     if options.layers is not None:
         raise ConvertOptionError("--layers: pickle shards name their layers (layer_15, ...); leave --layers out")
     index, shards = _parse_index(path)
-    first_shard = load_shard(shards[0])
+    first_shard = load_shard(shards[0], options.shard_bytes)
     first = _layers_of(first_shard, shards[0].path)
     layers = tuple(first)
     first_records = next(iter(first.values()))
@@ -340,19 +430,19 @@ def open_source(path: Path, options: Options, scan: Callable[[int, int], None] |
         raise ConvertError(f"{shards[0].path}: the first shard holds no records")
     d_model = _activation(first_records[0], f"{shards[0].path}: layer_{layers[0]}[0]").shape[1]
     report = Report()
-    fields = _fields(first, report)
-    longest = max(_activation(r, str(shards[0].path)).shape[0] for r in first_records)
+    fields = _fields(first, report, shards[0].path)
+    longest = max(_seq_len(first_records, layers[0], shards[0].path))
     n_examples = len(first_records)
     counted = [len(first_records)]
     if options.max_tokens is None or any(s.num_samples is None for s in shards):
         # T is the longest sequence of all shards (and counts not in the index are needed
         # to resume): one pass over the rest, shard by shard, before anything is written.
-        for k, (info, shard) in enumerate(loaded(shards[1:]), start=1):
+        for k, (info, shard) in enumerate(loaded(shards[1:], options.shard_bytes), start=1):
             if scan is not None:
                 scan(k, len(shards))
             layered = _layers_of(shard, info.path)
             records = next(iter(layered.values()))
-            longest = max([longest, *(_activation(r, str(info.path)).shape[0] for r in records)])
+            longest = max([longest, *_seq_len(records, next(iter(layered)), info.path)])
             counted.append(len(records))
         n_examples = sum(counted)
         shards = [dataclasses.replace(s, num_samples=c) for s, c in zip(shards, counted, strict=True)]
@@ -367,14 +457,9 @@ def open_source(path: Path, options: Options, scan: Callable[[int, int], None] |
     found = index.get("extraction_config")
     config: dict[str, Any] = found if isinstance(found, dict) else {}
     verified = sum(s.checksum is not None for s in shards)
-    identity: Any
-    if verified == len(shards):
-        identity = {"index_sha256": hashlib.sha256((path / INDEX).read_bytes()).hexdigest()}
-    else:
-        identity = {
-            "index_sha256": hashlib.sha256((path / INDEX).read_bytes()).hexdigest(),
-            "files": stat_identity([s.path for s in shards], path),
-        }
+    identity: Any = {"index_sha256": hashlib.sha256(files.read_bytes(path / INDEX, files.MAX_JSON_BYTES)).hexdigest()}
+    if verified != len(shards):
+        identity["files"] = stat_identity([s.path for s in shards], path)
     source = {
         "path": str(path),
         "version": plain(index.get("version")),
@@ -415,7 +500,7 @@ def open_source(path: Path, options: Options, scan: Callable[[int, int], None] |
         source=source,
         columns=columns,
         text=tuple(text_fields),
-        source_nbytes=sum(s.path.stat().st_size for s in shards),
+        source_nbytes=sum(size for _, size, _ in stat_identity([s.path for s in shards], path)),
         checksums=(
             f"{verified} of {len(shards)} shards carry a checksum; each is verified before it is used"
             if verified
@@ -424,4 +509,4 @@ def open_source(path: Path, options: Options, scan: Callable[[int, int], None] |
         layout=tuple(layout),
         notes=tuple(report.notes),
     )
-    return PickleSource(plan, shards, fields, first_shard)
+    return PickleSource(plan, shards, fields, options.shard_bytes, first_shard)

@@ -17,12 +17,14 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from .. import dtypes
 from ..errors import ConvertError, ConvertOptionError, NonFiniteError, ShardsError, SourceNotFoundError
+from ..fileio import check_free_space
 from ..metadata import Metadata
 from ..progress import Progress
-from ..protocol.common import PROTOCOL, V3_PROTOCOLS
-from ..store import resolve, shards_root
-from ..writer import ShardWriter
+from ..protocol.common import FLOAT8, PROTOCOL, V3_PROTOCOLS
+from ..store import check_reference, resolve, shards_root
+from ..writer import ShardWriter, space_needed
 from . import cache
 from .base import CONVERT_VERSION, Options, Plan, Report, Source
 from .registry import SourceKind, Target, detect, source_kind, target
@@ -128,25 +130,46 @@ def prepare(
     options: Options | None = None,
     scan: Callable[[int, int], None] | None = None,
 ) -> Prepared:
-    """Detect the source's kind (or take ``kind``), plan it and derive the cache's metadata."""
-    path = Path(src).expanduser().absolute()
-    if not path.exists() and kind in (None, cache.KIND) and re.fullmatch(r"[0-9a-f]{4,64}", str(src)):
-        path = resolve(str(src))  # a cache's hash prefix, in the shards roots (CacheNotFoundError names them)
+    """Detect the source's kind (or take ``kind``), plan it and derive the cache's metadata.
+
+    Every problem with the source is a `ConvertError` (or another `ShardsError`) naming the
+    file; one that needs more memory than ``options.memory_bytes`` allows says so."""
+    text = os.fspath(src)
+    check_reference(text, "source")
+    path = Path(text).expanduser().absolute()
+    if not path.exists() and kind in (None, cache.KIND) and re.fullmatch(r"[0-9a-f]{4,64}", text):
+        path = resolve(text)  # a cache's hash prefix, in the shards roots (CacheNotFoundError names them)
     if not path.exists():
+        if os.path.lexists(path):
+            raise ConvertError(f"{path}: a symbolic link that leads nowhere (to nothing, or in a loop)")
         raise SourceNotFoundError(f"{path}: no such file or directory")
     the_target = target(to)
     the_kind = source_kind(kind) if kind is not None else detect(path)
     module = the_kind.load()
-    if kind is not None and not module.detect(path):
-        raise ConvertOptionError(f"{path}: does not look like a {the_kind.name} source ({the_kind.summary})")
     out_root = shards_root(root).path
-    opened: Source = module.open_source(path, options or Options(), scan=scan)
+    options = options or Options()
+    try:
+        try:
+            opened: Source = module.open_source(path, options, scan=scan)
+        except ShardsError as err:
+            if kind is not None and not module.detect(path):  # say both: the kind named, and why not
+                raise ConvertOptionError(
+                    f"{path}: does not look like a {the_kind.name} source ({the_kind.summary}): {err}"
+                ) from None
+            raise
+    except MemoryError:
+        raise ConvertError(
+            f"{path}: ran out of memory while reading the source (--max-memory {options.memory:,} bytes: "
+            "lower it to refuse large pieces up front, or free memory)"
+        ) from None
     md = metadata_for(opened.plan, the_target, dtype, patches_per_shard)
     return Prepared(the_kind, opened, the_target, md, out_root)
 
 
 def _nonfinite_message(err: NonFiniteError, dtype: str) -> str:
-    wider = "float32" if dtype != "float32" else None
+    # A wider dtype holds what overflowed float16 (or bfloat16); float8_e4m3 scales every vector,
+    # so only inf or NaN in the source itself is refused there.
+    wider = "float32" if dtype in ("float16", "bfloat16") else None
     hint = f"re-run with --dtype {wider} (or bfloat16), or " if wider else "re-run with "
     return f"{err}; {hint}--allow-nonfinite to store them as they are (nothing was published)"
 
@@ -160,8 +183,16 @@ def run(
     progress: bool | None = None,
     durable: bool = True,
     log: Callable[[str], None] | None = None,
+    check_space: bool = True,
 ) -> Result:
-    """Stream the prepared source into its cache and publish it; resumes unless ``restart``."""
+    """Stream the prepared source into its cache and publish it; resumes unless ``restart``.
+
+    Before anything is written, ``check_space`` refuses with `DiskFullError` when what is
+    still to write (`space_needed`: from the plan, which each source kind makes from what
+    the source holds, not only from what it declares) exceeds the free space under the
+    root (``check_space=False``, ``--no-space-check`` or ``SAEV_SHARDS_NO_SPACE_CHECK=1``
+    to skip it); a disk that fills up anyway raises `DiskFullError` naming the file, and
+    the same call after freeing space resumes."""
     say = log or (lambda _msg: None)
     plan, md, to = prepared.plan, prepared.metadata, prepared.target
     report = Report()
@@ -180,6 +211,11 @@ def run(
         dropped = [*(f"column {c}" for c in plan.columns), *(f"text {t}" for t in plan.text)]
         report.note(f"{', '.join(dropped)} not carried over (protocol {to.protocol} holds activations only)")
     with_lengths = "lengths" in columns
+    if check_space:
+        needed = space_needed(
+            md, prepared.root, columns=columns, text=lambda a, b: [2 * (b - a)] * len(text), restart=restart
+        )
+        check_free_space(prepared.root, needed, f"converting {plan.path}", "pass --no-space-check (check_space=False)")
     writer = ShardWriter(
         prepared.root,
         md,
@@ -206,11 +242,15 @@ def run(
                 cols: dict[str, Any] = {k: v for k, v in chunk.columns.items() if k in columns}
                 if with_lengths and "lengths" not in cols:
                     raise ConvertError(f"{plan.path}: internal: a chunk came without its lengths")
+                acts, scales = chunk.acts, chunk.scales
+                if scales is not None and md.dtype != FLOAT8:  # a float8_e4m3 source into another dtype
+                    acts, scales = dtypes.convert(acts, FLOAT8, "float32", scales), None
                 writer.write(
-                    chunk.acts,
+                    acts,
                     labels=chunk.labels if plan.labels else None,
                     columns=cols or None,
                     text={k: v for k, v in chunk.text.items() if k in text} or None,
+                    scales=scales,
                 )
                 written += n
                 bar.update(n * md.example_nbytes, extra=f"{start + written:,}/{md.n_examples:,} examples")
@@ -218,6 +258,11 @@ def run(
     except NonFiniteError as err:
         writer.abort()
         raise ConvertError(_nonfinite_message(err, md.dtype)) from None
+    except MemoryError:
+        writer.abort()
+        raise ConvertError(
+            f"{plan.path}: ran out of memory while converting (lower --max-memory, or free memory)"
+        ) from None
     except BaseException:
         writer.abort()
         raise
@@ -239,6 +284,7 @@ def convert(
     restart: bool = False,
     progress: bool | None = False,
     durable: bool = True,
+    check_space: bool = True,
 ) -> Result:
     """Convert ``src`` into a cache under ``root`` (default: the shards root); returns the `Result`.
 
@@ -249,5 +295,11 @@ def convert(
         src, kind=kind, to=to, root=root, dtype=dtype, patches_per_shard=patches_per_shard, options=options
     )
     return run(
-        prepared, allow_nonfinite=allow_nonfinite, stats=stats, restart=restart, progress=progress, durable=durable
+        prepared,
+        allow_nonfinite=allow_nonfinite,
+        stats=stats,
+        restart=restart,
+        progress=progress,
+        durable=durable,
+        check_space=check_space,
     )

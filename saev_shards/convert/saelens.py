@@ -14,7 +14,8 @@ from the memory-mapped Arrow tables, one chunk at a time.
 from __future__ import annotations
 
 import dataclasses
-import json
+import math
+import os
 import re
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -25,6 +26,8 @@ import numpy.typing as npt
 
 from ..errors import ConvertError, ConvertOptionError
 from ..optional import require
+from ..protocol.jsonfile import is_int, short_repr
+from . import files
 from .base import Chunk, Options, Plan, Report, column_dtype, field_name, plain, stat_identity
 
 KIND = "saelens"
@@ -35,20 +38,42 @@ _ANY_INT = re.compile(r"(\d+)")
 
 
 def _features(path: Path) -> dict[str, Any] | None:
-    try:
-        info = json.loads((path / _INFO).read_bytes())
-    except (OSError, ValueError):
-        return None
+    info = files.read_json(path / _INFO, "the dataset's features")
     features = info.get("features") if isinstance(info, dict) else None
     return features if isinstance(features, dict) else None
 
 
 def detect(path: Path) -> bool:
     """A ``save_to_disk`` folder (dataset_info.json, state.json) with at least one Array2D column."""
-    if not (path.is_dir() and (path / _STATE).is_file()):
+    if not (files.is_dir(path) and files.is_file(path / _STATE)):
         return False
-    features = _features(path)
+    try:
+        features = _features(path)
+    except ConvertError:
+        return False
     return features is not None and any(isinstance(f, dict) and f.get("_type") == "Array2D" for f in features.values())
+
+
+def _hook_shape(path: Path, hook: str, feature: dict[str, Any]) -> tuple[int, int]:
+    """``(context_size, d_in)`` of a hook's Array2D feature, checked before anything is allocated."""
+    shape = feature.get("shape")
+    if not (isinstance(shape, list) and len(shape) == 2 and all(is_int(v) and 1 <= v < 2**31 for v in shape)):
+        raise ConvertError(
+            f"{path / _INFO}: features.{hook}.shape: expected two positive integers (context_size, d_in), "
+            f"found {short_repr(shape)}"
+        )
+    return int(shape[0]), int(shape[1])
+
+
+def _float_dtype(path: Path, hook: str, feature: dict[str, Any]) -> np.dtype[Any]:
+    name = feature.get("dtype", "float32")
+    try:
+        dtype = np.dtype(name) if isinstance(name, str) and len(name) <= 32 else None
+    except TypeError:
+        dtype = None
+    if dtype is None or dtype.kind != "f":
+        raise ConvertError(f"{path}: hook {hook}: expected floating-point activations, found {short_repr(name)}")
+    return dtype
 
 
 def layer_of(hook: str) -> int | None:
@@ -87,64 +112,97 @@ class SaelensSource:
         dropped = self.context_size - tokens
         for a in range(start, self.plan.n_examples, step):
             b = min(self.plan.n_examples, a + step)
-            part = self.table.slice(a, b - a)
-            acts: npt.NDArray[Any] | None = None
-            for li, hook in enumerate(self.hooks):
-                # A zero-copy view of the memory-mapped Arrow buffer, copied once into place.
-                values = _numpy(part.column(hook), b - a, (self.context_size, d_model))[:, :tokens]
-                if acts is None:
-                    acts = np.empty((b - a, len(self.hooks), tokens, d_model), values.dtype)  # (B, L, T, D)
-                acts[:, li] = values
-            assert acts is not None
-            if dropped > 0:
-                report.count(
-                    f"token positions beyond --max-tokens {tokens} dropped", dropped * (b - a) * len(self.hooks)
-                )
-            columns: dict[str, npt.NDArray[Any]] = {}
-            for name, (col, tail) in self.columns.items():
-                values = _numpy(part.column(col), b - a, tail)
-                if name == "token_ids":
-                    values = values[:, :tokens]
-                columns[name] = np.ascontiguousarray(values, dtype=self.plan.columns[name][0])
-            text = {name: [plain(v) for v in part.column(col).to_pylist()] for name, col in self.text_columns.items()}
-            yield Chunk(acts, columns, text, source_nbytes=int(acts.nbytes))
+            with files.library_errors(self.plan.path, "datasets folder"):
+                chunk = self._chunk(a, b, tokens, d_model, dropped, report)
+            yield chunk
+
+    def _chunk(self, a: int, b: int, tokens: int, d_model: int, dropped: int, report: Report) -> Chunk:
+        part = self.table.slice(a, b - a)
+        acts: npt.NDArray[Any] | None = None
+        for li, hook in enumerate(self.hooks):
+            # A zero-copy view of the memory-mapped Arrow buffer, copied once into place.
+            values = _numpy(part.column(hook), b - a, (self.context_size, d_model))[:, :tokens]
+            if acts is None:
+                acts = np.empty((b - a, len(self.hooks), tokens, d_model), values.dtype)  # (B, L, T, D)
+            acts[:, li] = values
+        assert acts is not None
+        if dropped > 0:
+            report.count(f"token positions beyond --max-tokens {tokens} dropped", dropped * (b - a) * len(self.hooks))
+        columns: dict[str, npt.NDArray[Any]] = {}
+        for name, (col, tail) in self.columns.items():
+            values = _numpy(part.column(col), b - a, tail)
+            if name == "token_ids":
+                values = values[:, :tokens]
+            columns[name] = np.ascontiguousarray(values, dtype=self.plan.columns[name][0])
+        text = {name: [plain(v) for v in part.column(col).to_pylist()] for name, col in self.text_columns.items()}
+        return Chunk(acts, columns, text, source_nbytes=int(acts.nbytes))
 
 
-def _shape_of(feature: Any) -> tuple[str, tuple[int, ...]] | None:
-    """``(value dtype, tail shape)`` of a numeric feature (Value, fixed-length List/Sequence, ArrayND)."""
-    if not isinstance(feature, dict):
+def _check_held(path: Path, table: Any, hook: str, declared: int) -> None:
+    """Refuse a column (a hook's, or another numeric one) that holds fewer bytes than its rows
+    and shape declare (the Arrow buffers' own sizes; nothing is read), before anything is
+    allocated for it."""
+    try:
+        held = int(table.column(hook).nbytes)
+    except KeyError:
+        raise ConvertError(f"{path}: features list {short_repr(hook)}, the Arrow tables have no such column") from None
+    if held < declared:
+        raise ConvertError(
+            f"{path}: column {short_repr(hook)}: its rows and shape declare {declared:,} bytes, the Arrow files "
+            f"hold {held:,}: the folder declares more than it holds; nothing was written"
+        )
+
+
+#: Most values one row of a column may hold (a tail shape beyond it is not carried over).
+_MAX_ROW_VALUES = 1 << 24
+
+
+def _shape_of(feature: Any, depth: int = 0) -> tuple[str, tuple[int, ...]] | None:
+    """``(value dtype, tail shape)`` of a numeric feature (Value, fixed-length List/Sequence, ArrayND);
+    None for anything else, a shape that is not small non-negative integers included."""
+    if not isinstance(feature, dict) or depth > 8:
         return None
     kind = feature.get("_type")
-    if kind == "Value":
-        return str(feature.get("dtype")), ()
-    if kind in ("List", "Sequence") and isinstance(feature.get("length"), int) and feature["length"] >= 0:
-        inner = _shape_of(feature.get("feature"))
+    dtype = feature.get("dtype")
+    out: tuple[str, tuple[int, ...]] | None = None
+    if kind == "Value" and isinstance(dtype, str):
+        out = dtype, ()
+    elif kind in ("List", "Sequence") and is_int(feature.get("length")) and 0 <= feature["length"] < 2**31:
+        inner = _shape_of(feature.get("feature"), depth + 1)
         if inner is not None:
-            return inner[0], (feature["length"], *inner[1])
-    if isinstance(kind, str) and kind.startswith("Array") and isinstance(feature.get("shape"), list):
-        return str(feature.get("dtype")), tuple(int(v) for v in feature["shape"])
-    return None
+            out = inner[0], (feature["length"], *inner[1])
+    elif isinstance(kind, str) and kind.startswith("Array") and isinstance(dtype, str):
+        shape = feature.get("shape")
+        if isinstance(shape, list) and len(shape) <= 8 and all(is_int(v) and 0 <= v < 2**31 for v in shape):
+            out = dtype, tuple(int(v) for v in shape)
+    if out is None or math.prod(out[1]) > _MAX_ROW_VALUES or len(out[0]) > 32:
+        return None
+    return out
 
 
 def open_source(path: Path, options: Options, scan: Callable[[int, int], None] | None = None) -> SaelensSource:
     datasets = require("datasets", "convert", "converting SAELens caches")
     features = _features(path) or {}
-    try:
+    # datasets opens (and memory-maps) the files itself: everything must be a regular file first.
+    files.check_tree(path, "in a datasets folder", {_INFO: files.MAX_JSON_BYTES, _STATE: files.MAX_JSON_BYTES})
+    with files.library_errors(path, "datasets folder"):
         ds = datasets.load_from_disk(str(path))
-    except Exception as err:  # datasets raises many kinds for a broken folder
-        raise ConvertError(f"{path}: not a readable datasets folder ({type(err).__name__}: {err})") from None
+        # pyarrow maps the IPC files without checking their buffers: a damaged offset or
+        # length would read out of bounds (a crash, not an error). Full validation checks
+        # every offset and length against its buffer (the activations are not read).
+        ds.data.table.validate(full=True)
     if not isinstance(ds, datasets.Dataset):
         raise ConvertError(f"{path}: expected one Dataset (save_to_disk of a Dataset), found {type(ds).__name__}")
     hooks = [name for name, f in features.items() if isinstance(f, dict) and f.get("_type") == "Array2D"]
-    shapes = {tuple(features[h]["shape"]) for h in hooks}
+    if not hooks:
+        raise ConvertError(f"{path / _INFO}: no Array2D feature: no hook's activations to convert")
+    shapes = {_hook_shape(path, h, features[h]) for h in hooks}
     if len(shapes) != 1:
         raise ConvertError(f"{path}: the hooks {hooks} have different shapes {sorted(shapes)}; convert them separately")
-    context_size, d_model = (int(v) for v in shapes.pop())
+    context_size, d_model = shapes.pop()
     for h in hooks:
-        if np.dtype(features[h].get("dtype", "float32")).kind != "f":
-            raise ConvertError(
-                f"{path}: hook {h}: expected floating-point activations, found {features[h].get('dtype')}"
-            )
+        dtype = _float_dtype(path, h, features[h])
+        _check_held(path, ds.data, h, len(ds) * context_size * d_model * dtype.itemsize)
     if options.layers is not None:
         if len(options.layers) != len(hooks):
             raise ConvertOptionError(
@@ -176,21 +234,23 @@ def open_source(path: Path, options: Options, scan: Callable[[int, int], None] |
         if shape is not None:
             try:
                 dt = column_dtype(np.dtype(shape[0]))
-            except TypeError:
+            except (TypeError, ValueError):
                 dt = None
         if name is None or shape is None or dt is None or name in col_types:
             notes.append(
                 f"column {col!r} ({feature.get('_type') if isinstance(feature, dict) else feature}) not carried over"
             )
             continue
+        _check_held(path, ds.data, col, len(ds) * math.prod(shape[1]) * np.dtype(shape[0]).itemsize)
         tail = shape[1]
         if name == "token_ids" and tail == (context_size,):
             tail = (tokens,)
         columns[name] = (col, shape[1])
         col_types[name] = (dt, tail)
     cfg_file = path / "cache_activations_runner_cfg.json"
-    cfg = plain(json.loads(cfg_file.read_bytes())) if cfg_file.is_file() else None
-    state = json.loads((path / _STATE).read_bytes())
+    has_cfg = os.path.lexists(cfg_file)
+    cfg = plain(files.read_json(cfg_file, "the cache runner's configuration")) if has_cfg else None
+    state = files.read_json(path / _STATE, "the dataset's state")
     arrow = sorted(path.glob("*.arrow"))
     layout = [
         f"hooks {hooks} -> layers {list(layers)}"

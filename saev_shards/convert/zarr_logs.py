@@ -20,9 +20,11 @@ each line's JSON object, placed by its ``"i"`` (else by line number).
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import hashlib
-import json
+import math
+import os
 import re
 import warnings
 from collections.abc import Callable, Iterator
@@ -31,17 +33,35 @@ from typing import Any
 
 import numpy as np
 import numpy.typing as npt
-import orjson
 
-from ..errors import ConvertError
+from ..errors import ConvertError, JSONFileError
 from ..optional import require
-from .base import Chunk, Options, Plan, Report, column_dtype, field_name, pick_layers, plain, stat_identity
+from ..protocol.jsonfile import is_int, short_repr, strict_json_loads
+from . import files
+from .base import (
+    MEMORY_HINT,
+    Chunk,
+    Options,
+    Plan,
+    Report,
+    column_dtype,
+    field_name,
+    pick_layers,
+    plain,
+    stat_identity,
+)
 
 KIND = "zarr"
 _SHARD_RE = re.compile(r"shard-(\d+)\.zarr")
 #: The sequence parts, in token order, and the array names of their activations and lengths.
 _SPLIT = (("prompt", "prompt_activations", "prompt_len"), ("response", "response_activations", "response_len"))
 _SINGLE = (("seq", "activations", "seq_len"),)
+#: The row (axis 0) of a chunk file's key: ``3.0.1.0`` (zarr v2), ``3/0/1/0`` or ``c/3/0/1/0`` (zarr v3).
+_CHUNK_ROW = re.compile(r"(\d+)(?:[./]|$)")
+#: Samples past the last row of chunks whose lengths are read to tell they are empty (more: refused).
+_MAX_EMPTY_TAIL = 1 << 20
+#: Metadata files of a store, read by zarr itself: each at most this long.
+_METADATA_NAMES = (".zarray", ".zgroup", ".zattrs", ".zmetadata", "zarr.json")
 
 
 def _is_group(path: Path) -> bool:
@@ -132,23 +152,37 @@ def _text_files(store: Path) -> dict[str, Path]:
 
 
 def _line_index(path: Path, n: int, offset: int) -> npt.NDArray[np.int64]:
-    """Byte offset of each sample's line (-1: no line): placed by ``"i"`` when lines have it."""
+    """Byte offset of each sample's line (-1: no line): placed by ``"i"`` when lines have it
+    (then every line must: an integer, not a fraction, never guessed), else by line number."""
     starts: list[int] = []
-    keys: list[int | None] = []
+    keys: list[int] = []
+    placed: bool | None = None  # whether lines carry "i" (decided by the first line)
     pos = 0
-    with path.open("rb") as f:
-        for line in f:
+    number = 0
+    with files.open_lines(path, "a text file of the store") as f:
+        while line := files.read_line(f, path, number + 1):
+            number += 1
             if line.strip():
-                try:
-                    obj = orjson.loads(line)
-                except orjson.JSONDecodeError as err:
-                    raise ConvertError(f"{path}: line {len(starts) + 1} is not JSON ({err})") from None
-                i = obj.get("i") if isinstance(obj, dict) else None
-                keys.append(i if isinstance(i, int) and not isinstance(i, bool) else None)
+                obj = _json_line(line, path, number)
+                has_i = isinstance(obj, dict) and "i" in obj
+                if placed is None:
+                    placed = has_i
+                elif has_i != placed:
+                    raise ConvertError(
+                        f"{path}: line {number} {'has' if has_i else 'has no'} 'i' where line {starts and 1} "
+                        f"{'does not' if has_i else 'does'}: samples cannot be placed"
+                    )
+                if placed:
+                    i = obj["i"]
+                    if not (is_int(i) and -(2**63) <= i < 2**63):
+                        raise ConvertError(f"{path}: line {number}: expected 'i' as an integer, found {short_repr(i)}")
+                    keys.append(i)
                 starts.append(pos)
+                if len(starts) > n:
+                    raise ConvertError(f"{path}: expected at most {n} lines (one per sample), found more")
             pos += len(line)
     index = np.full(n, -1, np.int64)
-    if keys and all(k is not None for k in keys):
+    if placed:
         ids = np.asarray(keys, np.int64)
         if ids.min() >= 0 and ids.max() < n:
             pass  # local indices
@@ -160,10 +194,16 @@ def _line_index(path: Path, n: int, offset: int) -> npt.NDArray[np.int64]:
             raise ConvertError(f"{path}: repeated 'i' values")
         index[ids] = starts
     else:
-        if len(starts) > n:
-            raise ConvertError(f"{path}: expected at most {n} lines (one per sample), found {len(starts)}")
         index[: len(starts)] = starts
     return index
+
+
+def _json_line(line: bytes, path: Path, number: int) -> Any:
+    """One line of a JSON Lines file, parsed by the strict loader of caches (it becomes cache text)."""
+    try:
+        return strict_json_loads(line.strip())
+    except JSONFileError as err:
+        raise ConvertError(f"{path}: line {number}: {err}") from None
 
 
 @dataclasses.dataclass
@@ -188,7 +228,9 @@ class ZarrSource:
             step = self.plan.chunk_examples
             for a in range(max(0, start - store.offset), store.n, step):
                 b = min(store.n, a + step)
-                yield self._chunk(store, a, b, indexes, k, report)
+                with _reading(store.path):
+                    chunk = self._chunk(store, a, b, indexes, k, report)
+                yield chunk
 
     def _chunk(
         self, store: Store, a: int, b: int, indexes: dict[str, npt.NDArray[np.int64]], k: int, report: Report
@@ -257,19 +299,162 @@ def _lines(path: Path | None, index: npt.NDArray[np.int64] | None, a: int, b: in
     if path is None or index is None:
         return [None] * (b - a)
     out: list[Any] = []
-    with path.open("rb") as f:
+    with files.open_lines(path, "a text file of the store") as f:
         for off in index[a:b].tolist():
             if off < 0:
                 out.append(None)
                 continue
             f.seek(off)
-            out.append(orjson.loads(f.readline()))
+            out.append(_json_line(files.read_line(f, path, 0), path, 0))
     return out
+
+
+def _reading(where: Path) -> contextlib.AbstractContextManager[None]:
+    return files.library_errors(where, "zarr store")
+
+
+def _check_chunks(array: Any, name: str, where: Path, max_bytes: int) -> None:
+    """A chunk of ``array`` is decoded whole whenever any of it is read: it must fit ``max_bytes``."""
+    chunks = getattr(array, "shards", None) or array.chunks
+    nbytes = math.prod(int(c) for c in chunks) * np.dtype(array.dtype).itemsize
+    if nbytes > max_bytes:
+        raise ConvertError(
+            f"{where}: {name}: chunks of {tuple(int(c) for c in chunks)} are {nbytes:,} bytes each, more than the "
+            f"{max_bytes:,} a chunk may take{MEMORY_HINT}"
+        )
+
+
+#: How far a codec's output can grow beyond its input, where a bound exists: deflate (gzip,
+#: zlib) at most 1032 times (RFC 1951: a 258-byte match in under two bits), LZ4 blocks about
+#: 255 times. Blosc and Zstandard chunks declare their output size in a header, checked instead.
+_RATIOS = {"gzip": 1032, "zlib": 1032, "lz4": 256}
+#: Codecs that never make a chunk larger than the chunk's declared bytes.
+_SIZE_KEEPING = frozenset(
+    ["bytes", "endian", "transpose", "shuffle", "delta", "crc32c", "fixedscaleoffset", "astype", "quantize",
+     "packbits", "sharding", "shardingindexed"]
+)  # fmt: skip
+_BLOSC_MAGIC_LEN = 16
+_ZSTD_MAGIC = b"\x28\xb5\x2f\xfd"
+
+
+def _codec_name(codec: Any) -> str:
+    name = getattr(codec, "codec_id", None) or type(codec).__name__
+    return str(name).lower().removesuffix("codec")
+
+
+def _check_codecs(store: Path, name: str, array: Any, max_bytes: int) -> None:
+    """Bound what decoding any chunk of ``array`` can allocate, before zarr decodes one: a
+    compressed chunk expands to whatever its codec says, and zarr checks the size only after
+    (a chunk of a few KB can ask for gigabytes). Each chunk file's worst case, from its size
+    and the codec's ratio or from the size its header declares, must fit ``max_bytes``;
+    a codec whose output cannot be bounded so (bz2, lzma, one this library does not know) is
+    refused."""
+    codecs = [_codec_name(c) for c in (*getattr(array, "filters", ()), *getattr(array, "compressors", ()))]
+    compressing = [c for c in codecs if c not in _SIZE_KEEPING]
+    if not compressing:
+        return
+    unknown = [c for c in compressing if c not in _RATIOS and c not in ("blosc", "zstd")]
+    if unknown:
+        raise ConvertError(
+            f"{store}: {name}: codec {unknown[0]!r}: its output cannot be bounded before it is decoded; "
+            "save the store uncompressed or with zstd, blosc, gzip or lz4"
+        )
+    folder = _array_dir(store, name)
+    ratio = math.prod(_RATIOS.get(c, 1) for c in compressing)
+    for path, size in _chunk_files(folder):
+        bound = size * ratio
+        if "blosc" in compressing or "zstd" in compressing:
+            declared = _declared_size(path, compressing)
+            bound = max(bound, declared) if declared is not None else bound
+        if bound > max_bytes:
+            raise ConvertError(
+                f"{path}: a chunk of {name} ({size:,} bytes, {'+'.join(compressing)}) may decode to {bound:,} bytes, "
+                f"more than the {max_bytes:,} a chunk may take{MEMORY_HINT}"
+            )
+
+
+def _chunk_files(folder: Path) -> Iterator[tuple[Path, int]]:
+    """Every chunk file under an array's folder, with its size (metadata files skipped)."""
+    todo = [folder]
+    while todo:
+        here = todo.pop()
+        with os.scandir(here) as it:
+            for entry in it:
+                if entry.name in _METADATA_NAMES:
+                    continue
+                if entry.is_dir():
+                    todo.append(Path(entry.path))
+                elif entry.is_file():
+                    yield Path(entry.path), entry.stat().st_size
+
+
+def _declared_size(path: Path, codecs: list[str]) -> int | None:
+    """The output size a Blosc or Zstandard chunk declares in its header (the size numcodecs
+    allocates); a Zstandard frame that declares none is refused (it would grow without bound)."""
+    with files.open_file(path, "a chunk") as f:
+        head = f.read(32)
+    if "blosc" in codecs and len(head) >= _BLOSC_MAGIC_LEN and not head.startswith(_ZSTD_MAGIC):
+        return int.from_bytes(head[4:8], "little")  # nbytes: the uncompressed size
+    if "zstd" in codecs and head.startswith(_ZSTD_MAGIC) and len(head) >= 6:
+        descriptor = head[4]
+        fcs_flag, single = descriptor >> 6, (descriptor >> 5) & 1
+        dict_len = (0, 1, 2, 4)[descriptor & 3]
+        at = 5 + (0 if single else 1) + dict_len
+        width = (1 if single else 0, 2, 4, 8)[fcs_flag]
+        if width == 0:
+            raise ConvertError(
+                f"{path}: a Zstandard chunk that does not declare its size (it could grow without bound)"
+            )
+        value = int.from_bytes(head[at : at + width], "little")
+        return value + 256 if width == 2 else value
+    return None
+
+
+def _held_rows(array_dir: Path, array: Any) -> int:
+    """Samples (rows of axis 0) up to the last row of chunks that has a file: what the array
+    holds, whatever its shape declares (zarr reads a missing chunk as its fill value)."""
+    chunk_rows = int((getattr(array, "shards", None) or array.chunks)[0])
+    folder = array_dir / "c" if (array_dir / "c").is_dir() else array_dir  # zarr v3 keys, else v2 keys
+    last = -1
+    with os.scandir(folder) as it:
+        for entry in it:
+            head = _CHUNK_ROW.match(entry.name)
+            if head is None:
+                continue
+            if "." in entry.name and entry.is_dir():  # "3.0.1.0" names a chunk file, never a folder
+                raise ConvertError(f"{entry.path}: expected a chunk file, found a directory (zarr would read zeros)")
+            last = max(last, int(head.group(1)))
+    return min(int(array.shape[0]), (last + 1) * chunk_rows)
+
+
+def _check_held(store: Store, parts: list[Part], lengths: Any) -> None:
+    """Refuse, before anything is written, a store whose activation arrays declare samples
+    their chunks do not hold (a few KB declaring 10^9 samples would be written as zeros
+    until the disk is full): samples past the last row of chunks written must be empty,
+    by their lengths arrays (zarr 3 writes no chunk that is all fill value)."""
+    for p in parts:
+        folder = _array_dir(store.path, p.activations)
+        held = _held_rows(folder, store.arrays[p.activations])
+        if held >= store.n:
+            continue
+        missing = store.n - held
+        empty = False
+        if p.lengths is not None and missing <= _MAX_EMPTY_TAIL:
+            empty = not np.any(np.asarray(lengths[p.lengths][held : store.n]))
+        if not empty:
+            raise ConvertError(
+                f"{store.path}: {p.activations} declares {store.n:,} samples, but its chunks hold at most the first "
+                f"{held:,}: the store declares more than it holds (a damaged or unfinished store); nothing was written"
+            )
+
+
+def _array_dir(store: Path, name: str) -> Path:
+    return store / "arrays" / name if (store / "arrays" / name).is_dir() else store / name
 
 
 def open_source(path: Path, options: Options, scan: Callable[[int, int], None] | None = None) -> ZarrSource:
     zarr = require("zarr", "convert", "converting zarr activation logs")
-    with warnings.catch_warnings():
+    with warnings.catch_warnings(), _reading(path):
         # Seed 000 keeps text/ and meta/ folders (JSON Lines) inside the store, on purpose.
         warnings.filterwarnings("ignore", message=".*not recognized as a component of a Zarr hierarchy")
         return _open(zarr, path, options)
@@ -284,6 +469,8 @@ def _open(zarr: Any, path: Path, options: Options) -> ZarrSource:
     attrs: dict[str, Any] = {}
     offset = 0
     for store_path in paths:
+        # zarr opens the files itself: everything in the store must be a regular file first.
+        files.check_tree(store_path, "in a zarr store", {name: files.MAX_JSON_BYTES for name in _METADATA_NAMES})
         arrays, group = _arrays(zarr, store_path)
         these = _schema(arrays, store_path)
         if parts is None:
@@ -295,11 +482,22 @@ def _open(zarr: Any, path: Path, options: Options) -> ZarrSource:
             raise ConvertError(f"{store_path}: its arrays differ from the first shard's ({paths[0]})")
         n = int(arrays[these[0].activations].shape[0])
         for p in these:
-            if int(arrays[p.activations].shape[0]) != n:
+            for name in (p.activations, p.lengths):
+                if name is not None and int(arrays[name].shape[0]) != n:
+                    raise ConvertError(f"{store_path}: {name} holds {arrays[name].shape[0]} samples, expected {n}")
+                if name is not None:
+                    _check_chunks(arrays[name], name, store_path, options.memory // 2)
+                    _check_codecs(store_path, name, arrays[name], options.memory // 2)
+            if p.lengths is not None and (
+                len(arrays[p.lengths].shape) != 1 or arrays[p.lengths].dtype.kind not in "iu"
+            ):
                 raise ConvertError(
-                    f"{store_path}: {p.activations} holds {arrays[p.activations].shape[0]} samples, expected {n}"
+                    f"{store_path}: {p.lengths}: expected integers of shape (N,), found "
+                    f"{arrays[p.lengths].shape} {arrays[p.lengths].dtype}"
                 )
-        stores.append(Store(store_path, arrays, n, offset))
+        store = Store(store_path, arrays, n, offset)
+        _check_held(store, these, arrays)
+        stores.append(store)
         offset += n
     assert parts is not None
     first = stores[0].arrays
@@ -340,27 +538,46 @@ def _open(zarr: Any, path: Path, options: Options) -> ZarrSource:
             text_arrays[name] = array_name
         else:
             notes.append(f"array {array_name!r} of dtype {arr.dtype} not carried over (not numeric or text)")
-    for s in stores[1:]:
+    for s in stores:
         missing = [a for a in [*columns.values(), *text_arrays.values()] if a not in set(s.arrays.array_keys())]
         if missing:
             raise ConvertError(f"{s.path}: missing the per-sample arrays {missing} that the first shard has")
+        for a in [*columns.values(), *text_arrays.values()]:
+            arr, want = s.arrays[a], first[a]
+            if tuple(arr.shape) != (s.n, *want.shape[1:]) or np.dtype(arr.dtype) != np.dtype(want.dtype):
+                raise ConvertError(
+                    f"{s.path}: {a}: expected {np.dtype(want.dtype)} of shape {(s.n, *want.shape[1:])} "
+                    f"(one value per sample, as in {stores[0].path}), found {np.dtype(arr.dtype)} {arr.shape}"
+                )
+            _check_chunks(arr, a, s.path, options.memory // 2)
+            _check_codecs(s.path, a, arr, options.memory // 2)
     text_files = [_text_files(s.path) for s in stores]
     text_names = list(text_arrays)
-    for files in text_files:
-        text_names += [n for n in files if n not in text_names]
+    for found_files in text_files:
+        text_names += [n for n in found_files if n not in text_names]
     total = sum(p.max_len for p in parts)
     tokens = min(total, options.max_tokens) if options.max_tokens is not None else total
     found_layers = attrs.get("layers")
-    if not (
+    if found_layers is not None and not (
         isinstance(found_layers, list)
         and len(found_layers) == n_layers
-        and all(isinstance(v, int) for v in found_layers)
+        and all(is_int(v) and -(2**63) <= v < 2**63 for v in found_layers)
+        and len(set(found_layers)) == n_layers
     ):
+        if options.layers is None:  # never numbered by position instead without a word
+            raise ConvertError(
+                f"{paths[0]}: attrs layers: expected {n_layers} distinct integers of 64 bits (one per layer), "
+                f"found {short_repr(found_layers)}; give the layer numbers with --layers"
+            )
         found_layers = None
     layers = pick_layers(found_layers, n_layers, options, "the store")
     config_file = paths[0] / "meta" / "config.json"
-    config = plain(json.loads(config_file.read_bytes())) if config_file.is_file() else None
+    has_config = os.path.lexists(config_file)
+    config = plain(files.read_json(config_file, "the store's configuration")) if has_config else None
     manifest = path / "manifest.json"
+    manifest_bytes = (
+        files.read_bytes(manifest, files.MAX_JSON_BYTES, "the run's manifest") if os.path.lexists(manifest) else None
+    )
     identity_files: list[Path] = []
     for s in stores:
         folder = s.path / "arrays" if (s.path / "arrays").is_dir() else s.path
@@ -374,7 +591,7 @@ def _open(zarr: Any, path: Path, options: Options) -> ZarrSource:
         "parts": [{"name": p.name, "array": p.activations, "lengths": p.lengths, "max_len": p.max_len} for p in parts],
         "attrs": attrs,
         "config": config,
-        "manifest_sha256": hashlib.sha256(manifest.read_bytes()).hexdigest() if manifest.is_file() else None,
+        "manifest_sha256": hashlib.sha256(manifest_bytes).hexdigest() if manifest_bytes is not None else None,
         "identity": stat_identity([p for p in identity_files if p.exists()], path),
     }
     names = [p.name for p in parts]

@@ -40,6 +40,7 @@ unless ``root`` says otherwise)::
 
 from __future__ import annotations
 
+from ..writer import sealed_shards
 from .config import (
     DEFAULT_PATCHES_PER_SHARD,
     RESERVED_COLUMNS,
@@ -71,7 +72,6 @@ from .plan import (
     load_corpus,
     output_root,
     plan,
-    sealed_shards,
     space_needed,
 )
 from .run import dump, shard_ranges, truncation, truncation_line, try_finalize

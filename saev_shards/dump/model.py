@@ -24,6 +24,7 @@ import xxhash
 
 from ..errors import ConfigError, RecorderError
 from ..format import is_int
+from ..protocol.common import FLOAT8
 from .config import DumpConfig, ModelConfig
 
 if TYPE_CHECKING:
@@ -324,6 +325,12 @@ def what_failed(err: BaseException) -> str:
     return f"{type(err).__name__}: {text[0] if text else ''}".rstrip(": ")
 
 
+def record_dtype(dtype: str) -> str:
+    """The dtype the recorder casts to on the model's device: the stored one, except float8_e4m3,
+    recorded as float32 and quantized from there (on the device as well, `float8.quantize_tensor`)."""
+    return "float32" if dtype == FLOAT8 else dtype
+
+
 def device_of(cfg: DumpConfig) -> torch.device:
     """The device the dump runs on; `ConfigError` naming ``device`` if torch cannot use it."""
     import torch
@@ -390,7 +397,7 @@ def check_model(cfg: DumpConfig, loaded: Loaded, device: torch.device, d_model: 
     try:
         probe = loaded.encoder.encode([" ".join(["probe"] * cfg.T)])  # at least T tokens: every position is used
         model = loaded.model.to(device)
-        rec = recorder.Recorder(model, cfg.layers, blocks=cfg.model.blocks, dtype=cfg.dtype)
+        rec = recorder.Recorder(model, cfg.layers, blocks=cfg.model.blocks, dtype=record_dtype(cfg.dtype))
         acts = rec.record(**{k: v.to(device) for k, v in probe.inputs.items()})
     except ConfigError:
         raise

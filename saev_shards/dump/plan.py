@@ -15,13 +15,12 @@ import numpy as np
 
 from .. import corpus as corpus_mod
 from ..errors import ConfigError, RecorderError, RootNotSetError, ShardsError
-from ..fileio import bytes_on_disk
-from ..format import MANIFEST_FILE
 from ..metadata import Metadata
-from ..protocol.staging import part_record, staging_dir
+from ..protocol.staging import staging_dir
 from ..store import Root, shards_root
 from ..units import human_bytes
-from ..writer import rank_shards
+from ..writer import rank_shards, sealed_shards
+from ..writer import space_needed as writer_space_needed
 from .config import RESERVED_TEXT, DumpConfig, as_config
 from .model import Loaded, check_limits, load_model, what_failed
 
@@ -204,15 +203,6 @@ def batches(start: int, stop: int, examples_per_shard: int, batch_size: int) -> 
         e = end
 
 
-def sealed_shards(root: Path, md: Metadata) -> list[int]:
-    """Shards whose part record exists in staging (sealed, not re-verified); all of them
-    once finalizing has written shards.json there (it then removes the part records)."""
-    staging = staging_dir(root, md)
-    if (staging / MANIFEST_FILE).exists():
-        return list(range(md.n_shards))
-    return [k for k in range(md.n_shards) if (staging / part_record(k)).exists()]
-
-
 def _text_files(the_plan: Plan, examples: Sequence[corpus_mod.Example]) -> list[int]:
     """Lower bounds of the text files (one per field) written for ``examples``: each line is
     a JSON string and a newline, the ids and texts as long as they are, other fields empty."""
@@ -222,26 +212,18 @@ def _text_files(the_plan: Plan, examples: Sequence[corpus_mod.Example]) -> list[
 
 
 def space_needed(the_plan: Plan, root: Path, rank: int, world_size: int, *, restart: bool = False) -> int:
-    """Bytes writer ``rank`` of ``world_size`` still needs under ``root``: its shards not yet
-    sealed with their parts (columns, text) and part records (with per-shard statistics),
-    plus the joined columns and text of the whole cache (finalizing writes them while the
-    parts still exist); each file rounded up to the filesystem's allocation unit. Text
-    counts as a lower bound; the manifest and stats.json are not counted."""
-    md = the_plan.metadata
-    eps = md.examples_per_shard
-    column_sizes = [np.dtype(dt).itemsize * math.prod(shape) for dt, shape in the_plan.columns.values()]
+    """Bytes writer ``rank`` of ``world_size`` still needs under ``root`` (`writer.space_needed`);
+    the text files counted at their lower bounds (ids and texts as long as they are)."""
     examples = the_plan.corpus.examples
-    # A part record holds the shard's float64 sums per layer and dimension as JSON text,
-    # about 25 bytes a number.
-    record = 2 * md.n_layers * md.d_model * 25
-    sealed = set() if restart else set(sealed_shards(root, md))
-    files = [md.n_examples * size for size in column_sizes] + _text_files(the_plan, examples)
-    for k in rank_shards(md.n_shards, rank, world_size):
-        if k not in sealed:
-            a, b = k * eps, min((k + 1) * eps, md.n_examples)
-            files += [md.shard_nbytes(k), record, *((b - a) * size for size in column_sizes)]
-            files += _text_files(the_plan, examples[a:b])
-    return bytes_on_disk(files, root)
+    return writer_space_needed(
+        the_plan.metadata,
+        root,
+        rank,
+        world_size,
+        columns=the_plan.columns,
+        text=lambda a, b: _text_files(the_plan, examples[a:b]),
+        restart=restart,
+    )
 
 
 def describe(the_plan: Plan, root: Path | Root, rank: int, world_size: int) -> str:
@@ -273,7 +255,9 @@ def describe(the_plan: Plan, root: Path | Root, rank: int, world_size: int) -> s
         f"cls_token={str(md.cls_token).lower()}",
         f"shards    {md.n_shards} x {eps} examples (last {last}), "
         f"{human_bytes(md.shard_nbytes(0) if md.n_shards else 0)} each",
-        f"bytes     {human_bytes(md.nbytes)} activations + {human_bytes(col_bytes)} columns "
+        f"bytes     {human_bytes(md.nbytes + md.scales_nbytes)} activations"
+        + (f" (with {human_bytes(md.scales_nbytes)} of scales)" if md.scales_nbytes else "")
+        + f" + {human_bytes(col_bytes)} columns "
         f"+ >= {human_bytes(text_bytes)} text",
         f"writer    rank {rank} of {world_size}: shards [{share.start}, {share.stop}), "
         f"examples [{share.start * eps}, {min(share.stop * eps, md.n_examples)})",

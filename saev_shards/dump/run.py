@@ -11,17 +11,19 @@ from typing import Any
 
 import numpy as np
 
+from .. import float8
 from ..errors import AlreadyPublishedError, DumpError, ShardsError, WriterBusyError, WriterError
 from ..fileio import check_free_space
 from ..metadata import Metadata
 from ..progress import Progress
+from ..protocol.common import FLOAT8
 from ..reader import Shards
 from ..reader import open as open_shards
 from ..units import human_bytes
-from ..writer import ShardWriter, finalize, rank_shards, world_from_env
+from ..writer import ShardWriter, finalize, rank_shards, sealed_shards, world_from_env
 from .config import DumpConfig
-from .model import check_model, device_of, load_model
-from .plan import Plan, batches, output_root, plan, sealed_shards, space_needed
+from .model import check_model, device_of, load_model, record_dtype
+from .plan import Plan, batches, output_root, plan, space_needed
 
 
 def dump(
@@ -79,7 +81,7 @@ def dump(
     from ..recorder import AsyncWriter, Recorder
 
     model = the_plan.loaded.model.to(device)
-    recorder = Recorder(model, cfg.layers, blocks=cfg.model.blocks, dtype=cfg.dtype)
+    recorder = Recorder(model, cfg.layers, blocks=cfg.model.blocks, dtype=record_dtype(cfg.dtype))
     writer = ShardWriter(
         out_root,
         md,
@@ -114,6 +116,9 @@ def dump(
                     enc = encoder.encode([ex.text for ex in chunk])
                     inputs = {k: v.to(device) for k, v in enc.inputs.items()}
                     acts = recorder.record(**inputs, lengths=torch.as_tensor(enc.lengths))
+                    quantized: dict[str, Any] = {}
+                    if md.dtype == FLOAT8:  # on the model's device: one byte per value crosses to the host
+                        acts, quantized["scales"] = float8.quantize_tensor(acts)
                 except ShardsError:
                     raise
                 except Exception as err:  # the model's or the tokenizer's own code
@@ -131,7 +136,7 @@ def dump(
                 text: dict[str, list[Any]] = {"id": [ex.id for ex in chunk], "text": [ex.text for ex in chunk]}
                 for name in ds.text_fields:
                     text[name] = [ex.fields[name] for ex in chunk]
-                sink.submit(acts, columns=columns, text=text)
+                sink.submit(acts, columns=columns, text=text, **quantized)
                 done += b - a
                 rate = done * md.example_nbytes / max(time.perf_counter() - t0, 1e-9)
                 bar.update(b - a, extra=f"{human_bytes(rate)}/s")

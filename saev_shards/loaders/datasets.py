@@ -21,6 +21,7 @@ import numpy.typing as npt
 
 from .._indexing import wrap_index
 from ..errors import LoaderError
+from ..protocol.jsonfile import is_int, short_repr
 from ..reader import Shards
 from .selection import CLS_LABEL, TokenSelection, as_shards, check_layers_not_mixed, parse_layers, parse_out_dtype
 from .tensors import require_torch, to_tensor
@@ -96,8 +97,11 @@ class TokenDataset(_MapDataset):
         example, token = self.locate(index)
         shard, local = divmod(example, self.shards.examples_per_shard)
         raw = np.array(self.shards.shard(shard)[local, self.layer_position, token])
+        scales = None
+        if self.shards.scales is not None:  # float8_e4m3: the vector's scale, by the same arithmetic
+            scales = np.array(self.shards.scale_shard(shard)[local, self.layer_position, token])
         item: dict[str, Any] = {
-            "acts": to_tensor(raw, self.shards.dtype, self.out_dtype),
+            "acts": to_tensor(raw, self.shards.dtype, self.out_dtype, scales),
             "example": example,
             "token": token,
         }
@@ -148,25 +152,31 @@ class ExampleDataset(_MapDataset):
         return self.shards.n_examples * (1 if self.stack_layers else len(self.layers))
 
     def __getitem__(self, index: int) -> dict[str, Any]:
+        float8 = self.shards.scales is not None  # float8_e4m3: each slice's scales, by the same arithmetic
         if self.stack_layers:
             import torch
 
             example = wrap_index(int(index), len(self), "index", "for a dataset of {n} examples")
             md = self.shards.metadata
             raw = np.empty((len(self.layers), md.tokens_per_ex, md.d_model), dtype=self.shards.numpy_dtype)
+            scales = np.empty((len(self.layers), md.tokens_per_ex), np.float32) if float8 else None
             for j, position in enumerate(self.layer_positions):
-                self.shards.read_example(example, position, raw[j])
+                self.shards.read_example_raw(example, position, raw[j])
+                if scales is not None:
+                    self.shards.read_example_scales(example, position, scales[j])
             item: dict[str, Any] = {
-                "acts": to_tensor(raw, self.shards.dtype, self.out_dtype),
+                "acts": to_tensor(raw, self.shards.dtype, self.out_dtype, scales),
                 "example": example,
                 "layers": torch.tensor(self.layers, dtype=torch.int64),
             }
         else:
             i = wrap_index(int(index), len(self), "index", "for a dataset of {n} (example, layer) slices")
             example, which = divmod(i, len(self.layers))
-            raw = self.shards.read_example(example, self.layer_positions[which])
+            position = self.layer_positions[which]
+            raw = self.shards.read_example_raw(example, position)
+            slice_scales = self.shards.read_example_scales(example, position) if float8 else None
             item = {
-                "acts": to_tensor(raw, self.shards.dtype, self.out_dtype),
+                "acts": to_tensor(raw, self.shards.dtype, self.out_dtype, slice_scales),
                 "example": example,
                 "layer": self.layers[which],
             }
@@ -210,6 +220,8 @@ class LayerPairDataset(_MapDataset):
 
     def set_epoch(self, epoch: int) -> None:
         """Draw the pairs of epoch ``epoch`` from now on."""
+        if not (is_int(epoch, numpy_ok=True) and 0 <= epoch < 2**63):
+            raise LoaderError(f"epoch: expected an integer >= 0, found {short_repr(epoch)}")
         self.epoch = int(epoch)
 
     def __len__(self) -> int:
@@ -227,11 +239,15 @@ class LayerPairDataset(_MapDataset):
         which = self.pair(example)
         md = self.shards.metadata
         raw = np.empty((2, md.tokens_per_ex, md.d_model), dtype=self.shards.numpy_dtype)
+        scales = np.empty((2, md.tokens_per_ex), np.float32) if self.shards.scales is not None else None
         for j in range(2):
-            self.shards.read_example(example, int(self.layer_positions[which[j]]), raw[j])
+            position = int(self.layer_positions[which[j]])
+            self.shards.read_example_raw(example, position, raw[j])
+            if scales is not None:
+                self.shards.read_example_scales(example, position, scales[j])
         values = np.array(self.layers, dtype=np.int64)[which]
         return {
-            "acts": to_tensor(raw, self.shards.dtype, self.out_dtype),
+            "acts": to_tensor(raw, self.shards.dtype, self.out_dtype, scales),
             "example": example,
             "layers": torch.from_numpy(values),
         }

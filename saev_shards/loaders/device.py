@@ -14,6 +14,13 @@ Synchronisation, all by events (no host waits on the training loop's path):
 * a staging slot is refilled (the read threads wait on the host) only after the upload
   that read it is done.
 
+A float8_e4m3 cache crosses to the device as it is stored, one byte per value, with a
+float32 scale per vector beside it: a batch is gathered from both, then dequantized on the
+device (``float32(q) * s``, then the output dtype), so the host-to-device copy moves half
+the bytes of a float16 cache. The float16 range check (`DtypeRangeError`) is done on the
+host, from the largest scale of each unit, computed when the window's index is uploaded:
+the device never syncs for it.
+
 On the CPU (``device="cpu"``) the same code runs with plain tensors and synchronous
 copies, and every stream and event operation below is skipped: tests compare its batches
 with the host path's on any machine.
@@ -33,6 +40,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from ..float8 import check_range
 from .batch import Batch
 from .pipeline import Config, Schedule, WindowLoader
 from .plan import EpochPlan, WindowIndex
@@ -56,7 +64,7 @@ class Slots:
         self.n_slots = n_slots
         self.rows = rows  # (T, D) slices per window buffer
         cuda = device.type == "cuda"
-        dtype = torch_dtype(cfg.stored)
+        dtype = torch.uint8 if cfg.float8 else torch_dtype(cfg.stored)  # float8_e4m3 as its bytes
         vectors = rows * cfg.tokens  # every vector of a window; no window has more units
         per_unit = cfg.blocks.layers_per_unit
 
@@ -74,6 +82,13 @@ class Slots:
         self.flat = [torch.empty((vectors * per_unit,), dtype=torch.int64, device=device) for _ in range(n_slots)]
         self.meta = [torch.empty((3, vectors), dtype=torch.int64, device=device) for _ in range(n_slots)]
         self.labels = [torch.empty((vectors,), dtype=torch.uint8, device=device) for _ in range(n_slots)]
+        # float8_e4m3: a scale per vector, on both sides, and on the host each unit's largest
+        # scale (the float16 range check needs no device sync).
+        scaled = range(n_slots if cfg.float8 else 0)
+        self.scales_host = [host((vectors,), torch.float32) for _ in scaled]
+        self.scales_np = [t.numpy() for t in self.scales_host]
+        self.scales = [torch.empty((vectors,), dtype=torch.float32, device=device) for _ in scaled]
+        self.unit_max = [np.empty(vectors, np.float32) for _ in scaled]
 
     def fits(self, device: torch.device, n_slots: int, rows: int) -> bool:
         return self.device == device and self.n_slots >= n_slots and self.rows >= rows
@@ -173,6 +188,7 @@ class DeviceRun:
             self.stop,
             ready_to_write=lambda slot: self.sync.host_waits(self.uploaded[slot]),
             finish=self._upload,
+            scale_buffers=slots.scales_np[: self.n_slots],
         )
         self.layer_values = torch.from_numpy(cfg.layer_values.copy()).to(slots.device)
         self.closed = False
@@ -193,9 +209,14 @@ class DeviceRun:
             meta[2, :n] = index.layers
         if index.labels is not None:
             s.labels_host[slot][:n].numpy()[:] = index.labels
+        if cfg.float8 and cfg.out_dtype == "float16":
+            picked = np.take(s.scales_np[slot], index.flat, mode="clip").reshape(n, -1)
+            np.fmax.reduce(picked, axis=1, out=s.unit_max[slot][:n])  # NaN scales (NaN vectors) skipped
         with self.sync.side_stream():
             self.sync.side_waits(self.consumed[slot])
             s.acts[slot][:vectors].copy_(s.staging[slot][:vectors], non_blocking=True)
+            if cfg.float8:
+                s.scales[slot][:vectors].copy_(s.scales_host[slot][:vectors], non_blocking=True)
             s.flat[slot][: len(flat)].copy_(s.flat_host[slot][: len(flat)], non_blocking=True)
             s.meta[slot][:, :n].copy_(s.meta_host[slot][:, :n], non_blocking=True)
             if index.labels is not None:
@@ -245,14 +266,19 @@ class DeviceRun:
 
         cfg, s, loads = self.cfg, self.slots, self.loads
         per_unit = cfg.blocks.layers_per_unit
-        acts, meta, labels = [], [], []
+        acts, scales, meta, labels = [], [], [], []
         for w, a, b in self.plan.segments(lo, hi):
             loaded = loads[w].result()
+            slot = loaded.slot
+            if cfg.float8 and cfg.out_dtype == "float16":
+                check_range(s.unit_max[slot][a:b], "float16")  # before anything of the batch is computed
             if not loaded.waited:
                 self.sync.current_waits(loaded.uploaded)
                 loaded.waited = True
-            slot = loaded.slot
-            acts.append(s.acts[slot].index_select(0, s.flat[slot][a * per_unit : b * per_unit]))
+            flat = s.flat[slot][a * per_unit : b * per_unit]
+            acts.append(s.acts[slot].index_select(0, flat))
+            if cfg.float8:
+                scales.append(s.scales[slot].index_select(0, flat))
             meta.append(s.meta[slot][:, a:b].clone())
             if cfg.selection.has_labels:
                 labels.append(s.labels[slot][a:b].clone())
@@ -261,9 +287,12 @@ class DeviceRun:
         x = acts[0] if len(acts) == 1 else torch.cat(acts)
         m = meta[0] if len(meta) == 1 else torch.cat(meta, dim=1)
         n = hi - lo
+        if cfg.float8:  # on the device, after the gather: float32(q) * s, as the host path computes it
+            scale = scales[0] if len(scales) == 1 else torch.cat(scales)
+            x = x.view(torch.float8_e4m3fn).to(torch.float32).mul_(scale[:, None])
         if cfg.stack:
             x = x.view(n, *cfg.row_shape)
-        if cfg.out_dtype != cfg.stored:
+        if x.dtype != torch_dtype(cfg.out_dtype):
             x = x.to(torch_dtype(cfg.out_dtype))
         return Batch(
             acts=x,

@@ -211,14 +211,20 @@ class CacheMap:
         return arr.ctypes.data + first * item, count * item
 
     def check_size(self, start: int, stop: int) -> None:
-        """`FileSizeError` unless the shard of examples ``[start, stop)`` still holds them (one
-        ``fstat``): through a mapping, bytes cut off a file's last page would read as zeros."""
+        """`FileSizeError` unless the shard of examples ``[start, stop)`` (and its scale file)
+        still holds them (an ``fstat`` each): through a mapping, bytes cut off a file's last
+        page would read as zeros."""
         k, local = divmod(start, self.eps)
-        need = (local + stop - start) * self.vectors_per_example * self.row_nbytes
-        size = os.fstat(self.shards._fd(k)).st_size
-        if size < need:
-            where = self.shards.shard_path(k)
-            raise FileSizeError(f"{where}: expected at least {need} bytes, found {size} (file truncated after open?)")
+        vectors = (local + stop - start) * self.vectors_per_example
+        files = [(self.shards._fd(k), vectors * self.row_nbytes, self.shards.shard_path)]
+        if self.scales is not None:
+            files.append((self.shards._scale_fd(k), vectors * 4, self.shards.scale_path))
+        for fd, need, path in files:
+            size = os.fstat(fd).st_size
+            if size < need:
+                raise FileSizeError(
+                    f"{path(k)}: expected at least {need} bytes, found {size} (file truncated after open?)"
+                )
 
     def resident(self, addr: int, nbytes: int) -> bool:
         """Whether every page of ``[addr, addr + nbytes)`` is in the page cache (``mincore``)."""

@@ -38,7 +38,9 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
+from .. import dtypes
 from ..dtypes import float32_to_bf16
+from ..protocol.common import FLOAT8
 from ..reader import Shards
 from .batch import Batch
 from .mapped import CacheMap
@@ -83,6 +85,9 @@ class Config:
         self.d_model = md.d_model
         self.stored = md.dtype
         self.numpy_dtype = shards.numpy_dtype
+        #: float8_e4m3: windows hold the stored bytes and a float32 scale per vector beside them,
+        #: and batches are dequantized when they are assembled.
+        self.float8 = md.dtype == FLOAT8
         self.stack = blocks.stack_layers
         #: Layer values of a stacked row, in the order of its ``L`` axis.
         self.layer_values = np.array(selection.layer_values, dtype=np.int64)
@@ -134,6 +139,8 @@ class WindowLoader:
     ``ready_to_write(slot)`` runs before a read writes into a slot (the device path waits
     there for the slot's last upload); ``finish(w, slot, index)`` runs once a window is
     read and indexed, in the thread that finished it, and its value is the window's result.
+    A float8_e4m3 cache's scales are read into ``scale_buffers`` (one float32 per vector of
+    the slot's buffer), beside the stored bytes.
     """
 
     def __init__(
@@ -146,12 +153,14 @@ class WindowLoader:
         stop: threading.Event,
         ready_to_write: Callable[[int], None] = lambda slot: None,
         finish: Callable[[int, int, WindowIndex], Any] = lambda w, slot, index: index,
+        scale_buffers: Sequence[npt.NDArray[np.float32]] = (),
     ) -> None:
         self.cfg = cfg
         self.plan = plan
         self.epoch = epoch
         self.window_rng = window_rng
         self.buffers = buffers
+        self.scale_buffers = scale_buffers
         self.stop = stop
         self.ready_to_write = ready_to_write
         self.finish = finish
@@ -198,14 +207,17 @@ class WindowLoader:
     ) -> None:
         self.ready_to_write(slot)
         buffer = self.buffers[slot]
+        scales = self.scale_buffers[slot] if self.scale_buffers else None
         for i in next_block:  # itertools.count: its next() is atomic, each block goes to one thread
             if i >= len(ids):
                 return
             if self.stop.is_set():
                 raise CancelledError
-            self._read_block(int(ids[i]), buffer, int(offsets[i]))
+            self._read_block(int(ids[i]), buffer, int(offsets[i]), scales)
 
-    def _read_block(self, block: int, buffer: npt.NDArray[Any], row_offset: int) -> None:
+    def _read_block(
+        self, block: int, buffer: npt.NDArray[Any], row_offset: int, scales: npt.NDArray[np.float32] | None
+    ) -> None:
         cfg = self.cfg
         blocks = cfg.blocks
         start, stop = int(blocks.start[block]), int(blocks.stop[block])
@@ -214,21 +226,27 @@ class WindowLoader:
             return
         count = stop - start
         rows_per_ex = blocks.rows_per_ex
-        dest = buffer[row_offset * cfg.tokens : (row_offset + count * rows_per_ex) * cfg.tokens]
-        slices = dest.reshape(count, rows_per_ex, cfg.tokens, cfg.d_model)
+        first, last = row_offset * cfg.tokens, (row_offset + count * rows_per_ex) * cfg.tokens
+        slices = buffer[first:last].reshape(count, rows_per_ex, cfg.tokens, cfg.d_model)
+        scale_slices = None if scales is None else scales[first:last].reshape(count, rows_per_ex, cfg.tokens)
         if blocks.whole:
-            cfg.shards.read_range(start, stop, slices)
+            cfg.shards.read_range_raw(start, stop, slices)
+            if scale_slices is not None:
+                cfg.shards.read_range_scales(start, stop, scale_slices)
             return
         for e in range(count):
             if self.stop.is_set():
                 raise CancelledError
             for s, position in enumerate(blocks.read_positions.tolist()):
-                cfg.shards.read_example(start + e, position, slices[e, s])
+                cfg.shards.read_example_raw(start + e, position, slices[e, s])
+                if scale_slices is not None:
+                    cfg.shards.read_example_scales(start + e, position, scale_slices[e, s])
 
     def _make_resident(self, mapped: CacheMap, start: int, stop: int) -> None:
-        """Examples ``[start, stop)`` (their chosen slices) in the page cache and mapped: what is
-        not in the page cache is read into this thread's scratch buffer first (`mapped`)."""
-        cfg = self.cfg
+        """Examples ``[start, stop)`` (their chosen slices, and a float8_e4m3 cache's scales) in
+        the page cache and mapped: what is not in the page cache is read into this thread's
+        scratch buffers first (`mapped`)."""
+        cfg, shards = self.cfg, self.cfg.shards
         blocks = cfg.blocks
         mapped.check_size(start, stop)
         ranges: list[tuple[int, int, int | None]]
@@ -236,29 +254,34 @@ class WindowLoader:
             ranges = [(start, stop, None)]
         else:
             ranges = [(e, e + 1, p) for e in range(start, stop) for p in blocks.read_positions.tolist()]
+        shape = shards.metadata.shard_shape[1:]
         for a, b, position in ranges:
             if self.stop.is_set():
                 raise CancelledError
-            addr, nbytes = mapped.byte_range(a, b, position)
-            if mapped.resident(addr, nbytes):
-                if not mapped.populated[a]:
-                    mapped.populate(addr, nbytes)
-                continue
-            if position is None:
-                cfg.shards.read_range_raw(a, b, self._scratch((b - a, *cfg.shards.metadata.shard_shape[1:])))
-            else:
-                cfg.shards.read_example_raw(a, position, self._scratch((cfg.tokens, cfg.d_model)))
-            mapped.populate(addr, nbytes)
+            for scales in (False, True) if mapped.scales is not None else (False,):
+                addr, nbytes = mapped.byte_range(a, b, position, scales)
+                if mapped.resident(addr, nbytes):
+                    if not mapped.populated[a]:
+                        mapped.populate(addr, nbytes)
+                    continue
+                if position is None:
+                    out = self._scratch((b - a, *(shape[:-1] if scales else shape)), scales)
+                    (shards.read_range_scales if scales else shards.read_range_raw)(a, b, out)
+                else:
+                    out = self._scratch(shape[1:-1] if scales else shape[1:], scales)
+                    (shards.read_example_scales if scales else shards.read_example_raw)(a, position, out)
+                mapped.populate(addr, nbytes)
         mapped.populated[start:stop] = True
 
-    def _scratch(self, shape: tuple[int, ...]) -> npt.NDArray[Any]:
-        """This thread's buffer of ``shape`` (stored dtype) for reads whose bytes only need to
-        reach the page cache."""
-        arr: npt.NDArray[Any] | None = getattr(self.local, "scratch", None)
+    def _scratch(self, shape: tuple[int, ...], scales: bool = False) -> npt.NDArray[Any]:
+        """This thread's buffer of ``shape`` (stored values, or float32 scales) for reads whose
+        bytes only need to reach the page cache."""
+        name = "scales" if scales else "values"
+        arr: npt.NDArray[Any] | None = getattr(self.local, name, None)
         n = int(np.prod(shape))
         if arr is None or arr.size < n:
-            arr = np.empty(n, dtype=self.cfg.numpy_dtype)
-            self.local.scratch = arr
+            arr = np.empty(n, dtype=np.float32 if scales else self.cfg.numpy_dtype)
+            setattr(self.local, name, arr)
         return arr[:n].reshape(shape)
 
     def close(self) -> None:
@@ -349,8 +372,14 @@ class Recycler:
             return arr
 
 
-def cast_into(raw: npt.NDArray[Any], stored: str, out: str, dest: npt.NDArray[Any]) -> None:
+def cast_into(
+    raw: npt.NDArray[Any], stored: str, out: str, dest: npt.NDArray[Any], scales: npt.NDArray[Any] | None = None
+) -> None:
     """Write stored values ``raw`` into ``dest`` (the numpy view of an ``out`` tensor) as ``out``.
+
+    float8_e4m3 values are dequantized with the ``scales`` of their vectors (`float8.dequantize`,
+    numpy: a table lookup and a multiply per value; `DtypeRangeError` when float16 cannot
+    hold them).
 
     Widening bfloat16 is a shift in numpy (GIL released, this thread only). Widening float16
     goes through torch: its vectorised conversion is about 5x faster than numpy's on this
@@ -360,6 +389,9 @@ def cast_into(raw: npt.NDArray[Any], stored: str, out: str, dest: npt.NDArray[An
     with torch's). Rounding matches torch's: nearest, ties to even, NaN to 0x7FC0 for
     bfloat16.
     """
+    if stored == FLOAT8:
+        dtypes.convert(raw, stored, out, scales, dest)
+        return
     if out == "float32":
         if stored == "bfloat16":
             np.left_shift(raw, np.uint32(16), out=dest.view(np.uint32), dtype=np.uint32)
@@ -400,12 +432,13 @@ class HostRun:
         epoch: int,
         window_rng: Callable[[int, int], np.random.Generator | None],
         buffers: Sequence[npt.NDArray[Any]],
+        scale_buffers: Sequence[npt.NDArray[np.float32]] = (),
     ) -> None:
         self.cfg = cfg
         self.plan = plan
         self.schedule = schedule
         self.stop = threading.Event()
-        self.windows = WindowLoader(cfg, plan, epoch, window_rng, buffers, self.stop)
+        self.windows = WindowLoader(cfg, plan, epoch, window_rng, buffers, self.stop, scale_buffers=scale_buffers)
         self.gather_pool = ThreadPoolExecutor(max_workers=cfg.gather_threads, thread_name_prefix="saev-loader-gather")
         #: Chunks in flight: every gather thread busy, and ``prefetch`` batches ready ahead.
         self.depth = cfg.gather_threads + -(-cfg.prefetch // cfg.chunk_batches)
@@ -492,20 +525,25 @@ class HostRun:
         converts = cfg.out_dtype != cfg.stored
         acts, out = self._output(n, cfg.out_dtype)
         raw = self._scratch(n) if converts else out
+        scales = self._scratch(n, scales=True) if cfg.float8 else None
         pieces: list[tuple[WindowIndex, int, int]] = []
         filled = 0
         for w, a, b in self.plan.segments(lo, hi):
             index = loads[w].result()
             if self.stop.is_set():
                 raise CancelledError
-            buffer = self.windows.buffers[self.windows.slot(w)]
+            slot = self.windows.slot(w)
             # mode="clip": with the default "raise", numpy gathers into a temporary and copies.
-            np.take(buffer, index.flat[a:b], axis=0, out=raw[filled : filled + b - a], mode="clip")
+            np.take(self.windows.buffers[slot], index.flat[a:b], axis=0, out=raw[filled : filled + b - a], mode="clip")
+            if scales is not None:  # the scale of each vector, by the same index
+                np.take(
+                    self.windows.scale_buffers[slot], index.flat[a:b], out=scales[filled : filled + b - a], mode="clip"
+                )
             self._taken(w)
             pieces.append((index, a, b))
             filled += b - a
         if converts:
-            cast_into(raw, cfg.stored, cfg.out_dtype, out)
+            cast_into(raw, cfg.stored, cfg.out_dtype, out, scales)
         return self._batches(c, acts, pieces)
 
     def _batches(self, c: int, acts: Any, pieces: list[tuple[WindowIndex, int, int]]) -> list[Batch]:
@@ -554,13 +592,18 @@ class HostRun:
         arr = self.recycler.get(shape, np_dtype)
         return to_tensor(arr, dtype, dtype), arr
 
-    def _scratch(self, n: int) -> npt.NDArray[Any]:
-        """This thread's stored-dtype array for gathers that are cast afterwards."""
+    def _scratch(self, n: int, scales: bool = False) -> npt.NDArray[Any]:
+        """This thread's stored-dtype array for gathers that are cast afterwards (``scales``: its
+        float32 array of a scale per vector, a float8_e4m3 cache's)."""
         cfg = self.cfg
-        arr: npt.NDArray[Any] | None = getattr(self.scratch, "arr", None)
+        name = "scales" if scales else "arr"
+        arr: npt.NDArray[Any] | None = getattr(self.scratch, name, None)
         if arr is None or len(arr) < n:
-            arr = np.empty((n, *cfg.row_shape), dtype=cfg.numpy_dtype)
-            self.scratch.arr = arr
+            if scales:
+                arr = np.empty((n, *cfg.row_shape[:-1]), dtype=np.float32)
+            else:
+                arr = np.empty((n, *cfg.row_shape), dtype=cfg.numpy_dtype)
+            setattr(self.scratch, name, arr)
         return arr[:n]
 
     def _stopped(self) -> bool:

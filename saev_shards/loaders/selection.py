@@ -78,9 +78,10 @@ def check_layers_not_mixed(shards: Shards, layer_values: Sequence[int], stack_la
 
 
 def parse_out_dtype(shards: Shards, out_dtype: object) -> str:
-    """The dtype name of returned activations: the stored one for None, else one of `OUT_DTYPES`."""
+    """The dtype name of returned activations: for None the cache's `Shards.read_dtype` (the
+    stored dtype; float16 for float8_e4m3, whose values are dequantized), else one of `OUT_DTYPES`."""
     if out_dtype is None:
-        return shards.dtype
+        return shards.read_dtype
     name = str(out_dtype).removeprefix("torch.")
     if name not in OUT_DTYPES:
         raise LoaderError(f"out_dtype: expected None or one of {list(OUT_DTYPES)}, found {out_dtype!r}")

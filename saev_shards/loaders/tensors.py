@@ -10,7 +10,10 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import numpy.typing as npt
 
+from .. import dtypes
+from ..float8 import FLOAT8_DTYPE
 from ..optional import require
+from ..protocol.common import FLOAT8
 
 if TYPE_CHECKING:
     import torch
@@ -29,13 +32,19 @@ def torch_dtype(name: str) -> torch.dtype:
     return {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32}[name]
 
 
-def to_tensor(raw: npt.NDArray[Any], stored: str, out: str) -> torch.Tensor:
-    """Wrap stored values (bfloat16 as raw uint16) in a tensor of dtype ``out``.
+def to_tensor(raw: npt.NDArray[Any], stored: str, out: str, scales: npt.NDArray[Any] | None = None) -> torch.Tensor:
+    """Wrap stored values (bfloat16 as raw uint16) in a tensor of dtype ``out``; float8_e4m3
+    values are dequantized with their ``scales`` (one per vector) first.
 
     ``raw`` must be a fresh writable array; when no cast is needed the tensor shares it.
     """
     import torch
 
+    if stored == FLOAT8:
+        if scales is None:
+            raise ValueError("float8_e4m3 values need their scales")
+        values = dtypes.convert(raw, FLOAT8, out, scales)
+        return to_tensor(values, out, out)
     if stored == "bfloat16":
         tensor = torch.from_numpy(raw.view(np.int16)).view(torch.bfloat16)
     else:
@@ -55,9 +64,12 @@ def pinned_empty(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
 
 
 def as_numpy(tensor: torch.Tensor, stored: str) -> npt.NDArray[Any]:
-    """The numpy array sharing ``tensor``'s memory, in the stored numpy dtype (bfloat16 as uint16)."""
+    """The numpy array sharing ``tensor``'s memory, in the stored numpy dtype (bfloat16 as uint16;
+    float8_e4m3, held as uint8 bytes in torch, as ml_dtypes' float8_e4m3fn)."""
     import torch
 
+    if stored == FLOAT8:
+        return tensor.view(torch.uint8).numpy().view(FLOAT8_DTYPE)
     if tensor.dtype == torch.bfloat16:
         return tensor.view(torch.int16).numpy().view(np.uint16)
     return tensor.numpy()

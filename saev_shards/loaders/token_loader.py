@@ -23,9 +23,8 @@ import numpy as np
 import numpy.typing as npt
 
 from .. import world
-from ..errors import LoaderError
-from ..protocol.common import FLOAT8
-from ..protocol.jsonfile import is_int
+from ..errors import LoaderError, Problems
+from ..protocol.jsonfile import is_int, short_repr, type_name
 from ..reader import Shards
 from . import mapped
 from .batch import Batch
@@ -36,6 +35,9 @@ from .pipeline import Config, HostRun, Schedule
 from .plan import BLOCK_BYTES, Blocks, EpochPlan, index_window, plan_epoch
 from .selection import TokenSelection, as_shards, check_layers_not_mixed, parse_out_dtype
 from .tensors import require_torch
+
+#: A host window buffer: the stored values ``(rows * T, D)``, and a float8_e4m3 cache's scales ``(rows * T,)``.
+_WindowBuffer = tuple[npt.NDArray[Any], npt.NDArray[np.float32] | None]
 
 #: Most threads the defaults pick: a node's memory bandwidth is saturated well before.
 MAX_DEFAULT_THREADS = 16
@@ -207,10 +209,10 @@ class TokenLoader:
         self._resume_batch = 0
         self._position: tuple[int, int] | None = None  # (epoch, batches yielded) of the live iteration
         self._runs: weakref.WeakSet[HostRun | DeviceRun] = weakref.WeakSet()
-        self._spare: list[npt.NDArray[Any]] = []
+        self._spare: list[_WindowBuffer] = []
         self._slots: Slots | None = None
         self._map: CacheMap | None = None
-        self._map_possible = mapped.available(self.shards) and self.shards.metadata.dtype != FLOAT8
+        self._map_possible = mapped.available(self.shards)
         self._spare_lock = threading.Lock()
 
     # -- size and identity -------------------------------------------------------------
@@ -276,8 +278,8 @@ class TokenLoader:
     # -- epochs and resuming -----------------------------------------------------------
     def set_epoch(self, epoch: int) -> None:
         """Make the next ``iter()`` run epoch ``epoch`` from its first batch."""
-        if int(epoch) < 0:
-            raise LoaderError(f"epoch: expected an integer >= 0, found {epoch}")
+        if not (is_int(epoch, numpy_ok=True) and 0 <= epoch < 2**63):
+            raise LoaderError(f"epoch: expected an integer >= 0, found {short_repr(epoch)}")
         self._next_epoch = int(epoch)
         self._resume_batch = 0
         self._position = None
@@ -299,11 +301,30 @@ class TokenLoader:
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Resume exactly where `state_dict` was taken (same cache and settings)."""
+        """Resume exactly where `state_dict` was taken (same cache and settings).
+
+        Accepts exactly what `state_dict` gives: ``epoch`` an integer >= 0, ``batch`` an
+        integer in ``[0, len(self)]`` (never a float, a bool or a string: 1.9 would replay a
+        batch), ``seed`` an integer, ``fingerprint`` 16 hex digits, ``settings`` (optional:
+        states saved before it still load) an object; `LoaderError` names every field that is
+        not, and the setting that differs when the state is another loader's."""
         expected = {"epoch", "batch", "seed", "fingerprint"}  # and "settings" (states before it still load)
         if not isinstance(state, dict) or not expected <= set(state) <= expected | {"settings"}:
-            found = sorted(state) if isinstance(state, dict) else type(state).__name__
+            found = [short_repr(k) for k in state] if isinstance(state, dict) else type_name(state)
             raise LoaderError(f"state: expected keys {sorted(expected | {'settings'})}, found {found}")
+        with Problems(LoaderError, head="state: ") as problems:
+            epoch, batch = state["epoch"], state["batch"]
+            if not (is_int(epoch) and 0 <= epoch < 2**63):
+                problems.expected("epoch", "an integer >= 0", short_repr(epoch))
+            if not (is_int(batch) and 0 <= batch <= self._len):
+                problems.expected("batch", f"an integer in [0, {self._len}]", short_repr(batch))
+            if not is_int(state["seed"]):
+                problems.expected("seed", "an integer", short_repr(state["seed"]))
+            fingerprint = state["fingerprint"]
+            if not (isinstance(fingerprint, str) and len(fingerprint) == 16 and set(fingerprint) <= _HEX):
+                problems.expected("fingerprint", "16 hex digits", short_repr(fingerprint))
+            if "settings" in state and not isinstance(state["settings"], dict):
+                problems.expected("settings", "an object", short_repr(state["settings"]))
         if state["fingerprint"] != self.fingerprint or state["seed"] != self.seed:
             differ = _differences(
                 {**_as_dict(state.get("settings")), "seed": state["seed"]}, {**self.settings, "seed": self.seed}
@@ -314,9 +335,6 @@ class TokenLoader:
                 + (f": {differ}" if differ else "")
                 + ")"
             )
-        epoch, batch = int(state["epoch"]), int(state["batch"])
-        if epoch < 0 or not 0 <= batch <= self._len:
-            raise LoaderError(f"state: expected epoch >= 0 and batch in [0, {self._len}], found {epoch}, {batch}")
         self._next_epoch, self._resume_batch = (epoch + 1, 0) if batch == self._len else (epoch, batch)
         self._position = None
 
@@ -368,12 +386,14 @@ class TokenLoader:
         else:
             cfg.mapped = self._cache_map()
             if cfg.mapped is not None:  # windows read in place: no buffers
-                buffers = [cfg.mapped.values] * schedule.n_slots
+                values = [cfg.mapped.values] * schedule.n_slots
+                scales = [] if cfg.mapped.scales is None else [cfg.mapped.scales] * schedule.n_slots
                 release = lambda: None  # noqa: E731
             else:
                 buffers = self._take_buffers(schedule.n_slots, rows) if len(schedule) else []
+                values, scales = [b for b, _ in buffers], [s for _, s in buffers if s is not None]
                 release = lambda: self._give_buffers(buffers)  # noqa: E731
-            run = HostRun(cfg, plan, schedule, epoch, self._window_rng, buffers)
+            run = HostRun(cfg, plan, schedule, epoch, self._window_rng, values, scales)
         self._runs.add(run)
         _LIVE_RUNS.add(run)
         try:
@@ -392,7 +412,7 @@ class TokenLoader:
         with self._spare_lock:
             if self._map is None and self._map_possible:
                 try:
-                    self._map = CacheMap(self.shards)
+                    self._map = CacheMap(self.shards, scales=self._config.float8)
                 except (OSError, AttributeError, ValueError):
                     self._map_possible = False
             return self._map
@@ -401,17 +421,20 @@ class TokenLoader:
         """``(T, D)`` slices one window buffer holds: a window and one more block."""
         return min(self._window_rows + self._blocks.max_rows, int(self._blocks.rows.sum()))
 
-    def _take_buffers(self, n: int, rows: int) -> list[npt.NDArray[Any]]:
+    def _take_buffers(self, n: int, rows: int) -> list[_WindowBuffer]:
+        """``n`` window buffers of ``rows`` ``(T, D)`` slices (stored values, and a float8_e4m3
+        cache's scales beside them), reused from the last epoch where they fit."""
         cfg = self._config
         shape = (rows * cfg.tokens, cfg.d_model)
         with self._spare_lock:
             spare, self._spare = self._spare, []
-        buffers = [b for b in spare if b.shape == shape]
+        buffers = [b for b in spare if b[0].shape == shape]
         while len(buffers) < n:
-            buffers.append(np.empty(shape, dtype=cfg.numpy_dtype))
+            scales = np.empty(shape[0], dtype=np.float32) if cfg.float8 else None
+            buffers.append((np.empty(shape, dtype=cfg.numpy_dtype), scales))
         return buffers[:n]
 
-    def _give_buffers(self, buffers: list[npt.NDArray[Any]]) -> None:
+    def _give_buffers(self, buffers: list[_WindowBuffer]) -> None:
         with self._spare_lock:
             self._spare = buffers
 
@@ -499,6 +522,9 @@ class OrderedLoader(TokenLoader):
         super().__init__(**bound.arguments, order="ordered")
 
 
+_HEX = frozenset("0123456789abcdef")
+
+
 def _as_dict(value: object) -> dict[str, Any]:
     return dict(value) if isinstance(value, dict) else {}
 
@@ -508,9 +534,10 @@ def _differences(state: dict[str, Any], here: dict[str, Any]) -> str:
     settings are absent from states saved before they were recorded: then nothing is named)."""
     if set(state) == {"seed"}:
         return "" if state["seed"] == here["seed"] else f"seed {state['seed']} in the state, {here['seed']} here"
-    names = sorted(set(state) | set(here), key=lambda k: (k != "cache", k))
+    names = sorted(set(state) | set(here), key=lambda k: (k != "cache", str(k)))
     return "; ".join(
-        f"{k} {state.get(k, 'unset')!r} in the state, {here.get(k, 'unset')!r} here"
+        f"{short_repr(k)[1:-1] if isinstance(k, str) else short_repr(k)} {short_repr(state.get(k, 'unset'))} "
+        f"in the state, {short_repr(here.get(k, 'unset'))} here"
         for k in names
         if state.get(k) != here.get(k)
     )

@@ -329,9 +329,15 @@ STATS_KEYS = ("layers", "count", "nonfinite", "mean", "var", "norm_mean", "norm_
 _INT64_MAX = 2**63 - 1
 
 
-def parse_stats(obj: object, layers: Sequence[int], d_model: int, path: str) -> dict[str, npt.NDArray[Any]]:
+def parse_stats(
+    obj: object, layers: Sequence[int], d_model: int, path: str, tokens: int | None = None
+) -> dict[str, npt.NDArray[Any]]:
     """Check parsed stats.json against protocol.md 2.6 and return its arrays (integer counts
-    as int64, the rest as float64); `StatsFileError` listing every problem."""
+    as int64, the rest as float64); `StatsFileError` listing every problem.
+
+    Ranges too: variances and norms non-negative, a layer with no included token all zeros,
+    and, given ``tokens`` (the cache's token positions, ``n_examples * tokens_per_ex``),
+    ``count + nonfinite`` at most that many per layer (statistics of other data otherwise)."""
     if not isinstance(obj, dict):
         raise StatsFileError(f"{path}: expected an object, found {type_name(obj)}")
     problems = Problems(StatsFileError, head=f"{path}: ")
@@ -367,8 +373,39 @@ def parse_stats(obj: object, layers: Sequence[int], d_model: int, path: str) -> 
             problems.expected(key, f"{what} (shape {list(shape)})", short_repr(obj[key]))
         else:
             out[key] = array
+    if not problems:
+        _check_ranges(out, problems, tokens)
     problems.raise_if_any()
     return out
+
+
+def _check_ranges(out: dict[str, npt.NDArray[Any]], problems: Problems, tokens: int | None) -> None:
+    """The value rules of protocol.md 2.6 on arrays that passed the schema."""
+    for key in ("var", "norm_mean", "norm_sq_mean"):
+        if key in out and (out[key] < 0).any():
+            where = np.argwhere(out[key] < 0)[0].tolist()
+            problems.expected(
+                f"{key}{where}", "a number >= 0 (a variance or a norm)", repr(float(out[key][tuple(where)]))
+            )
+    if "count" in out and "nonfinite" in out and tokens is not None:
+        seen = out["count"] + out["nonfinite"]
+        over = np.flatnonzero(seen > tokens)
+        if len(over):
+            i = int(over[0])
+            problems.expected(
+                f"count[{i}] + nonfinite[{i}]",
+                f"at most {tokens:,} (the cache's token positions)",
+                f"{int(out['count'][i]):,} + {int(out['nonfinite'][i]):,}",
+            )
+    if "count" in out:
+        empty = out["count"] == 0
+        for key in ("mean", "var", "norm_mean", "norm_sq_mean"):
+            if key not in out or not empty.any():
+                continue
+            nonzero = out[key] != 0
+            bad = np.flatnonzero(empty & (nonzero if nonzero.ndim == 1 else nonzero.any(axis=1)))
+            if len(bad):
+                problems.expected(f"{key}[{int(bad[0])}]", "zeros (its count is 0: no token included)", "other values")
 
 
 def _numbers(value: object, shape: tuple[int, ...]) -> npt.NDArray[np.float64] | None:

@@ -1,4 +1,5 @@
-"""Per-process handles of an open cache: shard memmaps and file descriptors, opened lazily.
+"""Per-process handles of an open cache: shard memmaps and file descriptors, opened lazily,
+and the shared lock held on the cache folder while it is open.
 
 A float8_e4m3 cache's scale files (protocol 3.1) get the same per-process handles as its
 shards (`scale_shard`, `_scale_fd`).
@@ -7,6 +8,12 @@ A `Shards` object crosses process boundaries two ways, and neither may share a h
 forked (a DataLoader worker: `_check_pid` sees the new pid and drops the parent's) and
 pickled (spawn: `__getstate__` drops them, `__setstate__` starts empty). The read paths
 (`reads`) and the files beside the activations (`sidecars`) build on this class.
+
+The lock (protocol.md section 6, "Caches in use"): a shared ``flock`` on the cache folder
+itself, taken when the cache is opened and released by `close` (taken again when the cache
+is next read) or when the object goes away. A forked copy shares its parent's lock; an
+unpickled copy takes its own. ``saev-shards rm`` and `store.remove` refuse a folder that
+anyone holds so.
 
 The storage seam: every data file is reached through ``files``, which opens it, reads it
 (``preadv``) and closes it. A local cache has `LocalFiles` (descriptors and ``os.preadv``,
@@ -27,12 +34,33 @@ from typing import Any, Protocol
 import numpy as np
 import numpy.typing as npt
 
+from ..fileio import hold_folder
 from ..manifest import Manifest
 from ..metadata import Metadata
 from ..protocol.common import SCALES_DTYPE
 
 #: Attributes that belong to one process: never pickled, rebuilt after fork or unpickling.
-_PER_PROCESS = ("_maps", "_fds", "_scale_maps", "_scale_fds", "_aux", "_pid", "_out_cache", "_lock", "_preadv")
+_PER_PROCESS = (
+    "_maps", "_fds", "_scale_maps", "_scale_fds", "_aux", "_pid", "_out_cache", "_lock", "_preadv", "_folder_lock"
+)  # fmt: skip
+
+
+class FolderLock:
+    """A shared ``flock`` on a cache folder, held until `release` or until the object goes away
+    (`fileio.hold_folder`; ``fd`` None where it could not be taken: the filesystem does not
+    lock, or another process holds the folder exclusively while it publishes or removes it)."""
+
+    def __init__(self, path: Path) -> None:
+        self.fd = hold_folder(path, shared=True)
+
+    def release(self) -> None:
+        fd, self.fd = self.fd, None
+        if fd is not None:
+            os.close(fd)  # a forked child closes its copy only: the parent's lock stays
+
+    def __del__(self) -> None:
+        with contextlib.suppress(Exception):
+            self.release()
 
 
 class Files(Protocol):
@@ -104,15 +132,27 @@ class ShardHandles:
     def __setstate__(self, state: dict[str, Any]) -> None:
         self.__dict__.update(state)
         self._reset()
+        self._hold_folder()
+
+    def _hold_folder(self) -> None:
+        """Hold the shared lock on a local cache's folder (taken once; again after `close`).
+        A remote cache has no folder of its data to lock."""
+        if getattr(self, "_folder_lock", None) is None and self.files.url is None:
+            self._folder_lock: FolderLock | None = FolderLock(self.path)
 
     def close(self) -> None:
-        """Drop this process's memmaps and file descriptors (reopened on next use)."""
+        """Drop this process's memmaps and file descriptors and release the cache's lock
+        (all taken again on next use)."""
         if self._pid == os.getpid():
             for fd in (*self._fds.values(), *self._scale_fds.values()):
                 self.files.close(fd)
         close_all = getattr(self.files, "close_all", None)
         if close_all is not None:
             close_all()
+        lock = getattr(self, "_folder_lock", None)
+        if lock is not None:
+            lock.release()
+            self._folder_lock = None
         self._reset()
 
     def __del__(self) -> None:
@@ -132,6 +172,7 @@ class ShardHandles:
             with self._lock:
                 mm = self._maps.get(k)
                 if mm is None:
+                    self._hold_folder()
                     mm = self._open_map(k)
                     self._maps[k] = mm
         return mm
@@ -154,6 +195,7 @@ class ShardHandles:
             with self._lock:  # two threads opening one shard would leak a descriptor
                 fd = self._fds.get(k)
                 if fd is None:
+                    self._hold_folder()
                     fd = self.files.open(self.manifest.shards[k].name)
                     self._fds[k] = fd
         return fd
@@ -176,6 +218,7 @@ class ShardHandles:
             with self._lock:
                 mm = self._scale_maps.get(k)
                 if mm is None:
+                    self._hold_folder()
                     n = self.manifest.shards.counts[k]
                     shape = (n, *self.metadata.shard_shape[1:3])
                     made: Any
@@ -198,6 +241,7 @@ class ShardHandles:
             with self._lock:
                 fd = self._scale_fds.get(k)
                 if fd is None:
+                    self._hold_folder()
                     fd = self.files.open(path.name)
                     self._scale_fds[k] = fd
         return fd

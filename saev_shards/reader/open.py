@@ -43,7 +43,6 @@ from ..protocol.common import (
     MANIFEST_FILE,
     MAX_METADATA_BYTES,
     METADATA_FILE,
-    SCALES_DTYPE,
     SCALES_NAME_RE,
     SHARD_NAME_RE,
     STATS_FILE,
@@ -297,12 +296,11 @@ def _check_scales(root: Path, md: Metadata, manifest: Manifest, *, on_disk: bool
                 ManifestError, f"{where}: scales: expected {md.n_shards} entries (one per shard), found {len(scales)}"
             )
         ]
-    vector_bytes = md.n_layers * md.tokens_per_ex * SCALES_DTYPE.itemsize
     problems: list[Problem] = []
     ok_names: list[str] = []
     ok_sizes: list[int] = []
     for k, (name, nbytes) in enumerate(zip(scales.names, scales.sizes, strict=True)):
-        want = md.shard_n_examples(k) * vector_bytes
+        want = md.shard_scales_nbytes(k)
         if name != scales_name(k):
             problems.append(
                 Problem(

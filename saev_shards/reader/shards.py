@@ -100,6 +100,13 @@ class Shards(ReadPaths, Sidecars):
         self._layer_idx = {layer: i for i, layer in enumerate(md.layers)}
         self._slice_nbytes = md.tokens_per_ex * md.d_model * md.itemsize  # one (example, layer) slice
         self._reset()
+        self._hold_folder()  # open: a shared lock on the folder until close() (handles.FolderLock)
+
+    def __enter__(self) -> Shards:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
 
     # -- notebook API --------------------------------------------------------------------
     def __len__(self) -> int:

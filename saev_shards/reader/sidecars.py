@@ -214,7 +214,8 @@ class Sidecars(ShardHandles):
             else:
                 raw, problems = load_json(self.path / entry.name, cap, StatsFileError, every_number=False)
             raise_problems(problems, self.files.url or str(self.path))
-            self._aux["stats"] = parse_stats(raw, md.layers, md.d_model, self.files.where(entry.name))
+            tokens = md.n_examples * md.tokens_per_ex
+            self._aux["stats"] = parse_stats(raw, md.layers, md.d_model, self.files.where(entry.name), tokens)
         return self._aux["stats"]  # type: ignore[no-any-return]
 
     def _array(self, name: str, dtype: np.dtype[Any], shape: tuple[int, ...]) -> npt.NDArray[Any]:
@@ -293,7 +294,7 @@ def find_stats(shards: Sidecars) -> dict[str, Any] | None:
         raise StatsFileError(
             f"{path}: stats_xxh3_128: expected {obj['stats_xxh3_128']!r}, found {found_digest}: damaged{again}"
         )
-    return parse_stats(obj["stats"], md.layers, md.d_model, str(path))
+    return parse_stats(obj["stats"], md.layers, md.d_model, str(path), md.n_examples * md.tokens_per_ex)
 
 
 def _map(path: Path, dtype: np.dtype[Any], shape: tuple[int, ...]) -> np.memmap[Any, Any]:

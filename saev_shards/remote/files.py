@@ -40,6 +40,7 @@ from ..errors import (
     FileSizeError,
     InvalidCacheError,
     JSONFileError,
+    NotRegularFileError,
     Problem,
     RemoteAccessDeniedError,
     RemoteBucketError,
@@ -47,7 +48,7 @@ from ..errors import (
     RemoteError,
     RemoteRegionError,
 )
-from ..fileio import DISK_FULL_ERRNOS, BlockHasher, write_file_atomic
+from ..fileio import DISK_FULL_ERRNOS, BlockHasher, open_regular, write_file_atomic
 from ..protocol.jsonfile import strict_json_loads
 from .blockcache import BlockCache, root_id
 from .client import Client, requests_in_flight
@@ -121,8 +122,22 @@ def fetch_json(client: Client, folder: Path, name: str, max_bytes: int) -> bool:
             os.unlink(folder / name)
         return False
     folder.mkdir(parents=True, exist_ok=True)
+    if _holds(folder / name, data):
+        # Left in place: another process of this node may be reading this very file (a
+        # published cache never changes, so the same URL gives the same bytes); replacing it
+        # would swap the file under that reader between its lstat and its open.
+        return True
     write_file_atomic(folder / name, data, durable=False)
     return True
+
+
+def _holds(path: Path, data: bytes) -> bool:
+    """Whether ``path`` is a regular file holding exactly ``data`` (never through a link)."""
+    try:
+        with open_regular(path) as f:
+            return os.fstat(f.fileno()).st_size == len(data) and f.read(len(data) + 1) == data
+    except (OSError, NotRegularFileError):
+        return False
 
 
 def refetch_json(

@@ -74,6 +74,7 @@ def write_buckets(
     loads = ThreadPoolExecutor(1, "saev-shuffle-load")
     sink = _WriterThread(plan, writer)
     written: list[tuple[int, int]] = []  # (batches put up to the end of a bucket, bucket) not yet reported
+    failed = True
     try:
         loading = loads.submit(_load, plan, index, buckets[0], sets[0])
         for i, k in enumerate(buckets):
@@ -93,9 +94,10 @@ def write_buckets(
             written.append((sink.put_count, k))  # bucket k is written once its batches are
         sink.close()
         _fire(written, sink, after_bucket)
+        failed = False
     finally:
         sink.stop()
-        loads.shutdown(wait=True, cancel_futures=True)
+        loads.shutdown(wait=not failed, cancel_futures=True)  # a blocked read is not waited for after an error
 
 
 def _fire(pending: list[tuple[int, int]], sink: _WriterThread, after_bucket: Callable[[int], None]) -> None:
@@ -232,10 +234,12 @@ class _WriterThread:
         acts: Any = batch["acts"][:n].reshape(n, md.n_layers, 1, md.d_model)
         if md.dtype == "bfloat16":
             acts = _bfloat16_input(acts)
+        # float8_e4m3: the values' bytes and their scales, quantized in the scatter pass
+        scales = batch["scales"][:n].reshape(n, md.n_layers, 1) if "scales" in batch else None
         columns = {SOURCE_EXAMPLE: batch[SOURCE_EXAMPLE][:n], SOURCE_TOKEN: batch[SOURCE_TOKEN][:n]}
         columns.update({name: batch[f"column.{name}"][:n] for name in self.plan.columns})
         labels = batch["label"][:n].reshape(n, 1) if "label" in batch else None
-        self.writer.write(acts, labels=labels, columns=columns)
+        self.writer.write(acts, labels=labels, columns=columns, scales=scales)
 
     def _check(self) -> None:
         if self.error is not None:

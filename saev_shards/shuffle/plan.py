@@ -19,6 +19,7 @@ import numpy as np
 from ..errors import ShuffleError
 from ..format import DTYPES, LABELS_DTYPE, PROTOCOL
 from ..metadata import Metadata
+from ..protocol.common import FLOAT8, SCALES_DTYPE
 from ..protocol.jsonfile import is_int
 from ..reader import Shards
 from ..store.roots import SHUFFLE_PREFIX as WORK_PREFIX
@@ -121,7 +122,7 @@ class ShufflePlan:
     def describe(self) -> list[str]:
         """A few lines for people: sizes, passes, memory and scratch space."""
         md = self.output
-        acts = md.nbytes
+        acts = md.nbytes + md.scales_nbytes
         mib = 1 << 20
         return [
             f"source    {self.source.path} ({self.source.n_examples:,} examples)",
@@ -175,11 +176,17 @@ def output_metadata(
 
 
 def row_layout(source: Shards, selection: Selection, dtype: str, columns: tuple[str, ...]) -> RowLayout:
-    """Fields of a run row: activations ``(L, D)``, sort key, source example and token, label, columns."""
+    """Fields of a run row: activations ``(L, D)`` (float8_e4m3 as their bytes, with their scales
+    ``(L,)``), sort key, source example and token, label, columns."""
     md = source.metadata
     carried = per_token_columns(source)
+    n_layers = len(selection.layers)
+    if dtype == FLOAT8:
+        acts = [Field("acts", np.dtype("|u1"), (n_layers, md.d_model)), Field("scales", SCALES_DTYPE, (n_layers,))]
+    else:
+        acts = [Field("acts", DTYPES[dtype], (n_layers, md.d_model))]
     fields = [
-        Field("acts", DTYPES[dtype], (len(selection.layers), md.d_model)),
+        *acts,
         Field("key", np.dtype("<u8")),
         Field(SOURCE_EXAMPLE, np.dtype("<i8")),
         Field(SOURCE_TOKEN, np.dtype("<i4")),
@@ -273,12 +280,18 @@ def make_plan(
         + md.patches_per_ex
         + md.tokens_per_ex * sum(np.dtype(source.manifest.columns[c].dtype).itemsize for c in columns)
     )
-    # A cast goes through float32: the picked values, their float32 copy and the cast result.
+    # A cast goes through float32: the picked values, their float32 copy and the cast result
+    # (and a float8_e4m3 source's scales, or the scales of quantized output).
     cast = 0
     if dtype != source.dtype:
-        cast = len(selection.layers) * md.d_model * (md.itemsize + 4 + DTYPES[dtype].itemsize)
+        cast = len(selection.layers) * (md.d_model * (md.itemsize + 4 + DTYPES[dtype].itemsize) + 8)
     per_token = 2 * row + 72 + 8 * len(selection.layers) + cast
-    per_example = 2 * reader.example_nbytes + 2 * side + md.tokens_per_ex + selection.per_example * per_token
+    per_example = (
+        2 * (reader.example_nbytes + reader.scales_nbytes)
+        + 2 * side
+        + md.tokens_per_ex
+        + selection.per_example * per_token
+    )
 
     # Chunks first (their token counts give the total), then the buckets from the total.
     n_source = source.n_examples

@@ -21,8 +21,9 @@ import numpy as np
 import numpy.typing as npt
 import xxhash
 
-from .. import dtypes
+from .. import dtypes, float8
 from ..errors import NonFiniteError, ShuffleError
+from ..float8 import FLOAT8_DTYPE
 from .order import bucket_of, sort_keys
 from .plan import SOURCE_EXAMPLE, SOURCE_TOKEN, ShufflePlan
 from .runs import RunRecord, aligned_buffer, run_file, write_record, write_run
@@ -40,6 +41,7 @@ class _Chunk:
     start: int
     stop: int
     acts: npt.NDArray[Any]  # (n, rows, T, D) in the source dtype
+    scales: npt.NDArray[np.float32] | None  # (n, rows, T): a float8_e4m3 source's
     lengths: npt.NDArray[np.int64] | None
     labels: npt.NDArray[np.uint8] | None
     columns: dict[str, npt.NDArray[Any]]
@@ -65,6 +67,7 @@ def scatter(
     reads = ThreadPoolExecutor(1, "saev-shuffle-read")
     writes = ThreadPoolExecutor(1, "saev-shuffle-write")
     pending: list[Future[None]] = []
+    failed = True
     try:
         next_read = reads.submit(_read, reader, plan, chunks[0], read_buffers[0])
         for i in range(len(chunks)):
@@ -78,11 +81,14 @@ def scatter(
             pending.append(writes.submit(_write, plan, record, buffer, durable, on_rows, after_run))
         for fut in pending:
             fut.result()
+        failed = False
     finally:
         for fut in pending:  # never unmap a buffer a write is still using
             with contextlib.suppress(BaseException):
                 fut.result()
-        reads.shutdown(wait=True, cancel_futures=True)
+        # A read may block on a slow or hung filesystem: after an error or Ctrl-C it is not
+        # waited for (its buffer stays referenced by the thread; the command ends anyway).
+        reads.shutdown(wait=not failed, cancel_futures=True)
         writes.shutdown(wait=True, cancel_futures=True)
         for mm in run_buffers:
             with contextlib.suppress(BufferError):  # a view still held by a traceback: freed with it
@@ -96,6 +102,7 @@ def _read(reader: SourceReader, plan: ShufflePlan, chunk: int, buffer: npt.NDArr
         start=start,
         stop=stop,
         acts=reader.acts(start, stop, buffer),
+        scales=reader.scales(start, stop),
         lengths=reader.lengths(start, stop),
         labels=reader.labels(start, stop),
         columns={name: reader.column(name, start, stop) for name in plan.columns},
@@ -133,6 +140,7 @@ def _gather(plan: ShufflePlan, reader: SourceReader, data: _Chunk, buffer: Any) 
     # Index of every chosen (token, layer) vector in the chunk viewed as (n * rows * T, D).
     vectors = (ex_local[:, None] * n_rows_read + layer_rows[None, :]) * md.tokens_per_ex + tokens[:, None]
     source_vectors = data.acts.reshape(-1, md.d_model)
+    source_scales = None if data.scales is None else data.scales.reshape(-1)
     row_values = _row_values(plan, data, ex_local, tokens, keys)
     out_dtype = plan.output.dtype
     whole = np.frombuffer(buffer, dtype=np.uint8, count=int(offsets[-1])) if offsets[-1] else None
@@ -141,15 +149,21 @@ def _gather(plan: ShufflePlan, reader: SourceReader, data: _Chunk, buffer: Any) 
         if a == b:
             continue
         assert whole is not None
+        targets = {}
         for field, offset, nbytes in plan.layout.regions(b - a):
             region = whole[int(offsets[k]) + offset : int(offsets[k]) + offset + nbytes]
-            target = region.view(field.dtype).reshape(b - a, *field.shape)
-            if field.name == "acts":
-                _gather_acts(source_vectors, vectors[a:b], target, plan.source.dtype, out_dtype)
-                if not plan.allow_nonfinite and dtypes.nonfinite_mask_any(target, out_dtype):
-                    raise _nonfinite(plan, target, row_values[SOURCE_EXAMPLE][a:b])
-            else:
-                target[...] = row_values[field.name][a:b]
+            targets[field.name] = region.view(field.dtype).reshape(b - a, *field.shape)
+        for name, target in targets.items():
+            if name == "acts":
+                out_scales = targets.get("scales")
+                _gather_acts(
+                    source_vectors, source_scales, vectors[a:b], target, out_scales, plan.source.dtype, out_dtype
+                )
+                stored = target if out_scales is None else target.view(FLOAT8_DTYPE)
+                if not plan.allow_nonfinite and dtypes.nonfinite_mask_any(stored, out_dtype):
+                    raise _nonfinite(plan, stored, row_values[SOURCE_EXAMPLE][a:b])
+            elif name != "scales":  # written with the activations
+                target[...] = row_values[name][a:b]
     return RunRecord(
         chunk=data.chunk,
         start=data.start,
@@ -185,17 +199,36 @@ def _row_values(
 
 
 def _gather_acts(
-    source: npt.NDArray[Any], vectors: npt.NDArray[np.int64], out: npt.NDArray[Any], stored: str, wanted: str
+    source: npt.NDArray[Any],
+    source_scales: npt.NDArray[np.float32] | None,
+    vectors: npt.NDArray[np.int64],
+    out: npt.NDArray[Any],
+    out_scales: npt.NDArray[np.float32] | None,
+    stored: str,
+    wanted: str,
 ) -> None:
-    """``out[i, l] = source[vectors[i, l]]``, cast from ``stored`` to ``wanted``."""
+    """``out[i, l] = source[vectors[i, l]]``, cast from ``stored`` to ``wanted``. A float8_e4m3
+    source comes with its ``source_scales`` (one per vector), float8_e4m3 output goes to
+    ``out`` (its bytes) and ``out_scales``: copied as they are from a float8_e4m3 source,
+    quantized by the rule from any other."""
     flat = vectors.reshape(-1)
+    rows = out.reshape(-1, out.shape[-1])
     if stored == wanted:
         # mode="clip" skips numpy's buffered bounds check (3x faster); the indices are in range by construction.
-        np.take(source, flat, axis=0, out=out.reshape(-1, out.shape[-1]), mode="clip")
+        np.take(source.view(rows.dtype), flat, axis=0, out=rows, mode="clip")
+        if out_scales is not None and source_scales is not None:
+            np.take(source_scales, flat, out=out_scales.reshape(-1), mode="clip")
         return
     picked = np.take(source, flat, axis=0, mode="clip")
-    cast, _ = dtypes.to_stored(dtypes.to_float32(picked, stored), wanted)
-    out.reshape(-1, out.shape[-1])[...] = cast
+    picked_scales = None if source_scales is None else np.take(source_scales, flat, mode="clip")
+    wide = dtypes.to_float32(picked, stored, picked_scales)
+    if out_scales is not None:  # quantized by the rule, vector by vector
+        values, scales = float8.quantize(wide)
+        rows[...] = values.view(np.uint8)
+        out_scales.reshape(-1)[...] = scales
+        return
+    cast, _ = dtypes.to_stored(wide, wanted)
+    rows[...] = cast
 
 
 def _nonfinite(plan: ShufflePlan, acts: npt.NDArray[Any], source_examples: npt.NDArray[np.int64]) -> NonFiniteError:

@@ -18,6 +18,7 @@ import numpy.typing as npt
 from .. import norms
 from ..errors import ShuffleError
 from ..fileio import pread_exact
+from ..protocol.common import FLOAT8
 from ..protocol.jsonfile import is_int
 from ..reader import Shards
 
@@ -179,6 +180,9 @@ class SourceReader:
         self.layer_positions = np.array(selection.layer_positions, dtype=np.int64)
         #: Bytes of one example as held in a read buffer.
         self.example_nbytes = (md.n_layers if self.whole else self.n_layers) * slice_nbytes
+        #: A float8_e4m3 source: bytes of one example's scales as read beside it (else 0).
+        self.float8 = md.dtype == FLOAT8
+        self.scales_nbytes = (md.n_layers if self.whole else self.n_layers) * md.tokens_per_ex * 4 if self.float8 else 0
 
     def acts(self, start: int, stop: int, buffer: npt.NDArray[np.uint8]) -> npt.NDArray[Any]:
         """Examples ``[start, stop)`` as ``(n, rows, T, D)`` in ``buffer`` (all layers when
@@ -219,6 +223,20 @@ class SourceReader:
         finally:
             for fd in fds.values():
                 files.close(fd)
+
+    def scales(self, start: int, stop: int) -> npt.NDArray[np.float32] | None:
+        """A float8_e4m3 source's scales of examples ``[start, stop)`` as ``(n, rows, T)``, rows as
+        in `acts`; None for another dtype."""
+        if not self.float8:
+            return None
+        if self.whole:
+            return self.shards.read_range_scales(start, stop)
+        md = self.shards.metadata
+        out = np.empty((stop - start, self.n_layers, md.tokens_per_ex), np.float32)
+        for j in range(stop - start):
+            for r, position in enumerate(self.layer_positions.tolist()):
+                self.shards.read_example_scales(start + j, position, out[j, r])
+        return out
 
     @property
     def layer_rows(self) -> npt.NDArray[np.int64]:

@@ -26,6 +26,7 @@ from .caches import (
     KIND_NAMES,
     CacheEntry,
     Unpublished,
+    check_not_in_use,
     folder_nbytes,
     is_live,
     list_caches,
@@ -38,6 +39,7 @@ from .caches import (
     unpublished,
 )
 from .doctor import Finding, doctor, doctor_environment
+from .inuse import Holder, users
 from .remote import PushReport, RemoteEntry, list_remote, locate, push, resolve_remote
 from .roots import (
     COPY_PREFIX,
@@ -50,6 +52,7 @@ from .roots import (
     PathLike,
     Root,
     Roots,
+    check_reference,
     local_roots,
     remote_roots,
     resolve,
@@ -91,6 +94,7 @@ __all__ = [
     "STAGE_ROOT_ENV",
     "CacheEntry",
     "Finding",
+    "Holder",
     "PathLike",
     "PushReport",
     "RemoteEntry",
@@ -99,6 +103,8 @@ __all__ = [
     "Run",
     "StageReport",
     "Unpublished",
+    "check_not_in_use",
+    "check_reference",
     "compare_caches",
     "compute_stats",
     "copy_cache",
@@ -133,5 +139,6 @@ __all__ = [
     "stage_root",
     "summary",
     "unpublished",
+    "users",
     "write_sidecar",
 ]

@@ -16,12 +16,14 @@ import numpy as np
 
 from .. import reader
 from ..errors import (
+    CacheInUseError,
     CacheRefError,
     ProtocolWarning,
     ShardsError,
     UnknownCacheError,
 )
 from ..fileio import (
+    NO_FLOCK_ERRNOS,
     make_writable,
     take_lock,
     try_flock,
@@ -33,7 +35,17 @@ from ..protocol.jsonfile import read_json_file
 from ..protocol.staging import LOCK_SUFFIX, OLD_LOCK_FILE, STAGING_PREFIX, part_record_shard
 from ..remote.url import is_url
 from ..units import human_bytes
-from .roots import COPY_PREFIX, SHUFFLE_LOCK_FILE, SHUFFLE_PREFIX, PathLike, Roots, _cache_names, _scan
+from .inuse import users
+from .roots import (
+    COPY_PREFIX,
+    SHUFFLE_LOCK_FILE,
+    SHUFFLE_PREFIX,
+    PathLike,
+    Roots,
+    _cache_names,
+    _scan,
+    check_reference,
+)
 from .sidecar import sidecar_path
 
 # --------------------------------------------------------------------------------------
@@ -288,11 +300,17 @@ def _read_metadata(path: Path) -> Metadata | None:
         return None
 
 
-def remove(path: PathLike) -> None:
+def remove(path: PathLike, *, force: bool = False) -> None:
     """Delete a cache directory (or an unpublished ``.staging-``/``.copying-`` one), read-only or not.
 
     Refuses anything not named like a cache, so a mistyped path cannot delete other data.
     A symlink to a cache is unlinked; the cache it points to stays.
+
+    A cache in use is refused with `CacheInUseError` naming the processes (`check_not_in_use`):
+    readers hold a shared lock on it while it is open, and the removal holds it exclusively
+    while it deletes. ``force`` removes it anyway (its readers then fail at their next read).
+    An unpublished folder whose writer or copy holds its lock is refused whatever ``force``
+    says: deleting it under a live writer would corrupt what it publishes.
     """
     p = Path(path).expanduser().absolute()
     name = p.name
@@ -306,8 +324,73 @@ def remove(path: PathLike) -> None:
         return
     if not p.is_dir():
         raise UnknownCacheError(f"no cache at {p}: no such directory")
-    make_writable(p)
-    shutil.rmtree(p)
+    if name.startswith((STAGING_PREFIX, COPY_PREFIX)):
+        kind = "staging" if name.startswith(STAGING_PREFIX) else "copy"
+        item = Unpublished(p, kind, 0, 0.0, True)
+        if not remove_unpublished(item):
+            lock, _ = _lock_of(p, kind)
+            raise CacheInUseError(
+                f"refusing to remove {p}: a live {KIND_NAMES[kind]} holds its lock ({lock}); nothing removed",
+                users(lock),
+            )
+        return
+    if not force:
+        check_not_in_use(p)
+    fd, busy = hold_exclusively(p)
+    try:
+        if busy and not force:  # a reader opened it since, or one /proc does not show
+            check_not_in_use(p, locked=True)
+        delete_folder(p)
+    finally:
+        if fd is not None:
+            os.close(fd)
+
+
+def check_not_in_use(path: Path, *, locked: bool = False) -> None:
+    """Raise `CacheInUseError` when processes use the cache folder ``path``: listed from
+    ``/proc`` (`inuse.users`), or ``locked`` (its lock is held, by processes ``/proc`` may hide)."""
+    found = users(path)
+    if not found and not locked:
+        return
+    who = "; ".join(str(h) for h in found[:10]) + (f"; and {len(found) - 10} more" if len(found) > 10 else "")
+    if not found:
+        who = "another process holds its lock (the system does not say which)"
+    raise CacheInUseError(
+        f"refusing to remove {path}: in use by {plural_processes(len(found))}: {who}; nothing removed. Stop them "
+        "first, or remove it anyway with --force (force=True): they then fail at their next read",
+        found,
+    )
+
+
+def plural_processes(n: int) -> str:
+    return "another process" if n == 0 else ("1 process" if n == 1 else f"{n} processes")
+
+
+def hold_exclusively(path: Path) -> tuple[int | None, bool]:
+    """``(fd, busy)``: the folder's fd holding its lock exclusively (None when not taken), and
+    whether another process holds the lock (False too where the filesystem does not lock)."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    except OSError:
+        return None, False
+    try:
+        if try_flock(fd):
+            return fd, False
+        busy = True
+    except OSError as err:
+        if err.errno not in NO_FLOCK_ERRNOS:
+            os.close(fd)
+            raise
+        busy = False
+    os.close(fd)
+    return None, busy
+
+
+def delete_folder(path: Path) -> None:
+    """Delete a cache or unpublished folder, read-only or not, without any check: for callers
+    that hold its lock themselves (`remove`, `stage` replacing its own partial copy)."""
+    make_writable(path)
+    shutil.rmtree(path)
 
 
 def open_cache(ref: PathLike, *, check_hash: bool = True, roots: Roots = None) -> reader.Shards:
@@ -320,6 +403,7 @@ def open_cache(ref: PathLike, *, check_hash: bool = True, roots: Roots = None) -
     (``s3://bucket/root/<hash or prefix>``), or a hash (prefix) found only in a remote root,
     opens the remote cache (`reader.open_remote`).
     """
+    check_reference(ref)
     from .remote import locate
 
     if is_url(ref):
@@ -378,6 +462,8 @@ def summary(shards: reader.Shards) -> dict[str, Any]:
         "data": md.data,
         "shape": list(md.shape),
         "dtype": md.dtype,
+        # float8_e4m3 values are read dequantized, as float16 unless another dtype is asked for.
+        "read_dtype": shards.read_dtype,
         "layers": list(md.layers),
         "patches_per_ex": md.patches_per_ex,
         "cls_token": md.cls_token,
@@ -388,8 +474,11 @@ def summary(shards: reader.Shards) -> dict[str, Any]:
         "examples_per_shard": md.examples_per_shard,
         "n_shards": shards.n_shards,
         "nbytes": md.nbytes,
+        "scales_nbytes": md.scales_nbytes,
         "disk_nbytes": _disk_bytes(shards.path) if shards.url is None else _remote_bytes(shards),
         "checksums": all(d is not None for _, _, d in man.files()),
+        # Protocol 3.1: the bytes each digest of blocks.json covers (None without blocks.json).
+        "block_size": shards.block_size,
         "shards": [
             {"name": s.name, "n_examples": s.n_examples, "nbytes": s.nbytes, "xxh3_128": s.xxh3_128} for s in man.shards
         ],

@@ -31,6 +31,7 @@ from ..errors import (
     UnknownCacheError,
 )
 from ..protocol import is_cache_name
+from ..protocol.jsonfile import short_repr
 from ..protocol.staging import STAGING_PREFIX
 from ..remote.url import is_url, split_roots
 
@@ -189,6 +190,32 @@ def _closest(key: str, search: Sequence[Root]) -> str:
     return f"; caches there, closest first: {', '.join(n[:12] for n in shown)}{more} (`saev-shards ls` lists them)"
 
 
+#: Longest reference accepted, in bytes: what Linux lets a path hold (PATH_MAX), and a name (NAME_MAX).
+MAX_REF_BYTES = 4096
+MAX_NAME_BYTES = 255
+
+
+def check_reference(ref: PathLike, what: str = "cache reference") -> None:
+    """Refuse a reference that no path can be: empty (or only spaces), holding a NUL byte,
+    longer than `MAX_REF_BYTES` or with a name longer than `MAX_NAME_BYTES` (the system would
+    answer with a raw ``ValueError`` or ``OSError``); `CacheRefError` saying which, the
+    reference quoted to a bounded length."""
+    text = os.fspath(ref)
+    raw = text.encode("utf-8", "surrogateescape") if isinstance(text, str) else bytes(text)
+    shown = short_repr(text, 60)
+    if not raw.strip():
+        raise CacheRefError(f"{what} {shown}: expected a path, a hash or a hash prefix, found an empty reference")
+    if b"\0" in raw:
+        raise CacheRefError(f"{what} {shown}: holds a NUL character, which no path can")
+    if len(raw) > MAX_REF_BYTES:
+        raise CacheRefError(f"{what} {shown}: {len(raw):,} bytes long, more than a path may be ({MAX_REF_BYTES:,})")
+    longest = max(len(part) for part in raw.split(b"/"))
+    if longest > MAX_NAME_BYTES:
+        raise CacheRefError(
+            f"{what} {shown}: holds a name of {longest:,} bytes, more than a file name may be ({MAX_NAME_BYTES})"
+        )
+
+
 def resolve(ref: PathLike, roots: Roots = None) -> Path:
     """The absolute path of the cache ``ref`` names: an existing path, a full hash, or a
     unique hash prefix of at least 4 hex digits, looked up in the shards roots in order.
@@ -201,6 +228,7 @@ def resolve(ref: PathLike, roots: Roots = None) -> Path:
     Raises `UnknownCacheError` (a `FileNotFoundError`) naming the roots searched,
     `AmbiguousPrefixError` listing the candidates, or `CacheRefError` for a short prefix.
     """
+    check_reference(ref)
     text = os.fspath(ref)
     path = Path(text).expanduser()
     if path.exists():

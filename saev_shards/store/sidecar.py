@@ -20,6 +20,8 @@ saying how to make it again, never silently ignored.
 
 from __future__ import annotations
 
+import contextlib
+import errno
 import os
 import warnings
 from collections.abc import Callable
@@ -30,9 +32,10 @@ import xxhash
 
 from .. import reader
 from ..errors import StatsFileError
-from ..fileio import write_file_atomic
+from ..fileio import file_kind, naming_disk_full, write_file_atomic
 from ..format import pretty_json
 from ..progress import Progress
+from ..protocol.v3 import parse_stats
 from ..reader.sidecars import SIDECAR_DIR, SIDECAR_KEYS, find_stats, manifest_digest, sidecar_path
 from ..statistics import STATS_CHUNK, StatsAccumulator
 
@@ -70,17 +73,22 @@ def compute_stats(
 
 
 def write_sidecar(shards: reader.Shards, stats: dict[str, Any]) -> Path:
-    """Write ``stats`` (from `compute_stats`) as the sidecar of ``shards``, atomically; its path."""
+    """Write ``stats`` (from `compute_stats`) as the sidecar of ``shards``, atomically; its path.
+
+    ``stats`` is checked against the schema and value rules of stats.json first (protocol.md
+    2.6: what `find_stats` would refuse is never written), and the file lands only inside
+    the root: ``.stats`` must be a folder there, never a link."""
     path = sidecar_path(shards)
-    path.parent.mkdir(exist_ok=True)
+    md = shards.metadata
+    parse_stats(stats, md.layers, md.d_model, str(path), md.n_examples * md.tokens_per_ex)
     obj = {
-        "cache": shards.metadata.hash,
+        "cache": md.hash,
         "manifest_xxh3_128": manifest_digest(shards),
         "stats": stats,
         "stats_xxh3_128": xxhash.xxh3_128_hexdigest(pretty_json(stats)),
     }
     data = pretty_json(obj)
-    write_file_atomic(path, data, durable=True)
+    _write_in_sidecar_folder(path, data)
     if shards.url is not None:  # a remote cache: the sidecar goes beside it, in its root (protocol.md 6.1)
         from ..remote.client import Client
 
@@ -93,6 +101,28 @@ def sidecar_location(shards: reader.Shards) -> str:
     if shards.url is not None:
         return f"{shards.url.rsplit('/', 1)[0]}/{SIDECAR_DIR}/{shards.metadata.hash}.json"
     return str(sidecar_path(shards))
+
+
+def _write_in_sidecar_folder(path: Path, data: bytes) -> None:
+    """Write ``path`` (``<root>/.stats/<name>``) atomically, relative to a descriptor of the
+    ``.stats`` folder opened without following links: nothing is written outside the root."""
+    folder = path.parent
+    with naming_disk_full(folder), contextlib.suppress(FileExistsError):
+        os.mkdir(folder)
+    try:
+        fd = os.open(folder, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    except OSError as err:
+        if err.errno not in (errno.ELOOP, errno.ENOTDIR):
+            raise
+        found = file_kind(os.lstat(folder).st_mode)
+        raise StatsFileError(
+            f"{folder}: expected the folder of statistics sidecars, found {found}: sidecars are written only "
+            "inside the root, never through a link; remove it, and run the command again"
+        ) from None
+    try:
+        write_file_atomic(path, data, durable=True, dir_fd=fd)
+    finally:
+        os.close(fd)
 
 
 def carry_sidecar(source: reader.Shards, copy: Path) -> bool:
@@ -108,8 +138,7 @@ def carry_sidecar(source: reader.Shards, copy: Path) -> bool:
     except StatsFileError as err:
         warnings.warn(f"statistics sidecar not copied: {err}", stacklevel=2)
         return False
-    dest.parent.mkdir(exist_ok=True)
-    write_file_atomic(dest, src.read_bytes(), durable=True)
+    _write_in_sidecar_folder(dest, src.read_bytes())
     return True
 
 

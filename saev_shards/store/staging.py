@@ -38,7 +38,7 @@ from ..fileio import (
 from ..progress import Progress
 from ..protocol.common import MANIFEST_FILE, METADATA_FILE
 from ..remote.client import requests_in_flight
-from .caches import open_quietly, remove
+from .caches import check_not_in_use, delete_folder, hold_exclusively, open_quietly, remove
 from .remote import locate
 from .roots import COPY_PREFIX, PathLike, Roots, _scan, local_roots, shards_roots, stage_root
 from .sidecar import carry_sidecar
@@ -183,10 +183,12 @@ def _copy_cache(
             report.already_staged = True
             return report
         except ShardsError:
-            # A damaged local copy: move it back to the partial name and resume over it.
+            # A damaged local copy: move it back to the partial name and resume over it,
+            # unless processes read it (CacheInUseError names them; nothing is touched).
+            check_not_in_use(final, locked=_locked(final))
             make_writable(final)
             if partial.exists():
-                remove(final)
+                remove(final)  # refused (CacheInUseError) while processes read the damaged copy
             else:
                 os.rename(final, partial)
             report.repaired = True
@@ -200,7 +202,7 @@ def _copy_cache(
         raise WriterBusyError(f"{partial}: another process is copying this cache")
     try:
         if final.exists():  # another process finished while we waited for the folder
-            remove(partial)
+            delete_folder(partial)  # ours: we hold its lock
             report.already_staged = True
             return report
         make_writable(partial)  # a copy killed between freezing and its rename is read-only
@@ -209,6 +211,14 @@ def _copy_cache(
     finally:
         os.close(lock_fd)
     return report
+
+
+def _locked(folder: Path) -> bool:
+    """Whether another process holds the lock of ``folder`` (a reader of it)."""
+    fd, busy = hold_exclusively(folder)
+    if fd is not None:
+        os.close(fd)
+    return busy
 
 
 def _files_to_copy(source: reader.Shards) -> list[tuple[str, int, str | None]]:
@@ -388,4 +398,4 @@ def _publish(source: reader.Shards, partial: Path, final: Path, durable: bool, e
     if found != final.name:
         raise HashMismatchError(f"{partial / METADATA_FILE}: expected hash {final.name}, found {found}")
     if not publish_dir(partial, final, durable, expected=expected):
-        remove(partial)  # another process published the same verified copy meanwhile
+        delete_folder(partial)  # another process published the same verified copy meanwhile (we hold its lock)

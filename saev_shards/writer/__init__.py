@@ -25,6 +25,7 @@ The modules, in the order data meets them:
 * `direct`: the O_DIRECT sequential file and its buffer pool (bytes to disk, nothing more).
 * `finalize`: check the part records, join the parts, write the manifest, publish.
 * `staging`: the lock of the staging directory (its names: `saev_shards.protocol.staging`).
+* `space`: what a write still needs on disk (the up-front free-space checks of dump and convert).
 
 Note: ``saev_shards.writer.finalize`` is the function; the module is reached with
 ``importlib.import_module("saev_shards.writer.finalize")`` (or ``from saev_shards.writer.finalize import ...``).
@@ -33,6 +34,7 @@ Note: ``saev_shards.writer.finalize`` is the function; the module is reached wit
 from .direct import DIRECT_ALIGN, DIRECT_BLOCK, DIRECT_IN_FLIGHT
 from .finalize import finalize
 from .shard_writer import ShardWriter, rank_shards, world_from_env
+from .space import sealed_shards, space_needed
 
 __all__ = [
     "DIRECT_ALIGN",
@@ -41,5 +43,7 @@ __all__ = [
     "ShardWriter",
     "finalize",
     "rank_shards",
+    "sealed_shards",
+    "space_needed",
     "world_from_env",
 ]

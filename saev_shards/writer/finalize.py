@@ -49,7 +49,6 @@ from ..protocol.common import (
     LABELS_FILE,
     MANIFEST_FILE,
     METADATA_FILE,
-    SCALES_DTYPE,
     STATS_FILE,
     XXH3_RE,
     column_file,
@@ -179,9 +178,9 @@ def _validate(md: Metadata, staging: Path, commit: _Commit | None, verify: bool)
             files.add(
                 f"shard {k}: expected {md.shard_nbytes(k)} bytes, record says {r['acts']['nbytes']}", field=f"shard {k}"
             )
-        if md.dtype == FLOAT8 and r["scales"]["nbytes"] != _scales_nbytes(md, k):
+        if md.dtype == FLOAT8 and r["scales"]["nbytes"] != md.shard_scales_nbytes(k):
             files.add(
-                f"shard {k}: expected {_scales_nbytes(md, k)} bytes of scales, record says {r['scales']['nbytes']}",
+                f"shard {k}: expected {md.shard_scales_nbytes(k)} bytes of scales, record says {r['scales']['nbytes']}",
                 field=f"shard {k}",
             )
     files.raise_if_any(f"{staging}: cannot finalize:\n  ", limit=_LISTED)
@@ -321,7 +320,7 @@ def _read_commit(staging: Path, md: Metadata) -> _Commit | None:
     if list(manifest.empty_shards.names) != _empty_shard_names(md):
         return None
     if md.dtype == FLOAT8:
-        want_scales = [(scales_name(k), _scales_nbytes(md, k)) for k in range(md.n_shards)]
+        want_scales = [(scales_name(k), md.shard_scales_nbytes(k)) for k in range(md.n_shards)]
         if (
             manifest.scales is None
             or list(zip(manifest.scales.names, manifest.scales.sizes, strict=True)) != want_scales
@@ -389,11 +388,6 @@ def _scales(record: dict[str, Any]) -> list[tuple[str, dict[str, Any]]]:
     """The scales part of a float8_e4m3 cache's part record, as ``[(stream, info)]`` ([] for other dtypes)."""
     info = record.get("scales")
     return [] if info is None else [(SCALES, info)]
-
-
-def _scales_nbytes(md: Metadata, k: int) -> int:
-    """Exact length of shard ``k``'s scale file: a float32 per vector."""
-    return md.shard_n_examples(k) * md.n_layers * md.tokens_per_ex * SCALES_DTYPE.itemsize
 
 
 def _join(

@@ -158,13 +158,21 @@ class ShardWriter:
         labels: Any = None,
         columns: Mapping[str, Any] | None = None,
         text: Mapping[str, Sequence[Any]] | None = None,
+        scales: Any = None,
     ) -> None:
         """Append a batch of activations ``(B, L, T, D)``; optionally its labels, columns and text.
 
-        Batches may have any size and may straddle shard boundaries.
+        Batches may have any size and may straddle shard boundaries. A float8_e4m3 cache
+        quantizes float activations by the rule of protocol.md 5; with ``scales`` ``(B, L, T)``
+        it takes ``acts`` as values quantized already (E4M3 values or their bytes, with their
+        float32 scales, as another float8_e4m3 cache holds them: `Shards.raw`, `Shards.scales`)
+        and stores them as they are.
         """
         self._check_open()
-        arr, owned, scales = _cast(self.md, acts)
+        if scales is not None:
+            arr, owned, scales = _quantized(self.md, acts, scales)
+        else:
+            arr, owned, scales = _cast(self.md, acts)
         batch = arr.shape[0]
         first = self._reserve("acts", batch)
         lengths = None
@@ -475,6 +483,30 @@ def _cast(md: Metadata, acts: Any) -> tuple[npt.NDArray[Any], bool, npt.NDArray[
     except TypeError as err:
         raise WriterError(str(err)) from None
     return arr, owned, None
+
+
+def _quantized(md: Metadata, values: Any, scales: Any) -> tuple[npt.NDArray[Any], bool, npt.NDArray[Any]]:
+    """Values quantized already, with their scales, checked against ``md`` (`ShardWriter.write`)."""
+    if md.dtype != FLOAT8:
+        raise WriterError(f"scales: a {md.dtype} cache has no scales (only float8_e4m3 caches take quantized values)")
+    arr = _to_numpy(values)
+    if arr.dtype == np.uint8:
+        arr = arr.view(float8.FLOAT8_DTYPE)
+    want = md.shard_shape[1:]
+    if arr.dtype != float8.FLOAT8_DTYPE or arr.ndim != 4 or arr.shape[1:] != want:
+        raise WriterError(
+            f"acts: with scales, expected float8_e4m3fn values (or their uint8 bytes) of shape (B, {want[0]}, "
+            f"{want[1]}, {want[2]}), found {arr.dtype} {tuple(arr.shape)}"
+        )
+    s = _to_numpy(scales)
+    if s.dtype != np.float32 or s.shape != arr.shape[:3]:
+        raise WriterError(f"scales: expected float32 of shape {arr.shape[:3]}, found {s.dtype} {tuple(s.shape)}")
+    with np.errstate(invalid="ignore"):
+        bad = ~(np.isnan(s) | (np.isfinite(s) & (s >= 0)))
+    if bad.any():
+        raise WriterError(f"scales: expected finite values >= 0 (NaN: a vector stored as NaN), found {s[bad][:5]}")
+    # Fresh copies: the caller may reuse its buffers while the writer writes in the background.
+    return np.array(arr, order="C"), True, np.array(s, order="C")
 
 
 def _json_lines(name: str, values: Sequence[Any]) -> list[bytes]:

@@ -9,6 +9,7 @@ import os
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -244,6 +245,172 @@ def test_clean_removes_the_scratch_folder_of_a_shuffle_that_died_and_keeps_a_liv
     code, out, _ = run(env, "clean", "--yes")
     assert code == 0 and f"removed {plan.work}\n" in out and not plan.work.exists()
     assert sorted(p.name for p in root.iterdir()) == [md.hash]
+
+
+# --------------------------------------------------------------------------------------
+# caches in use: rm against live readers in other processes
+
+_READER = """
+import sys, time
+import numpy as np
+import saev_shards as ss
+how, path = sys.argv[1], sys.argv[2]
+if how == "open":  # a notebook: the cache opened, one example read
+    shards = ss.open(path)
+    shards[0]
+elif how == "loader":  # a training loop between two batches
+    from saev_shards.loaders import ShuffledLoader
+    loader = ShuffledLoader(path, batch_size=8, layers=6, seed=0)
+    batch = next(iter(loader))
+elif how == "memmap":  # a reader of another library: the shard mapped, no lock
+    mapped = np.memmap(path + "/acts000000.bin", dtype=np.uint8, mode="r")
+    int(mapped[0])
+print("ready", flush=True)
+time.sleep(120)
+"""
+
+
+def _reader(how: str, path: Path) -> subprocess.Popen[str]:
+    proc = subprocess.Popen(
+        [sys.executable, "-c", _READER, how, str(path)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+    )
+    assert proc.stdout is not None and proc.stdout.readline() == "ready\n", proc.communicate(timeout=60)[1]
+    return proc
+
+
+@pytest.mark.parametrize(
+    ("how", "says"),
+    [("open", "holds the cache's lock"), ("loader", "holds the cache's lock"), ("memmap", " acts000000.bin")],
+)
+def test_rm_refuses_a_cache_a_live_reader_uses_naming_it(tmp_path: Path, how: str, says: str) -> None:
+    """Before the fix `rm --yes` deleted the cache under the reader (a loader's next shard
+    then failed with a bare FileNotFoundError)."""
+    if how == "loader":
+        pytest.importorskip("torch")
+    env = environment(tmp_path)
+    root = tmp_path / "scratch" / "saev" / "shards"
+    md = small_metadata()
+    write_cache(root, md)
+    reader = _reader(how, root / md.hash)
+    try:
+        code, out, err = run(env, "rm", md.hash[:8], "--yes")
+        assert code == 4, err
+        assert f"refusing to remove {root / md.hash}: in use by 1 process: pid {reader.pid} (" in err
+        assert says in err and "--force" in err and out == ""
+        ss.open(root / md.hash).verify()
+        code, out, err = run(env, "rm", md.hash[:8], "--yes", "--force")
+        assert code == 0 and f"removed {root / md.hash}" in out and not (root / md.hash).exists()
+    finally:
+        reader.kill()
+        reader.communicate()
+    write_cache(root, md)  # the reader gone: removed without --force
+    assert run(env, "rm", md.hash[:8], "--yes")[0] == 0 and not (root / md.hash).exists()
+
+
+def test_the_store_never_removes_a_staging_folder_whose_writer_holds_its_lock(tmp_path: Path) -> None:
+    """Before the fix `store.remove` deleted a live writer's staging folder."""
+    md = small_metadata()
+    writer = ss.ShardWriter(tmp_path, md, durable=False)
+    writer.write(np.zeros((3, *md.shape[1:]), np.float32))
+    staging = tmp_path / f".staging-{md.hash}"
+    for force in (False, True):
+        with pytest.raises(ss.CacheInUseError, match=r"a live staging holds its lock .*nothing removed"):
+            store.remove(staging, force=force)
+    assert staging.is_dir()
+    writer.write(np.zeros((md.n_examples - 3, *md.shape[1:]), np.float32))
+    writer.close()
+    ss.open(tmp_path / md.hash).verify()
+
+
+# --------------------------------------------------------------------------------------
+# statistics sidecars: written only inside the root, range-checked when read
+
+
+def test_stats_never_writes_through_a_stats_folder_that_is_a_link(tmp_path: Path) -> None:
+    """Before the fix the sidecar landed in the folder the link pointed to, outside the root."""
+    env = environment(tmp_path)
+    root = tmp_path / "scratch" / "saev" / "shards"
+    md = small_metadata()
+    write_cache(root, md)
+    outside = tmp_path / "outside"
+    outside.mkdir()
+    (root / ".stats").symlink_to(outside)
+    code, out, err = run(env, "stats", md.hash[:8])
+    assert code == 1 and out == "", err
+    assert f"{root / '.stats'}: expected the folder of statistics sidecars, found a symbolic link" in err
+    assert list(outside.iterdir()) == []
+    (root / ".stats").unlink()
+    assert run(env, "stats", md.hash[:8])[0] == 0 and (root / ".stats" / f"{md.hash}.json").is_file()
+
+
+def _rewrite_sidecar(path: Path, change: Any) -> None:
+    """Edit a sidecar's statistics and recompute its digest, as a careful vandal would."""
+    import xxhash
+
+    from saev_shards.format import pretty_json
+
+    obj = json.loads(path.read_text())
+    change(obj["stats"])
+    obj["stats_xxh3_128"] = xxhash.xxh3_128_hexdigest(pretty_json(obj["stats"]))
+    path.write_text(json.dumps(obj))
+
+
+#: (change to a sidecar's statistics, what the error says); the cache has 23 x 5 = 115 token positions.
+SIDECAR_EDITS = {
+    "negative variance": (
+        lambda s: s["var"][0].__setitem__(3, -0.5),
+        r"var\[0, 3\]: expected a number >= 0 \(a variance or a norm\), found -0.5",
+    ),
+    "negative norm": (lambda s: s["norm_mean"].__setitem__(1, -1.0), r"norm_mean\[1\]: expected a number >= 0"),
+    "negative squared norm": (
+        lambda s: s["norm_sq_mean"].__setitem__(0, -2.0),
+        r"norm_sq_mean\[0\]: expected a number >= 0",
+    ),
+    "count past the cache": (
+        lambda s: s["count"].__setitem__(0, 10**9),
+        r"count\[0\] \+ nonfinite\[0\]: expected at most 115 .*found 1,000,000,000 \+ 0",
+    ),
+    "nonfinite past the cache": (
+        lambda s: s["nonfinite"].__setitem__(1, 116),
+        r"count\[1\] \+ nonfinite\[1\]: expected at most 115",
+    ),
+    "count 0 with values": (
+        lambda s: s.update(count=[0, s["count"][1]]),
+        r"mean\[0\]: expected zeros \(its count is 0",
+    ),
+    "a string among the variances": (lambda s: s["var"].__setitem__(0, "x"), r"var: expected 2 arrays of 8 numbers"),
+}
+
+
+@pytest.mark.parametrize("edit", list(SIDECAR_EDITS))
+def test_a_sidecar_with_a_recomputed_digest_is_still_range_checked(tmp_path: Path, edit: str) -> None:
+    """Before the fix a negative variance with a recomputed digest was accepted (then a
+    square root of a negative number downstream), and counts were never compared with the cache."""
+    change, message = SIDECAR_EDITS[edit]
+    env = environment(tmp_path)
+    root = tmp_path / "scratch" / "saev" / "shards"
+    md = small_metadata()  # 23 examples x 5 tokens: 115 token positions
+    write_cache(root, md)
+    assert run(env, "stats", md.hash[:8])[0] == 0
+    sidecar = root / ".stats" / f"{md.hash}.json"
+    _rewrite_sidecar(sidecar, change)
+    with pytest.raises(ss.StatsFileError, match=message):
+        _ = ss.open(root / md.hash).stats
+    code, _, err = run(env, "info", md.hash[:8])
+    assert code == 1 and str(sidecar) in err
+
+
+def test_stats_json_inside_a_cache_is_range_checked_too(tmp_path: Path) -> None:
+    md = small_metadata()
+    write_cache(tmp_path, md, stats=True)
+    shards = ss.open(tmp_path / md.hash)
+    assert shards.stats is not None and (shards.stats["var"] >= 0).all()
+    from saev_shards.protocol.v3 import parse_stats
+
+    raw = json.loads((tmp_path / md.hash / "stats.json").read_text())
+    raw["var"][1][0] = -1e-3
+    with pytest.raises(ss.StatsFileError, match=r"var\[1, 0\]: expected a number >= 0"):
+        parse_stats(raw, md.layers, md.d_model, "stats.json", md.n_examples * md.tokens_per_ex)
 
 
 def test_ls_and_clean_tell_an_interrupted_resumable_write_from_an_abandoned_one(tmp_path: Path):

@@ -158,7 +158,7 @@ def test_info_text(st: Store):
     assert fields["labels"] == "uint8 (23, 4)"
     assert fields["columns"] == "lengths int32 (23,)"
     assert fields["text"] == "prompt (23 lines)"
-    assert fields["checksums"] == "xxh3_128 for every file"
+    assert fields["checksums"] == "xxh3_128 for every file and every 16 MiB block of it (blocks.json)"
     stats = [line.split() for line in r.out.splitlines() if line.startswith("  ")]
     assert stats[0] == ["layer", "tokens", "mean", "|x|", "mean", "|x|^2", "mean", "var", "non-finite"]
     counted = int(ss.open(st.shards_root / st.full.hash).stats["count"][0])  # type: ignore[index]
@@ -656,3 +656,40 @@ def test_info_of_a_protocol_3_cache_has_no_dialect_or_pixel_agg_row(st: Store):
     assert fields["protocol"] == ss.PROTOCOL and "pixel_agg" not in fields
     info = json.loads(st.run("info", st.plain.hash, "--json").out)
     assert (info["dialect"], info["pixel_agg"]) == (ss.PROTOCOL, None)
+
+
+def test_info_stats_and_verify_of_a_float8_cache(tmp_path: Path):
+    """A float8_e4m3 cache: `info` says how it is stored and read, `stats` computes the
+    statistics of its dequantized values (what the writer would have written), and `verify`
+    names the damaged block of a scale file."""
+    import numpy as np
+
+    root = tmp_path / "shards"
+    md = small_metadata(dtype="float8_e4m3")
+    write_cache(root, md)
+    env = clean_env(SAEV_SHARDS_ROOT=str(root))
+    store_ = Store(tmp_path, env, root, md, md)
+    info = store_.run("info", md.hash[:8])
+    assert info.code == 0, info.err
+    assert "float8_e4m3 (1 byte per value, a float32 scale per vector; read as float16)" in info.out
+    assert "1,840 bytes of activations (1.8 KB), 920 B of scales" in info.out
+    assert "every 16 MiB block of it (blocks.json)" in info.out
+    as_json = json.loads(store_.run("info", md.hash[:8], "--json").out)
+    assert (as_json["read_dtype"], as_json["scales_nbytes"], as_json["block_size"]) == ("float16", 920, 16 << 20)
+    stats = store_.run("stats", md.hash[:8])
+    assert stats.code == 0, stats.err
+    written = small_metadata(dtype="float8_e4m3", data={"name": "with stats"})
+    write_cache(tmp_path / "other", written, stats=True)
+    sidecar = ss.open(root / md.hash).stats
+    reference = ss.open(tmp_path / "other" / written.hash).stats
+    assert sidecar is not None and reference is not None
+    for key in ("count", "mean", "var", "norm_mean", "norm_sq_mean"):
+        np.testing.assert_array_equal(sidecar[key], reference[key])  # the same data: the same sums
+    copy = writable_copy(root / md.hash, tmp_path / "broken")
+    data = bytearray((copy / "scales000001.bin").read_bytes())
+    data[7] ^= 1
+    (copy / "scales000001.bin").write_bytes(bytes(data))
+    verify = store_.run("verify", str(copy))
+    assert verify.code == 1
+    assert f"{copy / 'scales000001.bin'}: xxh3_128 expected" in verify.err
+    assert f"; block 0 (bytes 0-{len(data) - 1}) differs" in verify.err

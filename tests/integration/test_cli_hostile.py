@@ -16,6 +16,8 @@ from typing import Any
 
 import pytest
 
+import saev_shards as ss
+
 from ..support.caches import small_metadata, write_cache
 from ..support.hostile import Raw, hashed_copy, make_pristine, nested, random_case, render
 
@@ -199,3 +201,43 @@ def test_commands_on_random_hostile_caches(tmp_path: Path) -> None:
 def test_commands_on_many_random_hostile_caches(tmp_path: Path) -> None:
     for what, run in run_random_sample(tmp_path, SLOW_RANDOM, random.randrange(1 << 32)):
         assert_safe(run, what)
+
+
+# --------------------------------------------------------------------------------------
+# odd references: what a user can type where a cache is named
+
+#: Reference -> what the error says. Before the fix the long ones raised a raw OSError
+#: ("File name too long"), and an empty reference named the working directory.
+ODD_REFERENCES = {
+    "x" * 5_000: "5,000 bytes long, more than a path may be",
+    "a/" + "y" * 300: "holds a name of 300 bytes, more than a file name may be",
+    "3f2a\x00": "holds a NUL character",
+    "": "found an empty reference",
+    "   ": "found an empty reference",
+}
+
+
+@pytest.mark.parametrize("ref", list(ODD_REFERENCES), ids=["5000 chars", "300-char name", "NUL", "empty", "spaces"])
+def test_odd_references_are_refused_with_a_clear_error(tmp_path: Path, ref: str) -> None:
+    import subprocess
+
+    from saev_shards import store
+
+    says = ODD_REFERENCES[ref]
+    for call in (ss.open, store.resolve):
+        with pytest.raises(ss.CacheRefError, match=says):
+            call(ref)
+    from saev_shards.convert import convert
+
+    with pytest.raises(ss.CacheRefError, match=says):
+        convert(ref, root=tmp_path / "root")
+    if "\x00" in ref:
+        return  # a command line cannot hold a NUL byte: the library calls above are the whole case
+    env = {**os.environ, "SAEV_SHARDS_ROOT": str(tmp_path / "root")}
+    for command in (["info", ref], ["verify", ref], ["rm", ref, "--yes", "--force"], ["convert", ref]):
+        done = subprocess.run(
+            [sys.executable, "-m", "saev_shards", *command], check=False, capture_output=True, text=True, env=env
+        )
+        assert done.returncode == 3, (command[0], done.stderr)
+        assert done.stderr.count("\n") == 1 and says in done.stderr and "Traceback" not in done.stderr
+        assert len(done.stderr) < 400  # the reference is quoted to a bounded length

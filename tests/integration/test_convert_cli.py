@@ -249,3 +249,25 @@ def test_missing_optional_package_names_the_extra(tmp_path: Path) -> None:
     assert proc.returncode == 2, proc.stderr
     line = one_line(Result(proc.returncode, proc.stdout, proc.stderr))
     assert "converting zarr activation logs needs zarr" in line and f"pip install -e '{REPO}[convert]'" in line
+
+
+def test_convert_to_float8_and_back(tmp_path: Path) -> None:
+    """`convert --dtype float8_e4m3` from a source of another kind (.npy), then back to float16:
+    one byte per value and a scale per vector, the values within the rule's bound."""
+    values = npy_source(tmp_path / "a.npy")
+    root = str(tmp_path / "root")
+    r = cli("convert", str(tmp_path / "a.npy"), "--root", root, "--dtype", "float8_e4m3", "--no-progress")
+    assert r.code == 0, r.err
+    f8 = ss.open(r.out.splitlines()[-1])
+    assert (f8.dtype, f8.metadata.protocol) == ("float8_e4m3", ss.PROTOCOL)
+    assert f8.manifest.shards[0].nbytes == f8.metadata.shard_n_examples(0) * f8.metadata.example_nbytes
+    assert "float8_e4m3" in r.out and "of activations" in r.out
+    back = cli("convert", str(f8.path), "--root", root, "--dtype", "float16", "--no-progress")
+    assert back.code == 0, back.err
+    f16 = ss.open(back.out.splitlines()[-1])
+    assert f16.dtype == "float16" and f16.path != f8.path
+    assert "dequantized to float16" in back.err + back.out
+    x = values.acts
+    _, scales = ss.float8.quantize_numpy(x)
+    bound = ss.float8.error_bound(x, scales) + np.abs(x) * 2.0**-11 + 2.0**-25  # and float16's rounding
+    assert (np.abs(f16[:].astype(np.float64) - x) <= bound).all()

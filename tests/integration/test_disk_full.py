@@ -246,3 +246,52 @@ def test_shuffle_scatter_fills_the_disk_names_the_run_then_resumes(tmp_path: Pat
         assert 0 not in resumed and resumed  # the sealed runs were kept, the rest scattered
         assert tree_bytes(shuffled.path) == tree_bytes(reference.path)
         assert not plan.work.exists()
+
+
+def test_convert_refuses_up_front_then_names_the_file_then_resumes(tmp_path: Path, capsys: Any) -> None:
+    """`convert` checks free space before it writes, from the plan (as dump, stage and shuffle
+    do); before the fix it had no check and wrote until the disk was full."""
+    from saev_shards import cli
+    from saev_shards.convert import convert
+
+    from ..support.sources import npy_source
+
+    src = tmp_path / "acts.npy"
+    npy_source(src, shape=(200, 2, 8, 512))  # 3.3 MB of float16 output
+    reference = convert(src, root=tmp_path / "reference", durable=False).path
+    with small_filesystem(tmp_path / "fs", 8) as fs:
+        root = fs / "shards"
+        filler = fill(fs, leave=2 * MIB)
+        with pytest.raises(ss.DiskFullError, match=rf"converting {re.escape(str(src))} needs [\d,]+ bytes, found"):
+            convert(src, root=root, durable=False)
+        assert not root.exists() or not any(root.iterdir())  # refused before writing anything
+        assert cli.main(["convert", str(src), "--root", str(root), "--no-progress"]) == 4
+        err = capsys.readouterr().err
+        assert err.startswith("saev-shards: error: ") and "--no-space-check" in err
+        with pytest.raises(ss.DiskFullError) as info:
+            convert(src, root=root, durable=False, check_space=False)
+        md = ss.open(reference).metadata
+        assert_names_file(info.value, staging_dir(root, md))
+        assert not (root / md.hash).exists()
+        filler.unlink()
+        path = convert(src, root=root, durable=False).path
+        assert tree_bytes(path) == tree_bytes(reference)
+        assert sorted(p.name for p in root.iterdir()) == [md.hash]
+
+
+def test_stats_on_a_full_disk_names_the_sidecar_and_leaves_nothing(tmp_path: Path) -> None:
+    from saev_shards.store import compute_stats, write_sidecar
+
+    md = small_metadata()
+    with small_filesystem(tmp_path / "fs", 8) as fs:
+        write_cache(fs, md)
+        shards = ss.open(fs / md.hash)
+        stats = compute_stats(shards)
+        filler = fill(fs)
+        with pytest.raises(ss.DiskFullError) as info:
+            write_sidecar(shards, stats)
+        assert Path(str(info.value.filename)).parent in (fs / ".stats", fs)
+        assert not list((fs / ".stats").glob("*.tmp")) if (fs / ".stats").exists() else True
+        filler.unlink()
+        path = write_sidecar(shards, stats)
+        assert path == fs / ".stats" / f"{md.hash}.json" and shards.stats is not None

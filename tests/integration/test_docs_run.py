@@ -152,9 +152,10 @@ PLAN: dict[tuple[str, str], tuple[str, Callable[[Env], dict[str, Any]], dict[str
     ("README.md", "exclude_token_ids=[101, 102, 0],"): ("run", nothing, {'"3f2a"': "DUMPED"}),
     ("README.md", "shuffled = ss.shuffle_cache(\"3f2a\", layers=11, seed=0"): ("run", nothing, {'"3f2a"': "DUMPED"}),
     ("README.md", "shards = ss.open(\"e2f8\")"): ("run", nothing, {'"e2f8"': "SAEV"}),
+    ("README.md", "f8 = ss.open(convert(\"3f2a\", dtype=\"float8_e4m3\")"): ("run", nothing, {'"3f2a"': "DUMPED"}),
     ("docs/cli.md", "shards = ss.open(cfg.shards)"): ("run", training_config, {}),
-    ("docs/cli.md", "run = ss.store.create_run(\"a821\", \"f88e\""): (
-        "run", runs, {'"a821"': "DUMPED", '"f88e"': "OTHER"}),
+    ("docs/cli.md", "run = ss.store.create_run(\"ef11\", \"30dc\""): (
+        "run", runs, {'"ef11"': "DUMPED", '"30dc"': "OTHER"}),
     ("docs/cli.md", "# Two small ViT-S/16-shaped caches"): "run by test_cli's walk-through (docs/walkthrough.sh)",
     ("docs/convert.md", "result = convert(\"activations/\""): ("run", convert_source, {}),
     ("docs/convert.md", "arr = shards.to_dask()"): ("run", nothing, {'"3f2a"': "DUMPED"}),

@@ -97,6 +97,32 @@ def test_dump_values_columns_stats_and_truncation(tmp_path: Path) -> None:
     assert dump_mod.dump(cfg, durable=False, log=quiet) == path
 
 
+def test_a_float8_dump_is_the_float32_dump_quantized(tmp_path: Path) -> None:
+    """``dtype = "float8_e4m3"``: the model's float32 activations quantized by the rule (on the
+    model's device), padding stored as zero vectors, statistics of the dequantized values."""
+    wide_path = dump_mod.dump(make_config(tmp_path, dtype="float32"), durable=False, log=quiet)
+    path = dump_mod.dump(make_config(tmp_path, dtype="float8_e4m3"), durable=False, log=quiet)
+    assert wide_path is not None and path is not None
+    wide, shards = ss.open(wide_path), ss.open(path)
+    assert (shards.metadata.dtype, shards.metadata.protocol) == ("float8_e4m3", ss.PROTOCOL)
+    shards.verify()
+    values, scales = ss.float8.quantize_numpy(wide[:])
+    assert shards.scales is not None
+    np.testing.assert_array_equal(shards.raw[:].view(np.uint8), values.view(np.uint8))
+    np.testing.assert_array_equal(shards.scales[:], scales)
+    lengths = shards.columns["lengths"]
+    padding = np.arange(T)[None, :] >= lengths[:, None]  # (N, T)
+    assert (shards.scales[:].transpose(0, 2, 1)[padding] == 0).all()  # zero vectors: scale 0
+    got = shards.with_dtype("float32")[:]
+    assert (np.abs(got - wide[:]) <= ss.float8.error_bound(wide[:], scales)).all()
+    stats, wide_stats = shards.stats, wide.stats
+    assert stats is not None and wide_stats is not None
+    for slot in range(len(LAYERS)):
+        valid = np.concatenate([got[i, slot, : lengths[i]].astype(np.float64) for i in range(len(got))])
+        np.testing.assert_allclose(stats["mean"][slot], valid.mean(0), rtol=1e-5, atol=1e-7)
+        assert stats["count"][slot] == wide_stats["count"][slot]
+
+
 def test_hash_follows_every_setting_that_changes_bytes(tmp_path: Path) -> None:
     base = plan(make_config(tmp_path)).metadata.hash
     model = make_config(tmp_path)["model"]

@@ -239,3 +239,14 @@ def test_cli_shuffle_errors(tmp_path: Path) -> None:
     missing = cli("shuffle", "beef", "--root", str(root))
     assert missing.code == 3 and "no cache matches hash prefix 'beef'" in missing.err
     assert sorted(p.name for p in root.iterdir()) == [md.hash]  # nothing written, no scratch left
+
+
+def test_cli_shuffle_to_float8(tmp_path: Path) -> None:
+    root = tmp_path / "shards"
+    md = small_metadata()
+    write_cache(root, md)
+    r = cli("shuffle", md.hash[:6], "--root", str(root), "--dtype", "float8_e4m3", "--no-progress")
+    assert r.code == 0, r.err
+    shuffled = ss.open(r.out.strip())
+    assert shuffled.dtype == "float8_e4m3" and shuffled.scales is not None
+    shuffled.verify()

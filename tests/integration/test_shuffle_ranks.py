@@ -59,23 +59,26 @@ def start_rank(argv: list[str], rank: int, world: int, kill_after: int = 0) -> s
     return subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
 
 
-def one_process(source: Path, out: Path) -> Path:
-    assert main(args(source, out)) == 0
+def one_process(source: Path, out: Path, *extra: str) -> Path:
+    assert main(args(source, out, *extra)) == 0
     [published] = [p for p in out.iterdir() if not p.name.startswith(".")]
     return published
 
 
-def test_two_ranks_give_the_bytes_of_one_process(source: Path, tmp_path: Path) -> None:
-    expected = one_process(source, tmp_path / "one")
+@pytest.mark.parametrize("extra", [(), ("--dtype", "float8_e4m3")], ids=["as-stored", "float8"])
+def test_two_ranks_give_the_bytes_of_one_process(source: Path, tmp_path: Path, extra: tuple[str, ...]) -> None:
+    expected = one_process(source, tmp_path / "one", *extra)
     out = tmp_path / "two"
-    procs = [start_rank(args(source, out), r, 2) for r in range(2)]
+    procs = [start_rank(args(source, out, *extra), r, 2) for r in range(2)]
     results = [p.communicate(timeout=300) for p in procs]
     assert [p.returncode for p in procs] == [0, 0], results
     assert results[0][0].decode().strip() == str(out / expected.name)  # rank 0 publishes and prints it
     assert b"rank 0 publishes" in results[1][1]
     assert tree_bytes(out / expected.name) == tree_bytes(expected)
     assert sorted(p.name for p in out.iterdir()) == [expected.name]  # the scratch folder is gone
-    assert ss.open(out / expected.name).verify() > 0
+    shuffled = ss.open(out / expected.name)
+    assert shuffled.verify() > 0
+    assert shuffled.metadata.dtype == ("float8_e4m3" if extra else "float16")
 
 
 def test_a_killed_rank_resumes(source: Path, tmp_path: Path) -> None:

@@ -186,6 +186,12 @@ def test_remove_undoes_read_only_modes_and_refuses_other_folders(root: Path, mak
     with pytest.raises(ss.CacheRefError, match=r"refusing to remove .*datasets.*found the name 'datasets'"):
         store.remove(keep)
     assert keep.is_dir()
+    # Open here: this process holds the cache's lock.
+    with pytest.raises(
+        ss.CacheInUseError, match=r"in use by 1 process: pid \d+ \(this process\) .*holds the cache's lock"
+    ):
+        store.remove(shards.path)
+    shards.close()  # releases it
     store.remove(shards.path)
     assert not shards.path.exists()
     with pytest.raises(ss.UnknownCacheError):
@@ -286,6 +292,11 @@ def test_stage_repairs_a_local_copy_a_scratch_purge_damaged(root: Path, make_cac
     os.chmod(copy.path, 0o555)
     with pytest.raises(ss.CacheNotFoundError):
         ss.open(copy.path)
+    # While a reader holds the damaged copy, it is neither renamed nor repaired under it.
+    with pytest.raises(ss.CacheInUseError, match=r"in use by 1 process: pid \d+ \(this process\)"):
+        store.copy_cache(shards.path, local)
+    assert (local / shards.metadata.hash).is_dir()
+    copy.close()
     report = store.copy_cache(shards.path, local)
     listed = len(shards.manifest.files())  # 5 shards and blocks.json
     assert report.repaired and report.kept_files == listed - 1 and report.copied_files == 1

@@ -10,11 +10,13 @@ import sys
 _WITH_CTRL_C = (
     "import signal, sys\n"
     "signal.signal(signal.SIGINT, signal.default_int_handler)\n"
-    "from saev_shards.cli import main\n"
-    "sys.exit(main(sys.argv[1:]))\n"
+    "{setup}\n"
+    "from saev_shards.cli import run\n"
+    "run(sys.argv[1:])\n"
 )
 
 
-def cli_with_ctrl_c(*args: str) -> list[str]:
-    """The argv of ``saev-shards ARGS...`` in a child that SIGINT interrupts."""
-    return [sys.executable, "-c", _WITH_CTRL_C, *args]
+def cli_with_ctrl_c(*args: str, setup: str = "") -> list[str]:
+    """The argv of ``saev-shards ARGS...`` (the console script's entry point) in a child that
+    SIGINT interrupts; ``setup`` is Python run first (e.g. a test's patch)."""
+    return [sys.executable, "-c", _WITH_CTRL_C.format(setup=setup), *args]

@@ -9,7 +9,8 @@ import numpy as np
 import numpy.typing as npt
 
 import saev_shards as ss
-from saev_shards import dtypes
+from saev_shards import dtypes, float8
+from saev_shards.protocol.common import FLOAT8
 from saev_shards.shuffle import CLS_LABEL, shuffle_order
 
 
@@ -19,7 +20,7 @@ class Expected:
 
     examples: npt.NDArray[np.int64]
     tokens: npt.NDArray[np.int64]
-    acts: npt.NDArray[Any]  # (n, L, D) in the output's stored dtype
+    acts: npt.NDArray[Any]  # (n, L, D) as the output reads them back (float16 for float8_e4m3)
     labels: npt.NDArray[np.uint8] | None
 
 
@@ -52,7 +53,12 @@ def expected_shuffle(
     acts = logical[ex][:, layer_positions][np.arange(len(ex)), :, tok]  # (n, L, D)
     out_dtype = dtype or md.dtype
     if out_dtype != md.dtype:
-        acts, _ = dtypes.to_stored(dtypes.to_float32(acts, md.dtype), out_dtype)
+        # A float8_e4m3 source's logical tensor holds its dequantized values (exact in float16).
+        wide = acts.astype(np.float32) if md.dtype == FLOAT8 else dtypes.to_float32(acts, md.dtype)
+        if out_dtype == FLOAT8:
+            acts = float8.dequantize(*float8.quantize_numpy(wide), "float16")
+        else:
+            acts, _ = dtypes.to_stored(wide, out_dtype)
     expected_labels = None
     if labels is not None:
         expected_labels = np.full(len(ex), CLS_LABEL, dtype=np.uint8)

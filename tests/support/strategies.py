@@ -14,7 +14,7 @@ def metadata(
     draw: st.DrawFn,
     *,
     max_examples: int = 40,
-    dtypes: tuple[str, ...] = ("float16", "bfloat16", "float32"),
+    dtypes: tuple[str, ...] = ("float16", "bfloat16", "float32", "float8_e4m3"),
     min_examples: int = 0,
 ) -> ss.Metadata:
     """Small but varied configurations: 1-3 layers in any order, CLS on/off, budgets giving

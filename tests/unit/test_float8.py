@@ -175,3 +175,67 @@ def test_nonfinite_activations_are_refused_or_stored_as_nan(tmp_path: Path) -> N
 def test_the_table_is_ml_dtypes() -> None:
     assert np.dtype(ml_dtypes.float8_e4m3fn) == float8.FLOAT8_DTYPE
     assert float(ml_dtypes.finfo(ml_dtypes.float8_e4m3fn).max) == float8.FLOAT8_MAX == 448
+
+
+def test_every_read_path_dequantizes_and_refuses_float16_overflow(tmp_path: Path) -> None:
+    """Values beyond float16's range: every read into float16 (the default) raises
+    `DtypeRangeError` naming float32; float32 and bfloat16 reads give them."""
+    md = small_metadata(dtype="float8_e4m3", n_examples=6)
+    x = np.random.default_rng(0).standard_normal(md.shape).astype(np.float32)
+    x[4, 1, 2] *= 1e6  # one vector of example 4 beyond 65504
+    with ss.ShardWriter(tmp_path, md, durable=False) as w:
+        w.write(x)
+    shards = ss.open(tmp_path / md.hash)
+    wide = shards.with_dtype("float32")
+    q, s = float8.quantize_numpy(x)
+    want = q.astype(np.float32) * s[..., None]
+    np.testing.assert_array_equal(wide[:], want)
+    reads = [
+        lambda sh: sh[4],
+        lambda sh: sh[:, 1],
+        lambda sh: sh.example(4, md.layers[1]),
+        lambda sh: sh.get(4, md.layers[1], 2),
+        lambda sh: sh.read_example(4, 1),
+        lambda sh: sh.read_range(3, 6),
+        lambda sh: sh.read_vectors([4], [1], [2]),
+        lambda sh: sh.read_examples([4], [1]),
+    ]
+    for read in reads:
+        with pytest.raises(ss.DtypeRangeError, match=r"values of up to [\d.e+]+ do not fit float16"):
+            read(shards)
+        assert np.isfinite(read(wide)).all()
+    np.testing.assert_array_equal(shards.get(4, md.layers[1], 2, dtype="float32"), want[4, 1, 2])
+    np.testing.assert_array_equal(shards.read_example(4, 1, dtype="float32"), want[4, 1])
+    bf16 = shards.read_range(0, 6, dtype="bfloat16")
+    np.testing.assert_array_equal(bf16, ss.dtypes.float32_to_bf16(want))
+    np.testing.assert_array_equal(shards[:3], want[:3].astype(np.float16))  # the other examples fit
+    assert shards.scales is not None
+    np.testing.assert_array_equal(shards.scales[4, 1], s[4, 1])
+    np.testing.assert_array_equal(shards.read_example_raw(4, 1).view(np.uint8), q[4, 1].view(np.uint8))
+    np.testing.assert_array_equal(shards.read_example_scales(4, 1), s[4, 1])
+    with pytest.raises(ValueError, match=r"dtype: expected one of \['float16', 'float32', 'bfloat16'\]"):
+        shards.with_dtype("float8_e4m3")
+    assert "read as float16" in repr(shards) and "read as float32" in repr(wide)
+    pytest.importorskip("dask")
+    np.testing.assert_array_equal(shards.to_dask(dtype="float32").compute(), want)
+    with pytest.raises(ss.DtypeRangeError):
+        shards.to_dask().compute()
+    np.testing.assert_array_equal(shards.to_xarray(dtype="float32").values, want)
+    assert shards.to_xarray().attrs["read_dtype"] == "float16"
+
+
+def test_large_batches_quantized_on_several_threads_give_the_same_bytes() -> None:
+    """A batch of many chunks is shared among threads: the same bytes as one thread of
+    ml_dtypes, special vectors included, for float32, float16 and torch input."""
+    rng = np.random.default_rng(3)
+    x = (rng.standard_normal((3000, 768)) * 10.0 ** rng.uniform(-20, 20, (3000, 1))).astype(np.float32)
+    x[5] = 0
+    x[77, 3] = np.nan
+    x[1500:1510] *= np.float32(1e-40)  # subnormal scales
+    with np.errstate(over="ignore"):  # float16 input: inf where x is too large (stored as NaN vectors)
+        half = x.astype(np.float16)
+    for source in (x, half, torch.from_numpy(x)):
+        q, s = float8.quantize(source)
+        want_q, want_s = float8.quantize_numpy(np.asarray(source))
+        np.testing.assert_array_equal(q.view(np.uint8), want_q.view(np.uint8))
+        np.testing.assert_array_equal(s, want_s)

@@ -222,3 +222,13 @@ def test_a_refused_dtype_raises_dtype_error_a_metadata_error():
     fields = small_metadata().to_dict()
     with pytest.raises(ss.DtypeError):
         parse_metadata({**fields, "dtype": "float64"})
+
+
+def test_float8_is_refused_where_its_protocol_is_not_31() -> None:
+    """float8_e4m3 is protocol 3.1's alone: saev's dialect (float32 only) and 3.0 refuse it,
+    each saying why."""
+    with pytest.raises(ss.DtypeError, match=r"float8_e4m3 is protocol 3\.1's; saev's code reads float32 only"):
+        small_metadata(dtype="float8_e4m3", protocol="2.1", dialect="saev", data="x")
+    with pytest.raises(ss.DtypeError, match=r"for protocol 3\.0 \(float8_e4m3 is protocol 3\.1's\)"):
+        small_metadata(dtype="float8_e4m3", protocol="3.0")
+    assert small_metadata(dtype="float8_e4m3").protocol == ss.PROTOCOL

@@ -41,6 +41,10 @@ def test_round_trip(md: ss.Metadata, batches: list[int], data: st.DataObject) ->
             # locate() is where the bytes really are in the file.
             k, offset = shards.locate(ex, layer, tok)
             raw = np.fromfile(shards.shard_path(k), dtype=md.numpy_dtype, count=md.d_model, offset=offset)
+            if md.dtype == "float8_e4m3":  # and locate_scale() where its scale is: float32(q) * s
+                k, offset = shards.locate_scale(ex, layer, tok)
+                scale = np.fromfile(shards.scale_path(k), dtype="<f4", count=1, offset=offset)
+                raw = (raw.astype(np.float32) * scale).astype(np.float16)
             np.testing.assert_array_equal(raw, logical[ex, li, tok])
         a = data.draw(st.integers(0, md.n_examples))
         b = data.draw(st.integers(a, md.n_examples))
@@ -51,13 +55,14 @@ def test_round_trip(md: ss.Metadata, batches: list[int], data: st.DataObject) ->
         assert shards.verify() == sum(n for _, n, _ in shards.manifest.files())
 
 
-@pytest.mark.parametrize("dtype", ["float16", "bfloat16", "float32"])
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16", "float32", "float8_e4m3"])
 @pytest.mark.parametrize("n_examples", [0, 1, 5, 23])
 def test_dtype_by_size_matrix(root: Path, dtype: str, n_examples: int) -> None:
     md = small_metadata(dtype=dtype, n_examples=n_examples)
     logical = write_cache(root, md, batches=[4])
     shards = ss.open(root / md.hash)
-    assert shards[:].dtype == md.numpy_dtype
+    assert shards[:].dtype == (np.float16 if dtype == "float8_e4m3" else md.numpy_dtype)
+    assert shards.raw[:].dtype == md.numpy_dtype
     np.testing.assert_array_equal(shards[:], logical)
     assert [e.n_examples for e in shards.manifest.shards] == [md.shard_n_examples(k) for k in range(md.n_shards)]
     for k, entry in enumerate(shards.manifest.shards):

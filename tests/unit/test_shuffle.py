@@ -136,6 +136,9 @@ MATRIX = [
     dict(layers=(11, 6), tokens="cls", dtype="float32"),
     dict(layers=6, tokens="content", lengths=True, labels=True),
     dict(layers=None, tokens="all", lengths=True, source_dtype="bfloat16", dtype="float16"),
+    dict(layers=11, tokens="content", labels=True, dtype="float8_e4m3"),
+    dict(layers=None, tokens="all", lengths=True, source_dtype="float8_e4m3"),
+    dict(layers=(6,), tokens="cls", source_dtype="float8_e4m3", dtype="float16"),
 ]
 
 
@@ -166,7 +169,9 @@ def test_every_chosen_token_once_with_identical_values(root: Path, case: dict[st
         shuffled.verify()
 
 
-@given(md=strategies.metadata(max_examples=15), data=st.data())
+@given(
+    md=strategies.metadata(max_examples=15, dtypes=("float16", "bfloat16", "float32", "float8_e4m3")), data=st.data()
+)
 def test_property_shuffled_cache_matches_the_model(md: ss.Metadata, data: st.DataObject) -> None:
     """Any shape (T = 1, d_model 1, layers in any order, one example per shard, empty), any
     selection, lengths, labels, dtype, bucket count and chunking: exactly the model's rows."""
@@ -179,7 +184,7 @@ def test_property_shuffled_cache_matches_the_model(md: ss.Metadata, data: st.Dat
                                               max_size=md.n_examples)), dtype=np.int64)  # fmt: skip
     labels = md.patches_per_ex > 0 and data.draw(st.booleans())
     seed = data.draw(st.integers(0, 2**63 - 1))
-    dtype = data.draw(st.sampled_from([None, "float16", "bfloat16", "float32"]))
+    dtype = data.draw(st.sampled_from([None, "float16", "bfloat16", "float32", "float8_e4m3"]))
     n_buckets = data.draw(st.integers(1, 8))
     chunk = data.draw(st.integers(1, md.n_examples + 1))
     with tempfile.TemporaryDirectory() as tmp:
@@ -409,3 +414,22 @@ def test_loaders_read_the_shuffled_order(root: Path) -> None:
     rows = torch.cat([b.examples for b in later]).numpy()
     assert sorted(rows.tolist()) == list(range(out.n_examples))
     assert not (rows == np.arange(out.n_examples)).all()
+
+
+def test_float8_rows_are_the_source_vectors_quantized_or_copied(root: Path, tmp_path: Path) -> None:
+    """To float8_e4m3: each row's vector at each layer quantized by the rule; from float8_e4m3 to
+    float8_e4m3: the stored bytes and scales copied as they are (no second rounding)."""
+    md = small_metadata()
+    logical = write_cache(root, md, lengths=np.array([i % 6 for i in range(md.n_examples)]))
+    f8 = shuffle_cache(root / md.hash, root, dtype="float8_e4m3", seed=3, durable=False, progress=False)
+    ex, tok = f8.columns["source_example"][:], f8.columns["source_token"][:]
+    values, scales = ss.float8.quantize_numpy(logical[ex, :, tok].astype(np.float32))  # (n, L, D)
+    assert f8.scales is not None
+    np.testing.assert_array_equal(f8.raw[:, :, 0].view(np.uint8), values.view(np.uint8))
+    np.testing.assert_array_equal(f8.scales[:, :, 0], scales)
+    again = shuffle_cache(f8, tmp_path, seed=9, durable=False, progress=False)
+    rows = again.columns["source_example"][:]
+    assert again.scales is not None and again.dtype == "float8_e4m3"
+    np.testing.assert_array_equal(again.raw[:].view(np.uint8), f8.raw[rows].view(np.uint8))
+    np.testing.assert_array_equal(again.scales[:], f8.scales[rows])
+    again.verify()

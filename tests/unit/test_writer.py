@@ -482,10 +482,10 @@ def test_large_shards_go_through_o_direct(root: Path, monkeypatch: pytest.Monkey
     opened_direct = []
     real_open = os.open
 
-    def spy(path: Any, flags: int, *args: Any) -> int:
+    def spy(path: Any, flags: int, *args: Any, **kwargs: Any) -> int:
         if flags & os.O_DIRECT:
             opened_direct.append(Path(path).name)
-        return real_open(path, flags, *args)
+        return real_open(path, flags, *args, **kwargs)
 
     monkeypatch.setattr(os, "open", spy)
     logical = write_cache(root, md, batches=[7, 300])
@@ -497,10 +497,10 @@ def test_falls_back_when_o_direct_is_refused(root: Path, monkeypatch: pytest.Mon
     md = small_metadata(d_model=1000, n_examples=1000, patches_per_shard=10_000)
     real_open = os.open
 
-    def refuse(path: Any, flags: int, *args: Any) -> int:
+    def refuse(path: Any, flags: int, *args: Any, **kwargs: Any) -> int:
         if flags & os.O_DIRECT:
             raise OSError(errno.EINVAL, "O_DIRECT not supported here")
-        return real_open(path, flags, *args)
+        return real_open(path, flags, *args, **kwargs)
 
     monkeypatch.setattr(os, "open", refuse)
     logical = write_cache(root, md, batches=[64])

@@ -91,6 +91,8 @@ def test_saev_needs_a_family_it_knows(tmp_path: Path) -> None:
     assert open_quiet(done.path).metadata.family == "siglip"
     with pytest.raises(ConvertOptionError, match="--dtype: target saev stores float32"):
         convert(tmp_path / "src" / md.hash, to="saev", dtype="float16", root=tmp_path / "x", durable=False)
+    with pytest.raises(ConvertOptionError, match="--dtype: target saev stores float32; found 'float8_e4m3'"):
+        convert(tmp_path / "src" / md.hash, to="saev", dtype="float8_e4m3", root=tmp_path / "x", durable=False)
 
 
 def test_a_damaged_source_shard_is_caught_before_use(tmp_path: Path) -> None:
@@ -106,3 +108,38 @@ def test_a_damaged_source_shard_is_caught_before_use(tmp_path: Path) -> None:
     with pytest.raises(SourceChecksumError, match=r"acts000001\.bin"):
         convert(source, root=tmp_path / "out", dtype="float16", durable=False)
     assert not any(p.name == md.hash for p in (tmp_path / "out").iterdir() if not p.name.startswith("."))
+
+
+def test_float16_to_float8_to_float16_is_within_the_bound(tmp_path: Path) -> None:
+    """A cache to float8_e4m3 and back: every value within the rule's bound (and float16's last
+    rounding); the way back is dequantized data, so it never takes the original's name."""
+    md = small_metadata()
+    lengths = (np.arange(md.n_examples) % md.tokens_per_ex + 1).astype(np.int32)
+    logical = write_cache(tmp_path, md, labels=True, lengths=lengths, text=True, stats=True)
+    f8 = ss.open(convert(tmp_path / md.hash, root=tmp_path, dtype="float8_e4m3", durable=False).path)
+    assert (f8.dtype, f8.metadata.data) == ("float8_e4m3", md.data)
+    assert list(f8.text["prompt"]) == list(ss.open(tmp_path / md.hash).text["prompt"])
+    back = convert(f8.path, root=tmp_path, dtype="float16", durable=False)
+    assert not back.already_published and back.path.name != md.hash
+    f16 = ss.open(back.path)
+    assert f16.metadata.data == {"dequantized_from": {"cache": f8.metadata.hash, "dtype": "float8_e4m3"},
+                                 "source_data": md.data}  # fmt: skip
+    x = logical.astype(np.float32)
+    q, scales = ss.float8.quantize_numpy(x)
+    np.testing.assert_array_equal(f16[:], ss.float8.dequantize(q, scales, "float16"))
+    bound = ss.float8.error_bound(x, scales) + np.abs(x) * 2.0**-11 + 2.0**-25
+    assert (np.abs(f16[:].astype(np.float64) - x) <= bound).all()
+    np.testing.assert_array_equal(f16.columns["lengths"], lengths)
+    # float8_e4m3 to float8_e4m3 (another shard budget): the bytes and scales copied exactly.
+    resharded = ss.open(convert(f8.path, root=tmp_path / "r", patches_per_shard=30, durable=False).path)
+    assert resharded.n_shards != f8.n_shards and resharded.scales is not None and f8.scales is not None
+    np.testing.assert_array_equal(resharded.raw[:].view(np.uint8), f8.raw[:].view(np.uint8))
+    np.testing.assert_array_equal(resharded.scales[:], f8.scales[:])
+    # To protocol 3.0, which has no float8_e4m3: float16 unless said otherwise; to saev: float32.
+    v30 = ss.open(convert(f8.path, root=tmp_path / "v30", to="3.0", durable=False).path)
+    assert (v30.metadata.protocol, v30.dtype) == ("3.0", "float16")
+    np.testing.assert_array_equal(v30[:], f16[:])
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", ss.ProtocolWarning)
+        saev = open_quiet(convert(f8.path, root=tmp_path / "saev" / "shards", to="saev", durable=False).path)
+    np.testing.assert_array_equal(saev[:], ss.float8.dequantize(q, scales, "float32"))

@@ -29,8 +29,8 @@ pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="wi
 
 def evict(shards: ss.Shards) -> None:
     """Drop the cache's files from the page cache (clean pages only: they were fsynced)."""
-    for k in range(shards.n_shards):
-        fd = os.open(shards.shard_path(k), os.O_RDONLY)
+    for path in shards.path.iterdir():
+        fd = os.open(path, os.O_RDONLY)
         try:
             os.fsync(fd)
             os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
@@ -44,6 +44,8 @@ def batches(shards: ss.Shards, in_place: bool, monkeypatch: pytest.MonkeyPatch, 
     loader = loaders.TokenLoader(shards, **kwargs)
     out = [(b.acts.clone(), b.examples, b.tokens, b.layers, b.labels) for b in loader]
     assert (loader._map is not None) == in_place
+    if loader._map is not None:
+        assert (loader._map.scales is not None) == (shards.metadata.dtype == "float8_e4m3")
     loader.close()
     return out
 
@@ -66,12 +68,14 @@ CASES: dict[str, dict[str, Any]] = {
 }
 
 
+@pytest.mark.parametrize("dtype", ["float16", "float8_e4m3"])
 @pytest.mark.parametrize("slices", [False, True], ids=["whole examples", "slice by slice"])
 @pytest.mark.parametrize("case", list(CASES))
 def test_in_place_batches_equal_the_buffered_ones(
-    make_cache: Any, monkeypatch: pytest.MonkeyPatch, case: str, slices: bool
+    make_cache: Any, monkeypatch: pytest.MonkeyPatch, case: str, slices: bool, dtype: str
 ) -> None:
-    md = small_metadata(n_examples=37, patches_per_shard=60, layers=(2, 6, 11))
+    """float8_e4m3: the values and their scales both read in place."""
+    md = small_metadata(n_examples=37, patches_per_shard=60, layers=(2, 6, 11), dtype=dtype)
     shards, logical = make_cache(md, labels=True)
     if slices:  # a subset of layers is read slice by slice, whatever the slices' size
         monkeypatch.setattr(plan, "MIN_SLICE_READ", 0)

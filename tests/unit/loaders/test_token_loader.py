@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import gc
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -202,8 +203,67 @@ def test_load_state_dict_rejects_other_settings(make_cache: Any) -> None:
         ShuffledLoader(shards, batch_size=9).load_state_dict(old)
     with pytest.raises(LoaderError, match="expected keys"):
         ShuffledLoader(shards, batch_size=8).load_state_dict({"epoch": 0})
-    with pytest.raises(LoaderError, match="batch in"):
+    with pytest.raises(LoaderError, match=r"state: batch: expected an integer in \[0, 23\], found 1000000"):
         ShuffledLoader(shards, batch_size=8).load_state_dict({**state, "batch": 10**6})
+
+
+#: Edited states: (field, value, what the message says it found). Before the fix a batch of
+#: 1.9 replayed batch 1, strings and booleans were taken, and NaN, infinity or None raised
+#: raw ValueError, TypeError or OverflowError.
+EDITED = [
+    ("batch", 1.9, "1.9"),
+    ("batch", 1.0, "1.0"),
+    ("batch", True, "True"),
+    ("batch", "1", "'1'"),
+    ("batch", float("nan"), "nan"),
+    ("batch", float("inf"), "inf"),
+    ("batch", None, "None"),
+    ("batch", -1, "-1"),
+    ("batch", [1], "[1]"),
+    ("epoch", 0.5, "0.5"),
+    ("epoch", float("-inf"), "-inf"),
+    ("epoch", None, "None"),
+    ("epoch", False, "False"),
+    ("epoch", -1, "-1"),
+    ("epoch", 2**64, "18446744073709551616"),
+    ("epoch", np.int64(1), "np.int64(1)"),
+    ("epoch", "x" * 10_000, "'xxxxxxxx"),
+    ("seed", 0.0, "0.0"),
+    ("seed", None, "None"),
+    ("seed", "0", "'0'"),
+    ("fingerprint", None, "None"),
+    ("fingerprint", 7, "7"),
+    ("fingerprint", "G" * 16, "'GGGGGGGGGGGGGGGG'"),
+    ("settings", [1, 2], "[1, 2]"),
+]
+
+
+@pytest.mark.parametrize(("field", "value", "shown"), EDITED, ids=[f"{f}={v!r:.20}" for f, v, _ in EDITED])
+def test_load_state_dict_names_the_field_of_an_edited_state(
+    make_cache: Any, field: str, value: Any, shown: str
+) -> None:
+    shards, _ = make_cache(small_metadata())
+    loader = ShuffledLoader(shards, batch_size=8)
+    state = loader.state_dict()
+    with pytest.raises(LoaderError, match=rf"^state: {field}: expected .*, found {re.escape(shown)}") as err:
+        loader.load_state_dict({**state, field: value})
+    assert len(str(err.value)) < 400  # a 10,000-character value is quoted to a bounded length
+    # what state_dict gives is accepted as it is, at both ends of its range
+    loader.load_state_dict({**state, "batch": len(loader)})
+    assert loader.state_dict()["epoch"] == 1 and loader.state_dict()["batch"] == 0
+
+
+def test_load_state_dict_lists_every_bad_field_at_once(make_cache: Any) -> None:
+    shards, _ = make_cache(small_metadata())
+    loader = ShuffledLoader(shards, batch_size=8)
+    state = {**loader.state_dict(), "epoch": None, "batch": 1.9}
+    with pytest.raises(LoaderError, match=r"state: epoch: expected an integer >= 0, found None; batch: expected"):
+        loader.load_state_dict(state)
+    for epoch in (1.9, None, "1", -1):  # set_epoch(1.9) used to run epoch 1
+        with pytest.raises(LoaderError, match=r"epoch: expected an integer >= 0, found"):
+            loader.set_epoch(epoch)  # type: ignore[arg-type]
+    loader.set_epoch(np.int64(2))  # type: ignore[arg-type]  # numpy integers are taken
+    assert loader.state_dict()["epoch"] == 2
 
 
 # -- distributed ------------------------------------------------------------------------
@@ -313,17 +373,20 @@ def test_filters_and_labels(md: ss.Metadata, data: st.DataObject, skip_padding: 
                 assert sorted(seen) == sorted(want_vectors)
 
 
-@pytest.mark.parametrize("stored", ["float16", "bfloat16", "float32"])
-@pytest.mark.parametrize("out", [None, "float32", "bfloat16"])
+@pytest.mark.parametrize("stored", ["float16", "bfloat16", "float32", "float8_e4m3"])
+@pytest.mark.parametrize("out", [None, "float32", "bfloat16", "float16"])
 def test_out_dtype(root: Path, stored: str, out: str | None) -> None:
+    """Any output dtype from any stored one; float8_e4m3 comes as float16 by default (its
+    logical tensor here is its dequantized values, which float16 holds exactly)."""
     md = small_metadata(dtype=stored)
     logical = write_cache(root, md)
     shards = ss.open(root / md.hash)
     loader = ShuffledLoader(shards, batch_size=32, out_dtype=out, layers=6)
-    want_dtype = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32}[out or stored]
+    read = "float16" if stored == "float8_e4m3" else stored
+    want_dtype = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32}[out or read]
     for b in loader:
         assert b.acts.dtype == want_dtype
-        values = ss.to_float32(logical[b.examples.numpy(), 0, b.tokens.numpy()], stored)
+        values = ss.to_float32(logical[b.examples.numpy(), 0, b.tokens.numpy()], read)
         expected = torch.from_numpy(values).to(want_dtype)
         assert torch.equal(b.acts, expected)
 
@@ -441,7 +504,7 @@ def test_read_errors_reach_the_consumer(make_cache: Any, monkeypatch: pytest.Mon
     def broken(*args: Any, **kwargs: Any) -> None:
         raise OSError("disk on fire")
 
-    monkeypatch.setattr(shards, "read_range", broken)
+    monkeypatch.setattr(shards, "read_range_raw", broken)
     with pytest.raises(OSError, match="disk on fire"):
         list(ShuffledLoader(shards, batch_size=4))
     gc.collect()
