@@ -40,6 +40,9 @@ from scripts.bench_core import make_metadata
 #: The throughput Gemma Scope's training pipeline aimed for (Lieberum et al., 2024).
 GEMMA_SCOPE_GBPS = 1.0
 BATCH = 4096
+#: A page-cached sample runs a loader's epochs until this many bytes: steady state, whatever
+#: the cache's size (the first window, read before the first batch, is then a small part).
+PAGE_CACHED_BYTES = 2e9
 
 
 def build_cache(root: Path, md: ss.Metadata) -> ss.Shards:
@@ -58,13 +61,16 @@ def build_cache(root: Path, md: ss.Metadata) -> ss.Shards:
     return ss.open(path)
 
 
-def epoch_rate(make: Callable[[], Any], max_bytes: float = float("inf")) -> tuple[float, float, float, float]:
+def epoch_rate(
+    make: Callable[[], Any], max_bytes: float = float("inf"), min_bytes: float = 0
+) -> tuple[float, float, float, float]:
     """``(GB/s, tokens/s, seconds to the first batch, CPU seconds per GB)`` of one epoch (or its
-    first ``max_bytes``).
+    first ``max_bytes``), or of as many epochs of the same loader as make ``min_bytes``.
 
     The rates count from the first batch on: the first window's load, which nothing can
-    overlap, is reported apart as the start-up time. CPU time is the process's (every
-    loader thread and the consumer) over the same stretch.
+    overlap, is reported apart as the start-up time; later epochs' start-ups are counted, as
+    a training loop meets them. CPU time is the process's (every loader thread and the
+    consumer) over the same stretch.
     """
     loader = make()
     itemsize = loader.shards.metadata.itemsize  # count stored bytes, whatever the output dtype
@@ -73,11 +79,15 @@ def epoch_rate(make: Callable[[], Any], max_bytes: float = float("inf")) -> tupl
     it = iter(loader)
     first = next(it, None)
     t, cpu = time.perf_counter(), time.process_time()
-    for batch in it:
-        tokens += len(batch)
-        nbytes += batch.acts.numel() * itemsize
-        if nbytes >= max_bytes:
+    while True:
+        for batch in it:
+            tokens += len(batch)
+            nbytes += batch.acts.numel() * itemsize
+            if nbytes >= max_bytes:
+                break
+        if nbytes >= min_bytes or nbytes >= max_bytes or first is None:
             break
+        it = iter(loader)
     dt, cpu = time.perf_counter() - t, time.process_time() - cpu
     del first, it
     loader.close()
@@ -117,6 +127,7 @@ def loader_table(
     rounds: int,
     before_each: Callable[[], None] = lambda: None,
     max_bytes: float = float("inf"),
+    min_bytes: float = 0,
 ) -> bl.Table:
     """Interleave ``rounds`` epochs of each loader with every limit; a table of medians and ratios.
 
@@ -128,7 +139,7 @@ def loader_table(
     def timed(label: str, make: Callable[[], Any]) -> Callable[[], float]:
         def fn() -> float:
             before_each()
-            sample = epoch_rate(make, max_bytes)
+            sample = epoch_rate(make, max_bytes, min_bytes)
             samples.setdefault(label, []).append(sample)
             return sample[0]
 
@@ -186,16 +197,27 @@ def window_gather(shards: ss.Shards, buffer: int) -> tuple[np.ndarray[Any, Any],
     return source, batches, outs
 
 
-def gather_limits(shards: ss.Shards, buffer: int, column: str = "gather limit") -> dict[str, Limit]:
-    """The random-row gather alone, numpy and torch, 1 and 2 threads: the same rows into the same buffers."""
+def gather_limits(
+    shards: ss.Shards,
+    buffer: int,
+    column: str = "gather limit",
+    libs: tuple[str, ...] = ("numpy", "torch"),
+    tag: str = "",
+) -> dict[str, Limit]:
+    """The random-row gather alone, numpy (and torch), 1 and 2 threads: the same rows into the same
+    buffers (a float8_e4m3 cache's rows with their scales, as its loader gathers them)."""
     source, batches, outs = window_gather(shards, buffer)
-    gather = functools.partial(bl.gather_gbps, source, batches, outs)
-    return {
-        "random-row gather: numpy take, 1 thread (limit)": (column, functools.partial(gather, 1, "numpy")),
-        "random-row gather: numpy take, 2 threads (limit)": (column, functools.partial(gather, 2, "numpy")),
-        "random-row gather: torch index_select, 1 thread (limit)": (column, functools.partial(gather, 1, "torch")),
-        "random-row gather: torch index_select, 2 threads (limit)": (column, functools.partial(gather, 2, "torch")),
-    }
+    scales = None
+    if shards.metadata.dtype == "float8_e4m3":
+        scales = (np.ones(len(source), np.float32), [np.ones(BATCH, np.float32) for _ in outs])
+    limits: dict[str, Limit] = {}
+    for lib in libs:
+        name = "numpy take" if lib == "numpy" else "torch index_select"
+        for threads in (1, 2):
+            label = f"random-row gather{tag}: {name}, {threads} thread{'s' if threads > 1 else ''} (limit)"
+            fn = functools.partial(bl.gather_gbps, source, batches, outs, threads, lib, scales=scales)
+            limits[label] = (column, fn)
+    return limits
 
 
 def gather_gap_note(values: dict[str, float]) -> str:
@@ -261,16 +283,19 @@ def bench_page_cached(shards: ss.Shards, quick: bool) -> None:
         limits,
         contenders,
         rounds,
+        min_bytes=PAGE_CACHED_BYTES,
     )
     table.note(
         f"Batches of {BATCH} token vectors (1,536 bytes each, float16 unless noted; GB/s counts the stored bytes "
-        f"delivered). Shuffle window {buffer >> 20} MiB (two held), 4 MiB read blocks, "
-        f"read threads: {read_threads}, gather threads: {loaders.default_gather_threads()} "
-        "unless noted. Each sample is one epoch of a new loader, timed from its "
-        f"first batch; median of {rounds} interleaved rounds. The gather limit is the best of the four "
+        f"delivered). Shuffle window {buffer >> 20} MiB, 4 MiB read blocks, read in place (no window buffers: "
+        f"docs/loaders.md), read threads: {read_threads} ({loaders.default_read_threads(sequential=True)} for the "
+        f"OrderedLoader), gather threads: {loaders.default_gather_threads()} unless noted. Each sample is a new "
+        f"loader's epochs until {PAGE_CACHED_BYTES / 1e9:.0f} GB, timed from its first batch (later epochs' "
+        f"start-ups counted); median of {rounds} interleaved rounds. The gather limit is the best of the four "
         "random-row gather rows: the rows of the shuffled loader's first window, in its order, from a buffer of "
         "its window's size into as many batch-sized outputs as it keeps in flight, nothing else (no reads, no "
-        "Python between gathers). Target: the shuffled loader at >= 0.9 of the gather limit."
+        "Python between gathers). The page-cache read rows (pread into a reused 4 MiB buffer) are what reading "
+        "windows into buffers cost before. Target: the shuffled loader at >= 0.9 of the gather limit."
     )
     table.note(gather_gap_note(table.values))
     table.emit()

@@ -223,15 +223,18 @@ def gather_gbps(
     threads: int = 1,
     lib: str = "numpy",
     min_bytes: int = 512 << 20,
+    scales: tuple[np.ndarray[Any, Any], Sequence[np.ndarray[Any, Any]]] | None = None,
 ) -> float:
     """Rows ``source[idx]`` for each index array of ``batches`` into ``outs`` (cycled), in GB/s
-    of rows delivered: the random-row gather alone, the shuffled loaders' second copy.
+    of rows delivered: the random-row gather alone, what the shuffled loaders' gathers do.
 
     ``lib="numpy"``: ``numpy.take(..., out=, mode="clip")`` (what the loaders call), the batches
     dealt to ``threads`` threads. ``lib="torch"``: ``torch.index_select(..., out=)`` from one
     thread with ``threads`` intra-op threads. The batches are repeated up to ``min_bytes``.
+    ``scales``: a float8_e4m3 cache's ``(scale per source row, outputs)``, gathered by the same
+    index (numpy only) and counted in the bytes delivered.
     """
-    row = source.shape[1] * source.itemsize
+    row = source.shape[1] * source.itemsize + (4 if scales is not None else 0)
     per_pass = sum(len(b) for b in batches) * row
     passes = max(1, -(-min_bytes // max(1, per_pass)))
     work_list = [(b, i % len(outs)) for i, b in enumerate(list(batches) * passes)]
@@ -256,6 +259,8 @@ def gather_gbps(
         def work(i: int) -> None:
             for b, o in work_list[i::threads]:
                 np.take(source, b, axis=0, out=outs[o][: len(b)], mode="clip")
+                if scales is not None:
+                    np.take(scales[0], b, out=scales[1][o][: len(b)], mode="clip")
 
         dt = _in_threads(threads, work)
     return float(passes * per_pass / dt / 1e9)
