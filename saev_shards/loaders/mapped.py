@@ -12,13 +12,17 @@ file of a local cache is mapped read-only, back to back, into one reserved addre
   index says where its rows are in that array (`CacheMap.source`).
 * **Reads** become "make resident": per block, ``mincore`` says whether its pages are in
   the page cache; those that are not are read with ``pread`` into a small per-thread scratch
-  buffer (the same requests as before, so a cold cache reads at the same rate), then
-  ``MADV_POPULATE_READ`` maps the block (once per loader) so that the gathers do not fault.
+  buffer (the same requests as before, so a cold cache reads at the same rate; the gathers
+  then fault the pages in), and blocks found there are mapped with ``MADV_POPULATE_READ``
+  (once per loader) so that the gathers do not fault.
   A shard cut short since it was opened is a `FileSizeError`, as before (one ``fstat`` per
   block). Checking a mapped block costs microseconds; mapping one again for every window
-  (and unmapping it after) cost more than the copy it saves, so pages stay mapped while the
-  loader lives: RSS counts them (shared, clean file pages the kernel may still reclaim; the
-  loader's windows are no longer anonymous memory, which it could not).
+  (and unmapping it after) cost more than the copy it saves, so for a cache that fits in
+  half the memory pages stay mapped while the loader lives: RSS counts them (shared, clean
+  file pages the kernel may still reclaim; the loader's windows are no longer anonymous
+  memory, which it could not). A larger cache's windows are unmapped once done with
+  (``MADV_DONTNEED``: the page tables, not the page cache), so that mapped pages never pile
+  up for the kernel to unmap before it can evict them.
 * **Lifetime.** The arrays keep the mapping alive; it is unmapped when the last is gone.
 
 Linux only (``mmap`` at a fixed address through libc, ``mincore``, ``madvise``). Anywhere
@@ -51,6 +55,7 @@ _PAGE = mmap.PAGESIZE
 _HUGE = 2 << 20
 _MAP_FIXED = 0x10  # the same on every Linux architecture
 _PROT_NONE = 0
+_MADV_DONTNEED = 4
 _MADV_POPULATE_READ = 22  # Linux 5.14; older kernels say EINVAL and the gathers fault instead
 
 
@@ -155,6 +160,9 @@ class CacheMap:
         self.base = np.zeros(len(counts), dtype=np.int64)
         np.cumsum(slots[:-1], out=self.base[1:])
         total = int(slots.sum())
+        #: Whether pages are unmapped again once their window is done with (`unmap_pages`): for a
+        #: cache that may not stay in the page cache, so that mapped pages never pile up.
+        self.bounded = int(vectors.sum()) * (self.row_nbytes + (4 if scales else 0)) > memory_bytes() // 2
         #: Examples whose pages were mapped (``MADV_POPULATE_READ``) by this map: not again.
         self.populated = np.zeros(md.n_examples, dtype=bool)
         #: The reserved ranges (values, then scales): unmapped when the last array over them is gone.
@@ -227,10 +235,14 @@ class CacheMap:
                 )
 
     def resident(self, addr: int, nbytes: int) -> bool:
-        """Whether every page of ``[addr, addr + nbytes)`` is in the page cache (``mincore``)."""
+        """Whether every page of ``[addr, addr + nbytes)`` is in the page cache (``mincore``; its
+        first page alone first, which answers a cold range at the cost of one page)."""
+        libc = _get_libc()
         lo, hi = addr - addr % _PAGE, -(-(addr + nbytes) // _PAGE) * _PAGE
         vec = np.empty((hi - lo) // _PAGE, np.uint8)
-        if _get_libc().mincore(lo, hi - lo, vec.ctypes.data) != 0:
+        if libc.mincore(lo, _PAGE, vec.ctypes.data) != 0 or not vec[0] & 1:
+            return False
+        if libc.mincore(lo, hi - lo, vec.ctypes.data) != 0:
             return False
         return bool(np.all(vec & 1))
 
@@ -238,3 +250,28 @@ class CacheMap:
         """Map the pages of ``[addr, addr + nbytes)`` now (no-op where the kernel cannot)."""
         lo, hi = addr - addr % _PAGE, -(-(addr + nbytes) // _PAGE) * _PAGE
         _get_libc().madvise(lo, hi - lo, _MADV_POPULATE_READ)
+
+    def unmap_pages(self, start: int, stop: int) -> None:
+        """Drop the page-table entries of examples ``[start, stop)`` (the whole pages inside their
+        values and scales; the page cache keeps the data, the next access maps it again)."""
+        libc = _get_libc()
+        for scales in (False, True) if self.scales is not None else (False,):
+            addr, nbytes = self.byte_range(start, stop, scales=scales)
+            lo, hi = -(-addr // _PAGE) * _PAGE, (addr + nbytes) // _PAGE * _PAGE
+            if hi > lo:
+                libc.madvise(lo, hi - lo, _MADV_DONTNEED)
+        self.populated[start:stop] = False
+
+
+def memory_bytes() -> int:
+    """The memory this process may fill: the machine's, or its cgroup's limit when lower."""
+    total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    for path in ("/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory/memory.limit_in_bytes"):
+        try:
+            with open(path) as f:
+                limit = f.read().strip()
+        except OSError:
+            continue
+        if limit.isdigit():
+            total = min(total, int(limit))
+    return total

@@ -197,10 +197,17 @@ class WindowLoader:
         return load.done
 
     def _index(self, w: int) -> WindowIndex:
-        """Window ``w``'s index (read in place: in the map's vectors)."""
+        """Window ``w``'s index; read in place, in the map's vectors, and for a cache larger than
+        memory the pages of the window whose slot this one takes unmapped."""
         cfg = self.cfg
-        source = None if cfg.mapped is None else cfg.mapped.source
-        return index_window(cfg.selection, cfg.blocks, self.plan.windows[w], self.window_rng(self.epoch, w), source)
+        window, rng = self.plan.windows[w], self.window_rng(self.epoch, w)
+        if cfg.mapped is None:
+            return index_window(cfg.selection, cfg.blocks, window, rng)
+        before = w - len(self.buffers)
+        if cfg.mapped.bounded and before >= 0:  # done with: submit(w) waits for its release
+            for b in self.plan.windows[before].blocks.tolist():
+                cfg.mapped.unmap_pages(int(cfg.blocks.start[b]), int(cfg.blocks.stop[b]))
+        return index_window(cfg.selection, cfg.blocks, window, rng, cfg.mapped.source)
 
     def _read_blocks(
         self, slot: int, ids: npt.NDArray[np.int64], offsets: npt.NDArray[np.int64], next_block: Iterator[int]
@@ -244,8 +251,8 @@ class WindowLoader:
 
     def _make_resident(self, mapped: CacheMap, start: int, stop: int) -> None:
         """Examples ``[start, stop)`` (their chosen slices, and a float8_e4m3 cache's scales) in
-        the page cache and mapped: what is not in the page cache is read into this thread's
-        scratch buffers first (`mapped`)."""
+        the page cache: what is not there is read into this thread's scratch buffers, what is
+        there is mapped (once per loader; `mapped`)."""
         cfg, shards = self.cfg, self.cfg.shards
         blocks = cfg.blocks
         mapped.check_size(start, stop)
@@ -270,7 +277,8 @@ class WindowLoader:
                 else:
                     out = self._scratch(shape[1:-1] if scales else shape[1:], scales)
                     (shards.read_example_scales if scales else shards.read_example_raw)(a, position, out)
-                mapped.populate(addr, nbytes)
+                # Not mapped here: read from disk, the gathers have time to fault the pages in
+                # (about what mapping them costs), while these threads are the ones waited for.
         mapped.populated[start:stop] = True
 
     def _scratch(self, shape: tuple[int, ...], scales: bool = False) -> npt.NDArray[Any]:

@@ -17,7 +17,7 @@ import torch
 import saev_shards as ss
 from saev_shards import loaders
 from saev_shards.errors import FileSizeError
-from saev_shards.loaders import mapped, plan
+from saev_shards.loaders import mapped, pipeline, plan
 from saev_shards.loaders.mapped import CacheMap
 from saev_shards.loaders.selection import TokenSelection
 
@@ -91,6 +91,35 @@ def test_in_place_batches_equal_the_buffered_ones(
         for b in loaders.ShuffledLoader(shards, batch_size=9, mix_layers=True):
             seen += check_batch(b, md, logical)
         assert sorted(seen) == sorted(expected_vectors(md))
+
+
+@pytest.mark.parametrize("order", ["shuffled", "ordered"])
+def test_a_cache_larger_than_memory_unmaps_finished_windows(
+    make_cache: Any, monkeypatch: pytest.MonkeyPatch, order: str
+) -> None:
+    """Above half the memory, a window's pages are unmapped once it is done with (never the
+    windows in use), and the batches are the same."""
+    md = small_metadata(n_examples=37, patches_per_shard=60)
+    shards, _ = make_cache(md)
+    kwargs: dict[str, Any] = dict(batch_size=7, order=order, mix_layers=True, buffer_bytes=800, block_bytes=320)
+    monkeypatch.setattr(pipeline, "CHUNK_BYTES", 1)  # a batch per gather (two window slots), as with real rows
+    want = batches(shards, False, monkeypatch, **kwargs)
+    monkeypatch.setattr(mapped, "memory_bytes", lambda: 1)
+    unmapped: list[tuple[int, int]] = []
+    real = CacheMap.unmap_pages
+
+    def unmap(self: CacheMap, start: int, stop: int) -> None:
+        unmapped.append((start, stop))
+        real(self, start, stop)
+
+    monkeypatch.setattr(CacheMap, "unmap_pages", unmap)
+    same(batches(shards, True, monkeypatch, **kwargs), want)
+    loader = loaders.TokenLoader(shards, **kwargs)
+    windows = loader.plan(0).windows
+    blocks = loader._blocks
+    done = [(int(blocks.start[b]), int(blocks.stop[b])) for w in windows[:-2] for b in w.blocks.tolist()]
+    assert sorted(unmapped) == sorted(done)  # every window but the last two (two slots)
+    loader.close()
 
 
 def test_in_place_resumes_mid_epoch_and_masks_tokens(make_cache: Any, monkeypatch: pytest.MonkeyPatch) -> None:
