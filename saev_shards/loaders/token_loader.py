@@ -452,13 +452,14 @@ class TokenLoader:
             self._slots = slots
 
     def close(self) -> None:
-        """Stop every running iteration (threads joined) and free the window buffers."""
+        """Stop every running iteration (threads joined), free the window buffers and unmap the
+        cache read in place (iterating again starts over)."""
         for run in list(self._runs):
             run.close()
         with self._spare_lock:
             self._spare = []
             self._slots = None
-            self._map = None
+            self._map = self._config.mapped = None  # unmapped once no batch is being gathered from it
 
     def __del__(self) -> None:
         with contextlib.suppress(Exception):
