@@ -234,6 +234,20 @@ class CacheMap:
                     f"{path(k)}: expected at least {need} bytes, found {size} (file truncated after open?)"
                 )
 
+    def probably_resident(self, start: int, position: int | None = None) -> bool:
+        """Whether the first page of the block starting at example ``start`` is in the page cache
+        (of its slice at layer ``position`` when its slices are read one by one, and its scales'):
+        one ``mincore`` of one page each, enough to choose how a window is read (`resident`
+        checks it all)."""
+        libc = _get_libc()
+        vec = np.zeros(1, np.uint8)
+        for scales in (False, True) if self.scales is not None else (False,):
+            addr, _ = self.byte_range(start, start + 1, position, scales)
+            lo = addr - addr % _PAGE
+            if libc.mincore(lo, _PAGE, vec.ctypes.data) != 0 or not vec[0] & 1:
+                return False
+        return True
+
     def resident(self, addr: int, nbytes: int) -> bool:
         """Whether every page of ``[addr, addr + nbytes)`` is in the page cache (``mincore``; its
         first page alone first, which answers a cold range at the cost of one page)."""

@@ -165,6 +165,8 @@ class WindowLoader:
         self.ready_to_write = ready_to_write
         self.finish = finish
         self.local = threading.local()  # each read thread's scratch buffer (windows read in place)
+        #: Whether each window loading or loaded is read in place (else into its slot's buffer).
+        self.in_place: dict[int, bool] = {}
         self.pool = ThreadPoolExecutor(max_workers=cfg.read_threads, thread_name_prefix="saev-loader-read")
 
     def slot(self, w: int) -> int:
@@ -181,6 +183,13 @@ class WindowLoader:
                 cfg.shards.prefetch(int(cfg.blocks.start[b]), int(cfg.blocks.stop[b]))
         offsets = np.zeros(len(rows), dtype=np.int64)
         np.cumsum(rows[:-1], out=offsets[1:])
+        # Read in place when the page cache holds the window (its blocks' first pages say so),
+        # else into the slot's buffer: from disk, the copy into the buffer is the read itself.
+        mapped, blocks = cfg.mapped, cfg.blocks
+        position = None if blocks.whole else int(blocks.read_positions[0])
+        self.in_place[w] = mapped is not None and all(
+            mapped.probably_resident(int(blocks.start[b]), position) for b in window.blocks.tolist()
+        )
         # The index first: it needs no data, so it is ready by the time the reads are.
         index = self.pool.submit(self._index, w)
         parts: list[Future[Any]] = [index]
@@ -189,7 +198,7 @@ class WindowLoader:
         # blocks of a window), with a handful of futures per window instead of one per block.
         next_block = itertools.count()
         parts += [
-            self.pool.submit(self._read_blocks, slot, window.blocks, offsets, next_block)
+            self.pool.submit(self._read_blocks, slot, window.blocks, offsets, next_block, self.in_place[w])
             for _ in range(min(len(rows), cfg.read_threads))
         ]
         load = _Countdown(functools.partial(self.finish, w, slot))
@@ -201,26 +210,47 @@ class WindowLoader:
         memory the pages of the window whose slot this one takes unmapped."""
         cfg = self.cfg
         window, rng = self.plan.windows[w], self.window_rng(self.epoch, w)
-        if cfg.mapped is None:
-            return index_window(cfg.selection, cfg.blocks, window, rng)
-        before = w - len(self.buffers)
-        if cfg.mapped.bounded and before >= 0:  # done with: submit(w) waits for its release
+        before = w - len(self.buffers)  # the window whose slot this one takes: done with
+        if cfg.mapped is not None and cfg.mapped.bounded and self.in_place.pop(before, False):
             for b in self.plan.windows[before].blocks.tolist():
                 cfg.mapped.unmap_pages(int(cfg.blocks.start[b]), int(cfg.blocks.stop[b]))
+        if not self.in_place[w]:
+            return index_window(cfg.selection, cfg.blocks, window, rng)
+        assert cfg.mapped is not None
         return index_window(cfg.selection, cfg.blocks, window, rng, cfg.mapped.source)
 
+    def source(self, w: int) -> tuple[npt.NDArray[Any], npt.NDArray[np.float32] | None]:
+        """The arrays window ``w``'s index points into: the cache read in place, or its slot's
+        buffers (values, and a float8_e4m3 cache's scales)."""
+        if self.in_place[w]:
+            assert self.cfg.mapped is not None
+            return self.cfg.mapped.values, self.cfg.mapped.scales
+        slot = self.slot(w)
+        return self.buffers[slot], self.scale_buffers[slot] if self.scale_buffers else None
+
     def _read_blocks(
-        self, slot: int, ids: npt.NDArray[np.int64], offsets: npt.NDArray[np.int64], next_block: Iterator[int]
+        self,
+        slot: int,
+        ids: npt.NDArray[np.int64],
+        offsets: npt.NDArray[np.int64],
+        next_block: Iterator[int],
+        in_place: bool = False,
     ) -> None:
-        self.ready_to_write(slot)
+        if not in_place:
+            self.ready_to_write(slot)
         buffer = self.buffers[slot]
         scales = self.scale_buffers[slot] if self.scale_buffers else None
+        blocks = self.cfg.blocks
         for i in next_block:  # itertools.count: its next() is atomic, each block goes to one thread
             if i >= len(ids):
                 return
             if self.stop.is_set():
                 raise CancelledError
-            self._read_block(int(ids[i]), buffer, int(offsets[i]), scales)
+            if in_place:
+                assert self.cfg.mapped is not None
+                self._make_resident(self.cfg.mapped, int(blocks.start[ids[i]]), int(blocks.stop[ids[i]]))
+            else:
+                self._read_block(int(ids[i]), buffer, int(offsets[i]), scales)
 
     def _read_block(
         self, block: int, buffer: npt.NDArray[Any], row_offset: int, scales: npt.NDArray[np.float32] | None
@@ -228,9 +258,6 @@ class WindowLoader:
         cfg = self.cfg
         blocks = cfg.blocks
         start, stop = int(blocks.start[block]), int(blocks.stop[block])
-        if cfg.mapped is not None:
-            self._make_resident(cfg.mapped, start, stop)
-            return
         count = stop - start
         rows_per_ex = blocks.rows_per_ex
         first, last = row_offset * cfg.tokens, (row_offset + count * rows_per_ex) * cfg.tokens
@@ -251,8 +278,9 @@ class WindowLoader:
 
     def _make_resident(self, mapped: CacheMap, start: int, stop: int) -> None:
         """Examples ``[start, stop)`` (their chosen slices, and a float8_e4m3 cache's scales) in
-        the page cache: what is not there is read into this thread's scratch buffers, what is
-        there is mapped (once per loader; `mapped`)."""
+        the page cache and mapped (once per loader; `mapped`): what is no longer there (the
+        window was found in the page cache, but not all of it) is read into this thread's
+        scratch buffers first."""
         cfg, shards = self.cfg, self.cfg.shards
         blocks = cfg.blocks
         mapped.check_size(start, stop)
@@ -277,8 +305,7 @@ class WindowLoader:
                 else:
                     out = self._scratch(shape[1:-1] if scales else shape[1:], scales)
                     (shards.read_example_scales if scales else shards.read_example_raw)(a, position, out)
-                # Not mapped here: read from disk, the gathers have time to fault the pages in
-                # (about what mapping them costs), while these threads are the ones waited for.
+                mapped.populate(addr, nbytes)
         mapped.populated[start:stop] = True
 
     def _scratch(self, shape: tuple[int, ...], scales: bool = False) -> npt.NDArray[Any]:
@@ -540,13 +567,12 @@ class HostRun:
             index = loads[w].result()
             if self.stop.is_set():
                 raise CancelledError
-            slot = self.windows.slot(w)
+            values, window_scales = self.windows.source(w)
             # mode="clip": with the default "raise", numpy gathers into a temporary and copies.
-            np.take(self.windows.buffers[slot], index.flat[a:b], axis=0, out=raw[filled : filled + b - a], mode="clip")
+            np.take(values, index.flat[a:b], axis=0, out=raw[filled : filled + b - a], mode="clip")
             if scales is not None:  # the scale of each vector, by the same index
-                np.take(
-                    self.windows.scale_buffers[slot], index.flat[a:b], out=scales[filled : filled + b - a], mode="clip"
-                )
+                assert window_scales is not None
+                np.take(window_scales, index.flat[a:b], out=scales[filled : filled + b - a], mode="clip")
             self._taken(w)
             pieces.append((index, a, b))
             filled += b - a

@@ -384,16 +384,13 @@ class TokenLoader:
             run = DeviceRun(cfg, plan, schedule, epoch, self._window_rng, slots)
             release = lambda: self._give_slots(slots)  # noqa: E731
         else:
+            # Windows in the page cache are read in place; the others into these buffers, which
+            # take memory only once written (numpy's pages are the kernel's until touched).
             cfg.mapped = self._cache_map()
-            if cfg.mapped is not None:  # windows read in place: no buffers
-                values = [cfg.mapped.values] * schedule.n_slots
-                scales = [] if cfg.mapped.scales is None else [cfg.mapped.scales] * schedule.n_slots
-                release = lambda: None  # noqa: E731
-            else:
-                buffers = self._take_buffers(schedule.n_slots, rows) if len(schedule) else []
-                values, scales = [b for b, _ in buffers], [s for _, s in buffers if s is not None]
-                release = lambda: self._give_buffers(buffers)  # noqa: E731
+            buffers = self._take_buffers(schedule.n_slots, rows) if len(schedule) else []
+            values, scales = [b for b, _ in buffers], [s for _, s in buffers if s is not None]
             run = HostRun(cfg, plan, schedule, epoch, self._window_rng, values, scales)
+            release = lambda: self._give_buffers(buffers)  # noqa: E731
         self._runs.add(run)
         _LIVE_RUNS.add(run)
         try:

@@ -165,18 +165,14 @@ def test_a_shard_cut_short_on_disk_is_a_file_size_error(tmp_path: Path, monkeypa
 
 
 def test_the_map_is_released_with_the_loader(make_cache: Any, monkeypatch: pytest.MonkeyPatch) -> None:
-    """No window buffer is allocated, and the address range is unmapped when the loader is
-    closed (the garbage collector disabled: nothing waits for it)."""
+    """From the page cache nothing is copied into the window buffers (which take no memory
+    until written), and the address range is unmapped when the loader is closed (the garbage
+    collector disabled: nothing waits for it)."""
     md = small_metadata(n_examples=37, patches_per_shard=60)
     shards, _ = make_cache(md)
     monkeypatch.setattr(mapped, "MIN_SHARD_BYTES", 0)
-    taken: list[int] = []
-
-    def take_buffers(self: loaders.TokenLoader, n: int, rows: int) -> list[Any]:
-        taken.append(n)
-        return []
-
-    monkeypatch.setattr(loaders.TokenLoader, "_take_buffers", take_buffers)
+    copied: list[int] = []
+    monkeypatch.setattr(pipeline.WindowLoader, "_read_block", lambda self, block, *args: copied.append(block))
     gc.collect()
     gc.disable()
     try:
@@ -189,7 +185,31 @@ def test_the_map_is_released_with_the_loader(make_cache: Any, monkeypatch: pytes
         del loader
     finally:
         gc.enable()
-    assert taken == [] and regions and alive == []
+    assert copied == [] and regions and alive == []
+
+
+def test_a_window_read_from_disk_goes_into_its_buffer(make_cache: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A window not in the page cache is read into its slot's buffer (the read is the copy, as
+    it always was); one in the page cache is read in place. Both give the same batches."""
+    md = small_metadata(n_examples=37, patches_per_shard=60)
+    shards, _ = make_cache(md)
+    kwargs: dict[str, Any] = dict(batch_size=7, mix_layers=True, buffer_bytes=800, block_bytes=320)
+    want = batches(shards, False, monkeypatch, **kwargs)
+    modes: list[bool] = []
+    real = pipeline.WindowLoader._index
+
+    def index(self: pipeline.WindowLoader, w: int) -> Any:
+        modes.append(self.in_place[w])
+        return real(self, w)
+
+    monkeypatch.setattr(pipeline.WindowLoader, "_index", index)
+    evict(shards)
+    same(batches(shards, True, monkeypatch, **kwargs), want)
+    cold = list(modes)
+    modes.clear()
+    same(batches(shards, True, monkeypatch, **kwargs), want)  # now in the page cache
+    # The first window was on disk (later ones may have come in with the kernel's readahead).
+    assert not cold[0] and modes and all(modes)
 
 
 @pytest.mark.parametrize("layers", [None, (2, 11)])
