@@ -42,6 +42,8 @@ import math
 import mmap
 import os
 import sys
+import threading
+from concurrent.futures import CancelledError
 from typing import Any
 
 import numpy as np
@@ -163,6 +165,7 @@ class CacheMap:
         #: Whether pages are unmapped again once their window is done with (`unmap_pages`): for a
         #: cache that may not stay in the page cache, so that mapped pages never pile up.
         self.bounded = int(vectors.sum()) * (self.row_nbytes + (4 if scales else 0)) > memory_bytes() // 2
+        self.local = threading.local()  # each read thread's scratch buffers (`make_resident`)
         #: Examples whose pages were mapped (``MADV_POPULATE_READ``) by this map: not again.
         self.populated = np.zeros(md.n_examples, dtype=bool)
         #: The reserved ranges (values, then scales): unmapped when the last array over them is gone.
@@ -217,6 +220,48 @@ class CacheMap:
             first += position * self.tokens
             count = self.tokens
         return arr.ctypes.data + first * item, count * item
+
+    def make_resident(self, start: int, stop: int, blocks: Blocks, stop_event: threading.Event) -> None:
+        """Examples ``[start, stop)`` (their slices that ``blocks`` reads, and a float8_e4m3
+        cache's scales) in the page cache and mapped (once per map): what is no longer there
+        (the window was found in the page cache, not all of it) is read into this thread's
+        scratch buffers first. `FileSizeError` if a shard was cut short since it was opened."""
+        shards = self.shards
+        self.check_size(start, stop)
+        ranges: list[tuple[int, int, int | None]]
+        if blocks.whole:
+            ranges = [(start, stop, None)]
+        else:
+            ranges = [(e, e + 1, p) for e in range(start, stop) for p in blocks.read_positions.tolist()]
+        shape = shards.metadata.shard_shape[1:]
+        for a, b, position in ranges:
+            if stop_event.is_set():
+                raise CancelledError
+            for scales in (False, True) if self.scales is not None else (False,):
+                addr, nbytes = self.byte_range(a, b, position, scales)
+                if self.resident(addr, nbytes):
+                    if not self.populated[a]:
+                        self.populate(addr, nbytes)
+                    continue
+                if position is None:
+                    out = self._scratch((b - a, *(shape[:-1] if scales else shape)), scales)
+                    (shards.read_range_scales if scales else shards.read_range_raw)(a, b, out)
+                else:
+                    out = self._scratch(shape[1:-1] if scales else shape[1:], scales)
+                    (shards.read_example_scales if scales else shards.read_example_raw)(a, position, out)
+                self.populate(addr, nbytes)
+        self.populated[start:stop] = True
+
+    def _scratch(self, shape: tuple[int, ...], scales: bool) -> npt.NDArray[Any]:
+        """This thread's buffer of ``shape`` (stored values, or float32 scales) for reads whose
+        bytes only need to reach the page cache."""
+        name = "scales" if scales else "values"
+        arr: npt.NDArray[Any] | None = getattr(self.local, name, None)
+        n = int(np.prod(shape))
+        if arr is None or arr.size < n:
+            arr = np.empty(n, dtype=np.float32 if scales else self.shards.numpy_dtype)
+            setattr(self.local, name, arr)
+        return arr[:n].reshape(shape)
 
     def check_size(self, start: int, stop: int) -> None:
         """`FileSizeError` unless the shard of examples ``[start, stop)`` (and its scale file)

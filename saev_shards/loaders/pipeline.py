@@ -5,17 +5,21 @@ GIL, and the consumer's thread (the training loop) does almost nothing:
 
 * **Reads.** A window's blocks are read by ``read_threads`` threads, a few blocks per task,
   into one of a few *slot* buffers (two, unless one batch spans more windows). The
-  window's index (its permutation and the batches' metadata) is computed beside them. From
-  a remote cache the whole window is announced first (`Shards.prefetch`), so its blocks are
-  fetched with many requests in flight while the read threads copy what has arrived.
+  window's index (its permutation and the batches' metadata) is computed beside them. A
+  window the page cache already holds, of a local cache, is not copied: the gathers read it
+  in place through one mapping of the whole cache (`mapped`), and its "read" only checks and
+  maps its pages. From a remote cache the whole window is announced first
+  (`Shards.prefetch`), so its blocks are fetched with many requests in flight while the
+  read threads copy what has arrived.
 * **Gathers.** A *chunk* (one batch, or several small ones: at least `CHUNK_BYTES`) is one
   task of the gather pool: one ``numpy.take`` per window it touches, straight into the
   output array, then its metadata sliced from the window's index. Chunks are gathered in
   parallel, so adding threads adds whole chunks in flight, never a finer split of one.
-* **Scheduling** is driven by completions: a finished chunk releases the windows no
-  unfinished chunk needs, starts the next loads into the freed slots and submits more
-  chunks (``gather_threads + prefetch`` batches not yet consumed, at most). The consumer
-  only pops finished chunks in order: a few microseconds of Python per batch.
+* **Scheduling** is driven by completions: once every gather has taken its rows of a window,
+  the window is released and the next loads start into the freed slots; more chunks are
+  submitted as windows load (``gather_threads + prefetch`` batches not yet consumed, at
+  most). The consumer only pops finished chunks in order: a few microseconds of Python per
+  batch.
 
 Before this design, one assembler thread cut every batch into ``gather_threads`` parts
 (at most 4 of 1,024 rows), waited for all of them, then built the batch's metadata and
@@ -164,7 +168,6 @@ class WindowLoader:
         self.stop = stop
         self.ready_to_write = ready_to_write
         self.finish = finish
-        self.local = threading.local()  # each read thread's scratch buffer (windows read in place)
         #: Whether each window loading or loaded is read in place (else into its slot's buffer).
         self.in_place: dict[int, bool] = {}
         self.pool = ThreadPoolExecutor(max_workers=cfg.read_threads, thread_name_prefix="saev-loader-read")
@@ -248,7 +251,7 @@ class WindowLoader:
                 raise CancelledError
             if in_place:
                 assert self.cfg.mapped is not None
-                self._make_resident(self.cfg.mapped, int(blocks.start[ids[i]]), int(blocks.stop[ids[i]]))
+                self.cfg.mapped.make_resident(int(blocks.start[ids[i]]), int(blocks.stop[ids[i]]), blocks, self.stop)
             else:
                 self._read_block(int(ids[i]), buffer, int(offsets[i]), scales)
 
@@ -275,49 +278,6 @@ class WindowLoader:
                 cfg.shards.read_example_raw(start + e, position, slices[e, s])
                 if scale_slices is not None:
                     cfg.shards.read_example_scales(start + e, position, scale_slices[e, s])
-
-    def _make_resident(self, mapped: CacheMap, start: int, stop: int) -> None:
-        """Examples ``[start, stop)`` (their chosen slices, and a float8_e4m3 cache's scales) in
-        the page cache and mapped (once per loader; `mapped`): what is no longer there (the
-        window was found in the page cache, but not all of it) is read into this thread's
-        scratch buffers first."""
-        cfg, shards = self.cfg, self.cfg.shards
-        blocks = cfg.blocks
-        mapped.check_size(start, stop)
-        ranges: list[tuple[int, int, int | None]]
-        if blocks.whole:
-            ranges = [(start, stop, None)]
-        else:
-            ranges = [(e, e + 1, p) for e in range(start, stop) for p in blocks.read_positions.tolist()]
-        shape = shards.metadata.shard_shape[1:]
-        for a, b, position in ranges:
-            if self.stop.is_set():
-                raise CancelledError
-            for scales in (False, True) if mapped.scales is not None else (False,):
-                addr, nbytes = mapped.byte_range(a, b, position, scales)
-                if mapped.resident(addr, nbytes):
-                    if not mapped.populated[a]:
-                        mapped.populate(addr, nbytes)
-                    continue
-                if position is None:
-                    out = self._scratch((b - a, *(shape[:-1] if scales else shape)), scales)
-                    (shards.read_range_scales if scales else shards.read_range_raw)(a, b, out)
-                else:
-                    out = self._scratch(shape[1:-1] if scales else shape[1:], scales)
-                    (shards.read_example_scales if scales else shards.read_example_raw)(a, position, out)
-                mapped.populate(addr, nbytes)
-        mapped.populated[start:stop] = True
-
-    def _scratch(self, shape: tuple[int, ...], scales: bool = False) -> npt.NDArray[Any]:
-        """This thread's buffer of ``shape`` (stored values, or float32 scales) for reads whose
-        bytes only need to reach the page cache."""
-        name = "scales" if scales else "values"
-        arr: npt.NDArray[Any] | None = getattr(self.local, name, None)
-        n = int(np.prod(shape))
-        if arr is None or arr.size < n:
-            arr = np.empty(n, dtype=np.float32 if scales else self.cfg.numpy_dtype)
-            setattr(self.local, name, arr)
-        return arr[:n].reshape(shape)
 
     def close(self) -> None:
         self.stop.set()
