@@ -111,8 +111,11 @@ class TokenLoader:
     exactly; `dropped` counts what they took.
 
     Iterating runs one epoch. Breaking out of the loop, `close`, or garbage collection stops
-    the background threads. Memory: two windows of about ``buffer_bytes`` each (on the
-    device as well with ``device``), plus ``gather_threads + prefetch`` batches in flight.
+    the background threads. Memory: on the host, windows the page cache holds are read in
+    place (a local cache on Linux is mapped once; `loaders.mapped`), and windows on disk are
+    read into two buffers of about ``buffer_bytes`` each, which take memory once written; with
+    ``device`` two windows on the device and in pinned memory; plus ``gather_threads +
+    prefetch`` batches in flight.
     """
 
     def __init__(
