@@ -50,6 +50,7 @@ import numpy as np
 import numpy.typing as npt
 
 from ..errors import FileSizeError
+from ..protocol.common import FLOAT8
 from ..reader import Shards
 from .plan import Blocks
 
@@ -129,10 +130,24 @@ MIN_SHARD_BYTES = 1 << 20
 
 def available(shards: Shards) -> bool:
     """Whether ``shards`` is read in place: a local cache on Linux, of shards of at least
-    `MIN_SHARD_BYTES` on average."""
+    `MIN_SHARD_BYTES` on average, whose mappings (two per file: the file and the gap after
+    it) take at most a quarter of the process's allowance (``vm.max_map_count``, 65,530 by
+    default: numpy and torch map memory too)."""
     if not sys.platform.startswith("linux") or shards.files.copies or shards.n_shards == 0:
         return False
+    files = shards.n_shards * (2 if shards.metadata.dtype == FLOAT8 else 1)
+    if 2 * files > max_map_count() // 4:
+        return False
     return shards.metadata.nbytes >= MIN_SHARD_BYTES * shards.n_shards
+
+
+def max_map_count() -> int:
+    """How many memory mappings a process may hold (``vm.max_map_count``)."""
+    try:
+        with open("/proc/sys/vm/max_map_count") as f:
+            return int(f.read())
+    except (OSError, ValueError):
+        return 65530
 
 
 class CacheMap:

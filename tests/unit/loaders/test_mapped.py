@@ -233,3 +233,14 @@ def test_the_ordered_walk_reads_with_two_threads() -> None:
     assert loaders.default_read_threads(sequential=True) == 2
     assert loaders.default_read_threads(device_side=True, sequential=True) >= 4
     assert loaders.default_read_threads() >= 4
+
+
+def test_too_many_shards_for_the_mappings_allowed_are_read_into_buffers(
+    make_cache: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    md = small_metadata(n_examples=37, patches_per_shard=60)
+    shards, _ = make_cache(md)
+    monkeypatch.setattr(mapped, "MIN_SHARD_BYTES", 0)
+    assert mapped.available(shards)
+    monkeypatch.setattr(mapped, "max_map_count", lambda: 4 * 2 * shards.n_shards - 1)
+    assert not mapped.available(shards)
