@@ -42,7 +42,7 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
-from .. import dtypes
+from .. import float8
 from ..dtypes import float32_to_bf16
 from ..protocol.common import FLOAT8
 from ..reader import Shards
@@ -181,7 +181,8 @@ class WindowLoader:
         window = self.plan.windows[w]
         slot = self.slot(w)
         rows = cfg.blocks.rows[window.blocks]
-        if cfg.shards.files.copies:  # a remote cache: start fetching the whole window's blocks now
+        # A remote cache starts fetching the whole window's blocks now, a float8_e4m3 one its scales.
+        if cfg.shards.files.copies or cfg.float8:
             for b in window.blocks.tolist():
                 cfg.shards.prefetch(int(cfg.blocks.start[b]), int(cfg.blocks.stop[b]))
         offsets = np.zeros(len(rows), dtype=np.int64)
@@ -367,14 +368,9 @@ class Recycler:
             return arr
 
 
-def cast_into(
-    raw: npt.NDArray[Any], stored: str, out: str, dest: npt.NDArray[Any], scales: npt.NDArray[Any] | None = None
-) -> None:
-    """Write stored values ``raw`` into ``dest`` (the numpy view of an ``out`` tensor) as ``out``.
-
-    float8_e4m3 values are dequantized with the ``scales`` of their vectors (`float8.dequantize`,
-    numpy: a table lookup and a multiply per value; `DtypeRangeError` when float16 cannot
-    hold them).
+def cast_into(raw: npt.NDArray[Any], stored: str, out: str, dest: npt.NDArray[Any]) -> None:
+    """Write stored values ``raw`` into ``dest`` (the numpy view of an ``out`` tensor) as ``out``
+    (float16, bfloat16 or float32: float8_e4m3 is `float8.take_dequantize`'s).
 
     Widening bfloat16 is a shift in numpy (GIL released, this thread only). Widening float16
     goes through torch: its vectorised conversion is about 5x faster than numpy's on this
@@ -384,9 +380,6 @@ def cast_into(
     with torch's). Rounding matches torch's: nearest, ties to even, NaN to 0x7FC0 for
     bfloat16.
     """
-    if stored == FLOAT8:
-        dtypes.convert(raw, stored, out, scales, dest)
-        return
     if out == "float32":
         if stored == "bfloat16":
             np.left_shift(raw, np.uint32(16), out=dest.view(np.uint32), dtype=np.uint32)
@@ -517,10 +510,10 @@ class HostRun:
         cfg, sched = self.cfg, self.schedule
         lo, hi = int(sched.lo[c]), int(sched.hi[c])
         n = hi - lo
-        converts = cfg.out_dtype != cfg.stored
+        # float8_e4m3 is gathered and dequantized into the output in one pass (float8.take_dequantize).
+        converts = cfg.out_dtype != cfg.stored and not cfg.float8
         acts, out = self._output(n, cfg.out_dtype)
         raw = self._scratch(n) if converts else out
-        scales = self._scratch(n, scales=True) if cfg.float8 else None
         pieces: list[tuple[WindowIndex, int, int]] = []
         filled = 0
         for w, a, b in self.plan.segments(lo, hi):
@@ -528,16 +521,17 @@ class HostRun:
             if self.stop.is_set():
                 raise CancelledError
             values, window_scales = self.windows.source(w)
-            # mode="clip": with the default "raise", numpy gathers into a temporary and copies.
-            np.take(values, index.flat[a:b], axis=0, out=raw[filled : filled + b - a], mode="clip")
-            if scales is not None:  # the scale of each vector, by the same index
-                assert window_scales is not None
-                np.take(window_scales, index.flat[a:b], out=scales[filled : filled + b - a], mode="clip")
+            dest = raw[filled : filled + b - a]
+            if window_scales is not None:
+                float8.take_dequantize(values, window_scales, index.flat[a:b], dest, cfg.out_dtype)
+            else:
+                # mode="clip": with the default "raise", numpy gathers into a temporary and copies.
+                np.take(values, index.flat[a:b], axis=0, out=dest, mode="clip")
             self._taken(w)
             pieces.append((index, a, b))
             filled += b - a
         if converts:
-            cast_into(raw, cfg.stored, cfg.out_dtype, out, scales)
+            cast_into(raw, cfg.stored, cfg.out_dtype, out)
         return self._batches(c, acts, pieces)
 
     def _batches(self, c: int, acts: Any, pieces: list[tuple[WindowIndex, int, int]]) -> list[Batch]:
@@ -586,18 +580,13 @@ class HostRun:
         arr = self.recycler.get(shape, np_dtype)
         return to_tensor(arr, dtype, dtype), arr
 
-    def _scratch(self, n: int, scales: bool = False) -> npt.NDArray[Any]:
-        """This thread's stored-dtype array for gathers that are cast afterwards (``scales``: its
-        float32 array of a scale per vector, a float8_e4m3 cache's)."""
+    def _scratch(self, n: int) -> npt.NDArray[Any]:
+        """This thread's stored-dtype array for gathers that are cast afterwards."""
         cfg = self.cfg
-        name = "scales" if scales else "arr"
-        arr: npt.NDArray[Any] | None = getattr(self.scratch, name, None)
+        arr: npt.NDArray[Any] | None = getattr(self.scratch, "arr", None)
         if arr is None or len(arr) < n:
-            if scales:
-                arr = np.empty((n, *cfg.row_shape[:-1]), dtype=np.float32)
-            else:
-                arr = np.empty((n, *cfg.row_shape), dtype=cfg.numpy_dtype)
-            setattr(self.scratch, name, arr)
+            arr = np.empty((n, *cfg.row_shape), dtype=cfg.numpy_dtype)
+            self.scratch.arr = arr
         return arr[:n]
 
     def _stopped(self) -> bool:
