@@ -30,9 +30,11 @@ it needs are why throughput fell past 4 threads (docs/loaders.md, "Threads").
 
 from __future__ import annotations
 
+import concurrent.futures
 import contextlib
 import functools
 import itertools
+import os
 import sys
 import threading
 from collections.abc import Callable, Iterator, Sequence
@@ -134,6 +136,71 @@ class Schedule:
 
 
 # --------------------------------------------------------------------------------------
+# threads kept from one epoch to the next
+
+
+class Pools:
+    """A loader's read and gather threads, lent to one host epoch at a time.
+
+    Starting a thread waits until it has taken the GIL once to say so; on a busy machine,
+    with the previous thread already running Python, that took 1-2 ms a thread, so the six
+    threads of each new epoch (4 read, 2 gather on 2 cores) cost 6-12 ms before its first
+    batch: 10-20% of the page-cached benchmark's time, whose 0.36 GB cache is a 60 ms epoch
+    (docs/loaders.md, "Speed"). Idle threads hold nothing of the epoch that used them. Only
+    the process that made them may use them (a forked child has none of the threads).
+    """
+
+    def __init__(self, read_threads: int, gather_threads: int) -> None:
+        self.pid = os.getpid()
+        self.read = ThreadPoolExecutor(max_workers=read_threads, thread_name_prefix="saev-loader-read")
+        self.gather = ThreadPoolExecutor(max_workers=gather_threads, thread_name_prefix="saev-loader-gather")
+
+    def fits(self, read_threads: int, gather_threads: int) -> bool:
+        return (
+            self.pid == os.getpid()
+            and self.read._max_workers == read_threads
+            and self.gather._max_workers == gather_threads
+        )
+
+    def shutdown(self, wait: bool = True) -> None:
+        self.read.shutdown(wait=wait, cancel_futures=True)
+        self.gather.shutdown(wait=wait, cancel_futures=True)
+
+
+class Tasks:
+    """The tasks one epoch submits to a pool it may share: `cancel` drops those not started
+    and waits for the others, as ``shutdown(wait=True, cancel_futures=True)`` does for a pool
+    of its own, and leaves the pool's threads for the next epoch."""
+
+    def __init__(self, pool: ThreadPoolExecutor, owned: bool = False) -> None:
+        self.pool = pool
+        self.owned = owned
+        self.pending: set[Future[Any]] = set()
+        self.lock = threading.Lock()
+
+    def submit(self, fn: Callable[..., Any], *args: Any) -> Future[Any]:
+        future = self.pool.submit(fn, *args)
+        with self.lock:
+            self.pending.add(future)
+        future.add_done_callback(self._done)
+        return future
+
+    def _done(self, future: Future[Any]) -> None:
+        with self.lock:
+            self.pending.discard(future)
+
+    def cancel(self) -> None:
+        if self.owned:
+            self.pool.shutdown(wait=True, cancel_futures=True)
+            return
+        with self.lock:
+            futures = list(self.pending)
+        for future in futures:
+            future.cancel()
+        concurrent.futures.wait(futures)
+
+
+# --------------------------------------------------------------------------------------
 # reading windows
 
 
@@ -144,7 +211,8 @@ class WindowLoader:
     there for the slot's last upload); ``finish(w, slot, index)`` runs once a window is
     read and indexed, in the thread that finished it, and its value is the window's result.
     A float8_e4m3 cache's scales are read into ``scale_buffers`` (one float32 per vector of
-    the slot's buffer), beside the stored bytes.
+    the slot's buffer), beside the stored bytes. ``pool``: the loader's read threads (`Pools`),
+    else a pool of its own, shut down by `close`.
     """
 
     def __init__(
@@ -158,6 +226,7 @@ class WindowLoader:
         ready_to_write: Callable[[int], None] = lambda slot: None,
         finish: Callable[[int, int, WindowIndex], Any] = lambda w, slot, index: index,
         scale_buffers: Sequence[npt.NDArray[np.float32]] = (),
+        pool: ThreadPoolExecutor | None = None,
     ) -> None:
         self.cfg = cfg
         self.plan = plan
@@ -170,7 +239,10 @@ class WindowLoader:
         self.finish = finish
         #: Whether each window loading or loaded is read in place (else into its slot's buffer).
         self.in_place: dict[int, bool] = {}
-        self.pool = ThreadPoolExecutor(max_workers=cfg.read_threads, thread_name_prefix="saev-loader-read")
+        owned = pool is None
+        if pool is None:
+            pool = ThreadPoolExecutor(max_workers=cfg.read_threads, thread_name_prefix="saev-loader-read")
+        self.pool = Tasks(pool, owned)
 
     def slot(self, w: int) -> int:
         return w % len(self.buffers)
@@ -282,7 +354,7 @@ class WindowLoader:
 
     def close(self) -> None:
         self.stop.set()
-        self.pool.shutdown(wait=True, cancel_futures=True)
+        self.pool.cancel()
         # Nothing of this epoch outlives it: the caller's callbacks may refer back to its run.
         self.buffers = ()
         self.ready_to_write = self.finish = _closed
@@ -421,13 +493,22 @@ class HostRun:
         window_rng: Callable[[int, int], np.random.Generator | None],
         buffers: Sequence[npt.NDArray[Any]],
         scale_buffers: Sequence[npt.NDArray[np.float32]] = (),
+        pools: Pools | None = None,
     ) -> None:
         self.cfg = cfg
         self.plan = plan
         self.schedule = schedule
         self.stop = threading.Event()
-        self.windows = WindowLoader(cfg, plan, epoch, window_rng, buffers, self.stop, scale_buffers=scale_buffers)
-        self.gather_pool = ThreadPoolExecutor(max_workers=cfg.gather_threads, thread_name_prefix="saev-loader-gather")
+        # The loader's threads (`Pools`), else pools of this run's own, shut down by `close`.
+        read_pool = None if pools is None else pools.read
+        self.windows = WindowLoader(
+            cfg, plan, epoch, window_rng, buffers, self.stop, scale_buffers=scale_buffers, pool=read_pool
+        )
+        if pools is None:
+            gather = ThreadPoolExecutor(max_workers=cfg.gather_threads, thread_name_prefix="saev-loader-gather")
+            self.gather_pool = Tasks(gather, owned=True)
+        else:
+            self.gather_pool = Tasks(pools.gather)
         #: Chunks in flight: every gather thread busy, and ``prefetch`` batches ready ahead.
         self.depth = cfg.gather_threads + -(-cfg.prefetch // cfg.chunk_batches)
         self.recycler = Recycler(keep=self.depth + 4)
@@ -598,7 +679,7 @@ class HostRun:
                 return
             self.closed = True
         self.stop.set()
-        self.gather_pool.shutdown(wait=True, cancel_futures=True)
+        self.gather_pool.cancel()
         self.windows.close()
         with self.lock:
             self.loads, self.futures = {}, {}
