@@ -140,31 +140,51 @@ class Schedule:
 
 
 class Pools:
-    """A loader's read and gather threads, lent to one host epoch at a time.
+    """What a loader lends each of its host epochs in turn: its read and gather threads, and the
+    output arrays its batches are gathered into (`Recycler`).
 
-    Starting a thread waits until it has taken the GIL once to say so; on a busy machine,
-    with the previous thread already running Python, that took 1-2 ms a thread, so the six
-    threads of each new epoch (4 read, 2 gather on 2 cores) cost 6-12 ms before its first
-    batch: 10-20% of the page-cached benchmark's time, whose 0.36 GB cache is a 60 ms epoch
-    (docs/loaders.md, "Speed"). Idle threads hold nothing of the epoch that used them. Only
-    the process that made them may use them (a forked child has none of the threads).
+    Both used to be made for every epoch. Starting a thread waits until it has taken the GIL
+    once to say so; on a busy machine, with the previous thread already running Python, that
+    took 1-2 ms a thread, so the six threads of an epoch (4 read, 2 gather on 2 cores) cost
+    6-12 ms before its first batch. And every epoch's outputs were fresh memory, whose pages
+    the kernel zeroes on first touch: 44 MB of 4,096-row batches per epoch (7 in flight), 175
+    MB of 16,384-row ones, about as much work as gathering them. On the page-cached benchmark's
+    quick cache (0.36 GB: an epoch is ~50 ms) the two took a fifth of the time (docs/loaders.md,
+    "Speed"). Idle threads hold nothing of the epoch that used them; the arrays are the same
+    memory an epoch holds while it runs. Only the process that made the threads may use them (a
+    forked child has none of them).
     """
 
-    def __init__(self, read_threads: int, gather_threads: int) -> None:
+    def __init__(self, cfg: Config) -> None:
         self.pid = os.getpid()
-        self.read = ThreadPoolExecutor(max_workers=read_threads, thread_name_prefix="saev-loader-read")
-        self.gather = ThreadPoolExecutor(max_workers=gather_threads, thread_name_prefix="saev-loader-gather")
+        self.read_threads, self.gather_threads = cfg.read_threads, cfg.gather_threads
+        self.read = ThreadPoolExecutor(max_workers=cfg.read_threads, thread_name_prefix="saev-loader-read")
+        self.gather = ThreadPoolExecutor(max_workers=cfg.gather_threads, thread_name_prefix="saev-loader-gather")
+        self.outputs = Recycler(keep=chunks_in_flight(cfg) + 4)
+        self.closed = False
 
-    def fits(self, read_threads: int, gather_threads: int) -> bool:
-        return (
-            self.pid == os.getpid()
-            and self.read._max_workers == read_threads
-            and self.gather._max_workers == gather_threads
+    def fits(self, cfg: Config) -> bool:
+        """Whether these still run, in this process, with ``cfg``'s thread counts."""
+        return not self.closed and (self.pid, self.read_threads, self.gather_threads) == (
+            os.getpid(),
+            cfg.read_threads,
+            cfg.gather_threads,
         )
 
     def shutdown(self, wait: bool = True) -> None:
+        """Stop the threads (joined unless ``wait`` is false, or this is one of them: a loader
+        may be collected on any thread) and let go of the outputs."""
+        self.closed = True
+        wait = wait and threading.current_thread() not in self.read._threads | self.gather._threads
         self.read.shutdown(wait=wait, cancel_futures=True)
         self.gather.shutdown(wait=wait, cancel_futures=True)
+        self.outputs.arrays.clear()
+
+
+def chunks_in_flight(cfg: Config) -> int:
+    """Chunks an epoch gathers ahead of the consumer: every gather thread busy, and ``prefetch``
+    batches ready."""
+    return cfg.gather_threads + -(-cfg.prefetch // cfg.chunk_batches)
 
 
 class Tasks:
@@ -499,19 +519,16 @@ class HostRun:
         self.plan = plan
         self.schedule = schedule
         self.stop = threading.Event()
-        # The loader's threads (`Pools`), else pools of this run's own, shut down by `close`.
-        read_pool = None if pools is None else pools.read
+        # The loader's threads and outputs (`Pools`), else this run's own, let go by `close`.
+        self.own_pools = pools is None
+        self.pools = Pools(cfg) if pools is None else pools
         self.windows = WindowLoader(
-            cfg, plan, epoch, window_rng, buffers, self.stop, scale_buffers=scale_buffers, pool=read_pool
+            cfg, plan, epoch, window_rng, buffers, self.stop, scale_buffers=scale_buffers, pool=self.pools.read
         )
-        if pools is None:
-            gather = ThreadPoolExecutor(max_workers=cfg.gather_threads, thread_name_prefix="saev-loader-gather")
-            self.gather_pool = Tasks(gather, owned=True)
-        else:
-            self.gather_pool = Tasks(pools.gather)
+        self.gather_pool = Tasks(self.pools.gather)
         #: Chunks in flight: every gather thread busy, and ``prefetch`` batches ready ahead.
-        self.depth = cfg.gather_threads + -(-cfg.prefetch // cfg.chunk_batches)
-        self.recycler = Recycler(keep=self.depth + 4)
+        self.depth = chunks_in_flight(cfg)
+        self.recycler = self.pools.outputs
         self.scratch = threading.local()
         self.lock = threading.RLock()  # reentrant: a chunk's callback may run inside _pump
         self.closed = False
@@ -683,7 +700,8 @@ class HostRun:
         self.windows.close()
         with self.lock:
             self.loads, self.futures = {}, {}
-        self.recycler.arrays.clear()
+        if self.own_pools:
+            self.pools.shutdown()
 
     def __del__(self) -> None:
         with contextlib.suppress(Exception):

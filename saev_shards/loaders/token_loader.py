@@ -445,20 +445,21 @@ class TokenLoader:
             self._spare = buffers
 
     def _take_pools(self) -> Pools:
-        """The read and gather threads of a host epoch: the last epoch's, where this process made
-        them, else new ones (`pipeline.Pools`: starting threads for every epoch cost milliseconds)."""
+        """The threads and output arrays of a host epoch: the last epoch's, where this process made
+        them, else new ones (`pipeline.Pools`: making them for every epoch cost milliseconds)."""
         cfg = self._config
         with self._spare_lock:
             pools, self._pools = self._pools, None
-        if pools is not None and not pools.fits(cfg.read_threads, cfg.gather_threads):
+        if pools is not None and not pools.fits(cfg):
             pools.shutdown(wait=False)
             pools = None
-        return pools or Pools(cfg.read_threads, cfg.gather_threads)
+        return pools or Pools(cfg)
 
     def _give_pools(self, pools: Pools) -> None:
-        """Keep an epoch's threads (once it has stopped) for the next; a second set is let go."""
+        """Keep an epoch's threads and outputs (once it has stopped) for the next; a second set is let go."""
         with self._spare_lock:
-            spare, self._pools = (None, pools) if self._pools is None else (pools, self._pools)
+            keep = self._pools is None and pools.fits(self._config)
+            spare, self._pools = (None, pools) if keep else (pools, self._pools)
         if spare is not None:
             spare.shutdown(wait=False)
 
@@ -480,6 +481,8 @@ class TokenLoader:
         cache read in place (iterating again starts over)."""
         for run in list(self._runs):
             run.close()
+            if isinstance(run, HostRun):  # a suspended iterator gives its threads back only when it resumes
+                run.pools.shutdown()
         with self._spare_lock:
             self._spare = []
             self._slots = None
