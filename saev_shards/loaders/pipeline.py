@@ -637,14 +637,18 @@ class HostRun:
 
         cfg, sched = self.cfg, self.schedule
 
-        def column(get: Callable[[WindowIndex], npt.NDArray[Any] | None], dtype: Any) -> npt.NDArray[Any]:
+        # A chunk inside one window hands out slices of the window's index (each index serves one
+        # window of one epoch, each of its rows one batch): no copy, and no numpy call that lets
+        # go of the GIL, each of which costs a wait to take it back while other threads run
+        # Python (0.05-0.4 ms on average on the 2-core development machine: docs/loaders.md).
+        def column(get: Callable[[WindowIndex], npt.NDArray[Any] | None]) -> npt.NDArray[Any]:
             parts = [get(ix)[a:b] for ix, a, b in pieces]  # type: ignore[index]
-            return np.concatenate(parts, dtype=dtype) if len(parts) > 1 else parts[0].astype(dtype, copy=True)
+            return np.concatenate(parts) if len(parts) > 1 else parts[0]
 
-        examples = column(lambda ix: ix.examples, np.int64)
-        tokens = column(lambda ix: ix.tokens, np.int64)
-        layers = None if cfg.stack else column(lambda ix: ix.layers, np.int64)
-        labels = column(lambda ix: ix.labels, np.uint8) if cfg.selection.has_labels else None
+        examples = column(lambda ix: ix.examples)
+        tokens = column(lambda ix: ix.tokens)
+        layers = None if cfg.stack else column(lambda ix: ix.layers)
+        labels = column(lambda ix: ix.labels) if cfg.selection.has_labels else None
         out = []
         size = cfg.batch_size
         first = int(sched.first_batch[c])
