@@ -557,13 +557,22 @@ class HostRun:
         self.release_below = self.next_load  # windows before this are done with
         self.next_chunk = 0
         self.consumed = 0
+        self.first_watched = False  # whether the second window's load waits on the first's
         for c in range(n_chunks):
             if self._stopped():
                 return
-            with self.lock:
-                self.consumed = c
-                self._pump()
-                future = self.futures.pop(c)
+            while True:
+                with self.lock:
+                    self.consumed = c
+                    self._pump()
+                    future = self.futures.pop(c, None)
+                    first_load = self.loads.get(int(sched.w_first[0]))
+                if future is not None:
+                    break
+                if self._stopped() or first_load is None:
+                    return
+                # Its windows wait for the first one's load (`_pump`): wait for it too, then pump.
+                concurrent.futures.wait([first_load])
             for batch in future.result():
                 if self._stopped():
                     return
@@ -576,7 +585,16 @@ class HostRun:
         sched = self.schedule
         n_slots = len(self.windows.buffers)
         last_window = int(sched.w_last[-1])
+        first = int(sched.w_first[0])
         while self.next_load <= last_window and self.next_load - n_slots < self.release_below:
+            # The first window read in place is indexed and checked before the second starts: on
+            # its own it is ready sooner (on 2 cores, side by side they took twice as long), and
+            # the second still has the first's gathers to load in.
+            if self.next_load == first + 1 and self.windows.in_place[first] and not self.loads[first].done():
+                if not self.first_watched:
+                    self.first_watched = True
+                    self.loads[first].add_done_callback(self._first_loaded)
+                break
             self.loads[self.next_load] = self.windows.submit(self.next_load)
             self.next_load += 1
         while (
@@ -590,6 +608,10 @@ class HostRun:
             future = self.gather_pool.submit(self._chunk, c, {w: self.loads[w] for w in wanted})
             self.futures[c] = future
             self.next_chunk += 1
+
+    def _first_loaded(self, _: Future[Any]) -> None:
+        with self.lock:
+            self._pump()
 
     def _taken(self, w: int) -> None:
         """A gather has taken its rows of window ``w``: release the windows no gather needs any more."""
