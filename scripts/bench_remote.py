@@ -178,8 +178,10 @@ class Meter:
         except (OSError, IndexError, ValueError):
             return float("nan")
 
-    def run(self, fn: Callable[[], int]) -> Sample:
-        """``fn()`` returns the bytes it moved."""
+    def run(self, fn: Callable[[], int], setup: Callable[[], object] | None = None) -> Sample:
+        """``fn()`` returns the bytes it moved; ``setup()`` runs first, off the clock."""
+        if setup is not None:
+            setup()
         t0, c0, s0 = time.perf_counter(), os.times(), self.server_cpu()
         nbytes = fn()
         t1, c1, s1 = time.perf_counter(), os.times(), self.server_cpu()
@@ -188,12 +190,18 @@ class Meter:
         return Sample(nbytes / (t1 - t0), client, (s1 - s0) / gbytes)
 
 
-def rounds(meter: Meter, fns: dict[str, Callable[[], int]], n: int) -> dict[str, list[Sample]]:
-    """Each run once per round, in turn (the machine's drift is spread over all of them)."""
+def rounds(
+    meter: Meter,
+    fns: dict[str, Callable[[], int]],
+    n: int,
+    setups: dict[str, Callable[[], object]] | None = None,
+) -> dict[str, list[Sample]]:
+    """Each run once per round, in turn (the machine's drift is spread over all of them),
+    each after its setup (off the clock)."""
     out: dict[str, list[Sample]] = {k: [] for k in fns}
     for _ in range(n):
         for name, fn in fns.items():
-            out[name].append(meter.run(fn))
+            out[name].append(meter.run(fn, (setups or {}).get(name)))
     return out
 
 
@@ -251,15 +259,16 @@ def library_table(bucket: str, local: ss.Shards, work: Path, meter: Meter, quick
         return sum(len(b.acts) for b in loader) * token_bytes
 
     cache_dir = work / "block-cache"
-    os.environ["SAEV_SHARDS_BLOCK_CACHE"] = str(cache_dir)
     skipped: list[float] = []
 
-    def cold_epoch() -> int:  # an empty block cache each time; its writes finish after the clock
+    def empty_block_cache() -> None:
         shutil.rmtree(cache_dir, ignore_errors=True)
+
+    def cold_epoch() -> int:  # on the clock: the epoch, and waiting for the block cache's writes
         shards = ss.open(report.url)
         moved = epoch(shards)
-        skipped.append(shards.files.skipped_bytes / nbytes)  # type: ignore[attr-defined]
         shards.close()
+        skipped.append(shards.files.skipped_bytes / nbytes)  # type: ignore[attr-defined]
         return moved
 
     dest = work / "pulled"
@@ -285,6 +294,7 @@ def library_table(bucket: str, local: ss.Shards, work: Path, meter: Meter, quick
             "pull": pull,
         },
         n_rounds,
+        {"cold": empty_block_cache},
     )
     for folder in (dest, downloads):  # their memory goes back to the page cache
         shutil.rmtree(folder, ignore_errors=True)
@@ -296,15 +306,12 @@ def library_table(bucket: str, local: ss.Shards, work: Path, meter: Meter, quick
     steady = ss.open(report.url)
     epoch(steady)
 
-    def local_epoch() -> int:
-        bl.warm_cache(local.path)
-        return epoch(local)
-
-    def warm_epoch() -> int:
-        bl.warm_cache(cache_dir / "blocks")
-        return epoch(ss.open(report.url))
-
-    warm = rounds(meter, {"local": local_epoch, "warm": warm_epoch, "steady": lambda: epoch(steady)}, n_rounds)
+    warm = rounds(
+        meter,
+        {"local": lambda: epoch(local), "warm": lambda: epoch(ss.open(report.url)), "steady": lambda: epoch(steady)},
+        n_rounds,
+        {"local": lambda: bl.warm_cache(local.path), "warm": lambda: bl.warm_cache(cache_dir / "blocks")},
+    )
 
     table = bl.Table(
         "remote",
@@ -319,6 +326,20 @@ def library_table(bucket: str, local: ss.Shards, work: Path, meter: Meter, quick
         f"{mbps(network['reads'])}: ranged reads into memory, {in_flight} in flight",
         ratio(cold, network["reads"]),
         ">= 0.8",
+    )
+    # What the cores allow: the reads use (client + server) CPU per GB; a cold epoch does the
+    # same and the loader's own work besides (the local-cache epoch's CPU per GB), on the cores
+    # the server shares. Where the reads are bound by the cores, the cold loader is bound at
+    # reads / (reads + loader) of them, and its own CPU per GB says what it spends beyond that.
+    reads_cpu = med(network["reads"], "client") + med(network["reads"], "server")
+    loader_cpu = med(warm["local"], "client")
+    cold_cpu = med(cold, "client") + med(cold, "server")
+    table.add(
+        "  cold loader's ceiling if bound by these cores",
+        f"CPU s/GB: {cold_cpu:.2f} (client + server)",
+        f"{reads_cpu:.2f} for the reads + {loader_cpu:.2f} for the loader's own work",
+        f"{reads_cpu / (reads_cpu + loader_cpu):.2f} (at {reads_cpu / cold_cpu:.2f} now)",
+        "",
     )
     for name, label in (("warm", "new process"), ("steady", "later epoch")):
         table.add(

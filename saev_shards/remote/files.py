@@ -94,8 +94,10 @@ class Unit:
 
 
 class _Entry:
-    """A unit this process holds: a descriptor of its block cache entry, or its bytes (with
-    the pool they go back to once no read holds them and no write waits for them)."""
+    """A unit this process holds: its bytes (with the pool they go back to once no read holds
+    them and no write waits for them), a descriptor of its block cache entry, or both (a
+    block this process fetched and then stored: read from memory until its memory is let go
+    of, then through the descriptor, never checked again since this process wrote it)."""
 
     __slots__ = ("buffer", "closed", "data", "fd", "pool", "users")
 
@@ -116,6 +118,9 @@ class _Entry:
         if self.fd is not None:
             os.close(self.fd)
             self.fd = None
+        self.drop_memory()
+
+    def drop_memory(self) -> None:
         self.data = None
         if self.pool is not None:
             self.pool.give(self.buffer)
@@ -440,7 +445,8 @@ class RemoteFiles:
                 entry.close()
 
     def _shrink(self) -> None:
-        """Let go of the least recently used units no read holds (lock held)."""
+        """Let go of the least recently used units no read holds (lock held): of the memory of
+        one also held by a descriptor, and of the others entirely."""
         memory = sum(e.nbytes_in_memory for e in self._held.values())
         for key in list(self._held):
             if len(self._held) <= MAX_OPEN and memory <= MAX_MEMORY:
@@ -448,8 +454,11 @@ class RemoteFiles:
             entry = self._held[key]
             if entry.users:
                 continue
-            del self._held[key]
             memory -= entry.nbytes_in_memory
+            if entry.fd is not None and len(self._held) <= MAX_OPEN:
+                entry.drop_memory()
+                continue
+            del self._held[key]
             entry.close()
 
     def _load(self, unit: Unit) -> _Entry:
@@ -527,7 +536,11 @@ class RemoteFiles:
         try:
             fd = self.cache.insert(key, entry.data)
             if fd is not None:
-                os.close(fd)
+                with self._lock:  # kept: read through it once the entry's memory is let go of
+                    if entry.closed or entry.fd is not None:
+                        os.close(fd)
+                    else:
+                        entry.fd = fd
         except OSError as err:  # the block cache is an optimisation: say so once, keep reading
             self.cache.warn_unwritable(err)
         finally:
@@ -589,9 +602,10 @@ def _mismatch(unit: Unit, got: int, found: str) -> str:
 
 def _copy(entry: _Entry, dest: memoryview, offset: int) -> None:
     """Copy ``dest.nbytes`` bytes of ``entry`` from ``offset`` into ``dest``."""
-    if entry.fd is None:
+    if entry.data is not None:
         dest[:] = memoryview(entry.data).cast("B")[offset : offset + dest.nbytes]
         return
+    assert entry.fd is not None
     while dest.nbytes:
         n = os.preadv(entry.fd, [dest], offset)
         if n == 0:
