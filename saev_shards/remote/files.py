@@ -307,6 +307,17 @@ class RemoteFiles:
         if self._pid != os.getpid():
             self._reset()
             return
+        self.let_go()
+        if self._pool is not None:
+            self._pool.shutdown(wait=False, cancel_futures=True)
+            self._pool = None
+        self.flush()
+        if self._buffers is not None:
+            self._buffers.clear()
+
+    def let_go(self) -> None:
+        """Let go of every unit this process holds (the next reads take them from the block
+        cache or fetch them again), keeping the threads and buffers for those reads."""
         with self._lock:
             held, self._held = list(self._held.values()), collections.OrderedDict()
             for entry in held:
@@ -314,12 +325,6 @@ class RemoteFiles:
                     entry.close()
                 else:
                     entry.closed = True  # closed by the last `_release`
-        if self._pool is not None:
-            self._pool.shutdown(wait=False, cancel_futures=True)
-            self._pool = None
-        self.flush()
-        if self._buffers is not None:
-            self._buffers.clear()
 
     def flush(self) -> None:
         """Wait until every unit fetched so far is written to the block cache."""
