@@ -160,6 +160,25 @@ def test_a_stored_block_let_go_of_in_memory_is_read_through_its_entry(
     files.close_all()
 
 
+def test_a_block_from_the_block_cache_is_checked_before_use(tmp_path: Path) -> None:
+    """A new reader takes stored blocks from the block cache (no request), checked as read; a
+    damaged entry is discarded and the block fetched again."""
+    files, client = remote_file(tmp_path, 4096)
+    assert bytes(files.read("f.bin")) == DATA
+    files.close_all()
+    again, client = remote_file(tmp_path, 4096)
+    assert bytes(again.read("f.bin", 10, 5000)) == DATA[10:]
+    assert client.requests == []
+    again.close_all()
+    path = again.cache.path(xxhash.xxh3_128_hexdigest(DATA[4096:]))
+    path.chmod(0o644)
+    path.write_bytes(b"x" + DATA[4097:])
+    third, client = remote_file(tmp_path, 4096)
+    assert bytes(third.read("f.bin", 4100, 4200)) == DATA[4100:4200]
+    assert client.requests == [(4096, 5000)]
+    third.close_all()
+
+
 def test_block_cache_entries_are_checked_when_opened(tmp_path: Path) -> None:
     cache = BlockCache(tmp_path, limit=1 << 20)
     digest = xxhash.xxh3_128_hexdigest(b"hello")
