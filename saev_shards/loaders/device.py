@@ -233,28 +233,38 @@ class DeviceRun:
         n_chunks = len(sched)
         if n_chunks == 0:
             return
-        last_window = int(sched.w_last[-1])
-        loads: dict[int, Future[_Loaded]] = {}
-        next_load = int(sched.w_first[0])
-        release_below = next_load
+        self.last_window = int(sched.w_last[-1])
+        self.loads: dict[int, Future[_Loaded]] = {}
+        self.next_load = int(sched.w_first[0])
+        self.release_below = self.next_load
         for c in range(n_chunks):
             if self._stopped():
                 return
-            while next_load <= last_window and next_load - self.n_slots < release_below:
-                loads[next_load] = self.windows.submit(next_load)
-                next_load += 1
-            batch = self._batch(int(sched.lo[c]), int(sched.hi[c]), loads)
-            release_below = int(sched.w_first[c + 1]) if c + 1 < n_chunks else last_window + 1
-            for w in [w for w in loads if w < release_below]:
-                # The slot is free once the gathers issued so far have run on this stream.
-                self.consumed[loads[w].result().slot] = self.sync.record_on_current()
-                del loads[w]
-            yield batch
+            self._pump()
+            # After this chunk, the windows before the next chunk's first are done with.
+            done_below = int(sched.w_first[c + 1]) if c + 1 < n_chunks else self.last_window + 1
+            yield self._batch(int(sched.lo[c]), int(sched.hi[c]), done_below)
 
-    def _batch(self, lo: int, hi: int, loads: dict[int, Future[_Loaded]]) -> Batch:
+    def _pump(self) -> None:
+        """Start loading every window whose slot is free."""
+        while self.next_load <= self.last_window and self.next_load - self.n_slots < self.release_below:
+            self.loads[self.next_load] = self.windows.submit(self.next_load)
+            self.next_load += 1
+
+    def _release(self, w: int) -> None:
+        """Window ``w`` is done with once the gathers issued so far have run on this stream:
+        its slot takes the window after next. Released as soon as its last gather is issued,
+        before a batch that runs into the next window waits for that one to load, so that
+        the reads never wait for it (docs/loaders.md, "Read-ahead")."""
+        for done in [v for v in self.loads if v <= w]:
+            self.consumed[self.loads.pop(done).result().slot] = self.sync.record_on_current()
+        self.release_below = max(self.release_below, w + 1)
+        self._pump()
+
+    def _batch(self, lo: int, hi: int, done_below: int) -> Batch:
         import torch
 
-        cfg, s = self.cfg, self.slots
+        cfg, s, loads = self.cfg, self.slots, self.loads
         per_unit = cfg.blocks.layers_per_unit
         acts, scales, meta, labels = [], [], [], []
         for w, a, b in self.plan.segments(lo, hi):
@@ -272,6 +282,8 @@ class DeviceRun:
             meta.append(s.meta[slot][:, a:b].clone())
             if cfg.selection.has_labels:
                 labels.append(s.labels[slot][a:b].clone())
+            if w < done_below:
+                self._release(w)
         x = acts[0] if len(acts) == 1 else torch.cat(acts)
         m = meta[0] if len(meta) == 1 else torch.cat(meta, dim=1)
         n = hi - lo
@@ -299,6 +311,7 @@ class DeviceRun:
         self.closed = True
         self.windows.close()
         self.sync.close()
+        self.loads = {}
 
     def __del__(self) -> None:
         with contextlib.suppress(Exception):

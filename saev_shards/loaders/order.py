@@ -26,6 +26,12 @@ class Order(Protocol):
         """``"shuffled"`` or ``"ordered"``: the name a loader is built with."""
         ...
 
+    @property
+    def sequential(self) -> bool:
+        """Whether blocks are read one after the other in each file (the default read threads
+        depend on it; an order without this attribute counts as not sequential)."""
+        ...
+
     def block_order(self, n_blocks: int, seed: int, epoch: int) -> npt.NDArray[np.int64]:
         """The blocks of the cache in the order epoch ``epoch`` reads them."""
         ...
@@ -44,6 +50,8 @@ class ShuffledWindows:
     """Blocks permuted over the whole cache per epoch; every unit of a window permuted."""
 
     name: str = "shuffled"
+    #: Blocks come in random order (`default_read_threads` keeps more requests in flight).
+    sequential: bool = False
 
     def block_order(self, n_blocks: int, seed: int, epoch: int) -> npt.NDArray[np.int64]:
         return np.random.default_rng([seed, epoch]).permutation(n_blocks).astype(np.int64)
@@ -60,6 +68,8 @@ class Sequential:
     """Strict ``(example, layer, token)`` order, the same every epoch; window sizes do not matter."""
 
     name: str = "ordered"
+    #: Blocks follow each other in each file: the kernel's readahead streams them.
+    sequential: bool = True
 
     def block_order(self, n_blocks: int, seed: int, epoch: int) -> npt.NDArray[np.int64]:
         return np.arange(n_blocks, dtype=np.int64)

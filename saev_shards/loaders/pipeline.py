@@ -5,17 +5,21 @@ GIL, and the consumer's thread (the training loop) does almost nothing:
 
 * **Reads.** A window's blocks are read by ``read_threads`` threads, a few blocks per task,
   into one of a few *slot* buffers (two, unless one batch spans more windows). The
-  window's index (its permutation and the batches' metadata) is computed beside them. From
-  a remote cache the whole window is announced first (`Shards.prefetch`), so its blocks are
-  fetched with many requests in flight while the read threads copy what has arrived.
+  window's index (its permutation and the batches' metadata) is computed beside them. A
+  window the page cache already holds, of a local cache, is not copied: the gathers read it
+  in place through one mapping of the whole cache (`mapped`), and its "read" only checks and
+  maps its pages. From a remote cache the whole window is announced first
+  (`Shards.prefetch`), so its blocks are fetched with many requests in flight while the
+  read threads copy what has arrived.
 * **Gathers.** A *chunk* (one batch, or several small ones: at least `CHUNK_BYTES`) is one
   task of the gather pool: one ``numpy.take`` per window it touches, straight into the
   output array, then its metadata sliced from the window's index. Chunks are gathered in
   parallel, so adding threads adds whole chunks in flight, never a finer split of one.
-* **Scheduling** is driven by completions: a finished chunk releases the windows no
-  unfinished chunk needs, starts the next loads into the freed slots and submits more
-  chunks (``gather_threads + prefetch`` batches not yet consumed, at most). The consumer
-  only pops finished chunks in order: a few microseconds of Python per batch.
+* **Scheduling** is driven by completions: once every gather has taken its rows of a window,
+  the window is released and the next loads start into the freed slots; more chunks are
+  submitted as windows load (``gather_threads + prefetch`` batches not yet consumed, at
+  most). The consumer only pops finished chunks in order: a few microseconds of Python per
+  batch.
 
 Before this design, one assembler thread cut every batch into ``gather_threads`` parts
 (at most 4 of 1,024 rows), waited for all of them, then built the batch's metadata and
@@ -38,11 +42,12 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
-from .. import dtypes
+from .. import float8
 from ..dtypes import float32_to_bf16
 from ..protocol.common import FLOAT8
 from ..reader import Shards
 from .batch import Batch
+from .mapped import CacheMap
 from .plan import Blocks, EpochPlan, WindowIndex, index_window
 from .selection import TokenSelection
 from .tensors import as_numpy, pinned_empty, to_tensor, torch_dtype
@@ -76,6 +81,9 @@ class Config:
         self.read_threads = read_threads
         self.prefetch = prefetch
         self.gather_threads = gather_threads
+        #: The cache mapped in place (`mapped.CacheMap`): windows are gathered from the page
+        #: cache, not from buffers. None: windows are read into buffers.
+        self.mapped: CacheMap | None = None
         md = shards.metadata
         self.tokens = md.tokens_per_ex
         self.d_model = md.d_model
@@ -115,6 +123,11 @@ class Schedule:
         #: windows one chunk spans, whichever is larger.
         span = int((self.w_last - self.w_first).max()) + 1 if len(self) else 1
         self.n_slots = max(2, span)
+        #: Chunks that gather from each window of the plan (a window is free once all have).
+        edges = np.zeros(len(plan.windows) + 1, dtype=np.int64)
+        np.add.at(edges, self.w_first, 1)
+        np.add.at(edges, self.w_last + 1, -1)
+        self.readers = np.cumsum(edges)  # and a 0 after the last window
 
     def __len__(self) -> int:
         return len(self.first_batch)
@@ -155,6 +168,8 @@ class WindowLoader:
         self.stop = stop
         self.ready_to_write = ready_to_write
         self.finish = finish
+        #: Whether each window loading or loaded is read in place (else into its slot's buffer).
+        self.in_place: dict[int, bool] = {}
         self.pool = ThreadPoolExecutor(max_workers=cfg.read_threads, thread_name_prefix="saev-loader-read")
 
     def slot(self, w: int) -> int:
@@ -166,54 +181,80 @@ class WindowLoader:
         window = self.plan.windows[w]
         slot = self.slot(w)
         rows = cfg.blocks.rows[window.blocks]
-        if cfg.shards.files.copies:  # a remote cache: start fetching the whole window's blocks now
+        # A remote cache starts fetching the whole window's blocks now, a float8_e4m3 one its scales.
+        if cfg.shards.files.copies or cfg.float8:
             for b in window.blocks.tolist():
                 cfg.shards.prefetch(int(cfg.blocks.start[b]), int(cfg.blocks.stop[b]))
         offsets = np.zeros(len(rows), dtype=np.int64)
         np.cumsum(rows[:-1], out=offsets[1:])
+        # Read in place when the page cache holds the window (its blocks' first pages say so),
+        # else into the slot's buffer: from disk, the copy into the buffer is the read itself.
+        mapped, blocks = cfg.mapped, cfg.blocks
+        position = None if blocks.whole else int(blocks.read_positions[0])
+        self.in_place[w] = mapped is not None and all(
+            mapped.probably_resident(int(blocks.start[b]), position) for b in window.blocks.tolist()
+        )
         # The index first: it needs no data, so it is ready by the time the reads are.
-        index = self.pool.submit(index_window, cfg.selection, cfg.blocks, window, self.window_rng(self.epoch, w))
+        index = self.pool.submit(self._index, w)
         parts: list[Future[Any]] = [index]
         # One task per read thread, each taking the next block in window order until none is
         # left: as balanced as a task per block (no thread idles while others read the last
         # blocks of a window), with a handful of futures per window instead of one per block.
         next_block = itertools.count()
         parts += [
-            self.pool.submit(self._read_blocks, slot, window.blocks, offsets, next_block)
+            self.pool.submit(self._read_blocks, slot, window.blocks, offsets, next_block, self.in_place[w])
             for _ in range(min(len(rows), cfg.read_threads))
         ]
-        done: Future[Any] = Future()
-        remaining = [len(parts)]
-        lock = threading.Lock()
+        load = _Countdown(functools.partial(self.finish, w, slot))
+        load.watch(parts)
+        return load.done
 
-        def part_done(_: Future[Any]) -> None:
-            with lock:
-                remaining[0] -= 1
-                if remaining[0]:
-                    return
-            try:
-                for part in parts:
-                    part.result()  # the first failure (or cancellation) is the window's
-                done.set_result(self.finish(w, slot, index.result()))
-            except BaseException as err:
-                done.set_exception(err)
+    def _index(self, w: int) -> WindowIndex:
+        """Window ``w``'s index; read in place, in the map's vectors, and for a cache larger than
+        memory the pages of the window whose slot this one takes unmapped."""
+        cfg = self.cfg
+        window, rng = self.plan.windows[w], self.window_rng(self.epoch, w)
+        before = w - len(self.buffers)  # the window whose slot this one takes: done with
+        if cfg.mapped is not None and cfg.mapped.bounded and self.in_place.pop(before, False):
+            for b in self.plan.windows[before].blocks.tolist():
+                cfg.mapped.unmap_pages(int(cfg.blocks.start[b]), int(cfg.blocks.stop[b]))
+        if not self.in_place[w]:
+            return index_window(cfg.selection, cfg.blocks, window, rng)
+        assert cfg.mapped is not None
+        return index_window(cfg.selection, cfg.blocks, window, rng, cfg.mapped.source)
 
-        for part in parts:
-            part.add_done_callback(part_done)
-        return done
+    def source(self, w: int) -> tuple[npt.NDArray[Any], npt.NDArray[np.float32] | None]:
+        """The arrays window ``w``'s index points into: the cache read in place, or its slot's
+        buffers (values, and a float8_e4m3 cache's scales)."""
+        if self.in_place[w]:
+            assert self.cfg.mapped is not None
+            return self.cfg.mapped.values, self.cfg.mapped.scales
+        slot = self.slot(w)
+        return self.buffers[slot], self.scale_buffers[slot] if self.scale_buffers else None
 
     def _read_blocks(
-        self, slot: int, ids: npt.NDArray[np.int64], offsets: npt.NDArray[np.int64], next_block: Iterator[int]
+        self,
+        slot: int,
+        ids: npt.NDArray[np.int64],
+        offsets: npt.NDArray[np.int64],
+        next_block: Iterator[int],
+        in_place: bool = False,
     ) -> None:
-        self.ready_to_write(slot)
+        if not in_place:
+            self.ready_to_write(slot)
         buffer = self.buffers[slot]
         scales = self.scale_buffers[slot] if self.scale_buffers else None
+        blocks = self.cfg.blocks
         for i in next_block:  # itertools.count: its next() is atomic, each block goes to one thread
             if i >= len(ids):
                 return
             if self.stop.is_set():
                 raise CancelledError
-            self._read_block(int(ids[i]), buffer, int(offsets[i]), scales)
+            if in_place:
+                assert self.cfg.mapped is not None
+                self.cfg.mapped.make_resident(int(blocks.start[ids[i]]), int(blocks.stop[ids[i]]), blocks, self.stop)
+            else:
+                self._read_block(int(ids[i]), buffer, int(offsets[i]), scales)
 
     def _read_block(
         self, block: int, buffer: npt.NDArray[Any], row_offset: int, scales: npt.NDArray[np.float32] | None
@@ -242,6 +283,52 @@ class WindowLoader:
     def close(self) -> None:
         self.stop.set()
         self.pool.shutdown(wait=True, cancel_futures=True)
+        # Nothing of this epoch outlives it: the caller's callbacks may refer back to its run.
+        self.buffers = ()
+        self.ready_to_write = self.finish = _closed
+
+
+def _closed(*_: Any) -> Any:
+    raise CancelledError
+
+
+class _Countdown:
+    """``done`` resolves to ``finish(result of the first part)`` once every part has finished
+    (or fails with the first part's failure).
+
+    The parts' callbacks refer to this object, so it lets go of the parts and of ``finish``
+    once it resolves: no reference cycle keeps a window's arrays alive until the garbage
+    collector runs (a run's window buffers and output arrays used to stay allocated until
+    then, so every new loader touched fresh memory: docs/loaders.md, "Read-ahead").
+    """
+
+    def __init__(self, finish: Callable[[Any], Any]) -> None:
+        self.done: Future[Any] = Future()
+        self.finish: Callable[[Any], Any] | None = finish
+        self.parts: list[Future[Any]] = []
+        self.remaining = 0
+        self.lock = threading.Lock()
+
+    def watch(self, parts: list[Future[Any]]) -> None:
+        self.parts = parts
+        self.remaining = len(parts)
+        for part in parts:
+            part.add_done_callback(self._part_done)
+
+    def _part_done(self, _: Future[Any]) -> None:
+        with self.lock:
+            self.remaining -= 1
+            if self.remaining:
+                return
+        parts, finish = self.parts, self.finish
+        self.parts, self.finish = [], None
+        assert finish is not None
+        try:
+            for part in parts:
+                part.result()  # the first failure (or cancellation) is the window's
+            self.done.set_result(finish(parts[0].result()))
+        except BaseException as err:
+            self.done.set_exception(err)
 
 
 # --------------------------------------------------------------------------------------
@@ -281,14 +368,9 @@ class Recycler:
             return arr
 
 
-def cast_into(
-    raw: npt.NDArray[Any], stored: str, out: str, dest: npt.NDArray[Any], scales: npt.NDArray[Any] | None = None
-) -> None:
-    """Write stored values ``raw`` into ``dest`` (the numpy view of an ``out`` tensor) as ``out``.
-
-    float8_e4m3 values are dequantized with the ``scales`` of their vectors (`float8.dequantize`,
-    numpy: a table lookup and a multiply per value; `DtypeRangeError` when float16 cannot
-    hold them).
+def cast_into(raw: npt.NDArray[Any], stored: str, out: str, dest: npt.NDArray[Any]) -> None:
+    """Write stored values ``raw`` into ``dest`` (the numpy view of an ``out`` tensor) as ``out``
+    (float16, bfloat16 or float32: float8_e4m3 is `float8.take_dequantize`'s).
 
     Widening bfloat16 is a shift in numpy (GIL released, this thread only). Widening float16
     goes through torch: its vectorised conversion is about 5x faster than numpy's on this
@@ -298,9 +380,6 @@ def cast_into(
     with torch's). Rounding matches torch's: nearest, ties to even, NaN to 0x7FC0 for
     bfloat16.
     """
-    if stored == FLOAT8:
-        dtypes.convert(raw, stored, out, scales, dest)
-        return
     if out == "float32":
         if stored == "bfloat16":
             np.left_shift(raw, np.uint32(16), out=dest.view(np.uint32), dtype=np.uint32)
@@ -359,11 +438,15 @@ class HostRun:
     def __iter__(self) -> Iterator[Batch]:
         return self._consume()
 
-    # The schedule is driven by completions, under one lock: when a chunk finishes, the
-    # windows no unfinished chunk needs are released, the next windows start loading into
-    # their slots, and more chunks are submitted (at most `depth` not yet consumed). A slot
-    # is thus refilled as soon as the gathers are done with it, not when the training loop
-    # has caught up, and the consumer only pops finished chunks.
+    # The schedule is driven by completions, under one lock: when a gather has taken its
+    # rows of a window, and it was the last one to need that window, the window is
+    # released and the next windows start loading into the freed slots; more chunks are
+    # submitted (at most `depth` not yet consumed) as windows load and the consumer pops.
+    # A slot is thus refilled as soon as the gathers are done with it, not when the
+    # training loop has caught up, nor when a chunk that also spans the next window has
+    # waited for that one to load: with two slots, that wait kept the window after next
+    # from loading until the next was read in full, so the reads stopped at every window
+    # boundary (the OrderedLoader's cold reads, docs/loaders.md "Read-ahead").
     def _consume(self) -> Iterator[Batch]:
         sched = self.schedule
         n_chunks = len(sched)
@@ -371,8 +454,7 @@ class HostRun:
             return
         self.loads: dict[int, Future[WindowIndex]] = {}
         self.futures: dict[int, Future[list[Batch]]] = {}
-        self.done = np.zeros(n_chunks, dtype=bool)
-        self.lowest_unfinished = 0
+        self.unread = sched.readers.copy()  # gathers yet to take their rows of each window
         self.next_load = int(sched.w_first[0])
         self.release_below = self.next_load  # windows before this are done with
         self.next_chunk = 0
@@ -410,18 +492,17 @@ class HostRun:
             future = self.gather_pool.submit(self._chunk, c, {w: self.loads[w] for w in wanted})
             self.futures[c] = future
             self.next_chunk += 1
-            future.add_done_callback(functools.partial(self._chunk_done, c))
 
-    def _chunk_done(self, c: int, _: Future[list[Batch]]) -> None:
-        sched = self.schedule
+    def _taken(self, w: int) -> None:
+        """A gather has taken its rows of window ``w``: release the windows no gather needs any more."""
         with self.lock:
-            self.done[c] = True
-            while self.lowest_unfinished < len(sched) and self.done[self.lowest_unfinished]:
-                self.lowest_unfinished += 1
-            low = self.lowest_unfinished
-            self.release_below = int(sched.w_first[low]) if low < len(sched) else int(sched.w_last[-1]) + 1
-            for w in [w for w in self.loads if w < self.release_below]:
-                del self.loads[w]
+            self.unread[w] -= 1
+            if self.unread[self.release_below]:
+                return
+            last_window = int(self.schedule.w_last[-1])
+            while self.release_below <= last_window and not self.unread[self.release_below]:
+                self.loads.pop(self.release_below, None)
+                self.release_below += 1
             self._pump()
 
     # -- one chunk, on a gather thread -------------------------------------------------
@@ -429,27 +510,28 @@ class HostRun:
         cfg, sched = self.cfg, self.schedule
         lo, hi = int(sched.lo[c]), int(sched.hi[c])
         n = hi - lo
-        converts = cfg.out_dtype != cfg.stored
+        # float8_e4m3 is gathered and dequantized into the output in one pass (float8.take_dequantize).
+        converts = cfg.out_dtype != cfg.stored and not cfg.float8
         acts, out = self._output(n, cfg.out_dtype)
         raw = self._scratch(n) if converts else out
-        scales = self._scratch(n, scales=True) if cfg.float8 else None
         pieces: list[tuple[WindowIndex, int, int]] = []
         filled = 0
         for w, a, b in self.plan.segments(lo, hi):
             index = loads[w].result()
             if self.stop.is_set():
                 raise CancelledError
-            slot = self.windows.slot(w)
-            # mode="clip": with the default "raise", numpy gathers into a temporary and copies.
-            np.take(self.windows.buffers[slot], index.flat[a:b], axis=0, out=raw[filled : filled + b - a], mode="clip")
-            if scales is not None:  # the scale of each vector, by the same index
-                np.take(
-                    self.windows.scale_buffers[slot], index.flat[a:b], out=scales[filled : filled + b - a], mode="clip"
-                )
+            values, window_scales = self.windows.source(w)
+            dest = raw[filled : filled + b - a]
+            if window_scales is not None:
+                float8.take_dequantize(values, window_scales, index.flat[a:b], dest, cfg.out_dtype)
+            else:
+                # mode="clip": with the default "raise", numpy gathers into a temporary and copies.
+                np.take(values, index.flat[a:b], axis=0, out=dest, mode="clip")
+            self._taken(w)
             pieces.append((index, a, b))
             filled += b - a
         if converts:
-            cast_into(raw, cfg.stored, cfg.out_dtype, out, scales)
+            cast_into(raw, cfg.stored, cfg.out_dtype, out)
         return self._batches(c, acts, pieces)
 
     def _batches(self, c: int, acts: Any, pieces: list[tuple[WindowIndex, int, int]]) -> list[Batch]:
@@ -498,18 +580,13 @@ class HostRun:
         arr = self.recycler.get(shape, np_dtype)
         return to_tensor(arr, dtype, dtype), arr
 
-    def _scratch(self, n: int, scales: bool = False) -> npt.NDArray[Any]:
-        """This thread's stored-dtype array for gathers that are cast afterwards (``scales``: its
-        float32 array of a scale per vector, a float8_e4m3 cache's)."""
+    def _scratch(self, n: int) -> npt.NDArray[Any]:
+        """This thread's stored-dtype array for gathers that are cast afterwards."""
         cfg = self.cfg
-        name = "scales" if scales else "arr"
-        arr: npt.NDArray[Any] | None = getattr(self.scratch, name, None)
+        arr: npt.NDArray[Any] | None = getattr(self.scratch, "arr", None)
         if arr is None or len(arr) < n:
-            if scales:
-                arr = np.empty((n, *cfg.row_shape[:-1]), dtype=np.float32)
-            else:
-                arr = np.empty((n, *cfg.row_shape), dtype=cfg.numpy_dtype)
-            setattr(self.scratch, name, arr)
+            arr = np.empty((n, *cfg.row_shape), dtype=cfg.numpy_dtype)
+            self.scratch.arr = arr
         return arr[:n]
 
     def _stopped(self) -> bool:
@@ -523,6 +600,9 @@ class HostRun:
         self.stop.set()
         self.gather_pool.shutdown(wait=True, cancel_futures=True)
         self.windows.close()
+        with self.lock:
+            self.loads, self.futures = {}, {}
+        self.recycler.arrays.clear()
 
     def __del__(self) -> None:
         with contextlib.suppress(Exception):

@@ -10,6 +10,7 @@ A *unit* is one row of a batch: a token vector ``(D,)``, or with stacked layers 
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 
 import numpy as np
 import numpy.typing as npt
@@ -191,17 +192,25 @@ class WindowIndex:
         return len(self.flat)
 
 
+#: Where the rows of a window's examples are in the array its gathers read: ``(first vector
+#: of each example, offset in vectors of each slot)``, given the window's examples (global
+#: indices) and its `Blocks`. None: the window's buffer, examples back to back.
+RowSource = Callable[[npt.NDArray[np.int64], Blocks], tuple[npt.NDArray[np.int64], npt.NDArray[np.int64]]]
+
+
 def index_window(
     selection: TokenSelection,
     blocks: Blocks,
     window: Window,
     rng: np.random.Generator | None,
+    source: RowSource | None = None,
 ) -> WindowIndex:
-    """Where each chosen unit of ``window`` lands in its buffer, permuted by ``rng`` (if any).
+    """Where each chosen unit of ``window`` is, permuted by ``rng`` (if any).
 
-    The buffer holds the window's blocks back to back, each example as ``rows_per_ex``
-    ``(T, D)`` slices. Before the permutation, units are listed by example, layer, token
-    (by example, token with stacked layers).
+    By default in the window's buffer: its blocks back to back, each example as
+    ``rows_per_ex`` ``(T, D)`` slices; ``source`` says where else the rows are (the cache
+    read in place: `mapped.CacheMap.source`). Before the permutation, units are listed by
+    example, layer, token (by example, token with stacked layers).
     """
     starts, stops = blocks.start[window.blocks], blocks.stop[window.blocks]
     sizes = stops - starts
@@ -218,11 +227,15 @@ def index_window(
     slots = blocks.slots.astype(np.int32)
     n_slots = 1 if blocks.stack_layers else len(slots)  # slots enumerated per unit
     if not selection.varies:
+        # Unit u (in example, layer, token order) is example u // per_ex, slot and token from
+        # the rest: computed from the permuted unit numbers, no gather of unit-sized arrays.
         chosen = selection.base_tokens.astype(np.int32)
         per_ex = n_slots * len(chosen)
-        ex_c = np.repeat(np.arange(n_ex, dtype=np.int32), per_ex)
-        slot_c = np.tile(np.repeat(slots[:n_slots], len(chosen)), n_ex)
-        tok_c = np.tile(chosen, n_ex * n_slots)
+        lo, hi = window.trim_lo, n_ex * per_ex - window.trim_hi
+        unit = np.arange(lo, hi, dtype=np.int64) if rng is None else rng.permutation(hi - lo) + lo
+        ex_c, rest = np.divmod(unit, per_ex)
+        s_c, t_c = np.divmod(rest, len(chosen))
+        slot_c, tok_c = slots[s_c], chosen[t_c]
     else:
         mask = selection.mask(examples, None if labels is None else labels[:, selection.cls :])
         counts = mask.sum(axis=1).astype(np.int64)
@@ -235,24 +248,29 @@ def index_window(
             np.arange(n_slots, dtype=np.int64)[:, None] * counts[ex_j][None, :]
         )
         position = position.ravel()
-        ex_c = np.empty(len(position), dtype=np.int32)
+        ex_c = np.empty(len(position), dtype=np.int64)
         tok_c = np.empty(len(position), dtype=np.int32)
         slot_c = np.empty(len(position), dtype=np.int32)
-        ex_c[position] = np.tile(ex_j.astype(np.int32), n_slots)
+        ex_c[position] = np.tile(ex_j, n_slots)
         tok_c[position] = np.tile(tok_j.astype(np.int32), n_slots)
         slot_c[position] = np.repeat(slots[:n_slots], len(ex_j))
-    if window.trim_lo or window.trim_hi:
-        keep = slice(window.trim_lo, len(ex_c) - window.trim_hi)
-        ex_c, slot_c, tok_c = ex_c[keep], slot_c[keep], tok_c[keep]
-    if rng is not None:
-        order = rng.permutation(len(ex_c))
-        ex_c, slot_c, tok_c = ex_c[order], slot_c[order], tok_c[order]
-    row = ex_c.astype(np.int64) * blocks.rows_per_ex
+        if window.trim_lo or window.trim_hi:
+            keep = slice(window.trim_lo, len(ex_c) - window.trim_hi)
+            ex_c, slot_c, tok_c = ex_c[keep], slot_c[keep], tok_c[keep]
+        if rng is not None:
+            order = rng.permutation(len(ex_c))
+            ex_c, slot_c, tok_c = ex_c[order], slot_c[order], tok_c[order]
+    if source is None:  # the window buffer
+        ex_vector = np.arange(n_ex, dtype=np.int64) * (blocks.rows_per_ex * tokens)
+        slot_vector = np.arange(blocks.rows_per_ex, dtype=np.int64) * tokens
+    else:
+        ex_vector, slot_vector = source(examples, blocks)
+    first = ex_vector[ex_c]
     if blocks.stack_layers:
-        flat = (row[:, None] + blocks.slots[None, :]) * tokens + tok_c[:, None]
+        flat = first[:, None] + slot_vector[blocks.slots][None, :] + tok_c[:, None]
         layer_col = None
     else:
-        flat = (row + slot_c) * tokens + tok_c
+        flat = first + slot_vector[slot_c] + tok_c
         layer_col = blocks.slot_layer[slot_c].astype(np.int32)
-    label_col = None if labels is None else labels.ravel()[ex_c.astype(np.int64) * tokens + tok_c]
+    label_col = None if labels is None else labels.ravel()[ex_c * tokens + tok_c]
     return WindowIndex(flat, examples[ex_c], tok_c, layer_col, label_col)

@@ -26,8 +26,10 @@ from .. import world
 from ..errors import LoaderError, Problems
 from ..protocol.jsonfile import is_int, short_repr, type_name
 from ..reader import Shards
+from . import mapped
 from .batch import Batch
 from .device import DeviceRun, Slots
+from .mapped import CacheMap
 from .order import Order, parse_order
 from .pipeline import Config, HostRun, Schedule
 from .plan import BLOCK_BYTES, Blocks, EpochPlan, index_window, plan_epoch
@@ -66,9 +68,18 @@ def default_gather_threads() -> int:
     return max(1, min(MAX_DEFAULT_THREADS, usable_cores()))
 
 
-def default_read_threads(device_side: bool = False) -> int:
+def default_read_threads(device_side: bool = False, sequential: bool = False) -> int:
     """Threads reading blocks: at least 4 requests in flight for a disk, half the cores when
-    they also gather on the host, every core when the device gathers (at most 16)."""
+    they also gather on the host, every core when the device gathers (at most 16).
+
+    ``sequential`` (the ordered walk, whose blocks follow each other in each file) on the
+    host: 2. The kernel's readahead keeps such a stream's next requests in flight by itself,
+    and more threads reading one file's consecutive blocks break the stream up: on the
+    development machine's disk 4 threads read a cold file at about half the rate of 1 or 2
+    (docs/loaders.md, "Read-ahead"). The device mode's read threads also copy every window,
+    so they stay one per core."""
+    if sequential and not device_side:
+        return 2
     cores = usable_cores()
     return max(4, min(MAX_DEFAULT_THREADS, cores if device_side else cores // 2))
 
@@ -100,8 +111,11 @@ class TokenLoader:
     exactly; `dropped` counts what they took.
 
     Iterating runs one epoch. Breaking out of the loop, `close`, or garbage collection stops
-    the background threads. Memory: two windows of about ``buffer_bytes`` each (on the
-    device as well with ``device``), plus ``gather_threads + prefetch`` batches in flight.
+    the background threads. Memory: on the host, windows the page cache holds are read in
+    place (a local cache on Linux is mapped once; `loaders.mapped`), and windows on disk are
+    read into two buffers of about ``buffer_bytes`` each, which take memory once written; with
+    ``device`` two windows on the device and in pinned memory; plus ``gather_threads +
+    prefetch`` batches in flight.
     """
 
     def __init__(
@@ -179,7 +193,11 @@ class TokenLoader:
             self.batch_size,
             self.out_dtype,
             self.pin_memory,
-            default_read_threads(device_side) if read_threads is None else int(read_threads),
+            (
+                default_read_threads(device_side, getattr(self.order, "sequential", False))
+                if read_threads is None
+                else int(read_threads)
+            ),
             int(prefetch),
             default_gather_threads() if gather_threads is None else int(gather_threads),
         )
@@ -196,6 +214,8 @@ class TokenLoader:
         self._runs: weakref.WeakSet[HostRun | DeviceRun] = weakref.WeakSet()
         self._spare: list[_WindowBuffer] = []
         self._slots: Slots | None = None
+        self._map: CacheMap | None = None
+        self._map_possible = mapped.available(self.shards)
         self._spare_lock = threading.Lock()
 
     # -- size and identity -------------------------------------------------------------
@@ -367,6 +387,9 @@ class TokenLoader:
             run = DeviceRun(cfg, plan, schedule, epoch, self._window_rng, slots)
             release = lambda: self._give_slots(slots)  # noqa: E731
         else:
+            # Windows in the page cache are read in place; the others into these buffers, which
+            # take memory only once written (numpy's pages are the kernel's until touched).
+            cfg.mapped = self._cache_map()
             buffers = self._take_buffers(schedule.n_slots, rows) if len(schedule) else []
             values, scales = [b for b, _ in buffers], [s for _, s in buffers if s is not None]
             run = HostRun(cfg, plan, schedule, epoch, self._window_rng, values, scales)
@@ -381,6 +404,18 @@ class TokenLoader:
         finally:
             run.close()
             release()
+
+    def _cache_map(self) -> CacheMap | None:
+        """The cache mapped in place for the host path (made once), or None where windows are
+        read into buffers: a remote cache, another system than Linux, or a map that could not
+        be made (`mapped`)."""
+        with self._spare_lock:
+            if self._map is None and self._map_possible:
+                try:
+                    self._map = CacheMap(self.shards, scales=self._config.float8)
+                except (OSError, AttributeError, ValueError):
+                    self._map_possible = False
+            return self._map
 
     def _buffer_rows(self) -> int:
         """``(T, D)`` slices one window buffer holds: a window and one more block."""
@@ -417,12 +452,14 @@ class TokenLoader:
             self._slots = slots
 
     def close(self) -> None:
-        """Stop every running iteration (threads joined) and free the window buffers."""
+        """Stop every running iteration (threads joined), free the window buffers and unmap the
+        cache read in place (iterating again starts over)."""
         for run in list(self._runs):
             run.close()
         with self._spare_lock:
             self._spare = []
             self._slots = None
+            self._map = self._config.mapped = None  # unmapped once no batch is being gathered from it
 
     def __del__(self) -> None:
         with contextlib.suppress(Exception):

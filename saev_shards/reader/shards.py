@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import warnings
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -171,19 +172,28 @@ class Shards(ReadPaths, Sidecars):
         return self.files.url or str(self.path)
 
     def prefetch(self, start: int, stop: int) -> None:
-        """Hint that examples ``[start, stop)`` are about to be read: a remote cache starts
-        fetching their blocks in the background (the loaders call it for each window); a
-        local one does nothing (the kernel's readahead does it)."""
-        prefetch = getattr(self.files, "prefetch", None)
-        if prefetch is None or stop <= start:
+        """Hint that examples ``[start, stop)`` are about to be read (the loaders call it for
+        each window): a remote cache starts fetching their blocks in the background; a local
+        float8_e4m3 cache has the kernel start reading their scales (POSIX_FADV_WILLNEED), as
+        its readahead does not foresee a loader's small scattered scale reads, which would
+        otherwise wait for the disk one after another; a local cache's values are left to the
+        kernel's readahead."""
+        remote = getattr(self.files, "prefetch", None)
+        scales = remote is None and self.metadata.dtype == FLOAT8 and hasattr(os, "posix_fadvise")
+        if (remote is None and not scales) or stop <= start:
             return
-        eps, example_nbytes = self.examples_per_shard, self.metadata.example_nbytes
+        md = self.metadata
+        eps, example_nbytes = self.examples_per_shard, md.example_nbytes
+        scale_nbytes = md.n_layers * md.tokens_per_ex * SCALES_DTYPE.itemsize
         e = max(0, start)
         stop = min(stop, self.n_examples)
         while e < stop:
             k, local = layout.shard_of(e, eps)
             count = min(stop, (k + 1) * eps) - e
-            prefetch(self.manifest.shards[k].name, local * example_nbytes, (local + count) * example_nbytes)
+            if remote is not None:
+                remote(self.manifest.shards[k].name, local * example_nbytes, (local + count) * example_nbytes)
+            else:
+                os.posix_fadvise(self._scale_fd(k), local * scale_nbytes, count * scale_nbytes, os.POSIX_FADV_WILLNEED)
             e += count
 
     def layer_index(self, layer: int) -> int:

@@ -89,7 +89,7 @@ def test_torch_and_ml_dtypes_give_the_same_bytes(x: np.ndarray[Any, Any]) -> Non
 
 @given(activations())
 def test_dequantize_is_the_float32_product_of_ml_dtypes_values(x: np.ndarray[Any, Any]) -> None:
-    """The pair tables and chunks of `dequantize` compute exactly RN32(float32(q) * s)."""
+    """`dequantize` (either engine, chunk by chunk) computes exactly RN32(float32(q) * s)."""
     q, s = float8.quantize(x)
     reference = q.astype(np.float32) * s[..., None]
     np.testing.assert_array_equal(float8.dequantize(q, s, "float32"), reference)

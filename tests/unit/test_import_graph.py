@@ -24,7 +24,7 @@ ENTRY = "<entry points>"
 #: within a layer the imports must not form a cycle. A new module or package gets a row here.
 LAYERS: tuple[tuple[str, ...], ...] = (
     ("errors",),
-    ("units", "layout", "optional", "world", "fileio", "progress", "_layers", "float8"),
+    ("units", "layout", "optional", "world", "fileio", "progress", "_layers", "float8", "float8_kernels"),
     ("protocol", "manifest", "metadata", "format", "dtypes", "_indexing", "statistics", "norms", "remote"),
     ("reader", "views", "writer", "report"),
     ("store",),

@@ -3,6 +3,7 @@ dequantized once per batch, the host and device paths giving the same batches.""
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 from typing import Any
 
@@ -11,6 +12,7 @@ import pytest
 import torch
 
 import saev_shards as ss
+from saev_shards import float8
 from saev_shards.loaders import ExampleDataset, LayerPairDataset, OrderedLoader, ShuffledLoader, TokenDataset, device
 
 from ...support.caches import small_metadata, write_cache
@@ -117,3 +119,53 @@ def test_datasets_dequantize(cache8: tuple[ss.Shards, Any]) -> None:
     assert pair["acts"].dtype == torch.bfloat16
     want = torch.from_numpy(logical[2][[md.layers.index(int(v)) for v in pair["layers"]]].astype(np.float32))
     assert torch.equal(pair["acts"], want.to(torch.bfloat16))
+
+
+@pytest.mark.parametrize("stack_layers", [False, True])
+def test_compiled_and_numpy_dequantizing_give_the_same_batches(
+    cache8: tuple[ss.Shards, Any], stack_layers: bool
+) -> None:
+    """The host path gathers and dequantizes a batch in one pass (numba's kernel, the `fast`
+    extra) or a gather and numpy's passes: the same batches, in every output dtype."""
+    pytest.importorskip("numba")
+    shards, _ = cache8
+    assert float8.kernels_in_use()
+    for out_dtype in (None, "float32", "bfloat16"):
+        kwargs: dict[str, Any] = dict(
+            batch_size=9, seed=3, buffer_bytes=500, block_bytes=100, stack_layers=stack_layers, out_dtype=out_dtype,
+            mix_layers=not stack_layers,
+        )  # fmt: skip
+        compiled = list(ShuffledLoader(shards, **kwargs))
+        with float8.numpy_only():
+            plain = list(ShuffledLoader(shards, **kwargs))
+        assert_same_batches(compiled, plain)
+
+
+def test_a_window_has_the_kernel_read_its_scales_ahead(
+    cache8: tuple[ss.Shards, Any], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A local float8_e4m3 cache's loader asks the kernel to read each window's scales at once
+    (POSIX_FADV_WILLNEED on the scale files): every example's scale bytes, each shard's own range."""
+    shards, _ = cache8
+    md = shards.metadata
+    hints: list[tuple[int, int, int]] = []
+    real = os.posix_fadvise
+
+    def spy(fd: int, offset: int, length: int, advice: int) -> None:
+        if advice == os.POSIX_FADV_WILLNEED:
+            hints.append((os.fstat(fd).st_ino, offset, length))
+        real(fd, offset, length, advice)
+
+    monkeypatch.setattr(os, "posix_fadvise", spy)
+    batches = list(ShuffledLoader(shards, batch_size=8, tokens="all", skip_padding=False, mix_layers=True))
+    assert sum(len(b) for b in batches) == md.n_examples * md.n_layers * md.tokens_per_ex
+    per_example = md.n_layers * md.tokens_per_ex * 4
+    covered: dict[int, set[int]] = {}
+    for inode, offset, length in hints:
+        assert offset % per_example == 0 and length % per_example == 0
+        covered.setdefault(inode, set()).update(range(offset // per_example, (offset + length) // per_example))
+    inodes = {os.stat(shards.scale_path(k)).st_ino: k for k in range(shards.n_shards)}
+    assert set(covered) == set(inodes)
+    for inode, k in inodes.items():
+        first = k * shards.examples_per_shard
+        assert covered[inode] == set(range(min(shards.examples_per_shard, md.n_examples - first)))

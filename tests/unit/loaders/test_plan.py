@@ -5,6 +5,7 @@ from __future__ import annotations
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 from hypothesis import given
@@ -79,6 +80,7 @@ class Block:
 sys.meta_path.insert(0, Block())
 sys.path.insert(0, {str(REPO)!r})
 from pathlib import Path
+from typing import Any
 import saev_shards as ss, saev_shards.loaders, saev_shards.datasets
 from saev_shards.loaders.plan import Blocks, plan_epoch, index_window
 from saev_shards.loaders.selection import TokenSelection
@@ -97,3 +99,70 @@ print("ok", n)
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=False, cwd=REPO)
     assert result.returncode == 0, result.stderr
     assert result.stdout.startswith("ok")
+
+
+def reference_index(
+    selection: TokenSelection, blocks: Blocks, window: Any, rng: np.random.Generator | None
+) -> tuple[np.ndarray[Any, Any], ...]:
+    """`index_window` written plainly: every unit listed in (example, layer, token) order, trimmed,
+    permuted by gathering each column, then placed in the window buffer."""
+    starts, stops = blocks.start[window.blocks], blocks.stop[window.blocks]
+    sizes = stops - starts
+    examples = np.concatenate([np.arange(a, b) for a, b in zip(starts, stops, strict=True)])
+    n_slots = 1 if blocks.stack_layers else len(blocks.slots)
+    mask = selection.mask(examples, None)
+    units = [
+        (i, s, t)
+        for i in range(int(sizes.sum()))
+        for s in blocks.slots[:n_slots].tolist()
+        for t in np.flatnonzero(mask[i]).tolist()
+    ]
+    units = units[window.trim_lo : len(units) - window.trim_hi]
+    if rng is not None:
+        units = [units[j] for j in rng.permutation(len(units))]
+    ex = np.array([u[0] for u in units], dtype=np.int64)
+    slot = np.array([u[1] for u in units], dtype=np.int64)
+    tok = np.array([u[2] for u in units], dtype=np.int64)
+    T = selection.tokens_per_ex
+    if blocks.stack_layers:
+        flat = (ex[:, None] * blocks.rows_per_ex + blocks.slots[None, :]) * T + tok[:, None]
+    else:
+        flat = (ex * blocks.rows_per_ex + slot) * T + tok
+    return flat, examples[ex], tok, blocks.slot_layer[slot]
+
+
+@given(
+    strategies.metadata(max_examples=20, min_examples=1),
+    st.integers(1, 3),
+    st.sampled_from([1, 40, 1 << 20]),
+    st.booleans(),
+    st.sampled_from(["content", "all", "cls"]),
+    st.booleans(),
+    st.booleans(),
+)
+def test_index_window_matches_a_plain_listing(
+    md: ss.Metadata, world_size: int, window_rows: int, stack: bool, tokens: str, one_layer: bool, shuffled: bool
+) -> None:
+    """The window index (computed from unit numbers, no gathers of unit-sized columns) is the
+    plain listing's: the same units in the same order, so batches and resumed states stay the
+    same as before it was rewritten."""
+    if tokens == "cls" and not md.cls_token:
+        tokens = "all"
+    with cache(md) as (shards, _):
+        layers = md.layers[-1] if one_layer else None
+        selection = TokenSelection(shards, layers=layers, tokens=tokens)
+        blocks = Blocks(shards, selection, 64, stack_layers=stack)
+        order = ShuffledWindows().block_order(len(blocks), 5, 0)
+        for rank in range(world_size):
+            plan = plan_epoch(blocks, order, rank, world_size, window_rows, 3, drop_last=False)
+            for w in plan.windows:
+                seed = [rank, w.index]
+                index = index_window(selection, blocks, w, np.random.default_rng(seed) if shuffled else None)
+                flat, examples, toks, layers_col = reference_index(
+                    selection, blocks, w, np.random.default_rng(seed) if shuffled else None
+                )
+                np.testing.assert_array_equal(index.flat, flat)
+                np.testing.assert_array_equal(index.examples, examples)
+                np.testing.assert_array_equal(index.tokens, toks)
+                if not stack:
+                    np.testing.assert_array_equal(index.layers, layers_col)
