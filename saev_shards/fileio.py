@@ -2,8 +2,9 @@
 
 Durable small files (`write_file_atomic`, `fsync_dir`), streaming copies and digests in
 large sequential chunks (`stream`, `hash_file`), exact positional reads and writes
-(`pread_exact`, `pwrite_all`), opening a file only if it is a regular one
-(`open_regular`), advisory locks (`try_flock`, `take_lock`, `hold_folder`), publishing a
+(`pread_exact`, `pwrite_all`), writes that bypass the page cache where the filesystem
+allows it (`open_direct`, `pwrite_direct`, `aligned_buffer`), opening a file only if it is a
+regular one (`open_regular`), advisory locks (`try_flock`, `take_lock`, `hold_folder`), publishing a
 finished directory under its final name after checking exactly what it holds
 (`publish_dir`), disk-full errors that name the file (`naming_disk_full`,
 `check_free_space`) and the named points where tests stop or pause a process
@@ -17,6 +18,7 @@ import contextlib
 import errno
 import fcntl
 import io
+import mmap
 import os
 import shutil
 import stat
@@ -246,6 +248,62 @@ def pwrite_all(fd: int, view: memoryview, offset: int) -> None:
         n = os.pwrite(fd, view, offset)
         view = view[n:]
         offset += n
+
+
+#: The alignment O_DIRECT needs (offsets, lengths and memory): the largest logical block size
+#: of the disks in use.
+DIRECT_ALIGN = 4096
+
+
+#: Buffers at least this large are backed by transparent huge pages where the system allows it.
+HUGE_PAGE = 2 << 20
+
+
+def aligned_buffer(nbytes: int) -> mmap.mmap:
+    """Page-aligned anonymous memory (what O_DIRECT writes need), at least one page; private
+    to the process (shared anonymous memory, mmap's default, costs more to fault in), and in
+    transparent huge pages from `HUGE_PAGE` bytes on where the system allows it: fresh memory
+    is faulted in per page, and a 16 MiB buffer faults in several times faster in 2 MiB pages
+    than in 4 KiB ones (scripts/bench_remote.py, the remote_bounds table)."""
+    buffer = mmap.mmap(-1, max(nbytes, DIRECT_ALIGN), flags=mmap.MAP_PRIVATE)
+    if nbytes >= HUGE_PAGE:
+        with contextlib.suppress(AttributeError, OSError):  # no THP: 4 KiB pages, as before
+            buffer.madvise(mmap.MADV_HUGEPAGE)
+    return buffer
+
+
+def open_direct(path: Path) -> int | None:
+    """``path`` opened for writing with O_DIRECT (the disk's rate, no page-cache copy or
+    pollution); None where the system or filesystem refuses it (tmpfs, some network
+    filesystems, systems without O_DIRECT)."""
+    flag = getattr(os, "O_DIRECT", 0)
+    if not flag:
+        return None
+    try:
+        return os.open(path, os.O_WRONLY | os.O_CLOEXEC | flag)
+    except OSError:
+        return None
+
+
+def pwrite_direct(direct_fd: int | None, fd: int, view: memoryview, offset: int) -> bool:
+    """Write ``view`` at ``offset`` (a multiple of `DIRECT_ALIGN`): its whole aligned blocks
+    through ``direct_fd`` (O_DIRECT, from page-aligned memory), the rest through ``fd`` (the
+    same file, buffered). Where O_DIRECT refuses the request (EINVAL: memory or a filesystem
+    it does not suit), or without ``direct_fd``, everything goes through ``fd``. Returns
+    whether the aligned part went through O_DIRECT."""
+    aligned = view.nbytes - view.nbytes % DIRECT_ALIGN
+    direct = direct_fd is not None and aligned > 0 and offset % DIRECT_ALIGN == 0
+    if direct:
+        assert direct_fd is not None
+        try:
+            pwrite_all(direct_fd, view[:aligned], offset)
+        except OSError as err:
+            if err.errno != errno.EINVAL:
+                raise
+            direct = False
+    done = aligned if direct else 0
+    pwrite_all(fd, view[done:], offset + done)
+    return direct
 
 
 def pread_exact(

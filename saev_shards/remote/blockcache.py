@@ -39,7 +39,7 @@ from typing import Any
 
 import xxhash
 
-from ..fileio import DISK_FULL_ERRNOS, free_bytes, take_lock
+from ..fileio import DIRECT_ALIGN, DISK_FULL_ERRNOS, free_bytes, open_direct, pwrite_direct, take_lock
 
 CACHE_ENV = "SAEV_SHARDS_BLOCK_CACHE"
 LIMIT_ENV = "SAEV_SHARDS_BLOCK_CACHE_BYTES"
@@ -78,6 +78,8 @@ def digest_of(fd: int, nbytes: int) -> str:
     if nbytes == 0:
         return xxhash.xxh3_128_hexdigest(b"")
     with mmap.mmap(fd, nbytes, access=mmap.ACCESS_READ) as view:
+        with contextlib.suppress(AttributeError, OSError):  # read ahead: entries are written past the page cache
+            view.madvise(mmap.MADV_WILLNEED)
         return xxhash.xxh3_128_hexdigest(view)
 
 
@@ -152,14 +154,13 @@ class BlockCache:
     def insert(self, key: str, data: Any) -> int | None:
         """Store ``data`` (verified bytes) as entry ``key``; a descriptor of it, or None when the
         disk is full even after a trim (the caller serves ``data`` from memory)."""
+        view = memoryview(data).cast("B")
         for attempt in range(2):
             tmp = self.tmp_path(key)
             try:
-                fd = os.open(tmp, os.O_RDWR | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o444)
+                fd = os.open(tmp, os.O_RDWR | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600)
                 try:
-                    view = memoryview(data).cast("B")
-                    while view.nbytes:
-                        view = view[os.write(fd, view) :]
+                    _write_entry(tmp, fd, view)
                 except BaseException:
                     os.close(fd)
                     raise
@@ -173,7 +174,7 @@ class BlockCache:
                     continue
                 self._warn_full(err)
                 return None
-            return self._commit(tmp, key, fd, memoryview(data).nbytes)
+            return self._commit(tmp, key, fd, view.nbytes)
         return None
 
     def commit_file(self, tmp: Path, key: str) -> int:
@@ -264,6 +265,20 @@ class BlockCache:
             return removed
         finally:
             os.close(lock)
+
+
+def _write_entry(tmp: Path, fd: int, view: memoryview) -> None:
+    """Write a new entry's bytes into ``tmp`` (open as ``fd``) and make it read-only: whole
+    4 KiB blocks with O_DIRECT where the filesystem allows it and ``view`` is page-aligned (the
+    pooled buffers of `files` are), so that storing a block costs no copy into the page cache
+    and never pushes out what the node's readers have cached; the rest buffered."""
+    direct = open_direct(tmp) if view.nbytes >= DIRECT_ALIGN else None
+    try:
+        pwrite_direct(direct, fd, view, 0)
+    finally:
+        if direct is not None:
+            os.close(direct)
+    os.fchmod(fd, 0o444)
 
 
 def _scan(folder: Path) -> list[os.DirEntry[str]]:

@@ -46,6 +46,11 @@ MAX_BACKOFF = datetime.timedelta(seconds=10)
 RETRY_TIMEOUT = datetime.timedelta(minutes=2)
 #: Size of one uploaded part (and of one piece of a whole-file download).
 PART_BYTES = 16 << 20
+#: Pieces of a ranged read copied into the caller's buffer (`Client.read_into`): small enough
+#: that obstore's pieces come from memory its allocator hands out again at once (a 16 MiB
+#: response buffer of its own is fresh memory, and first touches cost more than the copy),
+#: large enough that the Python loop over them costs nothing measurable.
+READ_PIECE = 256 << 10
 
 T = TypeVar("T")
 
@@ -146,11 +151,16 @@ class Client:
             return err
         return remote_error(err, self, what, name)
 
-    def stream(self, name: str, start: int = 0, chunk: int = PART_BYTES) -> Iterator[Any]:
-        """The bytes of ``name`` from ``start`` on, in pieces of about ``chunk`` bytes, in order
-        (one request; an error while the body comes is raised as ours, as the request's)."""
+    def stream(self, name: str, start: int = 0, chunk: int = PART_BYTES, end: int | None = None) -> Iterator[Any]:
+        """The bytes of ``name`` from ``start`` on (to ``end``, else to its end), in pieces of
+        about ``chunk`` bytes, in order (one request; an error while the body comes is raised
+        as ours, as the request's)."""
         ob = _obstore()
-        options: Any = {"range": {"offset": start}} if start else None
+        options: Any = None
+        if end is not None:
+            options = {"range": (start, end)}
+        elif start:
+            options = {"range": {"offset": start}}
         result = self.call("read", name, ob.get, options=options)
         pieces = iter(result.stream(min_chunk_size=chunk))
         while True:
@@ -166,6 +176,21 @@ class Client:
         """Bytes ``[start, end)`` of ``name`` (a buffer; not checked: `files` checks them)."""
         ob = _obstore()
         return self.call("read", name, ob.get_range, start=start, end=end)
+
+    def read_into(self, name: str, start: int, view: memoryview) -> int:
+        """Bytes ``[start, start + len(view))`` of ``name`` copied into ``view`` as they arrive
+        (not checked: `files` checks them). Returns how many bytes the server sent: fewer than
+        asked for when its body was short; one more than asked for, with ``view`` full, when it
+        sent more (the rest is not read)."""
+        got = 0
+        for piece in self.stream(name, start, READ_PIECE, start + view.nbytes):
+            data = memoryview(piece)
+            if got + data.nbytes > view.nbytes:
+                view[got:] = data[: view.nbytes - got]
+                return view.nbytes + 1
+            view[got : got + data.nbytes] = data
+            got += data.nbytes
+        return got
 
     def get_bytes(self, name: str, max_bytes: int) -> bytes:
         """The whole of ``name`` when it is at most ``max_bytes`` long (`JSONFileError` otherwise,

@@ -8,10 +8,16 @@ loaders, the shuffle) works on both.
 A read is served in *units*: the blocks of blocks.json (protocol 3.1: each with its own
 xxh3_128 digest), or, for a cache without blocks.json, the whole file (its digest is the
 only one the manifest has). A unit is taken from the block cache (`blockcache`, checked on
-open) or fetched with a ranged request, its length and digest compared with the manifest,
-stored in the block cache, and only then copied out: no byte reaches the caller unchecked.
-A unit that arrives short or damaged is fetched again (`VERIFY_ATTEMPTS` in all, with
-backoff); one that never matches raises `ChecksumMismatchError` naming the block.
+open) or fetched with a ranged request into a buffer of this process's pool, its length and
+digest compared with the manifest, and only then copied out: no byte reaches the caller
+unchecked. A unit that arrives short or damaged is fetched again (`VERIFY_ATTEMPTS` in
+all, with backoff); one that never matches raises `ChecksumMismatchError` naming the block.
+
+The block cache is best effort: a verified block is served from memory at once and queued
+for one writer thread, which stores it (O_DIRECT where the disk allows it) while the reads
+go on; when `MAX_PENDING_WRITES` bytes already wait, the block is not stored (counted in
+`RemoteFiles.skipped`): the disk never slows the reads, and a later read of that block
+fetches it again and stores it then.
 
 Requests in flight: a read needing several units fetches them in parallel, and `prefetch`
 (called by the loaders for every window they are about to read) starts the fetches of
@@ -23,6 +29,7 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import mmap
 import os
 import threading
 import time
@@ -48,7 +55,7 @@ from ..errors import (
     RemoteError,
     RemoteRegionError,
 )
-from ..fileio import DISK_FULL_ERRNOS, BlockHasher, open_regular, write_file_atomic
+from ..fileio import DISK_FULL_ERRNOS, BlockHasher, aligned_buffer, open_regular, write_file_atomic
 from ..protocol.jsonfile import strict_json_loads
 from .blockcache import BlockCache, root_id
 from .client import Client, requests_in_flight
@@ -62,9 +69,9 @@ VERIFY_BACKOFF = 0.2
 #: fetched, until the reads holding them are done; units the block cache could not store).
 MAX_OPEN = 256
 MAX_MEMORY = 512 << 20
-#: Bytes of fetched units waiting to be written to the block cache by the background writer;
-#: beyond it a fetch writes its unit itself (the disk sets the pace).
-MAX_PENDING_WRITES = 512 << 20
+#: Bytes of fetched blocks waiting to be written to the block cache by the background writer;
+#: a block fetched while this many wait is not stored (best effort: see the module docstring).
+MAX_PENDING_WRITES = 256 << 20
 #: Bytes per piece when a whole file is streamed (verify, whole-file units).
 STREAM_CHUNK = 8 << 20
 
@@ -87,13 +94,18 @@ class Unit:
 
 
 class _Entry:
-    """A unit this process holds: a descriptor of its block cache entry, or its bytes."""
+    """A unit this process holds: its bytes (with the pool they go back to once no read holds
+    them and no write waits for them), a descriptor of its block cache entry, or both (a
+    block this process fetched and then stored: read from memory until its memory is let go
+    of, then through the descriptor, never checked again since this process wrote it)."""
 
-    __slots__ = ("closed", "data", "fd", "users")
+    __slots__ = ("buffer", "closed", "data", "fd", "pool", "users")
 
-    def __init__(self, fd: int | None, data: Any = None) -> None:
+    def __init__(self, fd: int | None, data: Any = None, pool: _Pool | None = None, buffer: Any = None) -> None:
         self.fd = fd
         self.data = data
+        self.pool = pool
+        self.buffer = buffer
         self.users = 0
         self.closed = False
 
@@ -106,7 +118,49 @@ class _Entry:
         if self.fd is not None:
             os.close(self.fd)
             self.fd = None
+        self.drop_memory()
+
+    def drop_memory(self) -> None:
         self.data = None
+        if self.pool is not None:
+            self.pool.give(self.buffer)
+            self.pool = self.buffer = None
+
+
+class _Pool:
+    """Page-aligned buffers of one size that fetched blocks land in, handed out again as soon
+    as their block is let go of: touching fresh memory costs more than the copy into it (page
+    faults, pages zeroed), and aligned memory is what O_DIRECT writes need."""
+
+    def __init__(self, nbytes: int, keep: int) -> None:
+        self.nbytes = nbytes
+        self.keep = keep
+        self._free: list[mmap.mmap] = []
+        self._lock = threading.Lock()
+
+    def take(self) -> mmap.mmap:
+        with self._lock:
+            if self._free:
+                return self._free.pop()
+        return aligned_buffer(self.nbytes)
+
+    def give(self, buffer: mmap.mmap) -> None:
+        with self._lock:
+            if len(self._free) < self.keep:
+                self._free.append(buffer)
+                return
+        _unmap(buffer)
+
+    def clear(self) -> None:
+        with self._lock:
+            free, self._free = self._free, []
+        for buffer in free:
+            _unmap(buffer)
+
+
+def _unmap(buffer: mmap.mmap) -> None:
+    with contextlib.suppress(BufferError):  # a view of it still alive: the collector frees it
+        buffer.close()
 
 
 def fetch_json(client: Client, folder: Path, name: str, max_bytes: int) -> bool:
@@ -189,10 +243,14 @@ class RemoteFiles:
         self._lock = threading.Lock()
         self._pool: ThreadPoolExecutor | None = None
         self._writer: ThreadPoolExecutor | None = None
-        self._writing: dict[str, Future[None]] = {}
         self._writing_bytes = 0
+        self._buffers: _Pool | None = None
         #: Units fetched again because what came did not match (for reports and tests).
         self.refetched = 0
+        #: Blocks fetched and verified but not stored in the block cache, and their bytes:
+        #: `MAX_PENDING_WRITES` bytes were waiting for the disk (the cache is best effort).
+        self.skipped = 0
+        self.skipped_bytes = 0
 
     def __getstate__(self) -> dict[str, Any]:
         keep = ("url", "client", "cache", "files", "block_size", "block_digests")
@@ -249,17 +307,24 @@ class RemoteFiles:
         if self._pid != os.getpid():
             self._reset()
             return
-        with self._lock:
-            held, self._held = list(self._held.values()), collections.OrderedDict()
-        for entry in held:
-            if entry.users == 0:
-                entry.close()
-            else:
-                entry.closed = True
+        self.let_go()
         if self._pool is not None:
             self._pool.shutdown(wait=False, cancel_futures=True)
             self._pool = None
         self.flush()
+        if self._buffers is not None:
+            self._buffers.clear()
+
+    def let_go(self) -> None:
+        """Let go of every unit this process holds (the next reads take them from the block
+        cache or fetch them again), keeping the threads and buffers for those reads."""
+        with self._lock:
+            held, self._held = list(self._held.values()), collections.OrderedDict()
+            for entry in held:
+                if entry.users == 0:
+                    entry.close()
+                else:
+                    entry.closed = True  # closed by the last `_release`
 
     def flush(self) -> None:
         """Wait until every unit fetched so far is written to the block cache."""
@@ -385,7 +450,8 @@ class RemoteFiles:
                 entry.close()
 
     def _shrink(self) -> None:
-        """Let go of the least recently used units no read holds (lock held)."""
+        """Let go of the least recently used units no read holds (lock held): of the memory of
+        one also held by a descriptor, and of the others entirely."""
         memory = sum(e.nbytes_in_memory for e in self._held.values())
         for key in list(self._held):
             if len(self._held) <= MAX_OPEN and memory <= MAX_MEMORY:
@@ -393,15 +459,14 @@ class RemoteFiles:
             entry = self._held[key]
             if entry.users:
                 continue
-            del self._held[key]
             memory -= entry.nbytes_in_memory
+            if entry.fd is not None and len(self._held) <= MAX_OPEN:
+                entry.drop_memory()
+                continue
+            del self._held[key]
             entry.close()
 
     def _load(self, unit: Unit) -> _Entry:
-        with self._lock:
-            writing = self._writing.get(unit.key)
-        if writing is not None:  # fetched a moment ago and let go of: on its way to the block cache
-            writing.result()
         fd = self.cache.open(unit.key, unit.nbytes, unit.digest)
         if fd is not None:
             return _Entry(fd)
@@ -429,38 +494,64 @@ class RemoteFiles:
             f"`saev-shards verify {self.url}`)"
         )
 
-    def _fetch_block(self, unit: Unit) -> _Entry | str:
-        data = self.client.get_range(unit.name, unit.start, unit.start + unit.nbytes)
-        checked = self._checked(unit, data)
-        if isinstance(checked, str) or self._write_later(unit.key, data):
-            return checked  # served from memory while the background writer stores it
-        fd = self.cache.insert(unit.key, data)
-        return _Entry(fd) if fd is not None else checked
-
-    def _write_later(self, key: str, data: Any) -> bool:
-        """Queue verified ``data`` for the block cache on the writer thread, so a read never
-        waits for the disk; False (the caller writes it) when `MAX_PENDING_WRITES` are queued."""
-        nbytes = memoryview(data).nbytes
+    def _buffer_pool(self) -> _Pool:
         with self._lock:
-            if self._writing_bytes + nbytes > MAX_PENDING_WRITES or key in self._writing:
-                return False
+            if self._buffers is None:
+                assert self.block_size is not None  # blocks are units only with a block size
+                # Enough for what a process may hold: units in memory, writes waiting, fetches.
+                keep = (MAX_MEMORY + MAX_PENDING_WRITES) // self.block_size + requests_in_flight()
+                self._buffers = _Pool(self.block_size, keep)
+            return self._buffers
+
+    def _fetch_block(self, unit: Unit) -> _Entry | str:
+        """Fetch a block into a buffer of the pool; served from there once its length and digest
+        match, and queued for the block cache (`_store_later`)."""
+        pool = self._buffer_pool()
+        buffer = pool.take()
+        try:
+            view = memoryview(buffer)[: unit.nbytes]
+            got = self.client.read_into(unit.name, unit.start, view)
+            found = xxhash.xxh3_128_hexdigest(view) if got == unit.nbytes else ""
+        except BaseException:
+            pool.give(buffer)
+            raise
+        if found != unit.digest:
+            pool.give(buffer)
+            return _mismatch(unit, got, found)
+        entry = _Entry(None, view, pool, buffer)
+        self._store_later(unit.key, entry)
+        return entry
+
+    def _store_later(self, key: str, entry: _Entry) -> None:
+        """Queue a verified block for the writer thread, so that a read never waits for the
+        disk; skip it (counted in `skipped`) when `MAX_PENDING_WRITES` bytes already wait."""
+        nbytes = entry.nbytes_in_memory
+        with self._lock:
+            if self._writing_bytes + nbytes > MAX_PENDING_WRITES:
+                self.skipped += 1
+                self.skipped_bytes += nbytes
+                return
             if self._writer is None:
                 self._writer = ThreadPoolExecutor(1, thread_name_prefix="saev-remote-cache")
             self._writing_bytes += nbytes
-            self._writing[key] = self._writer.submit(self._write_entry, key, data, nbytes)
-        return True
+            entry.users += 1  # its bytes stay until written
+            self._writer.submit(self._write_entry, key, entry, nbytes)
 
-    def _write_entry(self, key: str, data: Any, nbytes: int) -> None:
+    def _write_entry(self, key: str, entry: _Entry, nbytes: int) -> None:
         try:
-            fd = self.cache.insert(key, data)
+            fd = self.cache.insert(key, entry.data)
             if fd is not None:
-                os.close(fd)
+                with self._lock:  # kept: read through it once the entry's memory is let go of
+                    if entry.closed or entry.fd is not None:
+                        os.close(fd)
+                    else:
+                        entry.fd = fd
         except OSError as err:  # the block cache is an optimisation: say so once, keep reading
             self.cache.warn_unwritable(err)
         finally:
             with self._lock:
                 self._writing_bytes -= nbytes
-                self._writing.pop(key, None)
+            self._release(entry)
 
     def _fetch_file(self, unit: Unit) -> _Entry | str:
         """A whole file, streamed into the block cache's temporary folder while hashed."""
@@ -516,9 +607,10 @@ def _mismatch(unit: Unit, got: int, found: str) -> str:
 
 def _copy(entry: _Entry, dest: memoryview, offset: int) -> None:
     """Copy ``dest.nbytes`` bytes of ``entry`` from ``offset`` into ``dest``."""
-    if entry.fd is None:
+    if entry.data is not None:
         dest[:] = memoryview(entry.data).cast("B")[offset : offset + dest.nbytes]
         return
+    assert entry.fd is not None
     while dest.nbytes:
         n = os.preadv(entry.fd, [dest], offset)
         if n == 0:

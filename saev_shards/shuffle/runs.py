@@ -19,9 +19,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import errno
 import math
-import mmap
 import os
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -31,14 +29,19 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
-from ..fileio import naming_disk_full, pwrite_all, write_file_atomic
+from ..fileio import (
+    DIRECT_ALIGN,
+    naming_disk_full,
+    open_direct,
+    pwrite_direct,
+    write_file_atomic,
+)
 from ..format import strict_json_loads
 
 #: Every field region of a piece starts at a multiple of this (aligned numpy views).
 REGION_ALIGN = 64
 #: Bytes per O_DIRECT write request of a run file (a multiple of the 4 KiB alignment).
 DIRECT_WRITE = 16 << 20
-DIRECT_ALIGN = 4096
 #: O_DIRECT requests in flight per run file (the writer's own setting).
 DIRECT_IN_FLIGHT = 2
 PLAN_FILE = "plan.json"
@@ -161,15 +164,11 @@ def write_record(work: Path, record: RunRecord, durable: bool) -> None:
     )
 
 
-def aligned_buffer(nbytes: int) -> mmap.mmap:
-    """Page-aligned anonymous memory (what O_DIRECT writes need), at least one page."""
-    return mmap.mmap(-1, max(nbytes, DIRECT_ALIGN))
-
-
 def write_run(path: Path, data: memoryview, durable: bool) -> None:
     """Write ``data`` (page-aligned) to ``path``: whole 4 KiB blocks with O_DIRECT where the
     filesystem allows it (the disk's sequential rate, no page-cache pollution), `DIRECT_IN_FLIGHT`
-    requests at a time, the tail through the page cache; fsync when ``durable``.
+    requests at a time (`fileio.pwrite_direct`: a request O_DIRECT refuses, and the tail, go
+    through the page cache); fsync when ``durable``.
 
     A full disk raises `DiskFullError` naming ``path``; on any error the unfinished run
     file is removed (it has no record, so it would only hold space)."""
@@ -191,40 +190,14 @@ RUN_DISK_FULL_NOTE = (
 
 def _write_run(path: Path, data: memoryview, durable: bool) -> None:
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    direct_fd = open_direct(path) if data.nbytes >= DIRECT_ALIGN else None
     try:
-        aligned = data.nbytes - data.nbytes % DIRECT_ALIGN
-        direct_fd = _open_direct(path) if aligned else None
-        done = 0
-        if direct_fd is not None:
-            try:
-                offsets = range(0, aligned, DIRECT_WRITE)
-                with ThreadPoolExecutor(DIRECT_IN_FLIGHT, "saev-shuffle-run") as pool:
-                    written = list(pool.map(lambda off: _write_direct(direct_fd, data, off, aligned), offsets))
-                done = aligned if all(written) else 0  # a refused request: everything again, buffered
-            finally:
-                os.close(direct_fd)
-        pwrite_all(fd, data[done:], done)
+        offsets = range(0, data.nbytes, DIRECT_WRITE)
+        with ThreadPoolExecutor(DIRECT_IN_FLIGHT, "saev-shuffle-run") as pool:
+            list(pool.map(lambda off: pwrite_direct(direct_fd, fd, data[off : off + DIRECT_WRITE], off), offsets))
         if durable:
             os.fsync(fd)
     finally:
-        os.close(fd)
-
-
-def _write_direct(fd: int, data: memoryview, offset: int, end: int) -> bool:
-    """One O_DIRECT request of up to `DIRECT_WRITE` bytes at ``offset``; False if the filesystem refuses it."""
-    try:
-        pwrite_all(fd, data[offset : min(end, offset + DIRECT_WRITE)], offset)
-    except OSError as err:
-        if err.errno != errno.EINVAL:
-            raise
-        return False
-    return True
-
-
-def _open_direct(path: Path) -> int | None:
-    if not hasattr(os, "O_DIRECT"):
-        return None
-    try:
-        return os.open(path, os.O_WRONLY | os.O_DIRECT)
-    except OSError:
-        return None  # tmpfs and some network filesystems refuse O_DIRECT
+        for f in (direct_fd, fd):
+            if f is not None:
+                os.close(f)

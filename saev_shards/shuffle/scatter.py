@@ -23,10 +23,11 @@ import xxhash
 
 from .. import dtypes, float8
 from ..errors import NonFiniteError, ShuffleError
+from ..fileio import aligned_buffer
 from ..float8 import FLOAT8_DTYPE
 from .order import bucket_of, sort_keys
 from .plan import SOURCE_EXAMPLE, SOURCE_TOKEN, ShufflePlan
-from .runs import RunRecord, aligned_buffer, run_file, write_record, write_run
+from .runs import RunRecord, run_file, write_record, write_run
 from .source import SourceReader
 
 #: Label a [CLS] token gets in the shuffled cache (labels.bin has no CLS column; the loaders' CLS_LABEL).

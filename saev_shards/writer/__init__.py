@@ -31,7 +31,8 @@ Note: ``saev_shards.writer.finalize`` is the function; the module is reached wit
 ``importlib.import_module("saev_shards.writer.finalize")`` (or ``from saev_shards.writer.finalize import ...``).
 """
 
-from .direct import DIRECT_ALIGN, DIRECT_BLOCK, DIRECT_IN_FLIGHT
+from ..fileio import DIRECT_ALIGN
+from .direct import DIRECT_BLOCK, DIRECT_IN_FLIGHT
 from .finalize import finalize
 from .shard_writer import ShardWriter, rank_shards, world_from_env
 from .space import sealed_shards, space_needed

@@ -14,11 +14,10 @@ import os
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 
-from ..fileio import pwrite_all
+from ..fileio import DIRECT_ALIGN, aligned_buffer, open_direct, pwrite_all
 
-#: O_DIRECT write size for shard files, and the alignment O_DIRECT needs (offsets, sizes, memory).
+#: O_DIRECT write size for shard files (a multiple of `fileio.DIRECT_ALIGN`).
 DIRECT_BLOCK = 16 << 20
-DIRECT_ALIGN = 4096
 #: O_DIRECT writes in flight per file: the next block is copied and hashed meanwhile.
 DIRECT_IN_FLIGHT = 2
 
@@ -37,12 +36,7 @@ class _SequentialFile:
 
     def __init__(self, path: Path, direct: bool) -> None:
         self.fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
-        self.direct_fd: int | None = None
-        if direct and hasattr(os, "O_DIRECT"):
-            try:
-                self.direct_fd = os.open(path, os.O_WRONLY | os.O_DIRECT)
-            except OSError:
-                self.direct_fd = None
+        self.direct_fd = open_direct(path) if direct else None
         # One buffer being filled plus one per write in flight, rotated.
         count = DIRECT_IN_FLIGHT + 1 if self.direct_fd is not None else 0
         self.buffers = [_take_buffer() for _ in range(count)]
@@ -140,7 +134,7 @@ def _take_buffer() -> mmap.mmap:
         if len(buffer) == DIRECT_BLOCK:
             return buffer
         buffer.close()
-    return mmap.mmap(-1, DIRECT_BLOCK)
+    return aligned_buffer(DIRECT_BLOCK)
 
 
 def _give_buffer(buffer: mmap.mmap) -> None:

@@ -283,6 +283,13 @@ def fault_proxy(upstream_port: int) -> Iterator[tuple[str, Faults]]:
 @contextlib.contextmanager
 def moto_server() -> Iterator[int]:
     """moto's S3 server in a process of its own on 127.0.0.1; yields its port."""
+    with moto_process() as (port, _):
+        yield port
+
+
+@contextlib.contextmanager
+def moto_process() -> Iterator[tuple[int, subprocess.Popen[bytes]]]:
+    """`moto_server`, yielding its port and its process (the benchmark reads its CPU time)."""
     port = free_port()
     env = {**os.environ, "MOTO_ALLOW_NONEXISTENT_REGION": "true"}
     proc = subprocess.Popen(
@@ -293,7 +300,7 @@ def moto_server() -> Iterator[int]:
     )
     try:
         wait_for_port(port)
-        yield port
+        yield port, proc
     finally:
         proc.terminate()
         try:

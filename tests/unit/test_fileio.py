@@ -118,3 +118,31 @@ def test_bytes_on_disk_rounds_each_file_up_to_the_allocation_unit(tmp_path: Path
     unit = os.statvfs(tmp_path).f_frsize
     assert fileio.bytes_on_disk([], tmp_path) == 0
     assert fileio.bytes_on_disk([0, 1, unit, unit + 1], tmp_path) == 0 + unit + unit + 2 * unit
+
+
+@pytest.mark.parametrize("nbytes", [0, 1, 4095, 4096, 4097, 3 * 4096 + 17])
+@pytest.mark.parametrize("offset", [0, 4096, 100])
+@pytest.mark.parametrize("aligned", [True, False])
+def test_pwrite_direct_writes_exactly_the_bytes(tmp_path: Path, nbytes: int, offset: int, aligned: bool) -> None:
+    """Whole blocks through O_DIRECT where it applies (page-aligned memory, aligned offset), the
+    rest buffered, a refused request (unaligned memory: EINVAL) all buffered: the file holds
+    exactly the bytes either way."""
+    data = bytes((i * 31 + 7) % 251 for i in range(nbytes))
+    buffer = fileio.aligned_buffer(nbytes + 1)
+    start = 0 if aligned else 1
+    buffer[start : start + nbytes] = data
+    view = memoryview(buffer)[start : start + nbytes]
+    path = tmp_path / "f"
+    path.write_bytes(b"\xff" * (offset + nbytes + 10))
+    fd = os.open(path, os.O_RDWR)
+    direct = fileio.open_direct(path)
+    try:
+        went_direct = fileio.pwrite_direct(direct, fd, view, offset)
+    finally:
+        for f in (fd, direct):
+            if f is not None:
+                os.close(f)
+    del view
+    assert path.read_bytes() == b"\xff" * offset + data + b"\xff" * 10
+    if went_direct:
+        assert aligned and offset % fileio.DIRECT_ALIGN == 0 and nbytes >= fileio.DIRECT_ALIGN
