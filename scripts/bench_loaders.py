@@ -30,6 +30,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import saev_shards as ss
 from saev_shards import loaders
+from saev_shards.loaders.mapped import CacheMap
 from saev_shards.loaders.plan import index_window
 from saev_shards.manifest import Manifest, ShardEntry, ShardList
 from scripts import benchlib as bl
@@ -63,14 +64,16 @@ def build_cache(root: Path, md: ss.Metadata) -> ss.Shards:
 
 def epoch_rate(
     make: Callable[[], Any], max_bytes: float = float("inf"), min_bytes: float = 0
-) -> tuple[float, float, float, float]:
-    """``(GB/s, tokens/s, seconds to the first batch, CPU seconds per GB)`` of one epoch (or its
-    first ``max_bytes``), or of as many epochs of the same loader as make ``min_bytes``.
+) -> tuple[float, float, float, float, float]:
+    """``(GB/s, tokens/s, seconds to the first batch, CPU seconds per GB, share of the time spent
+    in later epochs' start-ups)`` of one epoch (or its first ``max_bytes``), or of as many epochs
+    of the same loader as make ``min_bytes``.
 
     The rates count from the first batch on: the first window's load, which nothing can
-    overlap, is reported apart as the start-up time; later epochs' start-ups are counted, as
-    a training loop meets them. CPU time is the process's (every loader thread and the
-    consumer) over the same stretch.
+    overlap, is reported apart as the start-up time; later epochs' start-ups (from ``iter`` to
+    their first batch) are counted, as a training loop meets them, and their share of the time
+    reported. CPU time is the process's (every loader thread and the consumer) over the same
+    stretch.
     """
     loader = make()
     itemsize = loader.shards.metadata.itemsize  # count stored bytes, whatever the output dtype
@@ -79,6 +82,7 @@ def epoch_rate(
     it = iter(loader)
     first = next(it, None)
     t, cpu = time.perf_counter(), time.process_time()
+    startups = 0.0
     while True:
         for batch in it:
             tokens += len(batch)
@@ -87,11 +91,18 @@ def epoch_rate(
                 break
         if nbytes >= min_bytes or nbytes >= max_bytes or first is None:
             break
+        t_iter = time.perf_counter()
         it = iter(loader)
+        batch = next(it, None)  # counted like the others: the start-up is timed, not left out
+        startups += time.perf_counter() - t_iter
+        if batch is not None:
+            tokens += len(batch)
+            nbytes += batch.acts.numel() * itemsize
     dt, cpu = time.perf_counter() - t, time.process_time() - cpu
     del first, it
     loader.close()
-    return nbytes / max(dt, 1e-9) / 1e9, tokens / max(dt, 1e-9), t - start, cpu / max(nbytes / 1e9, 1e-9)
+    gbps, tps = nbytes / max(dt, 1e-9) / 1e9, tokens / max(dt, 1e-9)
+    return gbps, tps, t - start, cpu / max(nbytes / 1e9, 1e-9), startups / max(dt, 1e-9)
 
 
 def odirect_files_gbps(shards: ss.Shards, limit: int) -> float:
@@ -128,13 +139,15 @@ def loader_table(
     before_each: Callable[[], None] = lambda: None,
     max_bytes: float = float("inf"),
     min_bytes: float = 0,
+    limit_cpu: dict[str, float] | None = None,
 ) -> bl.Table:
     """Interleave ``rounds`` epochs of each loader with every limit; a table of medians and ratios.
 
     Every row, limits included, gets a ratio to each limit column (the best row of that
-    column, measured in the same run), then to Gemma Scope's 1 GB/s.
+    column, measured in the same run), then to Gemma Scope's 1 GB/s. ``limit_cpu``: the CPU
+    seconds per GB of limit rows that measured it (filled while they run).
     """
-    samples: dict[str, list[tuple[float, float, float, float]]] = {}
+    samples: dict[str, list[tuple[float, float, float, float, float]]] = {}
 
     def timed(label: str, make: Callable[[], Any]) -> Callable[[], float]:
         def fn() -> float:
@@ -167,34 +180,56 @@ def loader_table(
             *(f"ratio to {c}" for c in columns),
             "ratio to Gemma Scope 1 GB/s",
             "first batch (s)",
+            "later start-ups (share of time)",
             "CPU s/GB",
         ],
     )
     for label in limits:
         gbps = medians[label]
-        table.add(label, gbps, float("nan"), *(gbps / tops[c] for c in columns), gbps / GEMMA_SCOPE_GBPS, "", "")
+        cpu_row = limit_cpu.get(label, "") if limit_cpu is not None else ""
+        ratios = (gbps / tops[c] for c in columns)
+        table.add(label, gbps, float("nan"), *ratios, gbps / GEMMA_SCOPE_GBPS, "", "", cpu_row)
     for label in contenders:
         gbps = medians[label]
-        tokens, startup, cpu = (float(np.median([s[i] for s in samples[label]])) for i in (1, 2, 3))
-        table.add(label, gbps, tokens, *(gbps / tops[c] for c in columns), gbps / GEMMA_SCOPE_GBPS, startup, cpu)
+        tokens, startup, cpu, later = (float(np.median([s[i] for s in samples[label]])) for i in (1, 2, 3, 4))
+        table.add(label, gbps, tokens, *(gbps / tops[c] for c in columns), gbps / GEMMA_SCOPE_GBPS, startup, later, cpu)
         table.values[f"{label} (CPU s/GB)"] = cpu
+        table.values[f"{label} (start-ups)"] = later
     table.values.update(medians)
     return table
 
 
-def window_gather(shards: ss.Shards, buffer: int) -> tuple[np.ndarray[Any, Any], list[np.ndarray[Any, Any]], list[Any]]:
-    """What the shuffled loader's gathers do, without the loader: a window buffer of its size,
-    the rows of its first window in its own order (its plan and permutation), cut into batches,
-    and as many batch-sized outputs as it keeps in flight (``(source, index batches, outputs)``)."""
+def window_gather(
+    shards: ss.Shards, buffer: int, mapped: bool = False
+) -> tuple[np.ndarray[Any, Any], np.ndarray[Any, Any] | None, list[np.ndarray[Any, Any]], list[Any]]:
+    """What the shuffled loader's gathers do, without the loader: the rows of its first window in
+    its own order (its plan and permutation), cut into batches, from a buffer of its window's
+    size (anonymous memory, as windows read into buffers) or, with ``mapped``, from the cache
+    itself mapped in place (the page cache, as the loader reads a page-cached local cache), into
+    as many batch-sized outputs as it keeps in flight: ``(source, source scales or None,
+    index batches, outputs)``."""
     loader = loaders.ShuffledLoader(shards, BATCH, buffer_bytes=buffer, mix_layers=True)
     md, cfg = shards.metadata, loader._config
-    index = index_window(loader.selection, loader._blocks, loader.plan(0).windows[0], loader._window_rng(0, 0))
-    source = np.ones((loader._buffer_rows() * md.tokens_per_ex, md.d_model), shards.numpy_dtype)
+    window = loader.plan(0).windows[0]
+    scales = None
+    if mapped:
+        cache = CacheMap(shards, scales=cfg.float8)
+        blocks = loader._blocks
+        for b in window.blocks.tolist():  # in the page cache and mapped, as the loader leaves it
+            for in_scales in (False, True) if cfg.float8 else (False,):
+                cache.populate(*cache.byte_range(int(blocks.start[b]), int(blocks.stop[b]), None, in_scales))
+        index = index_window(loader.selection, loader._blocks, window, loader._window_rng(0, 0), cache.source)
+        source, scales = cache.values, cache.scales
+    else:
+        index = index_window(loader.selection, loader._blocks, window, loader._window_rng(0, 0))
+        source = np.ones((loader._buffer_rows() * md.tokens_per_ex, md.d_model), shards.numpy_dtype)
+        if cfg.float8:
+            scales = np.ones(len(source), np.float32)
     flat = index.flat
     batches = [flat[i : i + BATCH] for i in range(0, len(flat) - BATCH + 1, BATCH)]
     outs = [np.ones((BATCH, md.d_model), shards.numpy_dtype) for _ in range(cfg.gather_threads + cfg.prefetch + 4)]
     loader.close()
-    return source, batches, outs
+    return source, scales, batches, outs
 
 
 def gather_limits(
@@ -203,40 +238,61 @@ def gather_limits(
     column: str = "gather limit",
     libs: tuple[str, ...] = ("numpy", "torch"),
     tag: str = "",
+    cpu: dict[str, float] | None = None,
 ) -> dict[str, Limit]:
     """The random-row gather alone, numpy (and torch), 1 and 2 threads: the same rows into the same
-    buffers (a float8_e4m3 cache's rows with their scales, as its loader gathers them)."""
-    source, batches, outs = window_gather(shards, buffer)
-    scales = None
-    if shards.metadata.dtype == "float8_e4m3":
-        scales = (np.ones(len(source), np.float32), [np.ones(BATCH, np.float32) for _ in outs])
+    buffers (a float8_e4m3 cache's rows with their scales, as its loader gathers them), from an
+    anonymous buffer and (numpy) from the cache mapped in place, where the loader's page-cached
+    gathers read them. ``cpu``: filled with each row's process CPU seconds per GB delivered."""
     limits: dict[str, Limit] = {}
-    for lib in libs:
-        name = "numpy take" if lib == "numpy" else "torch index_select"
-        for threads in (1, 2):
-            label = f"random-row gather{tag}: {name}, {threads} thread{'s' if threads > 1 else ''} (limit)"
-            fn = functools.partial(bl.gather_gbps, source, batches, outs, threads, lib, scales=scales)
-            limits[label] = (column, fn)
+    for mapped in (False, True):
+        source, scales, batches, outs = window_gather(shards, buffer, mapped)
+        out_scales = None if scales is None else (scales, [np.ones(BATCH, np.float32) for _ in outs])
+        where = " from the cache mapped in place" if mapped else ""
+        for lib in ("numpy",) if mapped else libs:
+            name = "numpy take" if lib == "numpy" else "torch index_select"
+            for threads in (1, 2):
+                label = f"random-row gather{tag}{where}: {name}, {threads} thread{'s' if threads > 1 else ''} (limit)"
+                fn = functools.partial(bl.gather_gbps, source, batches, outs, threads, lib, scales=out_scales)
+                limits[label] = (column, fn if cpu is None else functools.partial(_cpu_of, fn, label, cpu))
     return limits
 
 
-def gather_gap_note(values: dict[str, float]) -> str:
+def _cpu_of(fn: Callable[[], float], label: str, cpu: dict[str, float]) -> float:
+    """``fn()`` (GB/s), recording the process CPU seconds per GB it spent in ``cpu[label]`` (the
+    last sample's: its set-up is a small part of the half-gigabyte it gathers)."""
+    c, t = time.process_time(), time.perf_counter()
+    gbps = fn()
+    cpu[label] = (time.process_time() - c) / max(gbps * (time.perf_counter() - t), 1e-9)
+    return gbps
+
+
+def gather_gap_note(values: dict[str, float], cpu: dict[str, float]) -> str:
     """What remains between the shuffled loader and the gather alone, from this run's figures."""
     rows = {k: v for k, v in values.items() if k.startswith("random-row gather")}
-    gather, gather1 = max(rows.values()), max(v for k, v in rows.items() if "1 thread" in k)
+    best = max(rows, key=lambda k: rows[k])
+    one = max((k for k in rows if "1 thread" in k), key=lambda k: rows[k])
+    mapped = max((k for k in rows if "mapped in place" in k), key=lambda k: rows[k])
+    anon = max((k for k in rows if "mapped in place" not in k), key=lambda k: rows[k])
     loader = values["ShuffledLoader, all layers"]
-    cpu = values["ShuffledLoader, all layers (CPU s/GB)"]
+    loader_cpu = values["ShuffledLoader, all layers (CPU s/GB)"]
+    startups = values["ShuffledLoader, all layers (start-ups)"]
+    gather_cpu = cpu.get(one, float("nan"))
     cores = os.cpu_count() or 1
     return (
-        f"What remains between the loader ({loader:.2f} GB/s, {loader / gather:.2f} of the gather limit, "
-        f"{loader / gather1:.2f} of the 1-thread gather) and the gather alone: the loader reads its windows in "
-        f"place (no copy from the page cache), so its gather costs what the limit's does, {1 / gather1:.3f} CPU "
-        f"s/GB on one thread here; but it spent {cpu:.3f} CPU s/GB in all (its CPU s/GB column): each window's "
-        "plan and permutation (a Fisher-Yates shuffle of its units, which fixes the order a saved state resumes), "
-        "the pages' residency checks, each batch's metadata, the threads' hand-offs and the training loop's "
-        f"thread. On {cores} cores that bounds it at {cores / cpu:.1f} GB/s with every core busy, while the "
-        "2-thread gather rows spend both cores on the gather alone; the shared cores and memory bus of a busy "
-        "machine take the rest."
+        f"The gather limit is the best gather row ({best.split(' (', 1)[0]}: {rows[best]:.2f} GB/s); the target "
+        f"(>= 0.9) is measured against it. From the cache mapped in place (the loader's source) the gather ran at "
+        f"{rows[mapped]:.2f} GB/s, from an anonymous buffer at {rows[anon]:.2f} GB/s: the page cache's large "
+        f"folios are mapped with huge pages (2 MiB-aligned mapping), so reading in place costs no TLB misses "
+        f"beyond the buffer's. The loader ({loader:.2f} GB/s, {loader / rows[best]:.2f} of the gather limit, "
+        f"{loader / rows[one]:.2f} of the best 1-thread gather) spent {loader_cpu:.3f} CPU s/GB, the 1-thread "
+        f"gather {gather_cpu:.3f}: the rest is each window's index (its permutation, a Fisher-Yates shuffle that "
+        "fixes the order a saved state resumes, and the batches' metadata), the pages' residency checks, the "
+        "threads' hand-offs, the training loop's thread, and waits to take the GIL back after each numpy call "
+        f"(docs/loaders.md, 'Speed'). On {cores} cores that bounds the loader at {cores / loader_cpu:.1f} GB/s "
+        "with every core busy, while the 2-thread gather rows spend every core on the gather alone. Later "
+        f"epochs' start-ups (the first window's index and residency check before an epoch's first batch) took "
+        f"{startups:.0%} of the loader's time: this quick cache's epochs are short."
     )
 
 
@@ -263,9 +319,10 @@ def bench_page_cached(shards: ss.Shards, quick: bool) -> None:
     }
     files = shard_files(shards)
     read_limit = min(shards.metadata.nbytes, 1 << 30)
+    limit_cpu: dict[str, float] = {}
     limits: dict[str, Limit] = {
         "memcpy, 256 MiB buffers (limit)": ("memcpy", bl.memcpy_gbps),
-        **gather_limits(shards, buffer),
+        **gather_limits(shards, buffer, cpu=limit_cpu),
         "page-cache read: pread of the shards, 4 MiB blocks, 1 thread": (
             "",
             lambda: bl.buffered_read_gbps(files, 1, limit=read_limit),
@@ -284,6 +341,7 @@ def bench_page_cached(shards: ss.Shards, quick: bool) -> None:
         contenders,
         rounds,
         min_bytes=PAGE_CACHED_BYTES,
+        limit_cpu=limit_cpu,
     )
     table.note(
         f"Batches of {BATCH} token vectors (1,536 bytes each, float16 unless noted; GB/s counts the stored bytes "
@@ -291,13 +349,15 @@ def bench_page_cached(shards: ss.Shards, quick: bool) -> None:
         f"docs/loaders.md), read threads: {read_threads} ({loaders.default_read_threads(sequential=True)} for the "
         f"OrderedLoader), gather threads: {loaders.default_gather_threads()} unless noted. Each sample is a new "
         f"loader's epochs until {PAGE_CACHED_BYTES / 1e9:.0f} GB, timed from its first batch (later epochs' "
-        f"start-ups counted); median of {rounds} interleaved rounds. The gather limit is the best of the four "
-        "random-row gather rows: the rows of the shuffled loader's first window, in its order, from a buffer of "
-        "its window's size into as many batch-sized outputs as it keeps in flight, nothing else (no reads, no "
-        "Python between gathers). The page-cache read rows (pread into a reused 4 MiB buffer) are what reading "
-        "windows into buffers cost before. Target: the shuffled loader at >= 0.9 of the gather limit."
+        f"start-ups counted, and their share of its time shown); median of {rounds} interleaved rounds. The gather "
+        "limit is the best of the six random-row gather rows: the rows of the shuffled loader's first window, in "
+        "its order, from a buffer of its window's size (numpy and torch) or from the cache mapped in place as the "
+        "loader reads it (numpy), into as many batch-sized outputs as it keeps in flight, nothing else (no reads, "
+        "no Python between gathers); their CPU s/GB is the process's while they ran. The page-cache read rows "
+        "(pread into a reused 4 MiB buffer) are what reading windows into buffers cost before. Target: the "
+        "shuffled loader at >= 0.9 of the gather limit."
     )
-    table.note(gather_gap_note(table.values))
+    table.note(gather_gap_note(table.values, limit_cpu))
     table.emit()
 
 

@@ -243,6 +243,15 @@ class CacheMap:
         scratch buffers first. `FileSizeError` if a shard was cut short since it was opened."""
         shards = self.shards
         self.check_size(start, stop)
+        kinds = (False, True) if self.scales is not None else (False,)
+        # Mapped before, and every layer still in the page cache (one mincore of the block, not one
+        # per slice: a block holds a dozen or more): nothing to do.
+        if (
+            not blocks.whole
+            and self.populated[start:stop].all()
+            and all(self.resident(*self.byte_range(start, stop, scales=scales)) for scales in kinds)
+        ):
+            return
         ranges: list[tuple[int, int, int | None]]
         if blocks.whole:
             ranges = [(start, stop, None)]
@@ -252,7 +261,7 @@ class CacheMap:
         for a, b, position in ranges:
             if stop_event.is_set():
                 raise CancelledError
-            for scales in (False, True) if self.scales is not None else (False,):
+            for scales in kinds:
                 addr, nbytes = self.byte_range(a, b, position, scales)
                 if self.resident(addr, nbytes):
                     if not self.populated[a]:

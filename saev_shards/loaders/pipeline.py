@@ -30,9 +30,11 @@ it needs are why throughput fell past 4 threads (docs/loaders.md, "Threads").
 
 from __future__ import annotations
 
+import concurrent.futures
 import contextlib
 import functools
 import itertools
+import os
 import sys
 import threading
 from collections.abc import Callable, Iterator, Sequence
@@ -134,6 +136,91 @@ class Schedule:
 
 
 # --------------------------------------------------------------------------------------
+# threads kept from one epoch to the next
+
+
+class Pools:
+    """What a loader lends each of its host epochs in turn: its read and gather threads, and the
+    output arrays its batches are gathered into (`Recycler`).
+
+    Both used to be made for every epoch. Starting a thread waits until it has taken the GIL
+    once to say so; on a busy machine, with the previous thread already running Python, that
+    took 1-2 ms a thread, so the six threads of an epoch (4 read, 2 gather on 2 cores) cost
+    6-12 ms before its first batch. And every epoch's outputs were fresh memory, whose pages
+    the kernel zeroes on first touch: 44 MB of 4,096-row batches per epoch (7 in flight), 175
+    MB of 16,384-row ones, about as much work as gathering them. On the page-cached benchmark's
+    quick cache (0.36 GB: an epoch is ~50 ms) the two took a fifth of the time (docs/loaders.md,
+    "Speed"). Idle threads hold nothing of the epoch that used them; the arrays are the same
+    memory an epoch holds while it runs. Only the process that made the threads may use them (a
+    forked child has none of them).
+    """
+
+    def __init__(self, cfg: Config) -> None:
+        self.pid = os.getpid()
+        self.read_threads, self.gather_threads = cfg.read_threads, cfg.gather_threads
+        self.read = ThreadPoolExecutor(max_workers=cfg.read_threads, thread_name_prefix="saev-loader-read")
+        self.gather = ThreadPoolExecutor(max_workers=cfg.gather_threads, thread_name_prefix="saev-loader-gather")
+        self.outputs = Recycler(keep=chunks_in_flight(cfg) + 4)
+        self.closed = False
+
+    def fits(self, cfg: Config) -> bool:
+        """Whether these still run, in this process, with ``cfg``'s thread counts."""
+        return not self.closed and (self.pid, self.read_threads, self.gather_threads) == (
+            os.getpid(),
+            cfg.read_threads,
+            cfg.gather_threads,
+        )
+
+    def shutdown(self, wait: bool = True) -> None:
+        """Stop the threads (joined unless ``wait`` is false, or this is one of them: a loader
+        may be collected on any thread) and let go of the outputs."""
+        self.closed = True
+        wait = wait and threading.current_thread() not in self.read._threads | self.gather._threads
+        self.read.shutdown(wait=wait, cancel_futures=True)
+        self.gather.shutdown(wait=wait, cancel_futures=True)
+        self.outputs.arrays.clear()
+
+
+def chunks_in_flight(cfg: Config) -> int:
+    """Chunks an epoch gathers ahead of the consumer: every gather thread busy, and ``prefetch``
+    batches ready."""
+    return cfg.gather_threads + -(-cfg.prefetch // cfg.chunk_batches)
+
+
+class Tasks:
+    """The tasks one epoch submits to a pool it may share: `cancel` drops those not started
+    and waits for the others, as ``shutdown(wait=True, cancel_futures=True)`` does for a pool
+    of its own, and leaves the pool's threads for the next epoch."""
+
+    def __init__(self, pool: ThreadPoolExecutor, owned: bool = False) -> None:
+        self.pool = pool
+        self.owned = owned
+        self.pending: set[Future[Any]] = set()
+        self.lock = threading.Lock()
+
+    def submit(self, fn: Callable[..., Any], *args: Any) -> Future[Any]:
+        future = self.pool.submit(fn, *args)
+        with self.lock:
+            self.pending.add(future)
+        future.add_done_callback(self._done)
+        return future
+
+    def _done(self, future: Future[Any]) -> None:
+        with self.lock:
+            self.pending.discard(future)
+
+    def cancel(self) -> None:
+        if self.owned:
+            self.pool.shutdown(wait=True, cancel_futures=True)
+            return
+        with self.lock:
+            futures = list(self.pending)
+        for future in futures:
+            future.cancel()
+        concurrent.futures.wait(futures)
+
+
+# --------------------------------------------------------------------------------------
 # reading windows
 
 
@@ -144,7 +231,8 @@ class WindowLoader:
     there for the slot's last upload); ``finish(w, slot, index)`` runs once a window is
     read and indexed, in the thread that finished it, and its value is the window's result.
     A float8_e4m3 cache's scales are read into ``scale_buffers`` (one float32 per vector of
-    the slot's buffer), beside the stored bytes.
+    the slot's buffer), beside the stored bytes. ``pool``: the loader's read threads (`Pools`),
+    else a pool of its own, shut down by `close`.
     """
 
     def __init__(
@@ -158,6 +246,7 @@ class WindowLoader:
         ready_to_write: Callable[[int], None] = lambda slot: None,
         finish: Callable[[int, int, WindowIndex], Any] = lambda w, slot, index: index,
         scale_buffers: Sequence[npt.NDArray[np.float32]] = (),
+        pool: ThreadPoolExecutor | None = None,
     ) -> None:
         self.cfg = cfg
         self.plan = plan
@@ -170,7 +259,10 @@ class WindowLoader:
         self.finish = finish
         #: Whether each window loading or loaded is read in place (else into its slot's buffer).
         self.in_place: dict[int, bool] = {}
-        self.pool = ThreadPoolExecutor(max_workers=cfg.read_threads, thread_name_prefix="saev-loader-read")
+        owned = pool is None
+        if pool is None:
+            pool = ThreadPoolExecutor(max_workers=cfg.read_threads, thread_name_prefix="saev-loader-read")
+        self.pool = Tasks(pool, owned)
 
     def slot(self, w: int) -> int:
         return w % len(self.buffers)
@@ -282,7 +374,7 @@ class WindowLoader:
 
     def close(self) -> None:
         self.stop.set()
-        self.pool.shutdown(wait=True, cancel_futures=True)
+        self.pool.cancel()
         # Nothing of this epoch outlives it: the caller's callbacks may refer back to its run.
         self.buffers = ()
         self.ready_to_write = self.finish = _closed
@@ -421,16 +513,22 @@ class HostRun:
         window_rng: Callable[[int, int], np.random.Generator | None],
         buffers: Sequence[npt.NDArray[Any]],
         scale_buffers: Sequence[npt.NDArray[np.float32]] = (),
+        pools: Pools | None = None,
     ) -> None:
         self.cfg = cfg
         self.plan = plan
         self.schedule = schedule
         self.stop = threading.Event()
-        self.windows = WindowLoader(cfg, plan, epoch, window_rng, buffers, self.stop, scale_buffers=scale_buffers)
-        self.gather_pool = ThreadPoolExecutor(max_workers=cfg.gather_threads, thread_name_prefix="saev-loader-gather")
+        # The loader's threads and outputs (`Pools`), else this run's own, let go by `close`.
+        self.own_pools = pools is None
+        self.pools = Pools(cfg) if pools is None else pools
+        self.windows = WindowLoader(
+            cfg, plan, epoch, window_rng, buffers, self.stop, scale_buffers=scale_buffers, pool=self.pools.read
+        )
+        self.gather_pool = Tasks(self.pools.gather)
         #: Chunks in flight: every gather thread busy, and ``prefetch`` batches ready ahead.
-        self.depth = cfg.gather_threads + -(-cfg.prefetch // cfg.chunk_batches)
-        self.recycler = Recycler(keep=self.depth + 4)
+        self.depth = chunks_in_flight(cfg)
+        self.recycler = self.pools.outputs
         self.scratch = threading.local()
         self.lock = threading.RLock()  # reentrant: a chunk's callback may run inside _pump
         self.closed = False
@@ -459,13 +557,22 @@ class HostRun:
         self.release_below = self.next_load  # windows before this are done with
         self.next_chunk = 0
         self.consumed = 0
+        self.first_watched = False  # whether the second window's load waits on the first's
         for c in range(n_chunks):
             if self._stopped():
                 return
-            with self.lock:
-                self.consumed = c
-                self._pump()
-                future = self.futures.pop(c)
+            while True:
+                with self.lock:
+                    self.consumed = c
+                    self._pump()
+                    future = self.futures.pop(c, None)
+                    first_load = self.loads.get(int(sched.w_first[0]))
+                if future is not None:
+                    break
+                if self._stopped() or first_load is None:
+                    return
+                # Its windows wait for the first one's load (`_pump`): wait for it too, then pump.
+                concurrent.futures.wait([first_load])
             for batch in future.result():
                 if self._stopped():
                     return
@@ -478,7 +585,16 @@ class HostRun:
         sched = self.schedule
         n_slots = len(self.windows.buffers)
         last_window = int(sched.w_last[-1])
+        first = int(sched.w_first[0])
         while self.next_load <= last_window and self.next_load - n_slots < self.release_below:
+            # The first window read in place is indexed and checked before the second starts: on
+            # its own it is ready sooner (on 2 cores, side by side they took twice as long), and
+            # the second still has the first's gathers to load in.
+            if self.next_load == first + 1 and self.windows.in_place[first] and not self.loads[first].done():
+                if not self.first_watched:
+                    self.first_watched = True
+                    self.loads[first].add_done_callback(self._first_loaded)
+                break
             self.loads[self.next_load] = self.windows.submit(self.next_load)
             self.next_load += 1
         while (
@@ -492,6 +608,10 @@ class HostRun:
             future = self.gather_pool.submit(self._chunk, c, {w: self.loads[w] for w in wanted})
             self.futures[c] = future
             self.next_chunk += 1
+
+    def _first_loaded(self, _: Future[Any]) -> None:
+        with self.lock:
+            self._pump()
 
     def _taken(self, w: int) -> None:
         """A gather has taken its rows of window ``w``: release the windows no gather needs any more."""
@@ -539,14 +659,18 @@ class HostRun:
 
         cfg, sched = self.cfg, self.schedule
 
-        def column(get: Callable[[WindowIndex], npt.NDArray[Any] | None], dtype: Any) -> npt.NDArray[Any]:
+        # A chunk inside one window hands out slices of the window's index (each index serves one
+        # window of one epoch, each of its rows one batch): no copy, and no numpy call that lets
+        # go of the GIL, each of which costs a wait to take it back while other threads run
+        # Python (0.05-0.4 ms on average on the 2-core development machine: docs/loaders.md).
+        def column(get: Callable[[WindowIndex], npt.NDArray[Any] | None]) -> npt.NDArray[Any]:
             parts = [get(ix)[a:b] for ix, a, b in pieces]  # type: ignore[index]
-            return np.concatenate(parts, dtype=dtype) if len(parts) > 1 else parts[0].astype(dtype, copy=True)
+            return np.concatenate(parts) if len(parts) > 1 else parts[0]
 
-        examples = column(lambda ix: ix.examples, np.int64)
-        tokens = column(lambda ix: ix.tokens, np.int64)
-        layers = None if cfg.stack else column(lambda ix: ix.layers, np.int64)
-        labels = column(lambda ix: ix.labels, np.uint8) if cfg.selection.has_labels else None
+        examples = column(lambda ix: ix.examples)
+        tokens = column(lambda ix: ix.tokens)
+        layers = None if cfg.stack else column(lambda ix: ix.layers)
+        labels = column(lambda ix: ix.labels) if cfg.selection.has_labels else None
         out = []
         size = cfg.batch_size
         first = int(sched.first_batch[c])
@@ -598,11 +722,12 @@ class HostRun:
                 return
             self.closed = True
         self.stop.set()
-        self.gather_pool.shutdown(wait=True, cancel_futures=True)
+        self.gather_pool.cancel()
         self.windows.close()
         with self.lock:
             self.loads, self.futures = {}, {}
-        self.recycler.arrays.clear()
+        if self.own_pools:
+            self.pools.shutdown()
 
     def __del__(self) -> None:
         with contextlib.suppress(Exception):

@@ -31,7 +31,7 @@ from .batch import Batch
 from .device import DeviceRun, Slots
 from .mapped import CacheMap
 from .order import Order, parse_order
-from .pipeline import Config, HostRun, Schedule
+from .pipeline import Config, HostRun, Pools, Schedule
 from .plan import BLOCK_BYTES, Blocks, EpochPlan, index_window, plan_epoch
 from .selection import TokenSelection, as_shards, check_layers_not_mixed, parse_out_dtype
 from .tensors import require_torch
@@ -214,6 +214,7 @@ class TokenLoader:
         self._runs: weakref.WeakSet[HostRun | DeviceRun] = weakref.WeakSet()
         self._spare: list[_WindowBuffer] = []
         self._slots: Slots | None = None
+        self._pools: Pools | None = None  # the threads of the last host epoch, for the next
         self._map: CacheMap | None = None
         self._map_possible = mapped.available(self.shards)
         self._spare_lock = threading.Lock()
@@ -392,8 +393,13 @@ class TokenLoader:
             cfg.mapped = self._cache_map()
             buffers = self._take_buffers(schedule.n_slots, rows) if len(schedule) else []
             values, scales = [b for b, _ in buffers], [s for _, s in buffers if s is not None]
-            run = HostRun(cfg, plan, schedule, epoch, self._window_rng, values, scales)
-            release = lambda: self._give_buffers(buffers)  # noqa: E731
+            pools = self._take_pools()
+            run = HostRun(cfg, plan, schedule, epoch, self._window_rng, values, scales, pools)
+
+            def release() -> None:
+                self._give_buffers(buffers)
+                self._give_pools(pools)
+
         self._runs.add(run)
         _LIVE_RUNS.add(run)
         try:
@@ -438,6 +444,25 @@ class TokenLoader:
         with self._spare_lock:
             self._spare = buffers
 
+    def _take_pools(self) -> Pools:
+        """The threads and output arrays of a host epoch: the last epoch's, where this process made
+        them, else new ones (`pipeline.Pools`: making them for every epoch cost milliseconds)."""
+        cfg = self._config
+        with self._spare_lock:
+            pools, self._pools = self._pools, None
+        if pools is not None and not pools.fits(cfg):
+            pools.shutdown(wait=False)
+            pools = None
+        return pools or Pools(cfg)
+
+    def _give_pools(self, pools: Pools) -> None:
+        """Keep an epoch's threads and outputs (once it has stopped) for the next; a second set is let go."""
+        with self._spare_lock:
+            keep = self._pools is None and pools.fits(self._config)
+            spare, self._pools = (None, pools) if keep else (pools, self._pools)
+        if spare is not None:
+            spare.shutdown(wait=False)
+
     def _take_slots(self, n: int, rows: int) -> Slots:
         assert self.device is not None
         with self._spare_lock:
@@ -456,10 +481,15 @@ class TokenLoader:
         cache read in place (iterating again starts over)."""
         for run in list(self._runs):
             run.close()
+            if isinstance(run, HostRun):  # a suspended iterator gives its threads back only when it resumes
+                run.pools.shutdown()
         with self._spare_lock:
             self._spare = []
             self._slots = None
             self._map = self._config.mapped = None  # unmapped once no batch is being gathered from it
+            pools, self._pools = self._pools, None
+        if pools is not None:
+            pools.shutdown()
 
     def __del__(self) -> None:
         with contextlib.suppress(Exception):

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import threading
 from typing import Any
 
@@ -104,6 +105,33 @@ def test_small_batches_are_gathered_by_chunk(make_cache: Any) -> None:
     list(loader)
     for b, k in zip(batches, kept, strict=True):
         assert torch.equal(b.acts, k)
+
+
+def test_threads_and_outputs_are_kept_from_one_epoch_to_the_next(
+    make_cache: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """An epoch's threads and output arrays serve the next (`pipeline.Pools`), in this process only."""
+    md = small_metadata(n_examples=200, patches_per_shard=400)
+    shards, logical = make_cache(md, batches=(50,))
+    loader = ShuffledLoader(shards, batch_size=64, buffer_bytes=100_000, block_bytes=4000)
+    epochs = []
+    for _ in range(2):
+        seen = []
+        for b in loader:
+            seen += check_batch(b, md, logical)
+        assert sorted(seen) == sorted(expected_vectors(md))
+        pools = loader._pools
+        assert pools is not None
+        epochs.append((pools, set(pools.read._threads | pools.gather._threads), {id(a) for a in pools.outputs.arrays}))
+    (first, threads, outputs), (second, threads2, outputs2) = epochs
+    assert second is first and threads2 == threads and outputs & outputs2
+    # A forked child has none of its parent's threads: it makes its own.
+    monkeypatch.setattr(os, "getpid", lambda: -1)
+    assert len(list(loader)) == len(loader)
+    assert loader._pools is not first and first.closed
+    monkeypatch.undo()
+    loader.close()
+    assert first.read._shutdown and first.gather._shutdown
 
 
 finite_or_not = st.one_of(

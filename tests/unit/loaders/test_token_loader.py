@@ -467,13 +467,25 @@ def test_early_break_and_gc_stop_threads(make_cache: Any) -> None:
     for _ in loader:
         break
     gc.collect()
+    # The epoch has stopped and given its threads back: the loader keeps them, idle, for the next.
+    spare = loader._pools
+    assert spare is not None and not spare.read._work_queue.qsize() and not spare.gather._work_queue.qsize()
+    assert set(live_loader_threads()) <= spare.read._threads | spare.gather._threads
+    loader.close()
     assert live_loader_threads() == []
+    batches = list(loader)  # iterating again after close starts over, with new threads
+    assert len(batches) == len(loader)
+    del loader, batches
+    gc.collect()  # a loader let go of stops its idle threads
+    assert live_loader_threads() == []
+    loader = ShuffledLoader(shards, batch_size=2, buffer_bytes=200, block_bytes=64, prefetch=1)
     it = iter(loader)
     next(it)
     assert live_loader_threads()  # running, blocked on a full queue
     del it
     gc.collect()
-    assert live_loader_threads() == []
+    spare = loader._pools
+    assert spare is not None and set(live_loader_threads()) <= spare.read._threads | spare.gather._threads
     it = iter(loader)
     next(it)
     loader.close()
