@@ -187,12 +187,16 @@ def next_steps(cache: Path) -> str:
         f"The cache is {cache.absolute()}; its root {root} is not one the command line searches, so say it:",
         f"  export SAEV_SHARDS_ROOT={root}",
         "then try:",
-        "  saev-shards ls                      # the caches there",
-        f"  saev-shards info {prefix}             # a readable summary",
-        f"  saev-shards verify {prefix}           # every checksum",
-        f"  saev-shards report {prefix} --out report.html   # the picture and its numbers",
-        f"  saev-shards shuffle {prefix} --layers {cache_layer(cache)} --exclude-token-ids 101,102,0   # for training",
     ]
+    tries = [
+        ("saev-shards ls", "the caches there"),
+        (f"saev-shards info {prefix}", "a readable summary"),
+        (f"saev-shards verify {prefix}", "every checksum"),
+        (f"saev-shards report {prefix} --out report.html", "the picture and its numbers"),
+        (f"saev-shards shuffle {prefix} --layers {cache_layer(cache)} --exclude-token-ids 101,102,0", "for training"),
+    ]
+    width = max(len(command) for command, _ in tries)
+    lines += [f"  {command.ljust(width)}   # {what}" for command, what in tries]
     return "\n".join(lines)
 
 
