@@ -63,21 +63,13 @@ def memcpy_threads_gbps(threads: int, nbytes: int = 256 << 20) -> float:
     pairs = [(np.ones(nbytes, np.uint8), np.empty(nbytes, np.uint8)) for _ in range(threads)]
     for src, dst in pairs:
         np.copyto(dst, src)
-    barrier = threading.Barrier(threads + 1)
 
-    def work(src: np.ndarray[Any, Any], dst: np.ndarray[Any, Any]) -> None:
-        barrier.wait()
+    def work(i: int) -> None:
+        src, dst = pairs[i]
         for _ in range(3):
             np.copyto(dst, src)
 
-    pool = [threading.Thread(target=work, args=p) for p in pairs]
-    for t in pool:
-        t.start()
-    barrier.wait()
-    start = time.perf_counter()
-    for t in pool:
-        t.join()
-    return 3 * threads * nbytes / (time.perf_counter() - start) / 1e9
+    return 3 * threads * nbytes / bl.in_threads(threads, work) / 1e9
 
 
 def host_buffer(nbytes: int, pinned: bool) -> np.ndarray[Any, Any]:

@@ -157,7 +157,7 @@ def odirect_random_read_files(
     return n * block / dt / 1e9, n / dt
 
 
-def _in_threads(threads: int, work: Callable[[int], None]) -> float:
+def in_threads(threads: int, work: Callable[[int], None]) -> float:
     """Seconds for ``threads`` threads to each run ``work(i)``, started together (GIL released inside)."""
     barrier = threading.Barrier(threads + 1)
 
@@ -209,7 +209,7 @@ def buffered_read_gbps(paths: Sequence[Path], threads: int, block: int = 4 << 20
             os.preadv(fd, [view[:n]], off)
 
     try:
-        dt = _in_threads(threads, work)
+        dt = in_threads(threads, work)
     finally:
         for fd in fds:
             os.close(fd)
@@ -262,7 +262,7 @@ def gather_gbps(
                 if scales is not None:
                     np.take(scales[0], b, out=scales[1][o][: len(b)], mode="clip")
 
-        dt = _in_threads(threads, work)
+        dt = in_threads(threads, work)
     return float(passes * per_pass / dt / 1e9)
 
 
