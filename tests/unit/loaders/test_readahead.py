@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 from saev_shards import loaders
-from saev_shards.loaders import mapped, pipeline
+from saev_shards.loaders import mapped, outputs, pipeline
 
 from ...support.caches import expected_vectors, small_metadata
 from ...support.loaders import check_batch
@@ -83,10 +83,10 @@ def test_an_epoch_frees_its_buffers_when_it_ends(
     md = small_metadata()
     shards, _ = make_cache(md)
     arrays: list[weakref.ref[np.ndarray[Any, Any]]] = []
-    real_get = pipeline.Recycler.get
+    real_get = outputs.Recycler.get
     real_take = loaders.TokenLoader._take_buffers
 
-    def get(self: pipeline.Recycler, *args: Any) -> Any:
+    def get(self: outputs.Recycler, *args: Any) -> Any:
         arr = real_get(self, *args)
         arrays.append(weakref.ref(arr))
         return arr
@@ -96,7 +96,7 @@ def test_an_epoch_frees_its_buffers_when_it_ends(
         arrays.extend(weakref.ref(a) for buffer in buffers for a in buffer if a is not None)
         return buffers
 
-    monkeypatch.setattr(pipeline.Recycler, "get", get)
+    monkeypatch.setattr(outputs.Recycler, "get", get)
     monkeypatch.setattr(loaders.TokenLoader, "_take_buffers", take)
     if in_place:
         monkeypatch.setattr(mapped, "MIN_SHARD_BYTES", 0)
