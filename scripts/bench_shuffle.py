@@ -109,6 +109,8 @@ def bench_speed(src: ss.Shards, out: Path, quick: bool) -> ss.Shards:
         limits, shuffles = [], []
         limit_file = bl.bench_dir() / "shuffle-limit.bin"
         for _ in range(rounds):  # each shuffle bracketed by two limits: the disk's rate drifts by 2x in minutes
+            if kept is not None:  # its folder may be shuffled into again (removed first): let go of it
+                kept.close()
             before = read_plus_write_seconds(src, limit_file, nbytes)
             seconds, scatter, write, result = timed_shuffle(src, out, memory, **kwargs)
             after = read_plus_write_seconds(src, limit_file, nbytes)
