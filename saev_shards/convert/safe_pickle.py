@@ -300,14 +300,19 @@ class _Restricted(pickle.Unpickler):
         shape, dtype, _fortran, raw = state
         dims = _shape(shape, self.where)
         dtype = _plain_dtype(dtype, self.where)
+        nbytes = self._check_data(raw, dims, dtype)
+        self.budget.take(nbytes, f"an array of shape {dims}")
+
+    def _check_data(self, data: Any, dims: tuple[int, ...], dtype: np.dtype[Any]) -> int:
+        """The bytes an array of ``dims`` and ``dtype`` needs, once ``data`` is exactly that many."""
         nbytes = math.prod(dims) * dtype.itemsize
-        if not isinstance(raw, (bytes, bytearray)) or len(raw) != nbytes:
-            found = f"{len(raw):,} bytes" if isinstance(raw, (bytes, bytearray)) else type(raw).__name__
+        if not isinstance(data, (bytes, bytearray)) or len(data) != nbytes:
+            found = f"{len(data):,} bytes" if isinstance(data, (bytes, bytearray)) else type(data).__name__
             raise ConvertError(
                 f"{self.where}: not a readable pickle (an array of shape {dims} {dtype} needs {nbytes:,} bytes "
                 f"of data, found {found})"
             )
-        self.budget.take(nbytes, f"an array of shape {dims}")
+        return nbytes
 
     def _scalar(self, dtype: Any, data: Any = None) -> Any:
         dtype = _plain_dtype(dtype, self.where)
@@ -318,13 +323,7 @@ class _Restricted(pickle.Unpickler):
     def _frombuffer(self, buf: Any, dtype: Any, shape: Any, order: Any) -> Any:
         dtype = _plain_dtype(dtype, self.where)
         dims = _shape(shape, self.where)
-        nbytes = math.prod(dims) * dtype.itemsize
-        if not isinstance(buf, (bytes, bytearray)) or len(buf) != nbytes:
-            found = f"{len(buf):,} bytes" if isinstance(buf, (bytes, bytearray)) else type(buf).__name__
-            raise ConvertError(
-                f"{self.where}: not a readable pickle (an array of shape {dims} {dtype} needs {nbytes:,} bytes, "
-                f"found {found})"
-            )
+        self._check_data(buf, dims, dtype)
         if order not in ("C", "F"):
             raise ConvertError(f"{self.where}: not a readable pickle (array order {order!r:.20})")
         return np.frombuffer(buf, dtype).reshape(dims, order=order)
