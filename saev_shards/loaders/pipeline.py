@@ -33,10 +33,12 @@ from __future__ import annotations
 import concurrent.futures
 import contextlib
 import functools
+import gc
 import itertools
 import os
 import threading
 from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Set as AbstractSet
 from concurrent.futures import CancelledError, Future, ThreadPoolExecutor
 from typing import Any
 
@@ -171,13 +173,31 @@ class Pools:
         )
 
     def shutdown(self, wait: bool = True) -> None:
-        """Stop the threads (joined unless ``wait`` is false, or this is one of them: a loader
-        may be collected on any thread) and let go of the outputs."""
+        """Stop the threads (joined unless ``wait`` is false, this is one of them, or the garbage
+        collector is running: a loader may be collected on any thread) and let go of the outputs."""
         self.closed = True
-        wait = wait and threading.current_thread() not in self.read._threads | self.gather._threads
+        wait = wait and joinable(self.read._threads | self.gather._threads)
         self.read.shutdown(wait=wait, cancel_futures=True)
         self.gather.shutdown(wait=wait, cancel_futures=True)
         self.outputs.arrays.clear()
+
+
+_COLLECTING = threading.local()
+
+
+def _collecting(phase: str, _info: dict[str, Any]) -> None:
+    _COLLECTING.now = phase == "start"
+
+
+gc.callbacks.append(_collecting)
+
+
+def joinable(threads: AbstractSet[threading.Thread]) -> bool:
+    """Whether this thread may join ``threads``: not one of them, and not inside the garbage
+    collector, which may run a loader's ``__del__`` at any allocation, even one inside
+    threading's own bookkeeping that holds the lock a join needs (a collected object's join
+    there deadlocks). A collected loader's threads are idle, and exit once shut down."""
+    return threading.current_thread() not in threads and not getattr(_COLLECTING, "now", False)
 
 
 def chunks_in_flight(cfg: Config) -> int:
@@ -210,7 +230,7 @@ class Tasks:
 
     def cancel(self) -> None:
         if self.owned:
-            self.pool.shutdown(wait=True, cancel_futures=True)
+            self.pool.shutdown(wait=joinable(self.pool._threads), cancel_futures=True)
             return
         with self.lock:
             futures = list(self.pending)

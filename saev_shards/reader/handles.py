@@ -140,15 +140,16 @@ class ShardHandles:
         if getattr(self, "_folder_lock", None) is None and self.files.url is None:
             self._folder_lock: FolderLock | None = FolderLock(self.path)
 
-    def close(self) -> None:
+    def close(self, wait: bool = True) -> None:
         """Drop this process's memmaps and file descriptors and release the cache's lock
-        (all taken again on next use)."""
+        (all taken again on next use). ``wait=False`` (from `__del__`) never waits for another
+        thread: a remote cache's block-cache writes then finish in the background."""
         if self._pid == os.getpid():
             for fd in (*self._fds.values(), *self._scale_fds.values()):
                 self.files.close(fd)
         close_all = getattr(self.files, "close_all", None)
         if close_all is not None:
-            close_all()
+            close_all(wait=wait)
         lock = getattr(self, "_folder_lock", None)
         if lock is not None:
             lock.release()
@@ -156,8 +157,11 @@ class ShardHandles:
         self._reset()
 
     def __del__(self) -> None:
+        # The collector may run this on any thread, at any allocation, even one that holds a
+        # lock that joining a thread needs (threading's own, while a thread starts): waiting
+        # for the block-cache writer here once deadlocked the test suite.
         with contextlib.suppress(Exception):  # at interpreter shutdown os may be gone
-            self.close()
+            self.close(wait=False)
 
     def shard_path(self, k: int) -> Path:
         """Absolute path of shard file ``k`` (of a local cache: a remote one's files are `files`)."""

@@ -302,8 +302,9 @@ class RemoteFiles:
     def close(self, fd: int) -> None:
         return None  # nothing per file to release: units are held by key
 
-    def close_all(self) -> None:
-        """Release every held unit and stop the fetch threads (`Shards.close`)."""
+    def close_all(self, wait: bool = True) -> None:
+        """Release every held unit and stop the fetch threads (`Shards.close`); with ``wait``,
+        wait for the block-cache writes too (`flush`), else they finish in the background."""
         if self._pid != os.getpid():
             self._reset()
             return
@@ -311,7 +312,7 @@ class RemoteFiles:
         if self._pool is not None:
             self._pool.shutdown(wait=False, cancel_futures=True)
             self._pool = None
-        self.flush()
+        self.flush(wait)
         if self._buffers is not None:
             self._buffers.clear()
 
@@ -326,12 +327,13 @@ class RemoteFiles:
                 else:
                     entry.closed = True  # closed by the last `_release`
 
-    def flush(self) -> None:
-        """Wait until every unit fetched so far is written to the block cache."""
+    def flush(self, wait: bool = True) -> None:
+        """Wait until every unit fetched so far is written to the block cache (``wait=False``:
+        stop taking new writes and let the queued ones finish on their thread)."""
         with self._lock:
             writer, self._writer = self._writer, None
         if writer is not None:
-            writer.shutdown(wait=True)
+            writer.shutdown(wait=wait)
 
     def preadv(self, fd: int, views: Sequence[memoryview], offset: int) -> int:
         """Fill ``views`` in order from byte ``offset`` of the file behind ``fd`` (as ``os.preadv``:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 import os
 import threading
 from typing import Any
@@ -159,3 +160,22 @@ def test_cast_into_matches_torch(values: np.ndarray[Any, Any], stored: str, out:
     nan = torch.isnan(want)
     assert torch.equal(torch.isnan(dest), nan)
     assert torch.equal(dest[~nan], want[~nan])
+
+
+def test_no_join_inside_the_garbage_collector() -> None:
+    """A loader collected by the cycle collector (which may run inside threading's own
+    bookkeeping, holding the lock a join needs) never joins threads there: it only asks."""
+    seen: list[bool] = []
+
+    class Cycle:
+        def __init__(self) -> None:
+            self.me = self
+
+        def __del__(self) -> None:
+            seen.append(pipeline.joinable(set()))
+
+    Cycle()
+    gc.collect()
+    assert seen == [False]
+    assert pipeline.joinable(set())  # outside the collector a join is fine
+    assert not pipeline.joinable({threading.current_thread()})  # never this thread itself
