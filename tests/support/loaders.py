@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import gc
 import tempfile
 import threading
-from collections.abc import Iterator
+import time
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
@@ -48,6 +50,19 @@ def check_batch(batch: Batch, md: ss.Metadata, logical: np.ndarray[Any, Any]) ->
 def live_loader_threads() -> list[threading.Thread]:
     """Threads of loaders (``saev-loader-*``); the writer's long-lived I/O pool is not one of them."""
     return [t for t in threading.enumerate() if t.name.startswith("saev-loader-")]
+
+
+def collected_until(done: Callable[[], bool], timeout: float = 30.0) -> bool:
+    """Collect garbage, then wait (at most ``timeout`` seconds) until ``done()``: a loader
+    collected by the garbage collector shuts its idle threads down without joining them
+    (`pipeline.joinable`), so they end a moment after the collection, not during it."""
+    gc.collect()
+    deadline = time.monotonic() + timeout
+    while not done():
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.01)
+    return True
 
 
 def keys(batches: list[Batch]) -> list[tuple[int, ...]]:

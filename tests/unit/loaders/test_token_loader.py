@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import gc
 import re
 import subprocess
 import sys
@@ -22,7 +21,7 @@ from saev_shards.loaders import CLS_LABEL
 
 from ...support import strategies
 from ...support.caches import expected_vectors, labels_for, small_metadata, write_cache
-from ...support.loaders import cache, check_batch, keys, live_loader_threads
+from ...support.loaders import cache, check_batch, collected_until, keys, live_loader_threads
 
 # These tests check every token of every layer once: on their caches of two layers a batch
 # mixes layers on purpose (the loaders refuse that unless told: test_mixed_layers_are_refused).
@@ -466,26 +465,27 @@ def test_early_break_and_gc_stop_threads(make_cache: Any) -> None:
     loader = ShuffledLoader(shards, batch_size=2, buffer_bytes=200, block_bytes=64, prefetch=1)
     for _ in loader:
         break
-    gc.collect()
     # The epoch has stopped and given its threads back: the loader keeps them, idle, for the next.
     spare = loader._pools
-    assert spare is not None and not spare.read._work_queue.qsize() and not spare.gather._work_queue.qsize()
-    assert set(live_loader_threads()) <= spare.read._threads | spare.gather._threads
+    assert spare is not None
+    kept = spare.read._threads | spare.gather._threads
+    assert collected_until(lambda: set(live_loader_threads()) <= kept)
+    assert not spare.read._work_queue.qsize() and not spare.gather._work_queue.qsize()
     loader.close()
     assert live_loader_threads() == []
     batches = list(loader)  # iterating again after close starts over, with new threads
     assert len(batches) == len(loader)
     del loader, batches
-    gc.collect()  # a loader let go of stops its idle threads
-    assert live_loader_threads() == []
+    assert collected_until(lambda: live_loader_threads() == [])  # a loader let go of stops its idle threads
     loader = ShuffledLoader(shards, batch_size=2, buffer_bytes=200, block_bytes=64, prefetch=1)
     it = iter(loader)
     next(it)
     assert live_loader_threads()  # running, blocked on a full queue
     del it
-    gc.collect()
     spare = loader._pools
-    assert spare is not None and set(live_loader_threads()) <= spare.read._threads | spare.gather._threads
+    assert spare is not None
+    kept = spare.read._threads | spare.gather._threads
+    assert collected_until(lambda: set(live_loader_threads()) <= kept)
     it = iter(loader)
     next(it)
     loader.close()
@@ -519,8 +519,7 @@ def test_read_errors_reach_the_consumer(make_cache: Any, monkeypatch: pytest.Mon
     monkeypatch.setattr(shards, "read_range_raw", broken)
     with pytest.raises(OSError, match="disk on fire"):
         list(ShuffledLoader(shards, batch_size=4))
-    gc.collect()
-    assert live_loader_threads() == []
+    assert collected_until(lambda: live_loader_threads() == [])
 
 
 def test_import_without_torch() -> None:
