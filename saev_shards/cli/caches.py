@@ -5,8 +5,9 @@ from __future__ import annotations
 import argparse
 import sys
 import warnings
+from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, TextIO
 
 import orjson
 
@@ -137,6 +138,31 @@ def _stats_row(info: dict[str, Any]) -> str:
 # ls
 
 
+def _cache_table(
+    entries: Sequence[Any], out: TextIO, problem: Callable[[Any], str], shards_from_metadata: bool = False
+) -> None:
+    """The caches of one root as `ls` shows them, one row each (local and remote roots alike);
+    ``problem`` gives a broken cache's status text."""
+    rows = [("HASH", "MODEL", "DTYPE", "SHAPE", "SHARDS", "SIZE", "STATUS")]
+    for e in entries:
+        md = e.metadata
+        n_shards = e.n_shards
+        if n_shards is None and shards_from_metadata and md:
+            n_shards = md.n_shards
+        rows.append(
+            (
+                e.hash[:12],
+                f"{md.family}:{md.ckpt}" if md else "?",
+                md.dtype if md else "?",
+                f"({', '.join(map(str, md.shape))})" if md else "?",
+                str(n_shards if n_shards is not None else "?"),
+                human_bytes(e.nbytes),
+                "ok" if e.ok else "BROKEN: " + problem(e),
+            )
+        )
+    table(rows, out, indent="  ")
+
+
 def _short_problem(entry: store.CacheEntry) -> str:
     """One line for a table cell: paths inside the cache are shown by file name."""
     text = entry.problem or ""
@@ -209,21 +235,7 @@ def cmd_ls(args: argparse.Namespace) -> int:
             + "\n"
         )
         if entries:
-            rows = [("HASH", "MODEL", "DTYPE", "SHAPE", "SHARDS", "SIZE", "STATUS")]
-            for e in entries:
-                md = e.metadata
-                rows.append(
-                    (
-                        e.hash[:12],
-                        f"{md.family}:{md.ckpt}" if md else "?",
-                        md.dtype if md else "?",
-                        f"({', '.join(map(str, md.shape))})" if md else "?",
-                        str(e.n_shards if e.n_shards is not None else (md.n_shards if md else "?")),
-                        human_bytes(e.nbytes),
-                        "ok" if e.ok else "BROKEN: " + _short_problem(e),
-                    )
-                )
-            table(rows, out, indent="  ")
+            _cache_table(entries, out, _short_problem, shards_from_metadata=True)
         for u in unpublished:
             what = store.KIND_NAMES[u.kind]
             out.write(
@@ -275,21 +287,7 @@ def _ls_remote(roots: list[str], as_json: bool) -> int:
         total = sum(e.nbytes for e in published)
         out.write(f"{root}: {plural(len(published), 'cache')}, {human_bytes(total)}\n")
         if published:
-            rows = [("HASH", "MODEL", "DTYPE", "SHAPE", "SHARDS", "SIZE", "STATUS")]
-            for e in published:
-                md = e.metadata
-                rows.append(
-                    (
-                        e.hash[:12],
-                        f"{md.family}:{md.ckpt}" if md else "?",
-                        md.dtype if md else "?",
-                        f"({', '.join(map(str, md.shape))})" if md else "?",
-                        str(e.n_shards if e.n_shards is not None else "?"),
-                        human_bytes(e.nbytes),
-                        "ok" if e.ok else "BROKEN: " + (e.problem or "?").splitlines()[0],
-                    )
-                )
-            table(rows, out, indent="  ")
+            _cache_table(published, out, lambda e: (e.problem or "?").splitlines()[0])
         for e in entries:
             if not e.published:
                 out.write(

@@ -204,22 +204,21 @@ class BlockCache:
 
     def warn_unwritable(self, err: OSError) -> None:
         """Say once that entries cannot be written here (reads go on from the server and memory)."""
-        if not self._full_warned:
-            self._full_warned = True
-            warnings.warn(
-                f"{self.folder}: cannot write to the block cache ({err}); blocks are read without being kept: "
-                f"set {CACHE_ENV} to a writable folder",
-                stacklevel=3,
-            )
+        self._warn_once(
+            f"cannot write to the block cache ({err}); blocks are read without being kept: "
+            f"set {CACHE_ENV} to a writable folder"
+        )
 
     def _warn_full(self, err: OSError) -> None:
+        self._warn_once(
+            f"the block cache's disk is full ({os.strerror(err.errno or errno.ENOSPC)}); blocks are read without "
+            f"being kept: free some space or set {CACHE_ENV} to another folder"
+        )
+
+    def _warn_once(self, what: str) -> None:
         if not self._full_warned:
             self._full_warned = True
-            warnings.warn(
-                f"{self.folder}: the block cache's disk is full ({os.strerror(err.errno or errno.ENOSPC)}); "
-                f"blocks are read without being kept: free some space or set {CACHE_ENV} to another folder",
-                stacklevel=3,
-            )
+            warnings.warn(f"{self.folder}: {what}", stacklevel=4)
 
     # -- size --------------------------------------------------------------------------------
     def entries(self) -> list[tuple[float, int, Path]]:
