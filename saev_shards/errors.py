@@ -348,6 +348,16 @@ class RemoteAccessDeniedError(RemoteError, PermissionError):
     """Raised when the credentials are valid but the request is denied (403)."""
 
 
+class RemoteTimeoutError(RemoteError, TimeoutError):
+    """Raised when a remote read does not arrive within ``$SAEV_SHARDS_REMOTE_TIMEOUT`` (docs/remote.md)."""
+
+
+class BlockCacheError(ShardsError):
+    """Raised when the block cache cannot be used as configured: ``$SAEV_SHARDS_BLOCK_CACHE_BYTES``
+    is not a size, or its folder belongs to another user and is not shared with a group on
+    purpose (docs/remote.md)."""
+
+
 class RunError(ShardsError):
     """Raised when a run folder cannot be created or is not a run folder."""
 

@@ -20,6 +20,7 @@ from typing import NoReturn
 
 from .. import __version__
 from ..errors import (
+    BlockCacheError,
     CacheInUseError,
     CacheRefError,
     CommandError,
@@ -139,6 +140,8 @@ def _exit_code(err: BaseException) -> int:
         return EXIT_SYSTEM  # a denied request, or the server failing after every retry
     if isinstance(err, (UnknownCacheError, CacheRefError, RunNotFoundError, SourceNotFoundError)):
         return EXIT_NOT_FOUND
+    if isinstance(err, BlockCacheError):
+        return EXIT_USAGE  # the block cache's variables or folder: configured wrongly
     if isinstance(err, (ConfigError, RootNotSetError, RunExistsError, ConvertOptionError, MissingDependencyError)):
         return EXIT_USAGE
     if isinstance(err, (WriterBusyError, CacheInUseError, DiskFullError)):

@@ -8,12 +8,12 @@ and this package never imports the store.
 
 from __future__ import annotations
 
-import contextlib
 import os
 import stat
 import warnings
 from collections.abc import Sequence
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
 
@@ -55,6 +55,9 @@ from ..protocol.jsonfile import load_json, short_repr
 from ..remote.url import is_url
 from .shards import Shards
 from .sidecars import SIDECAR_DIR
+
+if TYPE_CHECKING:
+    from ..remote.blockcache import BlockCache
 
 PathLike = str | os.PathLike[str]
 
@@ -102,25 +105,44 @@ def open(path: PathLike, *, check_hash: bool = True) -> Shards:
 def open_remote(url: str, *, check_hash: bool = True) -> Shards:
     """Open the remote cache at ``url`` by reading its JSON files only (protocol.md 7).
 
-    metadata.json and shards.json are fetched (and blocks.json where the manifest lists it,
-    and the statistics sidecar of the root where there is one) into a local folder of the
-    block cache (`remote.files.local_folder`), then checked exactly as for a local cache,
-    less what needs the data files: they are checked as they are read, every block against
-    its digest (`remote.files.RemoteFiles`), and by `Shards.verify`. Messages name URLs.
+    The URL's segments are checked first (no ``..``: `remote.url.check_url`). metadata.json
+    and shards.json are fetched (and blocks.json where the manifest lists it, and the
+    statistics sidecar of the root where there is one) into a local folder of the block cache
+    (`remote.files.local_folder`), then checked exactly as for a local cache, less what needs
+    the data files: they are checked as they are read, every block against its digest
+    (`remote.files.RemoteFiles`), and by `Shards.verify`. Messages name URLs. Where the block
+    cache cannot be written (a full disk) the JSON files go to a folder in memory, with one
+    warning, and so do the blocks read; so they do when the block cache is disabled
+    (``SAEV_SHARDS_BLOCK_CACHE_BYTES=0``).
     """
-    from ..remote.blockcache import BlockCache
-    from ..remote.client import Client
-    from ..remote.files import RemoteFiles, fetch_json, local_folder
-    from ..remote.url import strip
+    from ..remote.blockcache import BlockCache, Unwritable
+    from ..remote.url import check_url, strip
 
-    url = strip(url)
+    url = strip(check_url(url))
     cache = BlockCache()
-    folder = local_folder(cache, url)
+    try:
+        return _open_remote_in(url, cache, False, check_hash)
+    except Unwritable as err:
+        cache.pause_writes(err.error)  # one warning; the blocks are not written either for now
+    try:
+        return _open_remote_in(url, cache, True, check_hash)
+    except Unwritable as err:
+        raise err.error from None
+
+
+def _open_remote_in(url: str, cache: BlockCache, memory: bool, check_hash: bool) -> Shards:
+    """`open_remote` with the JSON files kept in the block cache, or in memory."""
+    from ..remote.client import Client
+    from ..remote.files import RemoteFiles, fetch_json, forget_json, local_folder
+    from ..remote.url import join_url, split_url
+
+    folder = local_folder(cache, url, memory)
+    mode = 0o600 if memory or cache.disabled else cache.file_mode
     client = Client(url)
 
     def fetch(name: str, max_bytes: int, kind: type[InvalidCacheError]) -> bool:
         try:
-            return fetch_json(client, folder, name, max_bytes)
+            return fetch_json(client, folder, name, max_bytes, mode)
         except JSONFileError as err:
             raise_problems([Problem(kind, str(err))], url)
             raise AssertionError("unreachable") from None
@@ -150,16 +172,14 @@ def open_remote(url: str, *, check_hash: bool = True) -> Shards:
         problems.extend(_check_other_files(folder, md, manifest, on_disk=False))
     raise_problems(_at_url(problems, folder, url), url)
     assert manifest is not None
-    sidecar = f"{SIDECAR_DIR}/{md.hash}.json"
     if manifest.stats is None:  # statistics computed later, kept in the root beside the cache
-        fetch_json(
-            Client(url.rsplit("/", 1)[0]), folder.parent, sidecar, stats_max_bytes(md.n_layers, md.d_model) + 4096
-        )
+        sidecars = Client(join_url(split_url(url)[0], SIDECAR_DIR))
+        cap = stats_max_bytes(md.n_layers, md.d_model) + 4096
+        fetch_json(sidecars, folder.parent / SIDECAR_DIR, f"{md.hash}.json", cap, mode)
     if manifest.blocks is not None:  # protocol 3.1: checked against shards.json on first use
         fetch(manifest.blocks.name, manifest.blocks.nbytes, ManifestError)
     else:
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(folder / BLOCKS_FILE)  # left by another cache of this name
+        forget_json(folder, BLOCKS_FILE)  # left by another cache of this name
     files = RemoteFiles(url, {name: (nbytes, digest) for name, nbytes, digest in manifest.files()}, cache)
     shards = Shards(folder, md, manifest, files=files)
     block_size = shards.block_size

@@ -1,5 +1,5 @@
 """The block cache: verified pieces of remote caches on local disk, bounded in size, shared
-safely by every process of a node.
+safely by every process of a node, private to its owner.
 
 Layout of the folder (``$SAEV_SHARDS_BLOCK_CACHE``, else ``$XDG_CACHE_HOME/saev-shards``,
 else ``~/.cache/saev-shards``)::
@@ -18,28 +18,56 @@ digest when it opens it (xxh3 hashes at tens of GB/s) and discards one that fail
 deleting an entry (trimming) never disturbs a process that holds it open (POSIX keeps the
 file until it is closed), while one that finds it gone fetches it again.
 
+Never outside its folder: the folder itself may be reached through a link (the user's
+choice of where it lives), but nothing inside it is: every folder and entry is opened
+relative to its parent's descriptor with ``O_NOFOLLOW``, so a link (or a file) at the name
+of ``blocks/``, ``tmp/``, ``roots/`` or one of their folders is removed, the link itself and
+never what it leads to, and a real folder made in its place; an entry that is not a regular
+file (a link, a FIFO, a folder) is opened without blocking, found out by ``fstat``,
+discarded and fetched again. A trim removes names inside the folders it opened so.
+
+Private (docs/remote.md, "Who can read the block cache"): it holds data from private
+buckets, so its folders are made 0700 and its files 0600 (entries 0400), an existing folder
+of its owner's with looser modes is made 0700, and a folder that belongs to another user is
+refused (`BlockCacheError`), unless it is shared with a group on purpose: a folder with the
+set-group-ID bit and read, write and search permission for its group and none for others
+(``install -d -m 2770 -g GROUP DIR``), of a group the user is in. In such a folder folders
+are made 2770 and files 0660 (entries 0440).
+
 Bounded: after every ``limit / 32`` bytes a process inserts, it trims the cache back to
 90 % of the limit, oldest use first (an entry's modification time is set on each open), under
 an exclusive lock that no reader waits for. Between two trims the cache can exceed the
-limit by what the processes inserted meanwhile.
+limit by what the processes inserted meanwhile. A limit of 0 is no disk cache at all:
+nothing is written under the folder, and the JSON files of the caches opened go to
+`memory_folder`. A full disk (or a folder that cannot be written) leaves the reads going
+from memory, with one warning per process.
 """
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import errno
+import grp
 import hashlib
 import mmap
 import os
+import pwd
+import re
+import shutil
+import stat
+import tempfile
 import threading
 import time
 import warnings
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import xxhash
 
-from ..fileio import DIRECT_ALIGN, DISK_FULL_ERRNOS, free_bytes, open_direct, pwrite_direct, take_lock
+from ..errors import BlockCacheError
+from ..fileio import DIRECT_ALIGN, DISK_FULL_ERRNOS, file_kind, free_bytes, pwrite_direct, try_flock
 
 CACHE_ENV = "SAEV_SHARDS_BLOCK_CACHE"
 LIMIT_ENV = "SAEV_SHARDS_BLOCK_CACHE_BYTES"
@@ -49,6 +77,16 @@ DEFAULT_LIMIT = 64 << 30
 TRIM_TO = 0.9
 #: Temporary files older than this were left by a killed process; a trim removes them.
 STALE_SECONDS = 3600
+#: After a full disk, no entry is written for this long (each try would trim and fail again).
+FULL_PAUSE = 10.0
+#: Modes of folders, of files, and of entries (read-only once written): a private cache, and
+#: one shared with its folder's group on purpose (module docstring).
+PRIVATE_MODES = (0o700, 0o600, 0o400)
+SHARED_MODES = (0o2770, 0o660, 0o440)
+
+_OPEN_DIR = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
+_SIZE_RE = re.compile(r"(\d{1,20})\s*([kmgt]?)(?:i?b)?", re.IGNORECASE)
+_UNITS = {"": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40}
 
 
 def default_folder() -> Path:
@@ -60,17 +98,20 @@ def default_folder() -> Path:
     return Path(base).absolute() / "saev-shards"
 
 
+def parse_limit(text: str, what: str = f"${LIMIT_ENV}") -> int:
+    """Bytes from ``"64G"``, ``"512MiB"`` or plain bytes (binary units); 0 is no disk cache.
+    `BlockCacheError` naming ``what`` for anything else."""
+    match = _SIZE_RE.fullmatch(text.strip())
+    if match is None:
+        raise BlockCacheError(
+            f"{what}: expected a size in bytes (like 64G, 512M or 1073741824; 0 for no disk cache), found {text!r:.60}"
+        )
+    return int(match.group(1)) * _UNITS[match.group(2).lower()]
+
+
 def _limit_from_env() -> int | None:
     value = os.environ.get(LIMIT_ENV, "")
-    if not value:
-        return None
-    try:
-        limit = int(value)
-    except ValueError:
-        raise ValueError(f"${LIMIT_ENV}: expected a number of bytes, found {value!r}") from None
-    if limit < 1:
-        raise ValueError(f"${LIMIT_ENV}: expected a number of bytes >= 1, found {limit}")
-    return limit
+    return parse_limit(value) if value.strip() else None
 
 
 def digest_of(fd: int, nbytes: int) -> str:
@@ -83,11 +124,41 @@ def digest_of(fd: int, nbytes: int) -> str:
         return xxhash.xxh3_128_hexdigest(view)
 
 
+class TempEntry:
+    """A temporary entry being written (`BlockCache.writing`): its key, the descriptor of
+    ``tmp/``, its name there, its own descriptor, and whether it was committed."""
+
+    __slots__ = ("committed", "dir_fd", "fd", "key", "name")
+
+    def __init__(self, key: str, dir_fd: int, name: str, fd: int) -> None:
+        self.key = key
+        self.dir_fd = dir_fd
+        self.name = name
+        self.fd = fd
+        self.committed = False
+
+
+class Unwritable(Exception):
+    """A local write for the block cache failed (`error`: the `OSError`): a full disk, a folder
+    that cannot be written. Callers fall back to memory (`memory_folder`)."""
+
+    def __init__(self, error: OSError) -> None:
+        super().__init__(str(error))
+        self.error = error
+
+
+#: Folders (with the kind of problem) this process has warned about: one warning each.
+_WARNED: set[str] = set()
+_WARNED_LOCK = threading.Lock()
+
+
 class BlockCache:
     """A folder of verified entries (module docstring). Pickles as its folder and limit."""
 
     def __init__(self, folder: str | os.PathLike[str] | None = None, limit: int | None = None) -> None:
         self.folder = Path(folder).absolute() if folder is not None else default_folder()
+        if limit is not None and (isinstance(limit, bool) or not isinstance(limit, int) or limit < 0):
+            raise BlockCacheError(f"block cache limit: expected a number of bytes >= 0, found {limit!r:.40}")
         self._given_limit = limit if limit is not None else _limit_from_env()
         self._reset()
 
@@ -95,7 +166,8 @@ class BlockCache:
         self._limit: int | None = None
         self._lock = threading.Lock()
         self._pending = 0
-        self._full_warned = False
+        self._modes: tuple[int, int, int] | None = None
+        self._paused_until = 0.0
 
     def __getstate__(self) -> dict[str, Any]:
         return {"folder": self.folder, "_given_limit": self._given_limit}
@@ -103,6 +175,11 @@ class BlockCache:
     def __setstate__(self, state: dict[str, Any]) -> None:
         self.__dict__.update(state)
         self._reset()
+
+    @property
+    def disabled(self) -> bool:
+        """A limit of 0: no disk cache (nothing is written under the folder)."""
+        return self._given_limit == 0
 
     @property
     def limit(self) -> int:
@@ -116,120 +193,234 @@ class BlockCache:
                 self._limit = DEFAULT_LIMIT if free is None else max(1 << 30, min(DEFAULT_LIMIT, free // 2))
         return self._limit
 
+    @property
+    def modes(self) -> tuple[int, int, int]:
+        """``(folders, files, entries)`` modes: `PRIVATE_MODES`, or `SHARED_MODES` in a folder
+        shared with a group on purpose (checked, and the folder made, on first use)."""
+        if self._modes is None:
+            self._modes = _check_folder(self.folder)
+        return self._modes
+
     def path(self, key: str) -> Path:
         return self.folder / "blocks" / key[-2:] / key
 
-    def roots(self) -> Path:
-        """Where the JSON files of remote caches opened here are kept (`files.manifest_folder`)."""
-        return self.folder / "roots"
+    # -- folders -----------------------------------------------------------------------------
+    @contextlib.contextmanager
+    def _dir(self, *names: str, create: bool = True) -> Iterator[int | None]:
+        """A descriptor of ``<folder>/<names...>``, each step opened without following a link
+        (made, or remade in place of a link or a file, with ``create``); None when a step is
+        missing and not ``create``."""
+        dir_mode = self.modes[0]
+        fd: int | None = os.open(self.folder, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)  # may be a link
+        try:
+            for name in names:
+                assert fd is not None
+                sub = _subdir(fd, name, dir_mode if create else None)
+                os.close(fd)
+                fd = sub
+                if fd is None:
+                    break
+            yield fd
+        finally:
+            if fd is not None:
+                os.close(fd)
 
-    def tmp_path(self, key: str) -> Path:
-        """A temporary name for an entry being written (unique to this process and thread)."""
-        tmp = self.folder / "tmp"
-        tmp.mkdir(parents=True, exist_ok=True)
-        return tmp / f"{key}.{os.getpid()}.{threading.get_ident()}.tmp"
+    def json_folder(self, root: str, name: str, memory: bool = False) -> Path:
+        """``roots/<id of root>/<name>`` made, its ``.stats`` beside it, no link followed on the
+        way (in `memory_folder` with ``memory``, or when the cache is `disabled`): where
+        `files.local_folder` keeps the JSON files of a remote cache. `Unwritable` when the
+        folders cannot be made here."""
+        top = memory_folder() if memory or self.disabled else self.folder
+        try:
+            dir_mode = PRIVATE_MODES[0] if top != self.folder else self.modes[0]
+            fd = os.open(top, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+            try:
+                for step in ("roots", root_id(root)):
+                    sub = _subdir(fd, step, dir_mode)
+                    os.close(fd)
+                    assert sub is not None
+                    fd = sub
+                for last in (".stats", name):
+                    made = _subdir(fd, last, dir_mode)
+                    assert made is not None
+                    os.close(made)
+            finally:
+                os.close(fd)
+        except OSError as err:
+            raise Unwritable(err) from None
+        return top / "roots" / root_id(root) / name
+
+    @property
+    def file_mode(self) -> int:
+        """The mode of the JSON files kept under ``roots/`` (0600, or 0660 when shared)."""
+        return self.modes[1]
 
     # -- entries -----------------------------------------------------------------------------
     def open(self, key: str, nbytes: int, digest: str) -> int | None:
-        """A descriptor of entry ``key`` if it holds exactly ``nbytes`` bytes whose xxh3_128 is
-        ``digest``; None when it is missing or fails (a failing entry is removed)."""
-        path = self.path(key)
-        try:
-            fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
-        except (FileNotFoundError, NotADirectoryError):
+        """A descriptor of entry ``key`` if it is a regular file of exactly ``nbytes`` bytes whose
+        xxh3_128 is ``digest``; None when it is missing or fails (a failing entry, or anything
+        else at its name, is removed: never through a link, and never blocking on a FIFO)."""
+        if self.disabled:
             return None
         try:
-            st = os.fstat(fd)
-            if st.st_size != nbytes or digest_of(fd, nbytes) != digest:
-                self._discard(path, st)
-                os.close(fd)
-                return None
-        except BaseException:
-            os.close(fd)
-            raise
-        with contextlib.suppress(OSError):
-            os.utime(path)  # used now: trims remove the oldest first
-        return fd
+            with self._dir("blocks", key[-2:], create=False) as dfd:
+                if dfd is None:
+                    return None
+                try:
+                    fd = os.open(key, os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW | os.O_NONBLOCK, dir_fd=dfd)
+                except FileNotFoundError:
+                    return None
+                except OSError as err:
+                    if err.errno == errno.ELOOP:  # a link: removed (the link, not what it leads to)
+                        _remove(dfd, key, None)
+                    return None  # unreadable here (another member's entry): fetched again
+                try:
+                    st = os.fstat(fd)
+                    if not stat.S_ISREG(st.st_mode) or st.st_size != nbytes or digest_of(fd, nbytes) != digest:
+                        os.close(fd)
+                        _remove(dfd, key, st)
+                        return None
+                except BaseException:
+                    with contextlib.suppress(OSError):
+                        os.close(fd)
+                    raise
+                with contextlib.suppress(OSError):
+                    os.utime(fd)  # used now: trims remove the oldest first
+                return fd
+        except OSError as err:
+            if err.errno in (errno.EMFILE, errno.ENFILE):
+                raise
+            return None  # the folder cannot be read: the block is fetched (and kept if it can be)
 
     def insert(self, key: str, data: Any) -> int | None:
         """Store ``data`` (verified bytes) as entry ``key``; a descriptor of it, or None when the
-        disk is full even after a trim (the caller serves ``data`` from memory)."""
+        cache is `disabled` or the disk is full even after a trim (the caller serves ``data``
+        from memory; one warning per process)."""
+        if self.disabled or self.paused:
+            return None
         view = memoryview(data).cast("B")
         for attempt in range(2):
-            tmp = self.tmp_path(key)
             try:
-                fd = os.open(tmp, os.O_RDWR | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600)
-                try:
-                    _write_entry(tmp, fd, view)
-                except BaseException:
-                    os.close(fd)
-                    raise
+                with self.writing(key) as tmp:
+                    _write_entry(tmp.fd, view)
+                    return self.commit(tmp)
             except OSError as err:
-                with contextlib.suppress(OSError):
-                    os.unlink(tmp)
                 if err.errno not in DISK_FULL_ERRNOS:
                     raise
                 if attempt == 0:
-                    self.trim(target=0.5)
+                    with contextlib.suppress(OSError):
+                        self.trim(target=0.5)
                     continue
-                self._warn_full(err)
-                return None
-            return self._commit(tmp, key, fd, view.nbytes)
+                self.pause_writes(err)
         return None
 
-    def commit_file(self, tmp: Path, key: str) -> int:
-        """Publish the complete, verified temporary file ``tmp`` (from `tmp_path`) as entry ``key``."""
-        fd = os.open(tmp, os.O_RDONLY | os.O_CLOEXEC)
-        return self._commit(tmp, key, fd, os.fstat(fd).st_size)
+    @property
+    def paused(self) -> bool:
+        """Whether entries are not written for now (`pause_writes`)."""
+        return time.monotonic() < self._paused_until
 
-    def _commit(self, tmp: Path, key: str, fd: int, nbytes: int) -> int:
-        path = self.path(key)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        os.replace(tmp, path)  # another process may have put the same bytes there: either is right
-        with self._lock:
+    @contextlib.contextmanager
+    def writing(self, key: str) -> Iterator[TempEntry]:
+        """A new temporary entry for ``key`` in ``tmp/``, open for reading and writing: `commit`
+        it inside the block; otherwise (an error, a mismatch) it is closed and removed."""
+        with self._dir("tmp") as tmp_fd:
+            assert tmp_fd is not None
+            name = f"{key}.{os.getpid()}.{threading.get_ident()}.tmp"
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(name, dir_fd=tmp_fd)  # left by a killed thread of a process with our pid
+            flags = os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
+            tmp = TempEntry(key, tmp_fd, name, os.open(name, flags, PRIVATE_MODES[1], dir_fd=tmp_fd))
+            try:
+                yield tmp
+            finally:
+                if not tmp.committed:
+                    os.close(tmp.fd)
+                    with contextlib.suppress(OSError):
+                        os.unlink(name, dir_fd=tmp_fd)
+
+    def commit(self, tmp: TempEntry) -> int:
+        """Publish the complete, verified temporary entry ``tmp`` (from `writing`): made read-only
+        and renamed into ``blocks/``. Returns its descriptor (the caller's to close)."""
+        os.fchmod(tmp.fd, self.modes[2])
+        nbytes = os.fstat(tmp.fd).st_size
+        with self._dir("blocks", tmp.key[-2:]) as dfd:
+            assert dfd is not None
+            try:
+                os.replace(tmp.name, tmp.key, src_dir_fd=tmp.dir_fd, dst_dir_fd=dfd)
+            except OSError as err:
+                if err.errno not in (errno.EISDIR, errno.ENOTEMPTY, errno.EEXIST):
+                    raise
+                _remove(dfd, tmp.key, None)  # a folder at the entry's name
+                os.replace(tmp.name, tmp.key, src_dir_fd=tmp.dir_fd, dst_dir_fd=dfd)
+        tmp.committed = True
+        with self._lock:  # another process may have put the same bytes there: either is right
             self._pending += nbytes
             due = self._pending >= max(1, self.limit // 32)
             if due:
                 self._pending = 0
         if due:
-            self.trim()
-        return fd
+            with contextlib.suppress(OSError):  # trimming is housekeeping: never fails a read
+                self.trim()
+        return tmp.fd
 
-    def _discard(self, path: Path, bad: os.stat_result) -> None:
-        """Remove a failing entry, unless another process has replaced it meanwhile."""
-        with contextlib.suppress(OSError):
-            now = os.stat(path)
-            if (now.st_dev, now.st_ino) == (bad.st_dev, bad.st_ino):
-                os.unlink(path)
+    def pause_writes(self, err: OSError) -> None:
+        """Write no entry for `FULL_PAUSE` seconds after a write failed (each try would fail
+        again: a full disk, a folder that cannot be written); say so once."""
+        self._paused_until = time.monotonic() + FULL_PAUSE
+        self.warn_unwritable(err)
 
     def warn_unwritable(self, err: OSError) -> None:
         """Say once that entries cannot be written here (reads go on from the server and memory)."""
+        if err.errno in DISK_FULL_ERRNOS:
+            self.warn_full(err)
+            return
         self._warn_once(
-            f"cannot write to the block cache ({err}); blocks are read without being kept: "
-            f"set {CACHE_ENV} to a writable folder"
+            f"cannot write to the block cache ({err.strerror or err}); blocks are read without being kept "
+            f"(from memory): set {CACHE_ENV} to a writable folder"
         )
 
-    def _warn_full(self, err: OSError) -> None:
+    def warn_full(self, err: OSError) -> None:
         self._warn_once(
             f"the block cache's disk is full ({os.strerror(err.errno or errno.ENOSPC)}); blocks are read without "
-            f"being kept: free some space or set {CACHE_ENV} to another folder"
+            f"being kept (from memory): free some space or set {CACHE_ENV} to another folder"
         )
 
     def _warn_once(self, what: str) -> None:
-        if not self._full_warned:
-            self._full_warned = True
-            warnings.warn(f"{self.folder}: {what}", stacklevel=4)
+        with _WARNED_LOCK:
+            if str(self.folder) in _WARNED:
+                return
+            _WARNED.add(str(self.folder))
+        warnings.warn(f"{self.folder}: {what}", stacklevel=4)
 
     # -- size --------------------------------------------------------------------------------
     def entries(self) -> list[tuple[float, int, Path]]:
         """``(last use, size, path)`` of every entry."""
-        out = []
-        for sub in _scan(self.folder / "blocks"):
-            for e in _scan(Path(sub.path)):
-                with contextlib.suppress(FileNotFoundError):
-                    st = e.stat(follow_symlinks=False)
-                    out.append((st.st_mtime, st.st_size, Path(e.path)))
-        return out
+        with self._scan_entries() as found:
+            return [(mtime, size, self.folder / "blocks" / sub / name) for mtime, size, sub, name, _ in found]
+
+    @contextlib.contextmanager
+    def _scan_entries(self) -> Iterator[list[tuple[float, int, str, str, int]]]:
+        """``(last use, size, folder name, entry name, folder descriptor)`` of every entry, the
+        folders open (none through a link) until the block ends."""
+        fds: list[int] = []
+        out: list[tuple[float, int, str, str, int]] = []
+        try:
+            with self._dir("blocks", create=False) as blocks:
+                if blocks is not None:
+                    for sub in _names(blocks):
+                        try:
+                            sfd = os.open(sub, _OPEN_DIR, dir_fd=blocks)
+                        except OSError:
+                            continue  # not a folder (a link, a file): nothing of it is an entry
+                        fds.append(sfd)
+                        for name in _names(sfd):
+                            with contextlib.suppress(OSError):
+                                st = os.stat(name, dir_fd=sfd, follow_symlinks=False)
+                                out.append((st.st_mtime, st.st_size, sub, name, sfd))
+            yield out
+        finally:
+            for fd in fds:
+                os.close(fd)
 
     def usage(self) -> int:
         """Bytes the entries hold now."""
@@ -238,56 +429,255 @@ class BlockCache:
     def trim(self, target: float = TRIM_TO) -> int:
         """Remove the least recently used entries until the cache holds at most ``target`` of its
         limit (when it holds more than the limit, or ``target`` < `TRIM_TO`), and temporary files
-        left by killed processes. Returns the bytes removed; 0 when another process is trimming."""
-        self.folder.mkdir(parents=True, exist_ok=True)
-        lock = take_lock(self.folder / "trim.lock")
+        left by killed processes. Returns the bytes removed; 0 when another process is trimming.
+        Only names inside the cache's own folders are removed (module docstring)."""
+        if self.disabled:
+            return 0
+        with self._dir() as top:
+            assert top is not None
+            lock = _lock_file(top, "trim.lock", self.modes[1])
         if lock is None:
             return 0
         try:
             now = time.time()
-            for e in _scan(self.folder / "tmp"):
-                with contextlib.suppress(OSError):
-                    if now - e.stat(follow_symlinks=False).st_mtime > STALE_SECONDS:
-                        os.unlink(e.path)
-            entries = sorted(self.entries())
-            total = sum(size for _, size, _ in entries)
-            if total <= self.limit and target >= TRIM_TO:
-                return 0
-            goal = int(self.limit * target)
-            removed = 0
-            for _, size, path in entries:
-                if total - removed <= goal:
-                    break
-                with contextlib.suppress(FileNotFoundError):
-                    os.unlink(path)
-                    removed += size
-            return removed
+            with self._dir("tmp", create=False) as tmp:
+                for name in _names(tmp) if tmp is not None else []:
+                    assert tmp is not None
+                    with contextlib.suppress(OSError):
+                        st = os.stat(name, dir_fd=tmp, follow_symlinks=False)
+                        if now - st.st_mtime > STALE_SECONDS:
+                            _remove(tmp, name, st)
+            with self._scan_entries() as found:
+                found.sort()
+                total = sum(e[1] for e in found)
+                if total <= self.limit and target >= TRIM_TO:
+                    return 0
+                goal = int(self.limit * target)
+                removed = 0
+                for _, size, _, name, dfd in found:
+                    if total - removed <= goal:
+                        break
+                    with contextlib.suppress(FileNotFoundError):
+                        os.unlink(name, dir_fd=dfd)
+                        removed += size
+                return removed
         finally:
             os.close(lock)
 
 
-def _write_entry(tmp: Path, fd: int, view: memoryview) -> None:
-    """Write a new entry's bytes into ``tmp`` (open as ``fd``) and make it read-only: whole
-    4 KiB blocks with O_DIRECT where the filesystem allows it and ``view`` is page-aligned (the
-    pooled buffers of `files` are), so that storing a block costs no copy into the page cache
-    and never pushes out what the node's readers have cached; the rest buffered."""
-    direct = open_direct(tmp) if view.nbytes >= DIRECT_ALIGN else None
+def _check_folder(folder: Path) -> tuple[int, int, int]:
+    """Make the block cache's folder (0700) or check the one there: a folder of this user's
+    (made 0700 when its modes are looser), or one shared with a group on purpose. Returns its
+    modes (`PRIVATE_MODES` or `SHARED_MODES`); `BlockCacheError` for anything else."""
+    try:
+        os.makedirs(folder.parent, exist_ok=True)
+        with contextlib.suppress(FileExistsError):
+            os.mkdir(folder, PRIVATE_MODES[0])
+        st = os.stat(folder)  # the folder itself may be reached through a link
+    except OSError as err:
+        if err.errno in (errno.ENOTDIR, errno.EEXIST):
+            raise BlockCacheError(f"{folder}: cannot make the block cache's folder here: {err.strerror}") from None
+        raise
+    if not stat.S_ISDIR(st.st_mode):
+        raise BlockCacheError(f"{folder}: expected a folder for the block cache, found {file_kind(st.st_mode)}")
+    mode = stat.S_IMODE(st.st_mode)
+    if mode & stat.S_ISGID and mode & 0o070 == 0o070:  # shared with its group on purpose
+        if mode & 0o007:
+            raise BlockCacheError(
+                f"{folder}: a block cache shared with a group is open to every user too (mode {mode:o}): "
+                f"chmod o-rwx {folder}, or set {CACHE_ENV} to a folder of your own"
+            )
+        if st.st_gid != os.getegid() and st.st_gid not in os.getgroups():
+            raise BlockCacheError(
+                f"{folder}: this block cache is shared with group {_group(st.st_gid)}, which you are not in: "
+                f"set {CACHE_ENV} to a folder of your own"
+            )
+        return SHARED_MODES
+    if st.st_uid != os.geteuid():
+        raise BlockCacheError(
+            f"{folder}: the block cache's folder belongs to user {_user(st.st_uid)}, not to you "
+            f"(its blocks could be theirs to read and change): set {CACHE_ENV} to a folder of your own, "
+            f"or share one with a group on purpose (docs/remote.md: install -d -m 2770 -g GROUP DIR)"
+        )
+    if mode & 0o077:  # made by an earlier version (0755), or by hand: private from now on
+        os.chmod(folder, PRIVATE_MODES[0])
+    return PRIVATE_MODES
+
+
+def _user(uid: int) -> str:
+    try:
+        return f"{pwd.getpwuid(uid).pw_name} ({uid})"
+    except KeyError:
+        return str(uid)
+
+
+def _group(gid: int) -> str:
+    try:
+        return f"{grp.getgrgid(gid).gr_name} ({gid})"
+    except KeyError:
+        return str(gid)
+
+
+def _subdir(parent: int, name: str, mode: int | None) -> int | None:
+    """A descriptor of folder ``name`` in the folder ``parent``, never through a link. With
+    ``mode``, made when missing, and a link or anything else at its name removed (the link
+    itself) and a folder made in its place; without, None when it is not a folder."""
+    for _ in range(8):
+        try:
+            return os.open(name, _OPEN_DIR, dir_fd=parent)
+        except FileNotFoundError:
+            if mode is None:
+                return None
+            with contextlib.suppress(FileExistsError):
+                os.mkdir(name, mode, dir_fd=parent)
+                fd = os.open(name, _OPEN_DIR, dir_fd=parent)
+                if stat.S_IMODE(os.fstat(fd).st_mode) != mode:
+                    os.fchmod(fd, mode)  # the umask took group permissions of a shared cache
+                return fd
+        except OSError as err:
+            if err.errno not in (errno.ELOOP, errno.ENOTDIR):
+                raise
+            if mode is None:
+                return None
+            _remove(parent, name, None)  # a link, a file, a FIFO: never what a link leads to
+    raise OSError(errno.EAGAIN, f"{name}: replaced again and again while being made a folder")
+
+
+def _remove(parent: int, name: str, bad: os.stat_result | None) -> None:
+    """Remove ``name`` from the folder ``parent`` (a link itself, never what it leads to; a
+    folder with what it holds), unless ``bad`` is given and another process has replaced it."""
+    with contextlib.suppress(OSError):
+        now = os.stat(name, dir_fd=parent, follow_symlinks=False)
+        if bad is not None and (now.st_dev, now.st_ino) != (bad.st_dev, bad.st_ino):
+            return
+        if stat.S_ISDIR(now.st_mode):
+            shutil.rmtree(name, dir_fd=parent)  # descriptor-based: never follows a link inside
+        else:
+            os.unlink(name, dir_fd=parent)
+
+
+def _names(fd: int) -> list[str]:
+    """The names in the open folder ``fd``."""
+    try:
+        with os.scandir(fd) as it:
+            return [e.name for e in it]
+    except OSError:
+        return []
+
+
+def _lock_file(parent: int, name: str, mode: int) -> int | None:
+    """``flock`` the file ``name`` of ``parent`` without waiting (never through a link): its
+    descriptor, or None if another process holds it."""
+    for _ in range(8):
+        try:
+            flags = os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
+            fd = os.open(name, flags, mode, dir_fd=parent)
+        except OSError as err:
+            if err.errno not in (errno.ELOOP, errno.EISDIR, errno.ENXIO):
+                raise
+            _remove(parent, name, None)
+            continue
+        if not stat.S_ISREG(os.fstat(fd).st_mode):  # a FIFO opened without blocking
+            os.close(fd)
+            _remove(parent, name, None)
+            continue
+        if try_flock(fd):
+            return fd
+        os.close(fd)
+        return None
+    return None
+
+
+def _write_entry(fd: int, view: memoryview) -> None:
+    """Write a new entry's bytes into ``fd`` (a new temporary file): whole 4 KiB blocks with
+    O_DIRECT where the filesystem allows it and ``view`` is page-aligned (the pooled buffers of
+    `files` are), so that storing a block costs no copy into the page cache and never pushes
+    out what the node's readers have cached; the rest buffered."""
+    direct = _reopen_direct(fd) if view.nbytes >= DIRECT_ALIGN else None
     try:
         pwrite_direct(direct, fd, view, 0)
     finally:
         if direct is not None:
             os.close(direct)
-    os.fchmod(fd, 0o444)
 
 
-def _scan(folder: Path) -> list[os.DirEntry[str]]:
+def _reopen_direct(fd: int) -> int | None:
+    """The file open as ``fd`` opened again for writing with O_DIRECT (through ``/proc``: the
+    very file, whatever its folder's name leads to now); None where that is refused (tmpfs,
+    some network filesystems, systems without O_DIRECT or ``/proc``)."""
+    flag = getattr(os, "O_DIRECT", 0)
+    if not flag:
+        return None
     try:
-        with os.scandir(folder) as it:
-            return list(it)
-    except (FileNotFoundError, NotADirectoryError):
-        return []
+        return os.open(f"/proc/self/fd/{fd}", os.O_WRONLY | os.O_CLOEXEC | flag)
+    except OSError:
+        return None
 
 
 def root_id(url: str) -> str:
     """A short, stable folder name for a remote root (its URL hashed)."""
     return hashlib.sha256(url.encode()).hexdigest()[:16]
+
+
+# --------------------------------------------------------------------------------------
+# the folder in memory: JSON files of remote caches when no disk cache can hold them
+
+_MEMORY_PREFIX = "saev-shards-"
+_MEMORY: dict[int, Path] = {}
+_MEMORY_LOCK = threading.Lock()
+
+
+def memory_folder() -> Path:
+    """A folder private to this process in memory (``/dev/shm``, else the temporary folder),
+    removed when the process ends: where the JSON files of remote caches go when the block
+    cache is `BlockCache.disabled` or cannot be written (a full disk). Folders left by killed
+    processes of this user are removed when the next one is made."""
+    pid = os.getpid()
+    with _MEMORY_LOCK:
+        folder = _MEMORY.get(pid)
+        if folder is None or not folder.is_dir():
+            shm = Path("/dev/shm")  # noqa: S108 - a private folder made in it by mkdtemp (0700)
+            base = str(shm) if shm.is_dir() and os.access(shm, os.W_OK | os.X_OK) else None
+            folder = Path(tempfile.mkdtemp(prefix=f"{_MEMORY_PREFIX}{pid}-", dir=base))
+            _MEMORY[pid] = folder
+            atexit.register(_remove_memory_folder, folder, pid)
+            _remove_stale(folder.parent)
+    return folder
+
+
+def _remove_memory_folder(folder: Path, pid: int) -> None:
+    if os.getpid() == pid:  # a forked child runs its parent's exit handlers too
+        shutil.rmtree(folder, ignore_errors=True)
+
+
+def _remove_stale(base: Path) -> None:
+    """Remove the memory folders of this user's processes that are gone."""
+    for name in _names_in(base):
+        if not name.startswith(_MEMORY_PREFIX):
+            continue
+        pid_text = name[len(_MEMORY_PREFIX) :].split("-", 1)[0]
+        if not pid_text.isdigit() or int(pid_text) == os.getpid():
+            continue
+        path = base / name
+        with contextlib.suppress(OSError):
+            st = os.lstat(path)
+            if not stat.S_ISDIR(st.st_mode) or st.st_uid != os.geteuid() or _alive(int(pid_text)):
+                continue
+            shutil.rmtree(path, ignore_errors=True)
+
+
+def _names_in(folder: Path) -> list[str]:
+    try:
+        return os.listdir(folder)
+    except OSError:
+        return []
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except OSError:
+        return True
+    return True

@@ -17,6 +17,7 @@ region (`RemoteRegionError`), a denied request (`RemoteAccessDeniedError`).
 from __future__ import annotations
 
 import datetime
+import math
 import os
 import re
 from collections.abc import Callable, Iterator
@@ -29,9 +30,10 @@ from ..errors import (
     RemoteCredentialsError,
     RemoteError,
     RemoteRegionError,
+    RemoteTimeoutError,
 )
 from ..optional import require
-from .url import join_url, scheme, strip
+from .url import check_url, join_url, scheme, strip
 
 #: Requests in flight per process (ranged reads, uploaded parts); override with this variable.
 REQUESTS_ENV = "SAEV_SHARDS_REMOTE_REQUESTS"
@@ -42,8 +44,15 @@ DEFAULT_RETRIES = 8
 #: The first wait before a retry; each next one doubles, with jitter, up to `MAX_BACKOFF`.
 FIRST_BACKOFF = datetime.timedelta(milliseconds=100)
 MAX_BACKOFF = datetime.timedelta(seconds=10)
-#: No retry starts later than this after the request was first sent.
-RETRY_TIMEOUT = datetime.timedelta(minutes=2)
+#: Seconds a request may take, from connecting to its body's last byte, per `TIMEOUT_BYTES` it
+#: asks for (rounded up to a power of two of them, at least one): ``$SAEV_SHARDS_REMOTE_TIMEOUT``.
+#: A unit of a read (`files`) gets as long in all, every fetch and wait included.
+TIMEOUT_ENV = "SAEV_SHARDS_REMOTE_TIMEOUT"
+DEFAULT_TIMEOUT = 30.0
+TIMEOUT_BYTES = 16 << 20
+#: The client's own retries of a request start no later than this many of its timeouts after
+#: its first try (2 minutes for a request of up to 16 MiB, by default).
+RETRY_TIMEOUTS = 4
 #: Size of one uploaded part (and of one piece of a whole-file download).
 PART_BYTES = 16 << 20
 #: Pieces of a ranged read copied into the caller's buffer (`Client.read_into`): small enough
@@ -58,6 +67,32 @@ T = TypeVar("T")
 def requests_in_flight() -> int:
     """Requests one process keeps in flight: ``$SAEV_SHARDS_REMOTE_REQUESTS``, else 16."""
     return _positive_env(REQUESTS_ENV, DEFAULT_REQUESTS)
+
+
+def timeout() -> float:
+    """``$SAEV_SHARDS_REMOTE_TIMEOUT`` (seconds per 16 MiB asked for), else 30; `RemoteError`
+    naming the variable for anything but a number of seconds > 0."""
+    value = os.environ.get(TIMEOUT_ENV, "")
+    if not value.strip():
+        return DEFAULT_TIMEOUT
+    try:
+        seconds = float(value)
+    except ValueError:
+        seconds = math.nan
+    if not (seconds > 0 and math.isfinite(seconds)):
+        raise RemoteError(f"${TIMEOUT_ENV}: expected a number of seconds > 0, found {value!r:.40}")
+    return seconds
+
+
+def _multiple(nbytes: int) -> int:
+    """How many timeouts a request of ``nbytes`` gets: a power of two, at least 1."""
+    need = max(1, -(-nbytes // TIMEOUT_BYTES))
+    return 1 << (need - 1).bit_length()
+
+
+def allowance(nbytes: int) -> float:
+    """Seconds a request of ``nbytes`` may take, and a unit of that many bytes in all."""
+    return timeout() * _multiple(nbytes)
 
 
 def _positive_env(name: str, default: int) -> int:
@@ -79,8 +114,8 @@ class Client:
     """
 
     def __init__(self, root: str) -> None:
-        self.root = strip(root)
-        self._store: Any = None
+        self.root = strip(check_url(root))
+        self._stores: dict[int, Any] = {}
         self._pid = -1
 
     def __getstate__(self) -> dict[str, Any]:
@@ -99,12 +134,22 @@ class Client:
 
     @property
     def store(self) -> Any:
-        if self._store is None or self._pid != os.getpid():
-            self._store = self._make_store()
-            self._pid = os.getpid()
-        return self._store
+        """The store for requests of up to `TIMEOUT_BYTES` (JSON files, listings, parts)."""
+        return self.store_for(0)
 
-    def _make_store(self) -> Any:
+    def store_for(self, nbytes: int) -> Any:
+        """The store whose requests may take `allowance` ``(nbytes)`` (one per power of two of
+        `TIMEOUT_BYTES`, each with its own connections)."""
+        if self._pid != os.getpid():
+            self._stores = {}
+            self._pid = os.getpid()
+        m = _multiple(nbytes)
+        store = self._stores.get(m)
+        if store is None:
+            store = self._stores[m] = self._make_store(timeout() * m)
+        return store
+
+    def _make_store(self, seconds: float) -> Any:
         _obstore()
         from obstore.store import HTTPStore, S3Store, from_url
 
@@ -112,14 +157,15 @@ class Client:
         retry: Any = {
             "max_retries": retries,
             "backoff": {"init_backoff": FIRST_BACKOFF, "max_backoff": MAX_BACKOFF, "base": 2},
-            "retry_timeout": RETRY_TIMEOUT,
+            "retry_timeout": datetime.timedelta(seconds=seconds * RETRY_TIMEOUTS),
         }
+        limit: Any = {"timeout": datetime.timedelta(seconds=seconds)}
         kind = scheme(self.root)
         try:
             if kind in ("s3", "s3a"):
                 bucket, _, prefix = self.root.split("://", 1)[1].partition("/")
                 endpoint = os.environ.get("AWS_ENDPOINT_URL_S3") or os.environ.get("AWS_ENDPOINT_URL") or ""
-                options: Any = {"allow_http": True} if endpoint.startswith("http://") else None
+                options: Any = {**limit, "allow_http": True} if endpoint.startswith("http://") else limit
                 region: Any = {} if _env_region() else {"region": "us-east-1"}  # S3's default, as the AWS CLI
                 return S3Store(
                     bucket,
@@ -130,16 +176,21 @@ class Client:
                     **region,
                 )
             if kind in ("http", "https"):
-                return HTTPStore.from_url(self.root, client_options={"allow_http": kind == "http"}, retry_config=retry)
-            return from_url(self.root, retry_config=retry)
+                http: Any = {**limit, "allow_http": kind == "http"}
+                return HTTPStore.from_url(self.root, client_options=http, retry_config=retry)
+            return from_url(self.root, client_options=limit, retry_config=retry)
         except Exception as err:  # a configuration obstore refuses (a bad variable, a bad URL)
             raise RemoteError(f"{self.root}: cannot use this location: {_first_line(str(err))}") from None
 
     # -- requests ----------------------------------------------------------------------------
     def call(self, what: str, name: str, fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
         """``fn(store, key, *args, **kwargs)`` with obstore's errors turned into ours."""
+        return self.call_sized(0, what, name, fn, *args, **kwargs)
+
+    def call_sized(self, nbytes: int, what: str, name: str, fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
+        """`call` for a request of ``nbytes`` (its time allowed grows with it: `allowance`)."""
         try:
-            return fn(self.store, name, *args, **kwargs)
+            return fn(self.store_for(nbytes), name, *args, **kwargs)
         except Exception as err:
             raise self.error(err, what, name) from None
 
@@ -151,31 +202,33 @@ class Client:
             return err
         return remote_error(err, self, what, name)
 
-    def stream(self, name: str, start: int = 0, chunk: int = PART_BYTES, end: int | None = None) -> Iterator[Any]:
-        """The bytes of ``name`` from ``start`` on (to ``end``, else to its end), in pieces of
-        about ``chunk`` bytes, in order (one request; an error while the body comes is raised
-        as ours, as the request's)."""
+    def stream(self, name: str, start: int, end: int, chunk: int = PART_BYTES) -> Iterator[Any]:
+        """The bytes ``[start, end)`` of ``name``, in pieces of about ``chunk`` bytes, in order
+        (one request; an error while the body comes is raised as ours, as the request's).
+
+        Never more than one byte past ``end``: a server that sends more than it was asked for
+        (whatever it announced) gets its body cut there, so the caller sees one byte too many
+        and stops, having read ``end - start + 1`` bytes at most."""
         ob = _obstore()
-        options: Any = None
-        if end is not None:
-            options = {"range": (start, end)}
-        elif start:
-            options = {"range": {"offset": start}}
-        result = self.call("read", name, ob.get, options=options)
+        want = max(0, end - start)
+        # An empty range cannot be asked for: the whole object, of which one byte is too many.
+        options: Any = {"range": (start, end)} if want else None
+        result = self.call_sized(want, "read", name, ob.get, options=options)
         pieces = iter(result.stream(min_chunk_size=chunk))
-        while True:
+        left = want + 1
+        while left > 0:
             try:
                 piece = next(pieces)
             except StopIteration:
                 return
             except Exception as err:
                 raise self.error(err, "read", name) from None
-            yield piece
-
-    def get_range(self, name: str, start: int, end: int) -> Any:
-        """Bytes ``[start, end)`` of ``name`` (a buffer; not checked: `files` checks them)."""
-        ob = _obstore()
-        return self.call("read", name, ob.get_range, start=start, end=end)
+            view = memoryview(piece)
+            if view.nbytes > left:
+                view = view[:left]
+            left -= view.nbytes
+            yield view
+        # One byte past the end: the rest of the body is never read (its connection is dropped).
 
     def read_into(self, name: str, start: int, view: memoryview) -> int:
         """Bytes ``[start, start + len(view))`` of ``name`` copied into ``view`` as they arrive
@@ -183,7 +236,7 @@ class Client:
         asked for when its body was short; one more than asked for, with ``view`` full, when it
         sent more (the rest is not read)."""
         got = 0
-        for piece in self.stream(name, start, READ_PIECE, start + view.nbytes):
+        for piece in self.stream(name, start, start + view.nbytes, READ_PIECE):
             data = memoryview(piece)
             if got + data.nbytes > view.nbytes:
                 view[got:] = data[: view.nbytes - got]
@@ -193,17 +246,27 @@ class Client:
         return got
 
     def get_bytes(self, name: str, max_bytes: int) -> bytes:
-        """The whole of ``name`` when it is at most ``max_bytes`` long (`JSONFileError` otherwise,
-        before its body is read); `FileNotFoundError` when it does not exist."""
+        """The whole of ``name`` when it is at most ``max_bytes`` long (`JSONFileError` otherwise:
+        before its body is read when its announced size is larger, else once ``max_bytes + 1``
+        bytes have come); `FileNotFoundError` when it does not exist."""
         ob = _obstore()
-        result = self.call("read", name, ob.get)
+        result = self.call_sized(max_bytes, "read", name, ob.get)
         size = int(result.meta["size"])
         if size > max_bytes:
             raise JSONFileError(f"{self.url(name)}: expected at most {max_bytes:,} bytes, found {size:,}")
-        data = bytes(self.call("read", name, lambda _s, _k: result.bytes()))
+        pieces = iter(result.stream(min_chunk_size=min(PART_BYTES, max_bytes + 1)))
+        data = bytearray()
+        while len(data) <= max_bytes:
+            try:
+                piece = next(pieces)
+            except StopIteration:
+                break
+            except Exception as err:
+                raise self.error(err, "read", name) from None
+            data += memoryview(piece)[: max_bytes + 1 - len(data)]
         if len(data) > max_bytes:
             raise JSONFileError(f"{self.url(name)}: expected at most {max_bytes:,} bytes, found more")
-        return data
+        return bytes(data)
 
     def head(self, name: str) -> int | None:
         """The size of ``name``, None when it does not exist."""
@@ -318,6 +381,11 @@ def remote_error(err: BaseException, client: Client, what: str, name: str) -> Ex
         region = _env_region() or "us-east-1 (the default)"
         return RemoteRegionError(
             f"{where}: the bucket is not in region {region}: set AWS_REGION to the bucket's region"
+        )
+    if "TimedOut" in text or "kind: Timeout" in text or "operation timed out" in text:
+        return RemoteTimeoutError(
+            f"{where}: {what} timed out: the server did not answer in full within the time allowed "
+            f"(${TIMEOUT_ENV}: {timeout():g} s per 16 MiB asked for)"
         )
     if kind == "PermissionDeniedError" or code == "AccessDenied":
         return RemoteAccessDeniedError(f"{where}: access denied: these credentials may not {what} here (403)")

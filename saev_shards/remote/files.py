@@ -43,6 +43,7 @@ import xxhash
 
 from ..errors import (
     CacheNotFoundError,
+    CacheRefError,
     ChecksumMismatchError,
     FileSizeError,
     InvalidCacheError,
@@ -54,12 +55,13 @@ from ..errors import (
     RemoteCredentialsError,
     RemoteError,
     RemoteRegionError,
+    RemoteTimeoutError,
 )
-from ..fileio import DISK_FULL_ERRNOS, BlockHasher, aligned_buffer, open_regular, write_file_atomic
+from ..fileio import BlockHasher, aligned_buffer, open_regular, pwrite_all, write_file_atomic
 from ..protocol.jsonfile import strict_json_loads
-from .blockcache import BlockCache, root_id
-from .client import Client, requests_in_flight
-from .url import split_url, strip
+from .blockcache import BlockCache, Unwritable
+from .client import TIMEOUT_ENV, Client, allowance, requests_in_flight, timeout
+from .url import check_url, split_url, strip
 
 #: Fetches of one unit before a mismatch is reported (each after a longer wait).
 VERIFY_ATTEMPTS = 4
@@ -163,25 +165,31 @@ def _unmap(buffer: mmap.mmap) -> None:
         buffer.close()
 
 
-def fetch_json(client: Client, folder: Path, name: str, max_bytes: int) -> bool:
-    """Download the JSON file ``name`` of the cache behind ``client`` into ``folder`` (atomically);
-    False, leaving no local copy, when the server has none. `JSONFileError` when it is larger
-    than ``max_bytes`` (its body is then not read)."""
+def fetch_json(client: Client, folder: Path, name: str, max_bytes: int, mode: int = 0o600) -> bool:
+    """Download the JSON file ``name`` of the cache behind ``client`` into ``folder`` (atomically,
+    as a file of ``mode``, never through a link); False, leaving no local copy, when the server
+    has none. `JSONFileError` when it is larger than ``max_bytes`` (no more than ``max_bytes +
+    1`` bytes of it are read); `blockcache.Unwritable` when ``folder`` cannot be written."""
     try:
         data = client.get_bytes(name, max_bytes)
     except RemoteBucketError:
         raise
     except FileNotFoundError:
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(folder / name)
+        forget_json(folder, name)
         return False
-    folder.mkdir(parents=True, exist_ok=True)
     if _holds(folder / name, data):
         # Left in place: another process of this node may be reading this very file (a
         # published cache never changes, so the same URL gives the same bytes); replacing it
         # would swap the file under that reader between its lstat and its open.
         return True
-    write_file_atomic(folder / name, data, durable=False)
+    try:
+        fd = os.open(folder, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
+        try:
+            write_file_atomic(folder / name, data, durable=False, dir_fd=fd, mode=mode)
+        finally:
+            os.close(fd)
+    except OSError as err:
+        raise Unwritable(err) from None
     return True
 
 
@@ -192,6 +200,21 @@ def _holds(path: Path, data: bytes) -> bool:
             return os.fstat(f.fileno()).st_size == len(data) and f.read(len(data) + 1) == data
     except (OSError, NotRegularFileError):
         return False
+
+
+def forget_json(folder: Path, name: str) -> None:
+    """Remove the local copy of ``name`` in ``folder`` (never through a link), if any."""
+    try:
+        fd = os.open(folder, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    except OSError:
+        return
+    try:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(name, dir_fd=fd)
+    except OSError as err:
+        raise Unwritable(err) from None
+    finally:
+        os.close(fd)
 
 
 def refetch_json(
@@ -209,13 +232,16 @@ def refetch_json(
         return None, [Problem(kind, text if text.startswith(where) else f"{where}: {text}")]
 
 
-def local_folder(cache: BlockCache, url: str) -> Path:
-    """Where the JSON files of the remote cache ``url`` are kept on this node:
-    ``<block cache>/roots/<id of its root>/<HASH>``, a folder laid out like a shards root, so
-    the reader's checks of those files (and the statistics sidecar beside them) run as for a
-    local cache."""
-    root, name = split_url(url)
-    return cache.roots() / root_id(root) / name
+def local_folder(cache: BlockCache, url: str, memory: bool = False) -> Path:
+    """Where the JSON files of the remote cache ``url`` are kept on this node (made, no link
+    followed): ``<block cache>/roots/<id of its root>/<HASH>``, a folder laid out like a shards
+    root, so the reader's checks of those files (and the statistics sidecar beside them) run as
+    for a local cache; the same in `blockcache.memory_folder` with ``memory`` or when the block
+    cache is disabled. The URL's segments are checked first (`url.check_url`: no ``..``)."""
+    root, name = split_url(check_url(strip(url)))
+    if not name:
+        raise CacheRefError(f"{url}: expected the URL of a cache (<root>/<hash>), found a bucket or server alone")
+    return cache.json_folder(root, name, memory)
 
 
 class RemoteFiles:
@@ -469,15 +495,25 @@ class RemoteFiles:
             entry.close()
 
     def _load(self, unit: Unit) -> _Entry:
+        """``unit`` from the block cache, else fetched until its length and digest match:
+        `VERIFY_ATTEMPTS` fetches at most, none started once `client.allowance` has passed
+        (a unit dripped in, or a server that keeps failing, is given up in bounded time)."""
         fd = self.cache.open(unit.key, unit.nbytes, unit.digest)
         if fd is not None:
             return _Entry(fd)
         problems: list[str] = []
         failure: RemoteError | None = None
+        allowed = allowance(unit.nbytes)
+        deadline = time.monotonic() + allowed
+        fetches = 0
         for attempt in range(VERIFY_ATTEMPTS):
             if attempt:
+                wait = VERIFY_BACKOFF * 2 ** (attempt - 1)
+                if time.monotonic() + wait >= deadline:
+                    break
                 self.refetched += 1
-                time.sleep(VERIFY_BACKOFF * 2 ** (attempt - 1))
+                time.sleep(wait)
+            fetches += 1
             try:
                 result = self._fetch_file(unit) if unit.block < 0 else self._fetch_block(unit)
             except RemoteError as err:
@@ -488,11 +524,17 @@ class RemoteFiles:
             if isinstance(result, _Entry):
                 return result
             problems.append(result)
+        if isinstance(failure, RemoteTimeoutError) or (failure is not None and fetches < VERIFY_ATTEMPTS):
+            raise RemoteTimeoutError(
+                f"{self.where(unit.name)}: {describe(unit)} did not arrive within {allowed:g} s "
+                f"({_fetches(fetches)}; ${TIMEOUT_ENV}: {timeout():g} s per 16 MiB): the server is stalled or "
+                f"too slow (a slow link: raise {TIMEOUT_ENV}); last: {failure}"
+            )
         if not problems and failure is not None:
             raise failure
         raise ChecksumMismatchError(
-            f"{self.where(unit.name)}: {describe(unit)} does not match the manifest after {VERIFY_ATTEMPTS} "
-            f"fetches ({'; '.join(dict.fromkeys(problems))}): the remote copy is damaged (check it with "
+            f"{self.where(unit.name)}: {describe(unit)} does not match the manifest after {_fetches(fetches)} "
+            f"({'; '.join(dict.fromkeys(problems))}): the remote copy is damaged (check it with "
             f"`saev-shards verify {self.url}`)"
         )
 
@@ -526,8 +568,11 @@ class RemoteFiles:
 
     def _store_later(self, key: str, entry: _Entry) -> None:
         """Queue a verified block for the writer thread, so that a read never waits for the
-        disk; skip it (counted in `skipped`) when `MAX_PENDING_WRITES` bytes already wait."""
+        disk; skip it (counted in `skipped`) when `MAX_PENDING_WRITES` bytes already wait. Not
+        at all when the block cache is disabled or its writes paused (a full disk)."""
         nbytes = entry.nbytes_in_memory
+        if self.cache.disabled or self.cache.paused:
+            return
         with self._lock:
             if self._writing_bytes + nbytes > MAX_PENDING_WRITES:
                 self.skipped += 1
@@ -549,48 +594,52 @@ class RemoteFiles:
                     else:
                         entry.fd = fd
         except OSError as err:  # the block cache is an optimisation: say so once, keep reading
-            self.cache.warn_unwritable(err)
+            self.cache.pause_writes(err)
         finally:
             with self._lock:
                 self._writing_bytes -= nbytes
             self._release(entry)
 
     def _fetch_file(self, unit: Unit) -> _Entry | str:
-        """A whole file, streamed into the block cache's temporary folder while hashed."""
-        tmp = self.cache.tmp_path(unit.key)
-        h = xxhash.xxh3_128()
-        got = 0
+        """A whole file, streamed into a temporary entry of the block cache while hashed (never
+        more than one byte past its size: `Client.stream`); into memory when the block cache
+        is disabled or cannot be written (a full disk: one warning)."""
+        if self.cache.disabled or self.cache.paused:
+            return self._fetch_into_memory(unit)
         try:
-            with open(tmp, "wb") as out:
+            with self.cache.writing(unit.key) as tmp:
+                h = xxhash.xxh3_128()
+                got = 0
                 for chunk in self.stream(unit.name):
-                    h.update(chunk)
-                    out.write(chunk)
-                    got += memoryview(chunk).nbytes
-        except BaseException as err:
-            with contextlib.suppress(OSError):
-                os.unlink(tmp)
-            if not (isinstance(err, OSError) and err.errno in DISK_FULL_ERRNOS):
+                    view = memoryview(chunk)
+                    h.update(view)
+                    pwrite_all(tmp.fd, view, got)
+                    got += view.nbytes
+                if got != unit.nbytes or h.hexdigest() != unit.digest:
+                    return _mismatch(unit, got, h.hexdigest())  # the temporary entry is removed
+                return _Entry(self.cache.commit(tmp))
+        except OSError as err:
+            if isinstance(err, RemoteError):  # the server's, not the disk's
                 raise
-            data = self.client.get_range(unit.name, 0, unit.nbytes)  # no room in the block cache: memory
-            return self._checked(unit, data)
-        if got != unit.nbytes or h.hexdigest() != unit.digest:
-            os.unlink(tmp)
-            return _mismatch(unit, got, h.hexdigest())
-        return _Entry(self.cache.commit_file(tmp, unit.key))
+            self.cache.pause_writes(err)
+        return self._fetch_into_memory(unit)
 
-    def _checked(self, unit: Unit, data: Any) -> _Entry | str:
-        view = memoryview(data)
-        found = xxhash.xxh3_128_hexdigest(view) if view.nbytes == unit.nbytes else ""
-        return _Entry(None, data) if found == unit.digest else _mismatch(unit, view.nbytes, found)
+    def _fetch_into_memory(self, unit: Unit) -> _Entry | str:
+        data = bytearray(unit.nbytes)
+        got = self.client.read_into(unit.name, unit.start, memoryview(data))
+        found = xxhash.xxh3_128_hexdigest(data) if got == unit.nbytes else ""
+        return _Entry(None, data) if found == unit.digest else _mismatch(unit, got, found)
 
     def stream(self, name: str, start: int = 0) -> Iterator[Any]:
-        """The bytes of ``name`` from ``start`` on, in order, straight from the server (not
-        checked, not cached: the caller hashes them)."""
-        return self.client.stream(name, start, STREAM_CHUNK)
+        """The bytes of ``name`` from ``start`` to the size the manifest gives it, in order,
+        straight from the server (not checked, not cached: the caller hashes them). Never more
+        than one byte past that size, whatever the server sends."""
+        return self.client.stream(name, start, self.files[name][0], STREAM_CHUNK)
 
     def verify_file(self, name: str, block_size: int | None, tick: Callable[[int], None]) -> tuple[int, str, list[str]]:
         """Read ``name`` from the server (not from the block cache): ``(bytes, xxh3_128 of the
-        whole, xxh3_128 of each ``block_size`` bytes)`` (no block digests without a block size)."""
+        whole, xxh3_128 of each ``block_size`` bytes)`` (no block digests without a block size).
+        At most one byte past its size is read: a longer body counts one byte too many."""
         hasher = BlockHasher(block_size)
         total = 0
         for chunk in self.stream(name):
@@ -599,6 +648,10 @@ class RemoteFiles:
             tick(view.nbytes)
             total += view.nbytes
         return total, hasher.hexdigest(), hasher.block_hexdigests()
+
+
+def _fetches(n: int) -> str:
+    return f"{n} fetch" + ("" if n == 1 else "es")
 
 
 def _mismatch(unit: Unit, got: int, found: str) -> str:

@@ -10,6 +10,8 @@ from __future__ import annotations
 import os
 import re
 
+from ..errors import CacheRefError
+
 #: URL schemes opened through the object store client (obstore): S3 and S3-compatible stores,
 #: Google Cloud Storage, Azure, and plain HTTP(S) servers that honour Range requests.
 REMOTE_SCHEMES = ("s3", "s3a", "gs", "az", "abfs", "abfss", "http", "https")
@@ -22,6 +24,31 @@ def is_url(ref: object) -> bool:
         return False
     m = _URL_RE.match(ref)
     return m is not None and m.group(1).lower() in REMOTE_SCHEMES
+
+
+#: Path segments a URL parser resolves (WHATWG URL: ``.`` and ``..``, their ``%2e`` spellings too):
+#: ``https://host/root/..`` is a request for ``https://host/``, and a local folder named ``..``
+#: is the folder above.
+_DOT_SEGMENT_RE = re.compile(r"(?:\.|%2e){1,2}", re.IGNORECASE)
+_CONTROL_RE = re.compile(r"[\x00-\x1f\x7f]")
+
+
+def check_url(url: str) -> str:
+    """``url`` if every segment of its path may name a remote object and a local folder:
+    `CacheRefError` for a ``.`` or ``..`` segment (``%2e`` spellings included) or a control
+    character (NUL among them). Checked before a request is sent or a local path is made
+    from a segment (`files.local_folder` names folders after them)."""
+    rest = url.split("://", 1)[1] if "://" in url else url
+    bad = _CONTROL_RE.search(url)
+    if bad is not None:
+        raise CacheRefError(f"{url!r}: a URL with a control character ({bad.group()!r}) names nothing here")
+    for segment in rest.split("?", 1)[0].split("#", 1)[0].split("/")[1:]:
+        if _DOT_SEGMENT_RE.fullmatch(segment):
+            raise CacheRefError(
+                f"{url}: a URL segment {segment!r} names a folder above or the same folder, not a cache: "
+                "give the cache's URL without it"
+            )
+    return url
 
 
 def scheme(url: str) -> str:

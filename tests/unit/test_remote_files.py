@@ -34,8 +34,7 @@ class MemoryClient(Client):
         self.damage = 0
         self.cut = 0
 
-    def stream(self, name: str, start: int = 0, chunk: int = 0, end: int | None = None) -> Any:
-        end = len(self.data) if end is None else end
+    def stream(self, name: str, start: int, end: int, chunk: int = 0) -> Any:
         self.requests.append((start, end))
         body = bytearray(self.data[start:end])
         if self.damage and body:
