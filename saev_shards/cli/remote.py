@@ -20,7 +20,9 @@ def cmd_push(args: argparse.Namespace) -> int:
     else:
         done = f"uploaded {report.uploaded_files} files ({human_bytes(report.uploaded_bytes)})"
         if report.kept_files:
-            done += f"; kept {report.kept_files} already there ({human_bytes(report.kept_bytes)})"
+            done += f"; kept {report.kept_files} already there ({human_bytes(report.kept_bytes)}, checked)"
+        if report.replaced:
+            done += f"; replaced {len(report.replaced)} that held other bytes ({', '.join(report.replaced[:5])})"
         err.write(f"{name}: {done}; metadata.json and shards.json written last\n")
     if report.verified_bytes:
         err.write(f"{name}: read back {human_bytes(report.verified_bytes)} from the server: every digest matches\n")
@@ -65,9 +67,11 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser], invoked: 
             "Upload a local cache to a remote shards root (s3://, gs://, az://) as ROOT_URL/<hash>: the data "
             "files first (several at once, each a multipart upload, hashed while read so damaged local bytes are "
             "never published), then metadata.json, and shards.json last: until then no reader sees a cache there. "
-            "Interrupted? Run it again: files already uploaded are kept. Afterwards every file is read back and "
-            "checked (--no-verify: sizes only). Credentials, region and endpoint come from the standard AWS "
-            "variables (AWS_ACCESS_KEY_ID, AWS_REGION, AWS_ENDPOINT_URL, AWS_PROFILE). Prints the URL last."
+            "Interrupted? Run it again: files already uploaded are read back and kept when they match, uploaded "
+            "again when they do not (so a push repairs a damaged remote copy). Before shards.json, every file "
+            "uploaded is read back and checked (--no-verify: sizes only). Credentials, region and endpoint come "
+            "from the standard AWS variables (AWS_ACCESS_KEY_ID, AWS_REGION, AWS_ENDPOINT_URL, AWS_PROFILE). "
+            "Prints the URL last."
         ),
     )
     p.add_argument("ref", help=REF_HELP)

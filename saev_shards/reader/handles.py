@@ -27,13 +27,14 @@ from __future__ import annotations
 import contextlib
 import os
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any, Protocol
 
 import numpy as np
 import numpy.typing as npt
 
+from ..errors import CacheNotFoundError
 from ..fileio import hold_folder
 from ..manifest import Manifest
 from ..metadata import Metadata
@@ -79,6 +80,31 @@ class Files(Protocol):
     def where(self, name: str) -> str: ...
 
 
+def removed_while_open(folder: Path, name: str) -> CacheNotFoundError:
+    """The error for data file ``name`` of the open cache ``folder`` gone when it is first read:
+    the whole cache removed under its readers (``saev-shards rm --force``), or that one file."""
+    if not os.path.isdir(folder):
+        return CacheNotFoundError(
+            f"{folder}: the cache was removed while open (`saev-shards rm --force`, or another process), so "
+            f"{name} cannot be read: open it again once it is back (stage or pull it again)"
+        )
+    return CacheNotFoundError(
+        f"{folder / name}: missing: removed while the cache was open; the cache is damaged "
+        f"(check it with `saev-shards verify {folder}`)"
+    )
+
+
+@contextlib.contextmanager
+def naming_removal(folder: Path, name: str) -> Iterator[None]:
+    """Turn `FileNotFoundError` from opening data file ``name`` into `removed_while_open`'s error."""
+    try:
+        yield
+    except CacheNotFoundError:
+        raise
+    except FileNotFoundError:
+        raise removed_while_open(folder, name) from None
+
+
 class LocalFiles:
     """A local cache's data files: descriptors and ``os.preadv``, as the reader always read them."""
 
@@ -91,7 +117,10 @@ class LocalFiles:
         self.path = path
 
     def open(self, name: str) -> int:
-        return os.open(self.path / name, os.O_RDONLY | os.O_CLOEXEC)
+        """A descriptor of data file ``name``; `CacheNotFoundError` saying so when the cache (or
+        the file) was removed while open."""
+        with naming_removal(self.path, name):
+            return os.open(self.path / name, os.O_RDONLY | os.O_CLOEXEC)
 
     def where(self, name: str) -> str:
         return str(self.path / name)
@@ -190,7 +219,8 @@ class ShardHandles:
         if entry.n_examples == 0 or self.metadata.example_nbytes == 0:
             return np.zeros(shape, self.numpy_dtype)  # mmap cannot map 0 bytes
         # A plain ndarray over the map: np.memmap's Python-level __getitem__ costs ~1 us per index.
-        return np.memmap(self.path / entry.name, dtype=self.numpy_dtype, mode="r", shape=shape).view(np.ndarray)
+        with naming_removal(self.path, entry.name):
+            return np.memmap(self.path / entry.name, dtype=self.numpy_dtype, mode="r", shape=shape).view(np.ndarray)
 
     def _fd(self, k: int) -> int:
         self._check_pid()
@@ -233,7 +263,8 @@ class ShardHandles:
                     elif n == 0 or shape[1] * shape[2] == 0:
                         made = np.zeros(shape, SCALES_DTYPE)
                     else:
-                        made = np.memmap(path, dtype=SCALES_DTYPE, mode="r", shape=shape).view(np.ndarray)
+                        with naming_removal(self.path, path.name):
+                            made = np.memmap(path, dtype=SCALES_DTYPE, mode="r", shape=shape).view(np.ndarray)
                     mm = self._scale_maps[k] = made
         return mm
 

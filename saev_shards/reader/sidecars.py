@@ -34,7 +34,7 @@ from ..fileio import hash_file
 from ..protocol.common import MANIFEST_FILE, stats_max_bytes
 from ..protocol.jsonfile import load_json, read_json_file, short_repr, strict_json_loads
 from ..protocol.v3 import parse_stats, pretty_json
-from .handles import ShardHandles
+from .handles import ShardHandles, naming_removal
 
 
 class TextColumn(Sequence[Any]):
@@ -53,7 +53,9 @@ class TextColumn(Sequence[Any]):
 
     def _open(self) -> Any:
         if self._read is None:
-            return open(self.path, "rb")
+            path = Path(self.path)
+            with naming_removal(path.parent, path.name):
+                return open(path, "rb")
         if self._data is None:
             self._data = self._read()
         return io.BytesIO(self._data)
@@ -300,4 +302,5 @@ def find_stats(shards: Sidecars) -> dict[str, Any] | None:
 def _map(path: Path, dtype: np.dtype[Any], shape: tuple[int, ...]) -> np.memmap[Any, Any]:
     if int(np.prod(shape, dtype=object)) * dtype.itemsize == 0:
         return np.zeros(shape, dtype).view(np.memmap)
-    return np.memmap(path, dtype=dtype, mode="r", shape=shape)
+    with naming_removal(path.parent, path.name):
+        return np.memmap(path, dtype=dtype, mode="r", shape=shape)

@@ -15,6 +15,7 @@ from __future__ import annotations
 import dataclasses
 import os
 import re
+import threading
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -28,6 +29,7 @@ from ..errors import (
     ChecksumMismatchError,
     FileSizeError,
     ManifestError,
+    RemoteBucketError,
     RemoteError,
     ShardsError,
     UnknownCacheError,
@@ -38,7 +40,7 @@ from ..progress import Progress
 from ..protocol import is_cache_name
 from ..protocol.common import MANIFEST_FILE, METADATA_FILE
 from ..reader.sidecars import SIDECAR_DIR, sidecar_path
-from ..remote.client import PART_BYTES, Client
+from ..remote.client import PART_BYTES, Client, requests_in_flight
 from ..remote.url import is_url, join_url, split_url, strip
 from .roots import MIN_PREFIX, PathLike, Roots, local_roots, remote_roots, resolve
 
@@ -56,12 +58,16 @@ class PushReport:
     url: str
     uploaded_files: int = 0
     uploaded_bytes: int = 0
-    #: Data files already there (an earlier, interrupted push) with the right size.
+    #: Data files already there (an earlier, interrupted push) with the right size and digest.
     kept_files: int = 0
     kept_bytes: int = 0
-    #: The remote cache was already complete; nothing was uploaded.
+    #: Objects found with the right size but other bytes (a broken earlier upload, someone
+    #: else's): uploaded again, before the cache was published.
+    replaced: list[str] = dataclasses.field(default_factory=list)
+    #: The remote cache was already complete and every object of it checked; nothing was uploaded.
     already_pushed: bool = False
-    #: Bytes read back from the server and checked after the upload (0: not verified).
+    #: Bytes read back from the server and checked against the manifest (what was there
+    #: already, always; what was uploaded, unless ``verify=False``).
     verified_bytes: int = 0
 
 
@@ -78,9 +84,12 @@ def push(
 
     Every byte uploaded is hashed as it is read and must match the manifest (a damaged local
     file raises `ChecksumMismatchError` naming it, and what was uploaded of it is deleted);
-    nothing local is changed. ``verify``: afterwards, read the remote cache back from the
-    server and check every file's digest (per block where blocks.json exists), as
-    ``saev-shards verify URL`` does; without it, the sizes the server lists are checked.
+    nothing local is changed. Objects already there (an interrupted push, or a damaged
+    earlier copy) are read back and checked against the manifest first: those of the wrong
+    size or with other bytes are uploaded again, the copy unpublished meanwhile, so a push
+    repairs a damaged remote copy. ``verify``: what was uploaded is read back and checked too,
+    before shards.json (the commit point) is written; without it, the sizes the server lists
+    are checked. A remote copy that does not check out is never published.
     """
     if not is_url(root_url):
         raise CacheRefError(f"push: expected a remote shards root (s3://bucket/prefix, ...), found {root_url!r}")
@@ -98,42 +107,108 @@ def push(
         raise RemoteError(
             f"{root_url}: push needs an object store (s3://, gs://, az://); plain HTTP servers are read-only"
         )
+    _check_json_schemas(source)
     present = client.list_objects()
     data_files = source.manifest.files()
     json_files = _json_files(source)
-    remote_json = {name: present.get(name) for name, _ in json_files}
-    todo = [(n, size, digest) for n, size, digest in data_files if present.get(n) != size]
-    complete = not todo and all(remote_json[name] == len(data) for name, data in json_files)
-    if complete and _same_json(client, json_files):
+    sized = [f for f in data_files if present.get(f[0]) == f[1]]
+    # What is there already is read back before anything is published: an object of the right
+    # size may hold other bytes (a broken earlier upload, someone else's).
+    report.verified_bytes = sum(n for _, n, _ in sized)
+    damaged = _differing(client, sized, f"check {md.hash[:12]}", progress)
+    report.replaced = [name for name, _, _ in damaged]
+    todo = [f for f in data_files if present.get(f[0]) != f[1] or f[0] in report.replaced]
+    report.kept_files = len(data_files) - len(todo)
+    report.kept_bytes = sum(n for _, n, _ in data_files) - sum(n for _, n, _ in todo)
+    if not todo and all(present.get(name) == len(data) for name, data in json_files) and _same_json(client, json_files):
         report.already_pushed = True
-    else:
-        report.kept_files = len(data_files) - len(todo)
-        report.kept_bytes = sum(n for _, n, _ in data_files) - sum(n for _, n, _ in todo)
-        if MANIFEST_FILE in present:  # republishing over a damaged remote copy: unpublish it first
-            client.delete(MANIFEST_FILE)
-        total = sum(n for _, n, _ in todo)
-        with Progress(total, f"push {md.hash[:12]}", enabled=progress) as bar:
+        reader.open(url)  # it opens as a cache (its JSON files checked as any reader checks them)
+        return report
+    if MANIFEST_FILE in present:  # republishing over a damaged or incomplete remote copy: unpublish it first
+        client.delete(MANIFEST_FILE)
+    total = sum(n for _, n, _ in todo)
+    with Progress(total, f"push {md.hash[:12]}", enabled=progress) as bar:
 
-            def tick(n: int) -> None:
-                bar.update(n)
-                if on_bytes is not None:
-                    on_bytes(n)
+        def tick(n: int) -> None:
+            bar.update(n)
+            if on_bytes is not None:
+                on_bytes(n)
 
-            report.uploaded_files, report.uploaded_bytes = len(todo), total
-            with ThreadPoolExecutor(max(1, min(PUSH_FILES, len(todo)))) as pool:
-                list(pool.map(lambda f: _upload_file(client, source.path / f[0], f[0], f[1], f[2], tick), todo))
-        sidecar = sidecar_path(source)
-        if source.manifest.stats is None and sidecar.is_file():  # statistics computed later travel with it
-            Client(root_url).put(f"{SIDECAR_DIR}/{md.hash}.json", sidecar.read_bytes())
-        for name, data in json_files:  # metadata.json, then shards.json: the commit point
-            fault_point("push-json")
-            client.put(name, data)
-    if verify:
-        remote = reader.open(url)
-        report.verified_bytes = remote.verify(progress=progress)
+        report.uploaded_files, report.uploaded_bytes = len(todo), total
+        with ThreadPoolExecutor(max(1, min(PUSH_FILES, len(todo)))) as pool:
+            list(pool.map(lambda f: _upload_file(client, source.path / f[0], f[0], f[1], f[2], tick), todo))
+    sidecar = sidecar_path(source)
+    if source.manifest.stats is None and sidecar.is_file():  # statistics computed later travel with it
+        Client(root_url).put(f"{SIDECAR_DIR}/{md.hash}.json", sidecar.read_bytes())
+    *before, (commit, manifest_bytes) = json_files
+    for name, data in before:  # metadata.json (and any other JSON file): all but the commit point
+        fault_point("push-json")
+        client.put(name, data)
+    if verify:  # read back before the commit point: a copy that does not check out is never published
+        report.verified_bytes += total
+        wrong = _differing(client, todo, f"verify {md.hash[:12]}", progress)
+        if wrong:
+            raise ChecksumMismatchError(
+                "; ".join(f"{client.url(name)}: {why}" for name, _, why in wrong[:20])
+                + f": the server holds other bytes than were uploaded; {url} was not published (push again)"
+            )
     else:
-        _check_sizes(client, data_files, json_files)
+        _check_sizes(client, data_files, before)
+    fault_point("push-json")
+    client.put(commit, manifest_bytes)  # shards.json: the commit point
+    if not _same_json(client, [(commit, manifest_bytes)]):
+        client.delete(commit)
+        raise ChecksumMismatchError(
+            f"{client.url(commit)}: the server holds other bytes than were uploaded; {url} was not published"
+        )
+    reader.open(url)  # it opens as a cache (its JSON files checked as any reader checks them)
     return report
+
+
+def _check_json_schemas(source: reader.Shards) -> None:
+    """The local cache's stats.json and blocks.json checked against their schemas before any of
+    it is uploaded (what a remote `verify` would find in the byte-identical copies)."""
+    if source.manifest.stats is not None:
+        source.stats  # noqa: B018 - read and checked (StatsFileError)
+    if source.manifest.blocks is not None:
+        for name, _, _ in source.manifest.blocked_files()[:1]:
+            source.block_digests(name)  # blocks.json read and checked (ManifestError)
+
+
+def _differing(
+    client: Client, files: list[tuple[str, int, str | None]], desc: str, progress: bool | None
+) -> list[tuple[str, int, str]]:
+    """``(name, nbytes, what differs)`` of each of ``files`` whose object on the server is not
+    exactly its ``nbytes`` bytes with its xxh3_128 (read back, several at once, never more
+    than one byte past its size)."""
+    if not files:
+        return []
+    with Progress(sum(n for _, n, _ in files), desc, enabled=progress) as bar:
+        lock = threading.Lock()
+
+        def one(row: tuple[str, int, str | None]) -> tuple[str, int, str] | None:
+            name, nbytes, digest = row
+            h = xxhash.xxh3_128()
+            got = 0
+            try:
+                for piece in client.stream(name, 0, nbytes, PART_BYTES):
+                    view = memoryview(piece)
+                    h.update(view)
+                    got += view.nbytes
+                    with lock:
+                        bar.update(view.nbytes)
+            except RemoteBucketError:
+                raise
+            except FileNotFoundError:
+                return name, nbytes, "missing"
+            if got != nbytes:
+                return name, nbytes, f"expected {nbytes} bytes, found {'more' if got > nbytes else got}"
+            if digest is not None and h.hexdigest() != digest:
+                return name, nbytes, f"xxh3_128 expected {digest}, found {h.hexdigest()}"
+            return None
+
+        with ThreadPoolExecutor(max(1, min(requests_in_flight(), len(files))), "saev-push-check") as pool:
+            return [found for found in pool.map(one, files) if found is not None]
 
 
 def _json_files(source: reader.Shards) -> list[tuple[str, bytes]]:
@@ -197,7 +272,7 @@ def _check_sizes(
         if listed.get(name) != nbytes
     ]
     if wrong:
-        raise FileSizeError("; ".join(wrong[:20]))
+        raise FileSizeError("; ".join(wrong[:20]) + f"; {client.root} was not published (push again)")
 
 
 # --------------------------------------------------------------------------------------
