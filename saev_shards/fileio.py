@@ -70,7 +70,13 @@ def fsync_dir(path: Path) -> None:
 
 
 def write_file_atomic(
-    path: Path, data: bytes, durable: bool = True, *, note: str = "", dir_fd: int | None = None, mode: int = 0o666
+    path: Path,
+    data: bytes,
+    durable: bool = True,
+    *,
+    note: str = "",
+    dir_fd: int | None = None,
+    mode: int | None = None,
 ) -> None:
     """Write ``data`` to ``path`` via a temporary name in the same folder and a rename.
 
@@ -78,7 +84,7 @@ def write_file_atomic(
     it) and leaves no temporary file. The temporary file is never opened through a link.
     ``dir_fd``: an open descriptor of the folder, and every name is taken relative to it
     (the folder cannot be swapped for a link between a check and the write). ``mode``: the
-    new file's permissions (less the umask).
+    new file's permissions, exactly (the umask's default when not given).
     """
     # A unique temporary name: several writers may race to create the same file.
     tmp_name = f"{path.name}.{os.getpid()}.{threading.get_ident()}.tmp"
@@ -87,7 +93,9 @@ def write_file_atomic(
     try:
         with naming_disk_full(path, len(data), note):
             flags = os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW | os.O_CLOEXEC
-            with open(os.open(tmp, flags, mode, dir_fd=dir_fd), "wb") as f:
+            with open(os.open(tmp, flags, 0o600 if mode is not None else 0o666, dir_fd=dir_fd), "wb") as f:
+                if mode is not None:
+                    os.fchmod(f.fileno(), mode)
                 f.write(data)
                 if durable:
                     f.flush()

@@ -375,6 +375,8 @@ def _copy_file(
             os.fsync(out.fileno())
     fault_point("stage-copied")
     if size != nbytes:
+        if remote_stream is not None and size > nbytes:  # the stream stops one byte past the size
+            raise FileSizeError(f"{src}: expected {nbytes} bytes, found more (the server sends more than it holds)")
         raise FileSizeError(f"{src}: expected {nbytes} bytes, found {size} (the source changed while copying?)")
     found = h.hexdigest()
     if digest is not None and found != digest:

@@ -10,7 +10,11 @@ Faults (`Faults.add`) fire on the responses to requests whose path contains a gi
 * ``corrupt``: the whole body with one byte flipped;
 * ``slowdown``: S3's ``503 SlowDown`` throttling answer; ``error500``: ``500 InternalError``;
 * ``denied``: ``403 AccessDenied``; ``region``: ``301 PermanentRedirect`` naming another region;
-* ``nocreds``: ``403 InvalidAccessKeyId``.
+* ``nocreds``: ``403 InvalidAccessKeyId``;
+* ``long``: the body, then `Faults.long_bytes` more (zeros, made as they are sent), all
+  announced in Content-Length (a server answering an 800-byte file with 256 MiB); the bytes
+  of it the client took before dropping the connection are counted in `Faults.extra_sent`;
+* ``drip``: the body one byte every `Faults.drip_seconds` (a stalled or throttled link).
 
 Nothing here sends a byte anywhere but 127.0.0.1.
 """
@@ -44,7 +48,8 @@ _ERRORS = {
     ),
     "nocreds": (403, "InvalidAccessKeyId", "The AWS Access Key Id you provided does not exist in our records."),
 }
-FAULT_KINDS = ("drop", "truncate", "short", "corrupt", *_ERRORS)
+FAULT_KINDS = ("drop", "truncate", "short", "corrupt", "long", "drip", *_ERRORS)
+_BODY_FAULTS = ("drop", "truncate", "short", "corrupt", "long", "drip")
 
 
 def free_port() -> int:
@@ -73,6 +78,15 @@ class Faults:
         self._rules: list[list[Any]] = []  # [kind, match, method, times left]
         self.requests: list[tuple[str, str]] = []  # (method, path) of every request
         self.fired: list[tuple[str, str]] = []  # (kind, path) of every fault given
+        #: ``long``: bytes sent past the body; how many of them went out before the client hung up.
+        self.long_bytes = 256 << 20
+        self.extra_sent = 0
+        #: ``drip``: seconds between two bytes of the body.
+        self.drip_seconds = 0.25
+
+    def count_extra(self, n: int) -> None:
+        with self._lock:
+            self.extra_sent += n
 
     def add(self, kind: str, match: str = "", *, times: int = 1, method: str = "GET") -> None:
         """Answer the next ``times`` requests (``-1``: all) whose path contains ``match`` with ``kind``."""
@@ -127,7 +141,7 @@ class _Handler(BaseHTTPRequestHandler):
             body = bytes(flipped)
         elif fault == "short" and len(body) > 1:
             body = body[: len(body) // 2]
-        length = str(len(body))
+        length = str(len(body) + (self.server.faults.long_bytes if fault == "long" else 0))
         if self.command == "HEAD":  # a HEAD answer announces the length of what a GET would send
             length = next((v for k, v in headers if k.lower() == "content-length"), length)
         headers = [(k, v) for k, v in headers if k.lower() not in ("content-length", "connection", "transfer-encoding")]
@@ -138,6 +152,12 @@ class _Handler(BaseHTTPRequestHandler):
         self.end_headers()
         if self.command == "HEAD":
             return
+        if fault == "long":
+            self._send_long(body)
+            return
+        if fault == "drip":
+            self._drip(body)
+            return
         if fault in ("drop", "truncate") and len(body) > 1:
             self.wfile.write(body[: len(body) // 2])
             self.wfile.flush()
@@ -146,6 +166,32 @@ class _Handler(BaseHTTPRequestHandler):
             self.close_connection = True
             return
         self.wfile.write(body)
+
+    def _send_long(self, body: bytes) -> None:
+        faults = self.server.faults
+        piece = bytes(64 << 10)
+        try:
+            self.wfile.write(body)
+            left = faults.long_bytes
+            while left > 0:
+                n = min(left, len(piece))
+                self.wfile.write(piece[:n])
+                faults.count_extra(n)
+                left -= n
+            self.wfile.flush()
+        except OSError:  # the client stopped reading and dropped the connection
+            pass
+        self.close_connection = True
+
+    def _drip(self, body: bytes) -> None:
+        try:
+            for i in range(len(body)):
+                self.wfile.write(body[i : i + 1])
+                self.wfile.flush()
+                time.sleep(self.server.faults.drip_seconds)
+        except OSError:
+            pass
+        self.close_connection = True
 
     def _body(self) -> bytes:
         if self.headers.get("Transfer-Encoding", "").lower() == "chunked":
@@ -235,7 +281,7 @@ class _ProxyHandler(_Handler):
             self.server.local.conn = None
             raise
         keep = [(k, v) for k, v in response.getheaders() if k.lower() != "transfer-encoding"]
-        if fault in ("drop", "truncate", "short", "corrupt") and (self.command != "GET" or not data):
+        if fault in _BODY_FAULTS and (self.command != "GET" or not data):
             fault = None  # body faults only apply to downloads
         self._respond(response.status, keep, data, fault)
 
