@@ -303,7 +303,7 @@ def library_table(bucket: str, local: ss.Shards, work: Path, meter: Meter, quick
         shutil.rmtree(downloads, ignore_errors=True)
         downloads.mkdir(parents=True)
         with ThreadPoolExecutor(in_flight) as pool:
-            return sum(pool.map(lambda f: _download(client, f[0], downloads / f[0]), files))
+            return sum(pool.map(lambda f: _download(client, f[0], f[1], downloads / f[0]), files))
 
     network = rounds(
         meter,
@@ -414,15 +414,15 @@ def library_table(bucket: str, local: ss.Shards, work: Path, meter: Meter, quick
     bounds_table(network, warm, uploads, verify, work, nbytes)
 
 
-def _download(client: Client, name: str, path: Path) -> int:
+def _download(client: Client, name: str, nbytes: int, path: Path) -> int:
     """``name`` into ``path``, as a user of the client would: one streamed request, buffered writes."""
     got = 0
     with open(path, "wb", buffering=0) as out:
-        for piece in client.stream(name):
+        for piece in client.stream(name, 0, nbytes):
             view = memoryview(piece)
+            got += view.nbytes
             while view.nbytes:
                 view = view[out.write(view) :]
-            got += len(piece)
     return got
 
 

@@ -230,6 +230,12 @@ class Client:
             yield view
         # One byte past the end: the rest of the body is never read (its connection is dropped).
 
+    def get_range(self, name: str, start: int, end: int) -> Any:
+        """Bytes ``[start, end)`` of ``name`` as one buffer (the benchmarks' plain ranged read; not
+        checked, and unlike `stream` not cut at the size asked for: the reads use `read_into`)."""
+        ob = _obstore()
+        return self.call_sized(end - start, "read", name, ob.get_range, start=start, end=end)
+
     def read_into(self, name: str, start: int, view: memoryview) -> int:
         """Bytes ``[start, start + len(view))`` of ``name`` copied into ``view`` as they arrive
         (not checked: `files` checks them). Returns how many bytes the server sent: fewer than

@@ -105,7 +105,7 @@ def unit_key(served: Served, name: str) -> str:
     digests = served.local.block_digests(name)
     if digests is not None:
         return digests[0]
-    return "file-" + next(d for f, _, d in served.local.manifest.files() if f == name)
+    return f"file-{next(d for f, _, d in served.local.manifest.files() if f == name)}"
 
 
 def outside_files(tmp_path: Path) -> dict[Path, bytes]:
