@@ -6,7 +6,17 @@ import argparse
 import sys
 
 from .. import store
-from ._common import EXIT_OK, REF_HELP, add_progress, add_roots, command, human_bytes, progress_arg, roots_arg
+from ._common import (
+    EXIT_OK,
+    REF_HELP,
+    add_progress,
+    add_roots,
+    command,
+    human_bytes,
+    plural,
+    progress_arg,
+    roots_arg,
+)
 
 
 def cmd_push(args: argparse.Namespace) -> int:
@@ -18,7 +28,7 @@ def cmd_push(args: argparse.Namespace) -> int:
     if report.already_pushed:
         err.write(f"{name}: already pushed, nothing uploaded\n")
     else:
-        done = f"uploaded {report.uploaded_files} files ({human_bytes(report.uploaded_bytes)})"
+        done = f"uploaded {plural(report.uploaded_files, 'file')} ({human_bytes(report.uploaded_bytes)})"
         if report.kept_files:
             done += f"; kept {report.kept_files} already there ({human_bytes(report.kept_bytes)}, checked)"
         if report.replaced:

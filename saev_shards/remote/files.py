@@ -525,10 +525,11 @@ class RemoteFiles:
                 return result
             problems.append(result)
         if isinstance(failure, RemoteTimeoutError) or (failure is not None and fetches < VERIFY_ATTEMPTS):
+            last = "" if isinstance(failure, RemoteTimeoutError) else f"; the last one: {failure}"
             raise RemoteTimeoutError(
                 f"{self.where(unit.name)}: {describe(unit)} did not arrive within {allowed:g} s "
                 f"({_fetches(fetches)}; ${TIMEOUT_ENV}: {timeout():g} s per 16 MiB): the server is stalled or "
-                f"too slow (a slow link: raise {TIMEOUT_ENV}); last: {failure}"
+                f"too slow (on a slow link, raise {TIMEOUT_ENV}){last}"
             )
         if not problems and failure is not None:
             raise failure
