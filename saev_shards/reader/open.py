@@ -115,18 +115,18 @@ def open_remote(url: str, *, check_hash: bool = True) -> Shards:
     warning, and so do the blocks read; so they do when the block cache is disabled
     (``SAEV_SHARDS_BLOCK_CACHE_BYTES=0``).
     """
-    from ..remote.blockcache import BlockCache, Unwritable
+    from ..remote.blockcache import BlockCache, _Unwritable
     from ..remote.url import check_url, strip
 
     url = strip(check_url(url))
     cache = BlockCache()
     try:
         return _open_remote_in(url, cache, False, check_hash)
-    except Unwritable as err:
+    except _Unwritable as err:
         cache.pause_writes(err.error)  # one warning; the blocks are not written either for now
     try:
         return _open_remote_in(url, cache, True, check_hash)
-    except Unwritable as err:
+    except _Unwritable as err:
         raise err.error from None
 
 

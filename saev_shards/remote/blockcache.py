@@ -138,7 +138,7 @@ class TempEntry:
         self.committed = False
 
 
-class Unwritable(Exception):
+class _Unwritable(Exception):
     """A local write for the block cache failed (`error`: the `OSError`): a full disk, a folder
     that cannot be written. Callers fall back to memory (`memory_folder`)."""
 
@@ -228,7 +228,7 @@ class BlockCache:
     def json_folder(self, root: str, name: str, memory: bool = False) -> Path:
         """``roots/<id of root>/<name>`` made, its ``.stats`` beside it, no link followed on the
         way (in `memory_folder` with ``memory``, or when the cache is `disabled`): where
-        `files.local_folder` keeps the JSON files of a remote cache. `Unwritable` when the
+        `files.local_folder` keeps the JSON files of a remote cache. `_Unwritable` when the
         folders cannot be made here."""
         top = memory_folder() if memory or self.disabled else self.folder
         try:
@@ -247,7 +247,7 @@ class BlockCache:
             finally:
                 os.close(fd)
         except OSError as err:
-            raise Unwritable(err) from None
+            raise _Unwritable(err) from None
         return top / "roots" / root_id(root) / name
 
     @property

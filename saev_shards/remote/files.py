@@ -59,7 +59,7 @@ from ..errors import (
 )
 from ..fileio import BlockHasher, aligned_buffer, open_regular, pwrite_all, write_file_atomic
 from ..protocol.jsonfile import strict_json_loads
-from .blockcache import BlockCache, Unwritable
+from .blockcache import BlockCache, _Unwritable
 from .client import TIMEOUT_ENV, Client, allowance, requests_in_flight, timeout
 from .url import check_url, split_url, strip
 
@@ -169,7 +169,7 @@ def fetch_json(client: Client, folder: Path, name: str, max_bytes: int, mode: in
     """Download the JSON file ``name`` of the cache behind ``client`` into ``folder`` (atomically,
     as a file of ``mode``, never through a link); False, leaving no local copy, when the server
     has none. `JSONFileError` when it is larger than ``max_bytes`` (no more than ``max_bytes +
-    1`` bytes of it are read); `blockcache.Unwritable` when ``folder`` cannot be written."""
+    1`` bytes of it are read); `blockcache._Unwritable` when ``folder`` cannot be written."""
     try:
         data = client.get_bytes(name, max_bytes)
     except RemoteBucketError:
@@ -189,7 +189,7 @@ def fetch_json(client: Client, folder: Path, name: str, max_bytes: int, mode: in
         finally:
             os.close(fd)
     except OSError as err:
-        raise Unwritable(err) from None
+        raise _Unwritable(err) from None
     return True
 
 
@@ -212,7 +212,7 @@ def forget_json(folder: Path, name: str) -> None:
         with contextlib.suppress(FileNotFoundError):
             os.unlink(name, dir_fd=fd)
     except OSError as err:
-        raise Unwritable(err) from None
+        raise _Unwritable(err) from None
     finally:
         os.close(fd)
 
