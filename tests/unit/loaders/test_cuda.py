@@ -175,14 +175,14 @@ def test_batches_stay_right_while_the_training_stream_lags(make_cache: Any, side
     shards, _ = make_cache(md, labels=True, batches=(50,))
     kwargs: dict[str, Any] = dict(batch_size=16, seed=1, buffer_bytes=2000, block_bytes=64)
     host = list(ShuffledLoader(shards, **kwargs))
-    stream = torch.cuda.Stream() if side_stream else torch.cuda.current_stream()  # type: ignore[no-untyped-call]
+    stream = torch.cuda.Stream() if side_stream else torch.cuda.current_stream()
     got: list[Batch] = []
     loader = ShuffledLoader(shards, device="cuda", **kwargs)
     assert len(loader.plan(0).windows) >= 10  # each of the two device slots reused five times or more
     with torch.cuda.stream(stream):
         it = iter(loader)
         while True:
-            torch.cuda._sleep(LAG_CYCLES)  # type: ignore[no-untyped-call]
+            torch.cuda._sleep(LAG_CYCLES)
             batch = next(it, None)
             if batch is None:
                 break
@@ -360,7 +360,7 @@ def test_async_writer_copies_cuda_tensors_on_a_side_stream(tmp_path: Path, dtype
         aw._to_pinned = recording  # type: ignore[method-assign]
         for a in range(0, md.n_examples, 6):
             source = torch.from_numpy(x[a : a + 6]).cuda()
-            torch.cuda._sleep(LAG_CYCLES)  # type: ignore[no-untyped-call]
+            torch.cuda._sleep(LAG_CYCLES)
             acts = source.clone()  # runs after the spin: not yet computed when submitted
             if dtype == "float8_e4m3":
                 q, s = float8.quantize_tensor(acts)
