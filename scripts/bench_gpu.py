@@ -871,8 +871,9 @@ def disk_limits(
     budget = int(min(total, max(probe_bytes, probe * 1e9 * seconds)))
     out = [("sequential O_DIRECT reads, 8 MiB requests", 1, odirect_files_gbps(paths, budget))]
     drop(paths, drop_all)
-    gbps, _ = bl.odirect_random_read_files(paths, BLOCK, max(threads, budget // BLOCK), threads)
-    out.append(("random O_DIRECT reads, 4 MiB requests", threads, gbps))
+    block = min(BLOCK, max(os.stat(p).st_size for p in paths) // bl.ALIGN * bl.ALIGN)  # small caches' shards
+    gbps, _ = bl.odirect_random_read_files(paths, block, max(threads, budget // block), threads)
+    out.append((f"random O_DIRECT reads, {block >> 10:,} KiB requests", threads, gbps))
     drop(paths, drop_all)
     out.append(("buffered 4 MiB preads in file order", threads, bl.buffered_read_gbps(paths, threads, limit=budget)))
     return out, method

@@ -101,11 +101,11 @@ TESTS=$(grep -E '(passed|failed|error|skipped)' "$OUT/cuda_tests.log" | tail -1)
 say "CUDA tests: exit $TESTS_RC: $TESTS"
 grep -E '^(FAILED|ERROR)' "$OUT/cuda_tests.log" | head -20 | tee -a "$LOG"
 wait $BUILD
-RC=$?
+BUILD_RC=$?
 cat /tmp/gpu_session_build.log >>"$LOG"
-if ((RC != 0)); then
-    mark build "$( ((RC == 124 || RC == 137)) && echo 'stopped at its time limit' || echo "failed (exit $RC)")"
-    say "BUILD FAILED (exit $RC): $(tail -3 /tmp/gpu_session_build.log)"
+if ((BUILD_RC != 0)); then
+    mark build "$( ((BUILD_RC == 124 || BUILD_RC == 137)) && echo 'stopped at its time limit' || echo "failed (exit $BUILD_RC)")"
+    say "BUILD FAILED (exit $BUILD_RC): $(tail -3 /tmp/gpu_session_build.log)"
 else
     say "caches written: $(grep -h 'wrote the' /tmp/gpu_session_build.log | tr '\n' ' ')"
 fi
@@ -131,7 +131,7 @@ run_part() {
         say "$part: FAILED (exit $rc)"
     fi
 }
-if [ -d "$SAEV_BENCH_DIR/gpu" ]; then
+if ((BUILD_RC == 0)); then
     run_part limits 60 200
     run_part modes 80 150
     run_part float8 60 120
