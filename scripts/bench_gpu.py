@@ -47,6 +47,7 @@ import multiprocessing
 import os
 import platform
 import shutil
+import statistics
 import subprocess
 import sys
 import threading
@@ -589,13 +590,13 @@ def vector_nbytes(shards: ss.Shards) -> int:
     return md.d_model * md.itemsize + (4 if md.dtype == F8 else 0)
 
 
-def loader_sample(
-    make: Callable[[], Any], seconds: float, move: bool, cuda: bool, max_bytes: float = float("inf")
-) -> dict[str, Any]:
-    """One loader's batches for ``seconds`` (or ``max_bytes`` of stored bytes), timed from its
-    first batch: GB/s of stored bytes, vectors/s, seconds to the first batch, process CPU
-    seconds per GB, and where its threads spent the time (`Sampler`). ``move``: copy each
-    batch's acts to the GPU (non_blocking from pinned memory), as training would."""
+def loader_sample(make: Callable[[], Any], seconds: float, move: bool, cuda: bool, epochs: int = 0) -> dict[str, Any]:
+    """One loader's batches for ``seconds``, timed from its first batch, epoch after epoch
+    (``epochs``: at most that many; 0, as many as fit): GB/s of stored bytes and vectors/s
+    with the later epochs' start-ups (``iter`` to their first batch) left out and reported
+    apart, seconds to the first batch, process CPU seconds per GB, and where the threads spent
+    the time (`Sampler`). ``move``: copy each batch's acts to the GPU (non_blocking from pinned
+    memory), as training would."""
     import torch
 
     loader = make()
@@ -615,23 +616,41 @@ def loader_sample(
     sync()
     first = time.perf_counter() - start
     vectors = batches = 0
+    restarts: list[float] = []
     with Sampler() as sampler:
         t, cpu = time.perf_counter(), time.process_time()
-        for batch in it:
-            moved(batch)
-            vectors += batch.acts.numel() // d
-            batches += 1
-            if time.perf_counter() - t >= seconds or vectors * per_vector >= max_bytes:
-                break
+        while True:
+            for batch in it:
+                moved(batch)
+                vectors += batch.acts.numel() // d
+                batches += 1
+                if time.perf_counter() - t >= seconds:
+                    break
+            else:  # the epoch ended: the next one, unless the time or the epochs are up
+                if time.perf_counter() - t < seconds and (not epochs or len(restarts) + 1 < epochs):
+                    r = time.perf_counter()
+                    it = iter(loader)
+                    batch = next(it, None)
+                    restarts.append(time.perf_counter() - r)
+                    if batch is not None:
+                        moved(batch)
+                        vectors += batch.acts.numel() // d
+                        batches += 1
+                        continue
+            break
         sync()
         dt, cpu = time.perf_counter() - t, time.process_time() - cpu
     del it
     loader.close()
     nbytes = vectors * per_vector
+    steady = max(dt - sum(restarts), 1e-9)
     return {
-        "gbps": nbytes / dt / 1e9,
-        "vectors_per_s": vectors / dt,
+        "gbps": nbytes / steady / 1e9,
+        "vectors_per_s": vectors / steady,
         "first_batch_s": first,
+        "epoch_restarts": len(restarts),
+        "restart_s": statistics.mean(restarts) if restarts else 0.0,
+        "restart_share": sum(restarts) / max(dt, 1e-9),
         "cpu_s_per_gb": cpu / max(nbytes / 1e9, 1e-9),
         "cores_busy": cpu / dt,
         "batches": batches,
@@ -684,10 +703,11 @@ def part_modes(res: Results, caches: dict[str, ss.Shards], cuda: bool, seconds: 
             "ratio to pread limit",
             "ratio to read + upload",
             "first batch (s)",
+            "epoch start-up (s)",
             "CPU cores busy",
         ],
     )
-    table.add("pread limit", limits.get("pread", float("nan")), "", 1.0, "", "", "")
+    table.add("pread limit", limits.get("pread", float("nan")), "", 1.0, "", "", "", "")
     if "read_upload" in limits:
         table.add(
             "read + upload limit",
@@ -695,6 +715,7 @@ def part_modes(res: Results, caches: dict[str, ss.Shards], cuda: bool, seconds: 
             "",
             ratio(limits["read_upload"], limits.get("pread")),
             1.0,
+            "",
             "",
             "",
         )
@@ -708,13 +729,15 @@ def part_modes(res: Results, caches: dict[str, ss.Shards], cuda: bool, seconds: 
             ratio(s["gbps"], limits.get("pread")),
             ratio(s["gbps"], limits.get("read_upload")),
             s["first_batch_s"],
+            s["restart_s"] if s["epoch_restarts"] else "",
             s["cores_busy"],
         )
         rows.append({"mode": name, "kind": kind, **s})
     table.note(
         f"Layer {LAYER} unless said (every layer: both layers' vectors, mixed on purpose); {seconds:g} s per row "
-        "from its first batch, one sample; GB/s counts stored bytes delivered. Host modes include each batch's "
-        "copy to the GPU. Target: the device-side shuffle >= 0.8 of the pread limit."
+        "from its first batch, one sample, epoch after epoch, the later epochs' start-ups (iter() to their first "
+        "batch) left out of the rates and shown apart (their mean); GB/s counts stored bytes delivered. Host "
+        "modes include each batch's copy to the GPU. Target: the device-side shuffle >= 0.8 of the pread limit."
     )
     res.table("modes", table, rows)
 
@@ -794,17 +817,19 @@ def part_sae(res: Results, caches: dict[str, ss.Shards], cuda: bool, seconds: fl
 
     warmup = 10 if cuda else 2  # a step on a CPU takes a good part of a second
 
-    def timed(batches: Iterator[torch.Tensor]) -> float:
-        """Tokens/s of the steps over ``batches`` for ``seconds``, after ``warmup`` untimed steps."""
+    def timed(batches: Iterator[torch.Tensor], restarts: list[float] | None = None) -> float:
+        """Tokens/s of the steps over ``batches`` for ``seconds``, after ``warmup`` untimed steps,
+        less the loader's epoch start-ups (``restarts``, appended to as they happen)."""
+        restarts = [] if restarts is None else restarts
         for _ in range(warmup):
             step(next(batches))
         sync()
-        t, n = time.perf_counter(), 0
+        t, n, before = time.perf_counter(), 0, len(restarts)
         while time.perf_counter() - t < seconds:
             step(next(batches))
             n += 1
         sync()
-        return n * BATCH / (time.perf_counter() - t)
+        return n * BATCH / (time.perf_counter() - t - sum(restarts[before:]))
 
     resident = [torch.randn(BATCH, D_MODEL, device=device).half() for _ in range(16)]
 
@@ -817,8 +842,9 @@ def part_sae(res: Results, caches: dict[str, ss.Shards], cuda: bool, seconds: fl
 
             loader = loaders.ShuffledLoader(shards, BATCH, layers=LAYER, **kwargs)
             pinned = bool(kwargs.get("pin_memory"))
+            restarts: list[float] = []
             try:
-                return timed(b.acts.to(device, non_blocking=pinned) for b in _forever(loader))
+                return timed((b.acts.to(device, non_blocking=pinned) for b in epochs(loader, restarts)), restarts)
             finally:
                 loader.close()
 
@@ -846,16 +872,24 @@ def part_sae(res: Results, caches: dict[str, ss.Shards], cuda: bool, seconds: fl
         table.add(name, rate, rate / base, need if name != "already on the device" else "")
         rows.append({"data": name, "tokens_per_s": rate, "ratio": rate / base, "loader_gbps_needed": need})
     table.note(
-        f"Median of {rounds} interleaved rounds of {seconds:g} s each ({warmup} untimed steps first); layer {LAYER}. "
+        f"Median of {rounds} interleaved rounds of {seconds:g} s each ({warmup} untimed steps first; the loader's "
+        f"epoch start-ups left out, as in the loader tables); layer {LAYER}. "
         "'Loader GB/s needed': stored bytes per second the loader delivers at that rate. Target: >= 0.98 of "
         "on-device."
     )
     res.table("sae", table, rows)
 
 
-def _forever(loader: Any) -> Iterator[Any]:
+def epochs(loader: Any, restarts: list[float]) -> Iterator[Any]:
+    """The loader's batches, epoch after epoch; the seconds from the end of each epoch to the
+    next one's first batch are appended to ``restarts``."""
+    ended = None
     while True:
-        yield from loader
+        for i, batch in enumerate(loader):
+            if i == 0 and ended is not None:
+                restarts.append(time.perf_counter() - ended)
+            yield batch
+        ended = time.perf_counter()
 
 
 def disk_limits(
@@ -932,7 +966,7 @@ def part_cold(res: Results, caches: dict[str, ss.Shards], cuda: bool, seconds: f
     }
     for name, (shards, kwargs) in loaders_rows.items():
         drop(every, drop_all)
-        s = loader_sample(shuffled(shards, device=dev, **kwargs), seconds, False, cuda)
+        s = loader_sample(shuffled(shards, device=dev, **kwargs), seconds, False, cuda, epochs=1)
         table.add(name, threads, s["gbps"], s["vectors_per_s"], s["gbps"] / disk, s["first_batch_s"])
         rows.append({"reader": name, "limit": False, "threads": threads, **s})
     table.note(
@@ -1154,9 +1188,15 @@ def _limits_section(tables: dict[str, Any], limits: dict[str, float], data: dict
             name = row.get("mode") or row.get("reader") or f"gather threads {row.get('gather_threads')}"
             if key == "float8":
                 name = f"{name}, {row['cache']}"
+            restart = (
+                f" A new epoch's first batch came {row['restart_s']:.2f} s after the last one's end (the first "
+                "window read and, on the device, uploaded before anything else); left out of the rate."
+                if row.get("epoch_restarts")
+                else ""
+            )
             lines.append(
                 f"  - {name}: {row['gbps']:.2f} GB/s, {row['cores_busy']:.1f} cores busy; "
-                f"{_bottleneck(row, limits)} ({_profile_text(row['profile'])})."
+                f"{_bottleneck(row, limits)} ({_profile_text(row['profile'])}).{restart}"
             )
     sae = tables.get("sae")
     if sae is not None:
