@@ -50,7 +50,7 @@ class TinyTextModel(torch.nn.Module):
             time.sleep(self.delay)  # lets a test kill a dump mid-way
         if attention_mask is None:
             attention_mask = torch.ones_like(input_ids)
-        x = self.embed(input_ids) + self.pos(torch.arange(input_ids.shape[1]))[None]
+        x = self.embed(input_ids) + self.pos(torch.arange(input_ids.shape[1], device=input_ids.device))[None]
         outs = []
         for block in self.blocks:
             y = block(x, attention_mask)

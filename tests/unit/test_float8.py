@@ -98,6 +98,20 @@ def test_dequantize_is_the_float32_product_of_ml_dtypes_values(x: np.ndarray[Any
     )
 
 
+@given(activations(), st.sampled_from(["float32", "float16", "bfloat16"]))
+def test_the_rule_in_torch_ops_gives_the_host_bytes(x: np.ndarray[Any, Any], dtype: str) -> None:
+    """`quantize_tensor`'s branch for a GPU (the rule in torch's ops on the tensor's device),
+    run here on the CPU: the bytes and scales of the host rule, special vectors included.
+    (On a GPU, tests/unit/loaders/test_cuda.py compares the two there.)"""
+    specials = np.array([[0.0, -0.0], [1.0, np.nan], [np.inf, 1.0], [1e-44, 0.0], [3e-40, -2e-40]], np.float32)
+    for values in (x, specials):
+        t = torch.from_numpy(values.copy()).to(getattr(torch, dtype))
+        q, s = float8._quantize_torch(t)
+        ref_q, ref_s = float8.quantize_numpy(t.to(torch.float32).numpy())
+        np.testing.assert_array_equal(q.numpy(), ref_q.view(np.uint8))
+        np.testing.assert_array_equal(s.numpy().view(np.uint32), ref_s.view(np.uint32))
+
+
 def test_every_byte_pair_and_odd_widths() -> None:
     codes = np.arange(65536, dtype="<u2").view(np.uint8).reshape(-1, 2)
     codes = codes[((codes & 0x7F) != 0x7F).all(axis=1)].view(FLOAT8_DTYPE)
