@@ -96,7 +96,7 @@ _VIT_RENAMES = {
     "d_vit": "d_model",
     "n_imgs": "n_examples",
 }
-_NO_CHECKSUMS = "checksums (verify checks sizes, the name and the zero padding, not the values)"
+_NO_CHECKSUMS = "checksums"
 
 
 class SaevHistory(V21Files):
@@ -368,10 +368,11 @@ def pick(obj: dict[str, Any], candidates: Sequence[Dialect], everyone: Sequence[
         )
     unknown = given - set(best.keys)
     owners = [(d, unknown.intersection(d.keys)) for d in everyone if d is not best and set(d.keys) != set(best.keys)]
-    other, foreign = max(owners, key=lambda o: len(o[1]), default=(None, set()))
+    # The format holding most of them; of those, saev's own before this library's.
+    other, foreign = max(owners, key=lambda o: (len(o[1]), o[0].legacy), default=(None, set()))
     if other is not None and foreign:
         raise MetadataError(
-            f"keys of two formats mixed: {short_list(sorted(foreign))} "
+            f"keys of two formats mixed: {', '.join(map(repr, sorted(foreign)))} "
             f"{'is a key' if len(foreign) == 1 else 'are keys'} of {other.summary} (dialect {other.name!r}), "
             f"the others of {best.summary} (dialect {best.name!r}), which has no such key; a cache is written "
             "in one format (protocol.md 9.5)"
