@@ -264,9 +264,13 @@ def check_fields(d: dict[str, Any], problems: Problems, absent: frozenset[str] =
     want("dtype", isinstance(d["dtype"], str), "a string", DtypeError)
     if want("pixel_agg", d["pixel_agg"] is None or isinstance(d["pixel_agg"], str), "a string or None"):
         json_value("pixel_agg", d["pixel_agg"])
-    if want("seed", d["seed"] is None or is_int(d["seed"]), "an integer or None") and d["seed"] is not None:
-        if not LAYER_MIN <= d["seed"] <= LAYER_MAX:
-            problems.expected("seed", "an integer within signed 64 bits", short_repr(d["seed"]))
+    seed = d["seed"]
+    if (
+        want("seed", seed is None or is_int(seed), "an integer or None")
+        and seed is not None
+        and not (LAYER_MIN <= seed <= LAYER_MAX)
+    ):
+        problems.expected("seed", "an integer within signed 64 bits", short_repr(seed))
     if "data" not in absent:
         json_value("data", [d["data"]])  # one level less than the file's limit: data sits inside the object
     version = d["protocol"]

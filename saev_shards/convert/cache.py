@@ -32,8 +32,8 @@ from __future__ import annotations
 
 import base64
 import dataclasses
-import json
 import itertools
+import json
 import pickle
 import warnings
 from collections.abc import Callable, Iterator

@@ -39,7 +39,6 @@ from .checks import JSONChecks
 from .common import (
     LABELS_DTYPE,
     LABELS_FILE,
-    MANIFEST_FILE,
     SAEV_20_PROTOCOL,
     UNVERSIONED,
     manifest_max_bytes,
@@ -102,8 +101,8 @@ _NO_CHECKSUMS = "checksums"
 class SaevHistory(V21Files):
     """One of saev's earlier formats (module docstring); the subclasses below are the data."""
 
-    sidecar_names = ()
-    data_types = (dict,)
+    sidecar_names: tuple[str, ...] = ()
+    data_types: tuple[type, ...] = (dict,)
     defaults: ClassVar[Mapping[str, Any]] = {"dataset": ""}
     count_key = "n_imgs"
     #: The key of `HASH_RULES` the directory name follows.
@@ -156,9 +155,8 @@ class SaevHistory(V21Files):
         problems: list[Problem] = []
         labels_path = folder / LABELS_FILE
         if not self.has_labels and os.path.lexists(labels_path):
-            problems.append(
-                Problem(UnexpectedFileError, f"{labels_path}: {self.summary} has no labels; saev wrote no labels.bin then")
-            )
+            why = f"{self.summary} has no labels; saev wrote no labels.bin then"
+            problems.append(Problem(UnexpectedFileError, f"{labels_path}: {why}"))
         if self.manifest_file is None:
             entries = [(shard_name(k), md.shard_n_examples(k)) for k in range(md.n_shards)]
             after = folder / shard_name(md.n_shards)
@@ -260,7 +258,7 @@ class Protocol100(SaevHistory):
     summary = "saev protocol 1.0.0 (2025-06 to 2025-09)"
     commits = "1c842cc to 42b6764"
     protocols = ("1.0.0",)
-    keys = (
+    keys: tuple[str, ...] = (
         "vit_family",
         "vit_ckpt",
         "layers",
@@ -274,7 +272,7 @@ class Protocol100(SaevHistory):
         "protocol",
     )
     renames: ClassVar[Mapping[str, str]] = {**_VIT_RENAMES, "max_patches_per_shard": "patches_per_shard"}
-    lacks = ("a dataset path", "labels", _NO_CHECKSUMS)
+    lacks: tuple[str, ...] = ("a dataset path", "labels", _NO_CHECKSUMS)
 
 
 class Protocol11(Protocol100):
@@ -337,9 +335,7 @@ UNVERSIONED_DIALECTS = tuple(d for d in DIALECTS if d.protocols == (UNVERSIONED,
 #: Keys that only saev's formats before 1.0.0 have, and those only its 1.x formats have
 #: (beside today's saev keys): a metadata.json with one of them is read as one of those formats.
 UNVERSIONED_KEYS = frozenset(k for d in UNVERSIONED_DIALECTS for k in d.keys) - {"layers", "cls_token", "data"}
-V1_KEYS = frozenset(k for d in DIALECTS if d.protocols in (("1.0.0",), ("1.1",)) for k in d.keys) - set(
-    SAEV_CODE_KEYS
-)
+V1_KEYS = frozenset(k for d in DIALECTS if d.protocols in (("1.0.0",), ("1.1",)) for k in d.keys) - set(SAEV_CODE_KEYS)
 
 
 def pick(obj: dict[str, Any], candidates: Sequence[Dialect], everyone: Sequence[Dialect]) -> Dialect:

@@ -46,7 +46,7 @@ class V21Files(Dialect):
 
     legacy = True
     padded_last = True
-    sidecar_names = (CHECKSUMS_FILE,)
+    sidecar_names: tuple[str, ...] = (CHECKSUMS_FILE,)
     #: The key of a shards.json entry that holds its example count (saev 1.x: ``n_imgs``).
     count_key = "n_examples"
 
@@ -103,9 +103,7 @@ class V21Files(Dialect):
         return {CHECKSUMS_FILE: pretty_json(checksums_json(manifest))}
 
 
-def parse_shard_list(
-    obj: object, checks: JSONChecks, count_key: str = "n_examples"
-) -> list[tuple[str, int]] | None:
+def parse_shard_list(obj: object, checks: JSONChecks, count_key: str = "n_examples") -> list[tuple[str, int]] | None:
     """``[(name, n_examples), ...]`` of a 2.1 shards.json (or of saev's earlier ones, whose
     count is ``count_key``); every problem goes to ``checks``."""
     if not isinstance(obj, list):

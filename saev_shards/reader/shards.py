@@ -408,8 +408,8 @@ class Shards(ReadPaths, Sidecars):
                     problems.extend(self._stats_problems())
                 if self.manifest.blocks is not None and name == self.manifest.blocks.name:
                     problems.extend(self._blocks_problems())
-        damaged = {p.message.split(": ")[0] for p in problems}
-        problems.extend(p for p in self._padding_problems() if p.message.split(": ")[0] not in damaged)
+        reported = {p.message.split(": ")[0] for p in problems}  # a file reported once: its digest or size
+        problems.extend(p for p in self._padding_problems() if p.message.split(": ")[0] not in reported)
         raise_problems(problems, self.location)
         if unchecked and self.metadata.format.history:
             warnings.warn(

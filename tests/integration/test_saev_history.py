@@ -88,12 +88,14 @@ def check_loaders(shards: ss.Shards, acts: npt.NDArray[np.float32], labels: npt.
 
     md = shards.metadata
     n_layers, tokens = md.n_layers, md.tokens_per_ex
-    stack = {"stack_layers": True} if n_layers > 1 else {}
+    stack = n_layers > 1
     want_rows = len(acts) * tokens
     for loader in (
-        OrderedLoader(shards, batch_size=5, tokens="all", **stack),
-        ShuffledLoader(shards, batch_size=5, tokens="all", seed=3, buffer_bytes=600, block_bytes=300, **stack),
-        ShuffledLoader(shards, batch_size=5, tokens="all", seed=3, device="cpu", **stack),
+        OrderedLoader(shards, batch_size=5, tokens="all", stack_layers=stack),
+        ShuffledLoader(
+            shards, batch_size=5, tokens="all", seed=3, buffer_bytes=600, block_bytes=300, stack_layers=stack
+        ),
+        ShuffledLoader(shards, batch_size=5, tokens="all", seed=3, device="cpu", stack_layers=stack),
     ):
         seen = 0
         for batch in loader:
@@ -115,7 +117,7 @@ def check_loaders(shards: ss.Shards, acts: npt.NDArray[np.float32], labels: npt.
             item = ds[k]
             assert np.array_equal(item["acts"].numpy(), acts[int(item["example"]), j, int(item["token"])])
     if len(acts):
-        examples = ExampleDataset(shards, **stack, with_labels=labels is not None)
+        examples = ExampleDataset(shards, stack_layers=stack, with_labels=labels is not None)
         item = examples[len(acts) - 1]
         assert np.array_equal(item["acts"].numpy().reshape(n_layers, tokens, -1), acts[-1])
         if labels is not None:
@@ -369,7 +371,7 @@ def test_cli_reads_every_fixture_in_a_read_only_root(open_folder: Path) -> None:
     listing = cli("ls")
     assert listing.returncode == 0, listing.stderr
     assert f"{len(FIXTURES)} caches" in listing.stdout and listing.stdout.count(" ok") == len(FIXTURES)
-    for fmt, cache, _ in FIXTURES:
+    for _, cache, _ in FIXTURES:
         prefix_ref = cache.name[:8]
         found = cli("resolve", prefix_ref)
         assert found.returncode == 0 and found.stdout.strip() == str(root / cache.name), found.stderr
@@ -469,7 +471,7 @@ def test_more_examples_than_the_files_hold(folder: str, tmp_path: Path) -> None:
         assert f"{copy / 'acts000003.bin'}: missing" in message
     else:
         assert f"{copy / 'shards.json'}: expected 4 shards for n_examples=10" in message
-    with pytest.raises(InvalidCacheError, match="directory name is not the hash of its metadata.json"):
+    with pytest.raises(InvalidCacheError, match=r"directory name is not the hash of its metadata\.json"):
         open_quietly(copy)  # and the name says the metadata was changed
 
 
@@ -538,3 +540,14 @@ def test_old_formats_are_never_written(tmp_path: Path) -> None:
     md = open_quietly(fixture_of("0.1.0-pypi")).metadata
     with pytest.raises(ss.MetadataError, match="one of saev's earlier formats, read in place and never written"):
         ss.ShardWriter(tmp_path / "saev" / "shards", md)
+
+
+def test_convert_of_an_old_cache_killed_then_resumed_is_byte_identical(tmp_path: Path) -> None:
+    """SIGKILL mid-conversion (and before publishing), then the same command: the same cache,
+    byte for byte, resumed after its sealed shards (saev 1.1 with labels, 9 examples)."""
+    from .test_convert_cli import _kill_and_resume
+
+    cache = fixture_of("1.1-pixel_agg", "3L-cls-labels")
+    example_nbytes = 3 * 6 * 24 * 4  # 3 layers x (CLS + 5) tokens x 24 dims, float32
+    extra = ["--patches-per-shard", str(2 * 3 * 6)]  # 2 examples per shard
+    _kill_and_resume(tmp_path, cache, extra, ["0", "7", "publish"], chunk_bytes=example_nbytes, resumes="7")

@@ -59,7 +59,10 @@ class Format:
 
 
 _PRE = ("layers", "n_patches_per_img", "cls_token", "d_vit", "seed", "n_imgs", "n_patches_per_shard", "data")
-_V1 = ("vit_family", "vit_ckpt", "layers", "n_patches_per_img", "cls_token", "d_vit", "n_imgs", "max_patches_per_shard", "data")
+_V1 = (
+    "vit_family", "vit_ckpt", "layers", "n_patches_per_img", "cls_token", "d_vit", "n_imgs", "max_patches_per_shard",
+    "data",
+)  # fmt: skip
 _V2 = (
     "family", "ckpt", "layers", "content_tokens_per_example", "cls_token", "d_model", "n_examples",
     "max_tokens_per_shard", "data", "dataset", "pixel_agg", "dtype", "protocol",
@@ -69,9 +72,7 @@ _VIT = dict(family_key="vit_family", ckpt_key="vit_ckpt", patches_key="n_patches
 _TOKENS = dict(family_key="family", ckpt_key="ckpt", patches_key="content_tokens_per_example", width_key="d_model",
                count_key="n_examples", budget_key="max_tokens_per_shard")  # fmt: skip
 
-FORMATS: dict[str, Format] = {
-    f.folder: f
-    for f in (
+_ALL = (
         # 9d4cae4 saev/activations.py
         Format("pre0.1-model_org", "saev-pre0.1-model_org", ("model_org", "model_ckpt", *_PRE), "model_org",
                "model_ckpt", "n_patches_per_img", "d_vit", "n_imgs", "n_patches_per_shard", "json", "json", None,
@@ -102,8 +103,8 @@ FORMATS: dict[str, Format] = {
         # c3dd0ae src/saev/data/shards.py
         Format("2.0-orjson", "saev-2.0-orjson", _V2, **_TOKENS, hash_rule="orjson", writer="orjson",
                manifest_count="n_examples", labels=True, protocol="2.0", data_is_string=False),
-    )  # fmt: skip
-}
+)  # fmt: skip
+FORMATS: dict[str, Format] = {f.folder: f for f in _ALL}
 
 
 def fixtures() -> list[tuple[Format, Path, Path]]:
