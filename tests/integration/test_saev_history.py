@@ -311,17 +311,6 @@ def test_convert_of_generated_caches_is_exact_and_repeatable(
 # the command line, as a new user runs it on every fixture
 
 
-def run_cli(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [sys.executable, "-m", "saev_shards", *args],
-        capture_output=True,
-        text=True,
-        check=False,
-        timeout=120,
-        env=env,
-    )
-
-
 @pytest.fixture
 def open_folder() -> Iterator[Path]:
     """A folder under /tmp that any user may enter (another user's child runs in it)."""
@@ -352,50 +341,75 @@ def test_cli_reads_every_fixture_in_a_read_only_root(open_folder: Path) -> None:
     os.chmod(out, 0o777)
     before = {name: snapshot(root / name) for name in os.listdir(root)}
     env = {**os.environ, "SAEV_SHARDS_ROOT": str(root)}
-    prefix: list[str] = []
-    if os.geteuid() == 0 and shutil.which("setpriv"):
-        prefix = ["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups"]
-
-    def cli(*args: str) -> subprocess.CompletedProcess[str]:
-        if not prefix:
-            return run_cli(*args, env=env)
-        return subprocess.run(
-            [*prefix, sys.executable, "-m", "saev_shards", *args],
-            capture_output=True,
-            text=True,
-            check=False,
-            timeout=120,
-            env=env,
-        )
-
-    listing = cli("ls")
-    assert listing.returncode == 0, listing.stderr
-    assert f"{len(FIXTURES)} caches" in listing.stdout and listing.stdout.count(" ok") == len(FIXTURES)
+    stage = {key: fixture_of(key).name[:8] for key in ("0.1.0-pypi", "2.0-json")}
+    commands = [["ls"]]
     for _, cache, _ in FIXTURES:
-        prefix_ref = cache.name[:8]
-        found = cli("resolve", prefix_ref)
-        assert found.returncode == 0 and found.stdout.strip() == str(root / cache.name), found.stderr
-        info = cli("info", prefix_ref)
-        assert info.returncode == 0, info.stderr
+        ref = cache.name[:8]
+        commands += [["resolve", ref], ["info", ref], ["verify", ref], ["convert", ref, "--root", str(out / "v3")],
+                     ["convert", ref, "--to", "saev", "--root", str(out / "saev" / "shards")]]  # fmt: skip
+    commands += [["stage", ref, "--to", str(out / "stage")] for ref in stage.values()]
+    results = iter(cli_session(commands, env))
+    code, listing, err = next(results)
+    assert code == 0, err
+    assert f"{len(FIXTURES)} caches" in listing and listing.count(" ok") == len(FIXTURES)
+    for _, cache, _ in FIXTURES:
+        (code, found, err), (code_info, info, err_info), (code_verify, verify, err_verify) = (
+            next(results) for _ in "abc"
+        )
+        assert code == 0 and found.strip() == str(root / cache.name), err
+        assert code_info == 0, err_info
         summary = open_quietly(cache).metadata.format.summary
-        assert f"format     {summary}: one of saev's earlier formats" in info.stdout
-        assert "lacks" in info.stdout and "cannot check the values" in info.stdout
-        verify = cli("verify", prefix_ref)
-        assert verify.returncode == 0 and verify.stdout.startswith("ok "), verify.stderr
-        assert "records no checksums" in verify.stderr
-        converted = cli("convert", prefix_ref, "--root", str(out / "v3"))
-        assert converted.returncode == 0, converted.stderr
-        to_saev = cli("convert", prefix_ref, "--to", "saev", "--root", str(out / "saev" / "shards"))
-        assert to_saev.returncode == 0, to_saev.stderr
+        assert f"format     {summary}: one of saev's earlier formats" in info
+        assert "lacks" in info and "cannot check the values" in info
+        assert code_verify == 0 and verify.startswith("ok "), err_verify
+        assert "records no checksums" in err_verify
+        for code, _, err in (next(results), next(results)):  # convert, and --to saev
+            assert code == 0, err
+    # `stage` copies one to local disk, shards.json or none, and the copy reads the same.
+    for key in stage:
+        code, staged, err = next(results)
+        assert code == 0, err
+        assert tree_bytes(Path(staged.strip())) == tree_bytes(fixture_of(key))
     assert {name: snapshot(root / name) for name in os.listdir(root)} == before
     # `stats` writes its sidecar beside the caches, in the root's .stats folder, never into a cache.
     os.chmod(root, 0o777)
     first = FIXTURES[0][1].name
-    stats = cli("stats", first[:8])
-    assert stats.returncode == 0, stats.stderr
+    (code, _, err), (_, info, _) = cli_session([["stats", first[:8]], ["info", first[:8]]], env)
+    assert code == 0, err
     assert (root / ".stats" / f"{first}.json").is_file()
-    assert "per layer, over stored tokens (computed later" in cli("info", first[:8]).stdout
+    assert "per layer, over stored tokens (computed later" in info
     assert {name: snapshot(root / name) for name in os.listdir(root) if name != ".stats"} == before
+
+
+_SESSION = """
+import contextlib, io, json, sys
+from saev_shards.cli import main
+out = []
+for argv in json.loads(sys.argv[1]):
+    o, e = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(o), contextlib.redirect_stderr(e):
+        code = main(argv)
+    out.append([code, o.getvalue(), e.getvalue()])
+print(json.dumps(out))
+"""
+
+
+def cli_session(commands: list[list[str]], env: dict[str, str]) -> list[tuple[int, str, str]]:
+    """``saev-shards`` run on each of ``commands`` in turn in one child process (as another
+    user when running as root, so that file modes bind); ``(exit code, stdout, stderr)`` each."""
+    prefix: list[str] = []
+    if os.geteuid() == 0 and shutil.which("setpriv"):
+        prefix = ["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups"]
+    proc = subprocess.run(
+        [*prefix, sys.executable, "-c", _SESSION, json.dumps(commands)],
+        capture_output=True,
+        text=True,
+        check=False,
+        timeout=600,
+        env=env,
+    )
+    assert proc.returncode == 0, proc.stderr
+    return [tuple(r) for r in json.loads(proc.stdout)]  # type: ignore[misc]
 
 
 # --------------------------------------------------------------------------------------
