@@ -99,7 +99,8 @@ class Metadata:
     def hash(self) -> str:
         """The directory name: for 3.0 (and saev's document) ``sha256(json.dumps(metadata,
         sort_keys=True, separators=(',', ':')))``, 64 hex digits; for saev's code the first 8
-        (``"saev-64"``: all 64) of the sha256 of its compact orjson in field order (protocol.md 9)."""
+        (``"saev-64"``: all 64) of the sha256 of its compact orjson in field order (protocol.md 9);
+        for saev's earlier formats all 64 digits by each one's rule (protocol.md 9.5)."""
         return self.format.directory_name(self)
 
     def __hash__(self) -> int:
@@ -109,13 +110,16 @@ class Metadata:
         """A copy with some fields changed (a different cache, so a different hash).
 
         Changing ``protocol`` without naming a ``dialect`` takes the new protocol's default
-        dialect (``"2.1"``: saev's code), and drops ``pixel_agg`` where that dialect has none.
+        dialect (``"2.1"``: saev's code), and drops ``pixel_agg`` (and ``seed``) where that
+        dialect has none.
         """
         if "protocol" in changes and "dialect" not in changes:
             changes["dialect"] = ""
             default = DEFAULT_DIALECTS.get(changes["protocol"])
             if "pixel_agg" not in changes and default is not None and not DIALECTS[default].has_pixel_agg:
                 changes["pixel_agg"] = None
+            if "seed" not in changes and default is not None and not DIALECTS[default].has_seed:
+                changes["seed"] = None
         return dataclasses.replace(self, **changes)
 
     # -- derived sizes ------------------------------------------------------------

@@ -131,6 +131,11 @@ def open_source(path: Path, options: Options, scan: Callable[[int, int], None] |
         )
     manifest = shards.manifest
     digests = all(d is not None for _, _, d in manifest.files())
+    unchecked = (
+        f"none recorded ({md.format.summary}): sizes and the name checked, values copied as they are"
+        if md.format.history
+        else "none recorded (protocol 2.1 without checksums.json): sizes checked"
+    )
     plan = Plan(
         kind=KIND,
         path=path,
@@ -146,9 +151,7 @@ def open_source(path: Path, options: Options, scan: Callable[[int, int], None] |
         columns={name: (np.dtype(c.dtype), tuple(c.shape[1:])) for name, c in manifest.columns.items()},
         text=tuple(manifest.text),
         source_nbytes=sum(n for _, n, _ in manifest.files()),
-        checksums="xxh3_128 of every file, verified before its data is used"
-        if digests
-        else "none recorded (protocol 2.1 without checksums.json): sizes checked",
+        checksums="xxh3_128 of every file, verified before its data is used" if digests else unchecked,
         layout=(f"{md.format.summary}, {md.dtype}, shape {md.shape}, layers {list(md.layers)}",),
         labels=manifest.labels is not None,
         cache=md,
