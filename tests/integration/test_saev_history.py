@@ -84,7 +84,7 @@ def check_reads(shards: ss.Shards, acts: npt.NDArray[np.float32], labels: npt.ND
 def check_loaders(shards: ss.Shards, acts: npt.NDArray[np.float32], labels: npt.NDArray[np.uint8] | None) -> None:
     """The loaders and datasets (the device path on the CPU too) give exactly ``acts``."""
     pytest.importorskip("torch")
-    from saev_shards.loaders import ExampleDataset, OrderedLoader, ShuffledLoader, TokenDataset
+    from saev_shards.loaders import ExampleDataset, LayerPairDataset, OrderedLoader, ShuffledLoader, TokenDataset
 
     md = shards.metadata
     n_layers, tokens = md.n_layers, md.tokens_per_ex
@@ -122,6 +122,12 @@ def check_loaders(shards: ss.Shards, acts: npt.NDArray[np.float32], labels: npt.
         assert np.array_equal(item["acts"].numpy().reshape(n_layers, tokens, -1), acts[-1])
         if labels is not None:
             assert np.array_equal(np.asarray(item["labels"]), labels[-1])
+    if len(acts) and n_layers > 1:
+        pairs = LayerPairDataset(shards)
+        for i in range(len(acts)):
+            item = pairs[i]
+            positions = [md.layer_index(int(v)) for v in item["layers"]]
+            assert np.array_equal(item["acts"].numpy(), acts[i, positions])
 
 
 # --------------------------------------------------------------------------------------
