@@ -115,7 +115,7 @@ def _checksums_row(info: dict[str, Any]) -> str:
     if not info["checksums"] and info["saev_format"] is not None:
         return "none recorded (saev recorded none then)"
     if not info["checksums"]:
-        return "none recorded: sizes only (protocol 2.1)"
+        return "none recorded: verify checks sizes and the zero padding (protocol 2.1)"
     if info["block_size"] is not None:
         size = info["block_size"]
         block = f"{size >> 20} MiB" if size % (1 << 20) == 0 else f"{size >> 10} KiB"  # powers of two

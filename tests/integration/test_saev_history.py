@@ -415,7 +415,7 @@ def cli_session(commands: list[list[str]], env: dict[str, str]) -> list[tuple[in
         env=env,
     )
     assert proc.returncode == 0, proc.stderr
-    return [tuple(r) for r in json.loads(proc.stdout)]  # type: ignore[misc]
+    return [(int(code), str(out), str(err)) for code, out, err in json.loads(proc.stdout)]
 
 
 # --------------------------------------------------------------------------------------
