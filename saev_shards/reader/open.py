@@ -209,11 +209,11 @@ def _load_metadata(root: Path, check_hash: bool) -> tuple[Metadata | None, list[
     except MetadataError as err:
         return None, [Problem(MetadataFileError, f"{path}: {err}")]
     if check_hash and root.name != md.hash:
-        problems.append(Problem(HashMismatchError, hash_mismatch(root, md)))
+        problems.append(Problem(HashMismatchError, _hash_mismatch(root, md)))
     return md, problems
 
 
-def hash_mismatch(root: Path, md: Metadata) -> str:
+def _hash_mismatch(root: Path, md: Metadata) -> str:
     """The message for a cache ``root`` whose name is not the hash of its metadata ``md``:
     the rule of its dialect, and every name the same metadata.json may have (saev 2.0's two)."""
     detail = "" if is_cache_name(root.name) else f" (the directory name is not a {len(md.hash)}-digit hash)"
