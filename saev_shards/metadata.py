@@ -10,8 +10,8 @@ import numpy as np
 
 from . import layout
 from .errors import DtypeError, MetadataError, NameNotFoundError, Problems
-from .protocol import DEFAULT_DIALECTS, DIALECTS, SUPPORTED_PROTOCOLS, Dialect, detect
-from .protocol.common import DEFAULT_DTYPE, DTYPES, FLOAT8, PROTOCOL, SCALES_DTYPE
+from .protocol import DEFAULT_DIALECTS, DIALECTS, Dialect, detect
+from .protocol.common import DEFAULT_DTYPE, DTYPES, FLOAT8, METADATA_PROTOCOLS, PROTOCOL, SCALES_DTYPE
 from .protocol.jsonfile import is_int, json_value_problem, short_repr, type_name
 from .protocol.saev_code import DEFAULT_PIXEL_AGG as SAEV_DEFAULT_PIXEL_AGG
 from .protocol.v3 import KEYS
@@ -51,9 +51,13 @@ class Metadata:
     #: saev's code only: how patch labels were aggregated from pixel labels ("majority" or
     #: "prefer-fg"; saev writes "majority" when there are none). None in 3.0, which has no such key.
     pixel_agg: str | None = None
+    #: saev before 1.0.0 only (read, never written): the seed its dump ran with, one of the
+    #: hashed fields of those caches. None in every other dialect.
+    seed: int | None = None
     #: How the bytes are laid out (`saev_shards.DIALECTS`): "3.1" or "3.0"; for protocol 2.1
     #: "saev" (saev's code, the default), "saev-64" (its names before 2025-10-14) or
-    #: "saev-spec" (saev's protocol document, read only). Empty: the protocol's default.
+    #: "saev-spec" (saev's protocol document, read only); saev's earlier formats (read only,
+    #: protocol.md 9.5: "saev-0.1.0", ...). Empty: the protocol's default.
     dialect: str = ""
 
     def __post_init__(self) -> None:
@@ -95,7 +99,8 @@ class Metadata:
     def hash(self) -> str:
         """The directory name: for 3.0 (and saev's document) ``sha256(json.dumps(metadata,
         sort_keys=True, separators=(',', ':')))``, 64 hex digits; for saev's code the first 8
-        (``"saev-64"``: all 64) of the sha256 of its compact orjson in field order (protocol.md 9)."""
+        (``"saev-64"``: all 64) of the sha256 of its compact orjson in field order (protocol.md 9);
+        for saev's earlier formats all 64 digits by each one's rule (protocol.md 9.5)."""
         return self.format.directory_name(self)
 
     def __hash__(self) -> int:
@@ -105,13 +110,16 @@ class Metadata:
         """A copy with some fields changed (a different cache, so a different hash).
 
         Changing ``protocol`` without naming a ``dialect`` takes the new protocol's default
-        dialect (``"2.1"``: saev's code), and drops ``pixel_agg`` where that dialect has none.
+        dialect (``"2.1"``: saev's code), and drops ``pixel_agg`` (and ``seed``) where that
+        dialect has none.
         """
         if "protocol" in changes and "dialect" not in changes:
             changes["dialect"] = ""
             default = DEFAULT_DIALECTS.get(changes["protocol"])
             if "pixel_agg" not in changes and default is not None and not DIALECTS[default].has_pixel_agg:
                 changes["pixel_agg"] = None
+            if "seed" not in changes and default is not None and not DIALECTS[default].has_seed:
+                changes["seed"] = None
         return dataclasses.replace(self, **changes)
 
     # -- derived sizes ------------------------------------------------------------
@@ -202,7 +210,7 @@ class Metadata:
 
 
 #: `Metadata`'s fields, in declaration order.
-FIELDS = (*KEYS[:-2], "dtype", "protocol", "pixel_agg", "dialect")
+FIELDS = (*KEYS[:-2], "dtype", "protocol", "pixel_agg", "seed", "dialect")
 
 
 def validate(d: dict[str, Any], absent: frozenset[str] = frozenset()) -> list[str]:
@@ -260,14 +268,21 @@ def check_fields(d: dict[str, Any], problems: Problems, absent: frozenset[str] =
     want("dtype", isinstance(d["dtype"], str), "a string", DtypeError)
     if want("pixel_agg", d["pixel_agg"] is None or isinstance(d["pixel_agg"], str), "a string or None"):
         json_value("pixel_agg", d["pixel_agg"])
+    seed = d["seed"]
+    if (
+        want("seed", seed is None or is_int(seed), "an integer or None")
+        and seed is not None
+        and not (LAYER_MIN <= seed <= LAYER_MAX)
+    ):
+        problems.expected("seed", "an integer within signed 64 bits", short_repr(seed))
     if "data" not in absent:
         json_value("data", [d["data"]])  # one level less than the file's limit: data sits inside the object
     version = d["protocol"]
     if (
         want(
             "protocol",
-            isinstance(version, str) and version in SUPPORTED_PROTOCOLS,
-            f"one of {list(SUPPORTED_PROTOCOLS)}",
+            isinstance(version, str) and version in METADATA_PROTOCOLS,
+            f"one of {list(METADATA_PROTOCOLS)}",
         )
         and not absent
     ):
@@ -306,7 +321,8 @@ def parse_metadata(obj: object, dirname: str | None = None) -> Metadata:
 
     The dialect is told by the keys and ``protocol`` (`saev_shards.protocol.detect`); for a
     cache written by saev's code, ``dirname`` (the directory's name) tells its 64-digit
-    names from the 8-digit ones. `ProtocolVersionError` for a version this library does not read.
+    names from the 8-digit ones (and saev 2.0's two hash rules apart). `ProtocolVersionError`
+    for a version this library does not read; `MetadataError` for keys of two formats mixed.
     """
     dialect = detect(obj, dirname)
     assert isinstance(obj, dict)
@@ -314,7 +330,8 @@ def parse_metadata(obj: object, dirname: str | None = None) -> Metadata:
         given = dialect.fields(obj, problems)
         fields: dict[str, Any] = dict.fromkeys(FIELDS)
         fields.update(given)
-        absent = frozenset(FIELDS) - set(given) - {"pixel_agg"}
+        # The fields the dialect's keys give that are missing (reported as missing keys, not checked).
+        absent = frozenset(dialect.renames.get(k, k) for k in dialect.keys) - set(given) - {"pixel_agg"}
         check_fields(fields, problems, absent)
     fields["layers"] = tuple(fields["layers"])
     return Metadata(**fields)

@@ -13,6 +13,7 @@ import orjson
 
 from .. import store
 from ..errors import CommandError
+from ..protocol.common import UNVERSIONED
 from ._common import (
     EXIT_NOT_FOUND,
     EXIT_OK,
@@ -46,10 +47,11 @@ def cmd_info(args: argparse.Namespace) -> int:
     partial_last = shard_list and shard_list[-1].n_examples != info["examples_per_shard"]
     last = f" (last: {shard_list[-1].n_examples})" if partial_last else ""
     data = orjson.dumps(info["data"]).decode()
+    saev = info["saev_format"]
     rows = [
         ("cache", info["hash"]),
         ("path", info["path"]),
-        ("protocol", _protocol_row(info)),
+        *(_saev_format_rows(info) if saev is not None else [("protocol", _protocol_row(info))]),
         *([("pixel_agg", info["pixel_agg"])] if info["pixel_agg"] is not None else []),
         ("model", f"{info['family']} {info['ckpt']}"),
         ("dataset", info["dataset"] or "-"),
@@ -66,6 +68,7 @@ def cmd_info(args: argparse.Namespace) -> int:
             + f"{human_bytes(info['disk_nbytes'])} on disk",
         ),
         ("checksums", _checksums_row(info)),
+        *([("verify", f"checks {saev['verify_checks']}; cannot check {saev['verify_cannot']}")] if saev else []),
         *([("remote reads", _remote_row(info))] if info["url"] is not None else []),
         ("labels", "-" if info["labels"] is None else f"{info['labels']['dtype']} {tuple(info['labels']['shape'])}"),
         ("columns", ", ".join(f"{k} {c['dtype']} {tuple(c['shape'])}" for k, c in info["columns"].items()) or "-"),
@@ -90,6 +93,18 @@ def cmd_info(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
+def _saev_format_rows(info: dict[str, Any]) -> list[tuple[str, str]]:
+    """One of saev's earlier formats: which, read in place, and what it does not record."""
+    saev = info["saev_format"]
+    protocol = "none (saev had not versioned its format yet)" if info["protocol"] == UNVERSIONED else info["protocol"]
+    return [
+        ("format", f"{saev['summary']}: one of saev's earlier formats, read in place (dialect {info['dialect']})"),
+        ("protocol", protocol),
+        ("lacks", "; ".join(saev["lacks"])),
+        *([("seed", str(saev["seed"]))] if saev["seed"] is not None else []),
+    ]
+
+
 def _dtype_row(info: dict[str, Any], itemsize: int) -> str:
     if info["dtype"] != info["read_dtype"]:  # float8_e4m3
         return f"{info['dtype']} ({itemsize} byte per value, a float32 scale per vector; read as {info['read_dtype']})"
@@ -97,8 +112,10 @@ def _dtype_row(info: dict[str, Any], itemsize: int) -> str:
 
 
 def _checksums_row(info: dict[str, Any]) -> str:
+    if not info["checksums"] and info["saev_format"] is not None:
+        return "none recorded (saev recorded none then)"
     if not info["checksums"]:
-        return "none recorded: sizes only (protocol 2.1)"
+        return "none recorded: verify checks sizes and the zero padding (protocol 2.1)"
     if info["block_size"] is not None:
         size = info["block_size"]
         block = f"{size >> 20} MiB" if size % (1 << 20) == 0 else f"{size >> 10} KiB"  # powers of two
@@ -345,7 +362,7 @@ def cmd_verify(args: argparse.Namespace) -> int:
     for w in caught:
         warn(str(w.message))
     unchecked = any(digest is None for _, _, digest in files)
-    checked = "sizes only (no checksums recorded)" if unchecked else "sizes, xxh3_128 checksums"
+    checked = "sizes and zero padding only (no checksums recorded)" if unchecked else "sizes, xxh3_128 checksums"
     sys.stdout.write(
         f"ok {shards.location}\n   {len(files)} files, {nbytes:,} bytes ({human_bytes(nbytes)}): "
         f"{checked} and the metadata hash match\n"

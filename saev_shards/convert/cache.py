@@ -20,6 +20,10 @@ one shard at a time, so memory stays bounded by one chunk. What the target keeps
   cache the float8_e4m3 one was made from. A 2.1 cache's fields that 3.0 has no key for are kept in
   ``data`` as ``{"saev": {"data", "pixel_agg", "protocol", "dialect"}}``, so converting
   that 3.0 cache back ``--to saev`` gives the original metadata.json, name and bytes.
+  A cache of saev's earlier formats (protocol.md 9.5) keeps its whole metadata.json there,
+  ``{"saev": {"dialect", "metadata"}}``; ``--to saev`` writes it as today's protocol 2.1
+  (its ``data`` and ``pixel_agg`` kept, ``seed`` dropped), the same cache from the source
+  itself or from its converted copy.
 
 The shard budget stays the source's unless ``--patches-per-shard`` is given.
 """
@@ -29,6 +33,7 @@ from __future__ import annotations
 import base64
 import dataclasses
 import itertools
+import json
 import pickle
 import warnings
 from collections.abc import Callable, Iterator
@@ -42,8 +47,9 @@ from ..errors import ConvertError, ConvertOptionError, ProtocolWarning, ShardsEr
 from ..fileio import hash_file
 from ..metadata import Metadata
 from ..protocol import is_cache_name
-from ..protocol.common import FLOAT8, MANIFEST_FILE, METADATA_FILE, SAEV_CODE_PROTOCOLS, V3_PROTOCOLS
+from ..protocol.common import FLOAT8, MANIFEST_FILE, METADATA_FILE, SAEV_CODE_PROTOCOLS, V3_PROTOCOLS, shard_name
 from ..protocol.saev_code import DEFAULT_PIXEL_AGG, SAEV_FAMILIES
+from ..protocol.v3 import canonical_json
 from ..reader import Shards
 from ..reader import open as open_cache
 from .base import Chunk, Options, Plan, Report
@@ -58,12 +64,13 @@ _SAEV_DIALECTS = ("saev", "saev-64")
 
 
 def detect(path: Path) -> bool:
-    """A folder named by a cache hash (64 or saev's 8 hex digits) holding metadata.json and shards.json."""
+    """A folder named by a cache hash (64 or saev's 8 hex digits) holding metadata.json and
+    shards.json, or metadata.json and acts000000.bin (saev's formats before 1.0.0 had no shards.json)."""
     return (
         path.is_dir()
         and is_cache_name(path.name)
         and (path / METADATA_FILE).is_file()
-        and (path / MANIFEST_FILE).is_file()
+        and ((path / MANIFEST_FILE).is_file() or (path / shard_name(0)).is_file())
     )
 
 
@@ -124,6 +131,11 @@ def open_source(path: Path, options: Options, scan: Callable[[int, int], None] |
         )
     manifest = shards.manifest
     digests = all(d is not None for _, _, d in manifest.files())
+    unchecked = (
+        f"none recorded ({md.format.summary}): sizes and the name checked, values copied as they are"
+        if md.format.history
+        else "none recorded (protocol 2.1 without checksums.json): sizes checked"
+    )
     plan = Plan(
         kind=KIND,
         path=path,
@@ -139,9 +151,7 @@ def open_source(path: Path, options: Options, scan: Callable[[int, int], None] |
         columns={name: (np.dtype(c.dtype), tuple(c.shape[1:])) for name, c in manifest.columns.items()},
         text=tuple(manifest.text),
         source_nbytes=sum(n for _, n, _ in manifest.files()),
-        checksums="xxh3_128 of every file, verified before its data is used"
-        if digests
-        else "none recorded (protocol 2.1 without checksums.json): sizes checked",
+        checksums="xxh3_128 of every file, verified before its data is used" if digests else unchecked,
         layout=(f"{md.format.summary}, {md.dtype}, shape {md.shape}, layers {list(md.layers)}",),
         labels=manifest.labels is not None,
         cache=md,
@@ -175,13 +185,33 @@ def saev_data(data: Any) -> str:
 
 
 def _kept_fields(data: Any) -> dict[str, Any] | None:
-    """The 2.1 fields a converted 3.0 cache keeps in ``data["saev"]``, if it has them."""
+    """The 2.1 fields a converted 3.0 cache keeps in ``data["saev"]``, if it has them (for a
+    cache of saev's earlier formats, those of its metadata.json kept there: `history_fields`)."""
     if not isinstance(data, dict) or set(data) != {SAEV_KEY}:
         return None
     kept = data[SAEV_KEY]
+    if isinstance(kept, dict) and set(kept) == {"dialect", "metadata"}:
+        return _history_kept(kept["dialect"], kept["metadata"])
     if not isinstance(kept, dict) or set(kept) != {"data", "pixel_agg", "protocol", "dialect"}:
         return None
     return kept
+
+
+def history_fields(src: Metadata) -> dict[str, Any]:
+    """What a cache converted from one of saev's earlier formats keeps in ``data["saev"]``:
+    the dialect and metadata.json's object as it was (its own keys, ``seed``, ``data``)."""
+    return {"dialect": src.dialect, "metadata": src.to_dict()}
+
+
+def _history_kept(dialect: Any, metadata: Any) -> dict[str, Any] | None:
+    """The fields ``--to saev`` takes from an earlier format's metadata.json kept in ``data``:
+    its ``data`` and ``pixel_agg``, written as today's protocol 2.1 (saev reads no earlier one)."""
+    if not isinstance(dialect, str) or not isinstance(metadata, dict) or "data" not in metadata:
+        return None
+    # Objects with their keys sorted, as a converted copy's metadata.json holds them: the
+    # pickle, and so the cache, is the same from the source and from the copy.
+    data = json.loads(canonical_json(metadata["data"]))
+    return {"data": data, "pixel_agg": metadata.get("pixel_agg"), "protocol": "2.1", "dialect": "saev"}
 
 
 def target_metadata(plan: Plan, src: Metadata, to_protocol: str, dtype: str | None, pps: int | None) -> Metadata:
@@ -215,7 +245,9 @@ def target_metadata(plan: Plan, src: Metadata, to_protocol: str, dtype: str | No
         )
     if to_protocol in V3_PROTOCOLS:
         data = src.data
-        if src.format.legacy:
+        if src.format.history:
+            data = {SAEV_KEY: history_fields(src)}
+        elif src.format.legacy:
             data = {
                 SAEV_KEY: {
                     "data": src.data,
@@ -227,7 +259,9 @@ def target_metadata(plan: Plan, src: Metadata, to_protocol: str, dtype: str | No
         return Metadata(**common, data=data, dataset=src.dataset, dtype=target_dtype, protocol=to_protocol)
     check_saev_family(plan.family, src.cls_token)
     kept = _kept_fields(src.data) if not src.format.legacy else None
-    if src.format.legacy:
+    if src.format.history:
+        kept = _history_kept(src.dialect, src.to_dict())
+    elif src.format.legacy:
         kept = {"data": src.data, "pixel_agg": src.pixel_agg, "protocol": src.protocol, "dialect": src.dialect}
     data = saev_data(kept["data"] if kept is not None else src.data)
     pixel_agg = (kept or {}).get("pixel_agg") or DEFAULT_PIXEL_AGG
@@ -255,6 +289,10 @@ def target_notes(src: Metadata, md: Metadata, has_stats: bool) -> list[str]:
         notes.append(f"{src.dtype} activations widened to float32 (saev reads float32 only)")
     if md.format.legacy and not isinstance(src.data, str) and _kept_fields(src.data) is None:
         notes.append("data (an object) stored as base64 of its pickle, as saev stores its dataset config")
+    if src.format.history and not md.format.legacy:
+        notes.append(f"{src.format.summary}: its metadata.json kept as it was in data['{SAEV_KEY}']")
+    if src.format.history and md.format.legacy and src.seed is not None:
+        notes.append(f"seed {src.seed} not carried over (saev's metadata has no seed since 1.0.0)")
     if md.format.legacy and has_stats:
         notes.append("stats.json not carried over (saev has no room for statistics)")
     if md.dataset != src.dataset:

@@ -5,6 +5,8 @@
 * `saev_code`: protocol 2.1 as saev's code writes it (``"saev"``, 8-digit names, and
   ``"saev-64"``, the 64-digit names of caches written before 2025-10-14);
 * `saev_spec`: protocol 2.1 as saev's protocol document describes it (read only);
+* `saev_history`: the eight formats saev wrote before 2.1, November 2024 to October 2025
+  (saev 0.1.0, protocols 1.0.0, 1.1 and 2.0, ...: read in place, never written);
 * `v21`: the files both 2.1 dialects share; `common`: names, dtypes and limits;
   `jsonfile`: the one strict JSON loader every JSON file of a cache goes through.
 
@@ -15,20 +17,29 @@ Each version is a `Dialect`; the reader, the writer and the store ask it (`diale
 from __future__ import annotations
 
 from ..errors import MetadataError, ProtocolVersionError
-from . import saev_code, saev_spec, v3, v31
-from .common import CACHE_NAME_RE, PROTOCOL, PROTOCOL_30, SAEV_CODE_PROTOCOLS, SUPPORTED_PROTOCOLS
+from . import saev_code, saev_history, saev_spec, v3, v31
+from .common import CACHE_NAME_RE, PROTOCOL, PROTOCOL_30, SAEV_20_PROTOCOL, SAEV_CODE_PROTOCOLS, SUPPORTED_PROTOCOLS
 from .dialect import Dialect
 from .jsonfile import short_repr, type_name
 
 #: Every dialect by name (`Metadata.dialect`).
 DIALECTS: dict[str, Dialect] = {
-    d.name: d for d in (v31.DIALECT, v3.DIALECT, saev_code.DIALECT, saev_code.DIALECT_64, saev_spec.DIALECT)
+    d.name: d
+    for d in (
+        v31.DIALECT,
+        v3.DIALECT,
+        saev_code.DIALECT,
+        saev_code.DIALECT_64,
+        saev_spec.DIALECT,
+        *saev_history.DIALECTS,
+    )
 }
 #: What ``protocol=`` alone means: the dialect a cache of that version is written in.
 DEFAULT_DIALECTS = {
     PROTOCOL: v31.DIALECT.name,
     PROTOCOL_30: v3.DIALECT.name,
     **{p: saev_code.DIALECT.name for p in SAEV_CODE_PROTOCOLS},
+    SAEV_20_PROTOCOL: saev_history.Protocol20Orjson.name,
 }
 
 
@@ -56,17 +67,28 @@ def detect(obj: object, dirname: str | None = None) -> Dialect:
     By its ``protocol`` (`ProtocolVersionError` for one this library does not read); a 2.1
     cache is saev's document's when it has the document's keys (``patches_per_ex`` or
     ``patches_per_shard``), else saev's code's, whose 64-digit directory names (``dirname``)
-    mark the older ``"saev-64"``.
+    mark the older ``"saev-64"``. saev's earlier formats (`saev_history`) are told by their
+    keys: without a ``protocol`` key those before 1.0.0 (``seed``, ``n_imgs``, ...), with
+    "1.0.0" or "1.1" those of the vision-transformer keys (``vit_family``, ...), with "2.0"
+    saev 2.0's two, whose hash rules ``dirname`` tells apart. Keys of two formats mixed, or
+    keys two formats fit equally, are a `MetadataError`.
     """
     if not isinstance(obj, dict):
         raise MetadataError(f"expected a JSON object, found {type_name(obj)}")
+    everyone = tuple(DIALECTS.values())
     if "protocol" not in obj:
+        if saev_history.UNVERSIONED_KEYS.intersection(obj):
+            return saev_history.pick(obj, (*saev_history.UNVERSIONED_DIALECTS, v3.DIALECT), everyone)
         return v3.DIALECT  # reported as a missing key
     version = check_version(obj["protocol"])
     if version == PROTOCOL:
         return v31.DIALECT
     if version == PROTOCOL_30:
         return v3.DIALECT
+    if version == SAEV_20_PROTOCOL or (version in ("1.0.0", "1.1") and saev_history.V1_KEYS.intersection(obj)):
+        candidates = [d for d in everyone if version in d.protocols and d is not saev_code.DIALECT_64]
+        found = saev_history.pick(obj, candidates, everyone)
+        return saev_history.by_name(found, obj, dirname, DIALECTS)
     if version in saev_spec.DIALECT.protocols and ("patches_per_ex" in obj or "patches_per_shard" in obj):
         return saev_spec.DIALECT
     if dirname is not None and len(dirname) == 64:

@@ -23,8 +23,16 @@ V3_PROTOCOLS = (PROTOCOL, PROTOCOL_30)
 LEGACY_PROTOCOL = "2.1"
 #: Versions saev's code accepts in metadata.json, all with the same keys and layout (read and written).
 SAEV_CODE_PROTOCOLS = ("2.1", "1.1", "1.0.0")
-#: Every version this library reads.
-SUPPORTED_PROTOCOLS = (*V3_PROTOCOLS, *SAEV_CODE_PROTOCOLS)
+#: The ``protocol`` saev wrote in October 2025, between 1.1 and 2.1 (read only, `saev_history`).
+SAEV_20_PROTOCOL = "2.0"
+#: Every version this library reads in a metadata.json's ``protocol``.
+SUPPORTED_PROTOCOLS = (*V3_PROTOCOLS, *SAEV_CODE_PROTOCOLS, SAEV_20_PROTOCOL)
+#: `Metadata.protocol` of a cache saev wrote before it versioned its format (metadata.json
+#: has no ``protocol`` key: saev 0.1.0 and earlier, `saev_history`). Never read from a file
+#: nor written to one.
+UNVERSIONED = "pre-1.0.0"
+#: Every value `Metadata.protocol` may hold.
+METADATA_PROTOCOLS = (*SUPPORTED_PROTOCOLS, UNVERSIONED)
 
 #: The one quantized dtype (protocol 3.1): OCP FP8 E4M3, the "fn" variant (no infinities,
 #: largest finite 448), one byte per value, with one float32 scale per vector beside it.
@@ -37,11 +45,11 @@ DTYPES: dict[str, np.dtype[Any]] = {
     "float32": np.dtype("<f4"),
     FLOAT8: np.dtype(ml_dtypes.float8_e4m3fn),
 }
-#: Stored dtypes per protocol version (every 2.1 and 1.x dialect stores float32 only).
+#: Stored dtypes per protocol version (every dialect of saev's stores float32 only).
 DTYPES_BY_PROTOCOL: dict[str, tuple[str, ...]] = {
     PROTOCOL: ("float16", "bfloat16", "float32", FLOAT8),
     PROTOCOL_30: ("float16", "bfloat16", "float32"),
-    **{version: ("float32",) for version in SAEV_CODE_PROTOCOLS},
+    **{version: ("float32",) for version in (*SAEV_CODE_PROTOCOLS, SAEV_20_PROTOCOL, UNVERSIONED)},
 }
 DEFAULT_DTYPE = "float16"
 #: The scale files of a float8_e4m3 cache: one little-endian float32 per (example, layer, token) vector.

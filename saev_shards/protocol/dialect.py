@@ -3,8 +3,9 @@ store call instead of branching on versions.
 
 A dialect owns metadata.json (its keys, their order, its bytes) and the directory name
 computed from it, shards.json and its sidecars, and the sizes of the shard files. Each
-version's module (`v3`, `saev_code`, `saev_spec`) defines one; `saev_shards.protocol`
-keeps the registry and tells which one a cache is written in.
+version's module (`v3`, `v31`, `saev_code`, `saev_spec`) defines one, and `saev_history` one
+per format saev wrote before; `saev_shards.protocol` keeps the registry and tells which one a
+cache is written in.
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ from typing import TYPE_CHECKING, Any, ClassVar
 
 from ..errors import DtypeError, Problem, Problems
 from .checks import check_keys
-from .common import DTYPES_BY_PROTOCOL, FLOAT8, PROTOCOL
+from .common import DTYPES_BY_PROTOCOL, FLOAT8, MANIFEST_FILE, PROTOCOL
 from .jsonfile import short_repr, type_name
 
 if TYPE_CHECKING:
@@ -31,7 +32,8 @@ class Dialect:
     has a rule, and nothing where it has none.
     """
 
-    #: As `Metadata.dialect`: ``"3.1"``, ``"3.0"``, ``"saev"``, ``"saev-64"`` or ``"saev-spec"``.
+    #: As `Metadata.dialect`: ``"3.1"``, ``"3.0"``, ``"saev"``, ``"saev-64"``, ``"saev-spec"``, or
+    #: one of saev's earlier formats (`saev_history`: ``"saev-0.1.0"``, ...).
     name: str = ""
     #: What it is, for messages and listings.
     summary: str = ""
@@ -55,6 +57,24 @@ class Dialect:
     has_pixel_agg: bool = False
     #: Bytes per digest of blocks.json, which caches of this dialect hold (protocol 3.1); None: no blocks.json.
     block_size: int | None = None
+    #: `Metadata` fields this dialect has no key for, and the value they take when read
+    #: (saev's early formats: ``dtype`` float32, no ``protocol``, no ``dataset``).
+    defaults: ClassVar[Mapping[str, Any]] = {}
+    #: metadata.json records ``seed`` (saev before 1.0.0 only).
+    has_seed: bool = False
+    #: The file that lists the shards; None: there is none, the metadata alone says (saev before 1.0.0).
+    manifest_file: str | None = MANIFEST_FILE
+    #: Dialects a cache with the same metadata.json may be written in, told apart by the
+    #: directory name alone (saev 2.0's two hash rules).
+    siblings: tuple[str, ...] = ()
+    #: What a cache of this dialect does not record, in words (shown by ``info``).
+    lacks: tuple[str, ...] = ()
+    #: One of saev's earlier formats (`saev_history`, protocol.md 9.5): read in place, never written.
+    history: bool = False
+
+    def name_rule(self) -> str:
+        """The rule the directory name is the hash by, in words ("" where protocol.md says it alone)."""
+        return ""
 
     # -- metadata.json -------------------------------------------------------------------
     def fields(self, obj: dict[str, Any], problems: Problems) -> dict[str, Any]:
@@ -62,6 +82,7 @@ class Dialect:
         the problems with its key set (missing and unknown keys) go to ``problems``."""
         check_keys(problems, obj, self.keys, show_allowed=True)
         fields = {self.renames.get(k, k): v for k, v in obj.items() if k in self.keys}
+        fields.update(self.defaults)
         fields["dialect"] = self.name
         return fields
 
@@ -109,6 +130,9 @@ class Dialect:
                 f"pixel_agg: {self.summary} has no pixel_agg; expected None, found {short_repr(fields['pixel_agg'])}",
                 field="pixel_agg",
             )
+        if (fields["seed"] is None) == self.has_seed:
+            expected = "an integer (the seed of its dump)" if self.has_seed else f"None ({self.summary} has no seed)"
+            problems.expected("seed", expected, short_repr(fields["seed"]))
 
     def check_writable(self, md: Metadata, problems: Problems) -> None:
         """Add what keeps a cache of ``md`` from being written in this dialect (beyond `check_values`)."""

@@ -46,7 +46,9 @@ class V21Files(Dialect):
 
     legacy = True
     padded_last = True
-    sidecar_names = (CHECKSUMS_FILE,)
+    sidecar_names: tuple[str, ...] = (CHECKSUMS_FILE,)
+    #: The key of a shards.json entry that holds its example count (saev 1.x: ``n_imgs``).
+    count_key = "n_examples"
 
     def shard_nbytes(self, md: Metadata, shard: int) -> int:
         """Every shard file is full size: saev's readers memmap each at ``(S, L, T, D)``."""
@@ -60,7 +62,7 @@ class V21Files(Dialect):
         if problems:
             return None, problems
         checks = JSONChecks(str(path))
-        entries = parse_shard_list(obj, checks)
+        entries = parse_shard_list(obj, checks, self.count_key)
         if entries is None or checks:
             return None, checks.problems
         # saev's writer leaves one empty file after a shard filled exactly: listed, not a shard.
@@ -101,18 +103,19 @@ class V21Files(Dialect):
         return {CHECKSUMS_FILE: pretty_json(checksums_json(manifest))}
 
 
-def parse_shard_list(obj: object, checks: JSONChecks) -> list[tuple[str, int]] | None:
-    """``[(name, n_examples), ...]`` of a 2.1 shards.json; every problem goes to ``checks``."""
+def parse_shard_list(obj: object, checks: JSONChecks, count_key: str = "n_examples") -> list[tuple[str, int]] | None:
+    """``[(name, n_examples), ...]`` of a 2.1 shards.json (or of saev's earlier ones, whose
+    count is ``count_key``); every problem goes to ``checks``."""
     if not isinstance(obj, list):
         checks.add(f"expected an array of shard objects (protocol 2.1), found {type_name(obj)}")
         return None
     entries: list[tuple[str, int]] = []
     for i, e in enumerate(obj):
         where = f"[{i}]"
-        if not checks.keys(where, e, ("name", "n_examples")):
+        if not checks.keys(where, e, ("name", count_key)):
             continue
         assert isinstance(e, dict)
-        count = checks.count(f"{where}.n_examples", e["n_examples"])
+        count = checks.count(f"{where}.{count_key}", e[count_key])
         if not isinstance(e["name"], str):
             checks.expected(f"{where}.name", "a string", type_name(e["name"]))
         elif count is not None:

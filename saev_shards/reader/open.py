@@ -35,7 +35,7 @@ from ..errors import (
 from ..fileio import file_kind
 from ..manifest import Manifest
 from ..metadata import Metadata, parse_metadata
-from ..protocol import is_cache_name
+from ..protocol import DIALECTS, is_cache_name
 from ..protocol.common import (
     BLOCKS_FILE,
     CHECKSUMS_FILE,
@@ -204,12 +204,17 @@ def _warn_legacy_once(root: Path, md: Metadata) -> None:
     if key in _LEGACY_WARNED:
         return
     _LEGACY_WARNED.add(key)
-    warnings.warn(
-        f"{root.name[:12]}: protocol {md.protocol} cache ({md.format.name} dialect), read by protocol.md "
-        f"section 9 (no checksums unless {CHECKSUMS_FILE})",
-        ProtocolWarning,
-        stacklevel=3,
-    )
+    if md.format.history:
+        message = (
+            f"{root.name[:12]}: a cache of {md.format.summary} (dialect {md.format.name}), read in place by "
+            "protocol.md section 9.5 (no checksums: verify checks sizes, the name and the zero padding)"
+        )
+    else:
+        message = (
+            f"{root.name[:12]}: protocol {md.protocol} cache ({md.format.name} dialect), read by protocol.md "
+            f"section 9 (no checksums unless {CHECKSUMS_FILE})"
+        )
+    warnings.warn(message, ProtocolWarning, stacklevel=3)
 
 
 def _load_metadata(root: Path, check_hash: bool) -> tuple[Metadata | None, list[Problem]]:
@@ -224,15 +229,23 @@ def _load_metadata(root: Path, check_hash: bool) -> tuple[Metadata | None, list[
     except MetadataError as err:
         return None, [Problem(MetadataFileError, f"{path}: {err}")]
     if check_hash and root.name != md.hash:
-        detail = "" if is_cache_name(root.name) else f" (the directory name is not a {len(md.hash)}-digit hash)"
-        problems.append(
-            Problem(
-                HashMismatchError,
-                f"{root}: directory name is not the hash of its metadata.json{detail}; "
-                f"expected {md.hash}, found {short_repr(root.name)}",
-            )
-        )
+        problems.append(Problem(HashMismatchError, _hash_mismatch(root, md)))
     return md, problems
+
+
+def _hash_mismatch(root: Path, md: Metadata) -> str:
+    """The message for a cache ``root`` whose name is not the hash of its metadata ``md``:
+    the rule of its dialect, and every name the same metadata.json may have (saev 2.0's two)."""
+    detail = "" if is_cache_name(root.name) else f" (the directory name is not a {len(md.hash)}-digit hash)"
+    expected = md.hash
+    if md.format.name_rule():
+        names = [f"{md.hash} ({md.format.name_rule()})"]
+        names += [f"{md.replace(dialect=s).hash} ({DIALECTS[s].name_rule()})" for s in md.format.siblings]
+        expected = " or ".join(names)
+    return (
+        f"{root}: directory name is not the hash of its metadata.json{detail}; "
+        f"expected {expected}, found {short_repr(root.name)}"
+    )
 
 
 def _load_manifest(root: Path, md: Metadata) -> tuple[Manifest | None, list[Problem]]:
@@ -458,8 +471,14 @@ def _check_other_files(root: Path, md: Metadata, manifest: Manifest, *, on_disk:
     if manifest.blocks is not None:
         unlisted.discard(manifest.blocks.name)
     v31 = md.format.block_size is not None  # the names protocol 3.1 gave a meaning
+    listing = md.format.manifest_file
+    unlisted_why = (
+        f"not listed in {listing}"
+        if listing is not None
+        else f"beyond the shards of n_examples={md.n_examples} ({md.format.summary} has no {MANIFEST_FILE})"
+    )
     problems.extend(
-        Problem(UnexpectedFileError, f"{root / name}: data file not listed in {MANIFEST_FILE}")
+        Problem(UnexpectedFileError, f"{root / name}: data file {unlisted_why}")
         for name in sorted(unlisted)
         if SHARD_NAME_RE.fullmatch(name)
         or name in (LABELS_FILE, STATS_FILE)

@@ -30,7 +30,7 @@ from ..errors import (
     Problem,
     raise_problems,
 )
-from ..fileio import IO_CHUNK, BlockHasher, hash_file
+from ..fileio import IO_CHUNK, BlockHasher, hash_file, open_regular
 from ..manifest import Blocks, Manifest
 from ..metadata import Metadata, parse_metadata
 from ..progress import Progress
@@ -408,11 +408,19 @@ class Shards(ReadPaths, Sidecars):
                     problems.extend(self._stats_problems())
                 if self.manifest.blocks is not None and name == self.manifest.blocks.name:
                     problems.extend(self._blocks_problems())
+        reported = {p.message.split(": ")[0] for p in problems}  # a file reported once: its digest or size
+        problems.extend(p for p in self._padding_problems() if p.message.split(": ")[0] not in reported)
         raise_problems(problems, self.location)
-        if unchecked:
+        if unchecked and self.metadata.format.history:
+            warnings.warn(
+                f"{self.location}: {self.metadata.format.summary} records no checksums: the sizes of its "
+                f"{len(unchecked)} files, its name and the zero padding were checked, not the values",
+                stacklevel=2,
+            )
+        elif unchecked:
             warnings.warn(
                 f"{self.location}: {len(unchecked)} files have no recorded checksum (protocol 2.1 without "
-                f"{CHECKSUMS_FILE}); only their sizes were checked",
+                f"{CHECKSUMS_FILE}); only their sizes (and the zero padding) were checked",
                 stacklevel=2,
             )
         return checked
@@ -438,6 +446,39 @@ class Shards(ReadPaths, Sidecars):
         if self.path.name != current.hash:
             return [Problem(HashMismatchError, f"{self.location}: directory name is not the hash {current.hash}")]
         return []
+
+    def _padding_problems(self) -> list[Problem]:
+        """saev's caches (protocol 2.1 and its earlier formats, protocol.md 9): the bytes past the
+        last example of a last shard padded to a full shard, and every byte of the empty file
+        after a shard filled exactly, are zeros, as its writer's memmaps left them. The one check
+        of content a cache without checksums allows."""
+        md, manifest = self.metadata, self.manifest
+        if not md.format.padded_last or self.url is not None:
+            return []
+        regions: list[tuple[str, int, int, str]] = []
+        if len(manifest.shards):
+            last = manifest.shards[-1]
+            data = last.n_examples * md.example_nbytes
+            if last.nbytes > data:
+                regions.append((last.name, data, last.nbytes, "the padding past the last example"))
+        regions += [(e.name, 0, e.nbytes, "the all-zero file saev's writer left after the last shard") for e in
+                    manifest.empty_shards]  # fmt: skip
+        problems: list[Problem] = []
+        for name, start, end, what in regions:
+            path = self.path / name
+            try:
+                first = _first_nonzero(path, start, end)
+            except (OSError, NotRegularFileError):
+                continue  # reported by the size and digest checks
+            if first is not None:
+                problems.append(
+                    Problem(
+                        ChecksumMismatchError,
+                        f"{path}: byte {first:,} is not zero; bytes {start:,}-{end - 1:,} are {what}, which saev's "
+                        "writer leaves zero (the file changed after it was written)",
+                    )
+                )
+        return problems
 
     def _hash_files(
         self, files: list[tuple[str, int, str | None]], blocks: Blocks | None, tick: Callable[[int], None]
@@ -556,6 +597,22 @@ class _BroadcastScales:
     def shard(self, k: int) -> npt.NDArray[Any]:
         scales = self.shards.scale_shard(k)
         return np.broadcast_to(scales[..., None], (*scales.shape, self.shape[3]))
+
+
+def _first_nonzero(path: Path, start: int, end: int) -> int | None:
+    """Offset of the first byte of ``path`` in ``[start, end)`` that is not zero (None: all
+    zero, or the file ends first), read one chunk at a time."""
+    with open_regular(path) as f:
+        offset = start
+        while offset < end:
+            chunk = os.pread(f.fileno(), min(IO_CHUNK, end - offset), offset)
+            if not chunk:
+                return None
+            values = np.frombuffer(chunk, dtype=np.uint8)
+            if values.any():
+                return offset + int(np.argmax(values != 0))
+            offset += len(chunk)
+    return None
 
 
 #: Damaged blocks named in one problem of `verify` (the rest are counted).

@@ -31,7 +31,7 @@ from ..errors import (
     raise_problems,
 )
 from ..fileio import hash_file
-from ..protocol.common import MANIFEST_FILE, stats_max_bytes
+from ..protocol.common import METADATA_FILE, stats_max_bytes
 from ..protocol.jsonfile import load_json, read_json_file, short_repr, strict_json_loads
 from ..protocol.v3 import parse_stats, pretty_json
 from .handles import ShardHandles, naming_removal
@@ -262,9 +262,15 @@ def sidecar_path(shards: Sidecars) -> Path:
     return shards.path.parent / SIDECAR_DIR / f"{shards.metadata.hash}.json"
 
 
+def manifest_file(shards: Sidecars) -> Path:
+    """The file that lists the shards of ``shards``: shards.json, or metadata.json for saev's
+    formats before 1.0.0, which have none (their shards follow from it, protocol.md 9.5)."""
+    return shards.path / (shards.metadata.format.manifest_file or METADATA_FILE)
+
+
 def manifest_digest(shards: Sidecars) -> str:
-    """The xxh3_128 digest of the shards.json of ``shards`` (what a sidecar is tied to)."""
-    return hash_file(shards.path / MANIFEST_FILE, regular_only=True)[1]
+    """The xxh3_128 digest of the shards.json of ``shards`` (what a sidecar is tied to; `manifest_file`)."""
+    return hash_file(manifest_file(shards), regular_only=True)[1]
 
 
 def find_stats(shards: Sidecars) -> dict[str, Any] | None:
@@ -288,7 +294,7 @@ def find_stats(shards: Sidecars) -> dict[str, Any] | None:
     digest = manifest_digest(shards)
     if obj["manifest_xxh3_128"] != digest:
         raise StatsFileError(
-            f"{path}: manifest_xxh3_128: expected {digest} (of {shards.path / MANIFEST_FILE}), "
+            f"{path}: manifest_xxh3_128: expected {digest} (of {manifest_file(shards)}), "
             f"found {obj['manifest_xxh3_128']!r}: computed for other data{again}"
         )
     found_digest = xxhash.xxh3_128_hexdigest(pretty_json(obj["stats"]))

@@ -455,6 +455,9 @@ def summary(shards: reader.Shards) -> dict[str, Any]:
         # How metadata.json is spelled: the protocol's own ("3.0") or one of saev's (protocol 2.1).
         "dialect": md.dialect,
         "dialect_summary": md.format.summary,
+        # One of saev's earlier formats (protocol.md 9.5): what it does not record, the rule its
+        # name is the hash by, and what `verify` checks; None for the other dialects.
+        "saev_format": _saev_format(md),
         "pixel_agg": md.pixel_agg,
         "family": md.family,
         "ckpt": md.ckpt,
@@ -488,6 +491,20 @@ def summary(shards: reader.Shards) -> dict[str, Any]:
         "stats": per_layer,
         # Where they come from: the cache's stats.json, or a sidecar written by `saev-shards stats`.
         "stats_file": None if stats is None else _stats_file(shards),
+    }
+
+
+def _saev_format(md: Metadata) -> dict[str, Any] | None:
+    fmt = md.format
+    if not fmt.history:
+        return None
+    return {
+        "summary": fmt.summary,
+        "seed": md.seed,
+        "lacks": list(fmt.lacks),
+        "name_rule": fmt.name_rule(),
+        "verify_checks": f"the file sizes, the name ({fmt.name_rule()}), the zero padding",
+        "verify_cannot": "the values (saev recorded no checksums)",
     }
 
 

@@ -284,7 +284,8 @@ def _copy_files(
     expected = {fname: nbytes for fname, nbytes, _ in files}
     # The small JSON files go last: their presence never suggests the data is complete.
     sidecars = source.metadata.format.sidecar_names
-    for fname in (METADATA_FILE, MANIFEST_FILE, *sidecars):
+    listing = () if source.metadata.format.manifest_file is None else (MANIFEST_FILE,)  # saev before 1.0.0: none
+    for fname in (METADATA_FILE, *listing, *sidecars):
         src = source.path / fname
         if src.exists() or fname not in sidecars:
             data = src.read_bytes()
