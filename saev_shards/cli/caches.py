@@ -57,6 +57,7 @@ def cmd_info(args: argparse.Namespace) -> int:
         ("shape", f"({n}, {layers}, {tokens}, {d})  examples x layers x tokens x d_model"),
         ("dtype", _dtype_row(info, itemsize)),
         ("layers", str(info["layers"])),
+        *([("sites", _sites_row(info))] if info["sites"] is not None else []),
         ("tokens", _tokens_row(info)),
         ("shards", f"{info['n_shards']} x {info['examples_per_shard']} examples{last}"),
         (
@@ -113,6 +114,11 @@ def _remote_row(info: dict[str, Any]) -> str:
         "checked per whole file (no blocks.json: a protocol 3.0 cache): the first read of a file "
         "downloads and checks all of it"
     )
+
+
+def _sites_row(info: dict[str, Any]) -> str:
+    """What each layer slot holds (protocol 3.2): ``0 encoder.layer.3.intermediate:input, 1 ...``."""
+    return ", ".join(f"{layer} {site}" for layer, site in zip(info["layers"], info["sites"], strict=True))
 
 
 def _protocol_row(info: dict[str, Any]) -> str:

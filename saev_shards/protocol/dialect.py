@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Any, ClassVar
 
 from ..errors import DtypeError, Problem, Problems
 from .checks import check_keys
-from .common import DTYPES_BY_PROTOCOL, FLOAT8, PROTOCOL
+from .common import DTYPES_BY_PROTOCOL, FLOAT8, PROTOCOL, PROTOCOL_32
 from .jsonfile import short_repr, type_name
 
 if TYPE_CHECKING:
@@ -31,7 +31,7 @@ class Dialect:
     has a rule, and nothing where it has none.
     """
 
-    #: As `Metadata.dialect`: ``"3.1"``, ``"3.0"``, ``"saev"``, ``"saev-64"`` or ``"saev-spec"``.
+    #: As `Metadata.dialect`: ``"3.2"``, ``"3.1"``, ``"3.0"``, ``"saev"``, ``"saev-64"`` or ``"saev-spec"``.
     name: str = ""
     #: What it is, for messages and listings.
     summary: str = ""
@@ -55,6 +55,8 @@ class Dialect:
     has_pixel_agg: bool = False
     #: Bytes per digest of blocks.json, which caches of this dialect hold (protocol 3.1); None: no blocks.json.
     block_size: int | None = None
+    #: metadata.json may say what each layer slot holds (``sites``, protocol 3.2).
+    has_sites: bool = False
 
     # -- metadata.json -------------------------------------------------------------------
     def fields(self, obj: dict[str, Any], problems: Problems) -> dict[str, Any]:
@@ -104,6 +106,12 @@ class Dialect:
         if not isinstance(fields["data"], self.data_types):
             kinds = " or ".join("an object" if t is dict else "a string" for t in self.data_types)
             problems.expected("data", f"{kinds} ({self.summary})", type_name(fields["data"]))
+        if fields.get("sites") is not None and not self.has_sites:
+            problems.add(
+                f"sites: {self.summary} cannot say what each layer holds; a cache with sites is protocol "
+                f"{PROTOCOL_32} (leave protocol and dialect at their defaults, or give protocol={PROTOCOL_32!r})",
+                field="sites",
+            )
         if fields["pixel_agg"] is not None and not self.has_pixel_agg:
             problems.add(
                 f"pixel_agg: {self.summary} has no pixel_agg; expected None, found {short_repr(fields['pixel_agg'])}",
