@@ -32,7 +32,7 @@ class V32(v31.V31):
     name = PROTOCOL_32
     summary = "protocol 3.2"
     protocols = (PROTOCOL_32,)
-    keys = (*KEYS, SITES_KEY)
+    keys: tuple[str, ...] = (*KEYS, SITES_KEY)
     has_sites = True
 
     def fields(self, obj: dict[str, Any], problems: Problems) -> dict[str, Any]:
