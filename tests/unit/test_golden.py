@@ -21,8 +21,8 @@ from saev_shards.protocol import common as protocol_common
 from ..data.make_golden import (
     GOLDEN_31,
     GOLDEN_LENGTHS,
-    GOLDEN_SITES,
     GOLDEN_PROMPTS,
+    GOLDEN_SITES,
     SEED_KEYS,
     golden_labels,
     golden_metadata,
@@ -309,7 +309,8 @@ def test_a_reader_of_3_1_alone_refuses_3_2_by_its_version(monkeypatch: pytest.Mo
     the 3.2 cache is refused by its version, never read as block outputs."""
     older = ("3.1", "3.0", *protocol_common.SAEV_CODE_PROTOCOLS)
     monkeypatch.setattr(protocol, "SUPPORTED_PROTOCOLS", older)
-    with pytest.raises(ss.ProtocolVersionError, match=r"unsupported protocol version '3\.2'; this library reads '3\.1'"):
+    refused = r"unsupported protocol version '3\.2'; this library reads '3\.1'"
+    with pytest.raises(ss.ProtocolVersionError, match=refused):
         ss.open(GOLDEN_32)
     ss.open(GOLDEN_31_PATHS["float16"])  # 3.1 still opens
 

@@ -262,7 +262,10 @@ def test_sites_are_given_in_any_spelling() -> None:
     made = {small_metadata(layers=(0, 1), sites=sites) for sites in spelled}
     assert len(made) == 1
     (md,) = made
-    assert md.sites == (ss.Site("encoder.layer.3.intermediate", "input"), ss.Site("encoder.layer.3.output.dense", "output"))
+    assert md.sites == (
+        ss.Site("encoder.layer.3.intermediate", "input"),
+        ss.Site("encoder.layer.3.output.dense", "output"),
+    )
     assert md.describe_layer(1) == "encoder.layer.3.output.dense (output)"
     assert small_metadata(layers=(0,), sites=[":output"]).describe_layer(0) == "(the model) (output)"
     assert small_metadata(layers=(4,)).describe_layer(4) == "layer 4"

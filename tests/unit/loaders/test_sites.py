@@ -135,7 +135,9 @@ def test_a_cache_without_sites_says_so(tmp_path: Path) -> None:
         ShuffledLoader(ss.open(tmp_path / md.hash), sites="blocks.6:output")
 
 
-def test_a_shuffled_cache_keeps_the_sites_it_holds(cache: tuple[ss.Shards, np.ndarray[Any, Any]], tmp_path: Path) -> None:
+def test_a_shuffled_cache_keeps_the_sites_it_holds(
+    cache: tuple[ss.Shards, np.ndarray[Any, Any]], tmp_path: Path
+) -> None:
     shards, logical = cache
     shuffled = ss.shuffle_cache(shards, tmp_path / "shuffled", layers=[3, 2], progress=False, durable=False)
     md = shuffled.metadata
