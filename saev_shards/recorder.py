@@ -67,7 +67,7 @@ def find_blocks(model: torch.nn.Module) -> str:
 
 def resolve_modules(
     model: torch.nn.Module,
-    layers: Sequence[int] | Mapping[int, str | Site],
+    layers: Sequence[int] | Mapping[int, str | tuple[str, str]],
     blocks: str | None = None,
 ) -> dict[int, tuple[str, torch.nn.Module]]:
     """Layer value -> ``(dotted name, module)``.
@@ -81,7 +81,7 @@ def resolve_modules(
 
 def resolve_sites(
     model: torch.nn.Module,
-    layers: Sequence[int] | Mapping[int, str | Site],
+    layers: Sequence[int] | Mapping[int, str | tuple[str, str]],
     blocks: str | None = None,
 ) -> dict[int, tuple[str, torch.nn.Module, str]]:
     """Layer value -> ``(dotted name, module, "input" or "output")``.
@@ -164,7 +164,7 @@ class Recorder:
     def __init__(
         self,
         model: torch.nn.Module,
-        layers: Sequence[int] | Mapping[int, str | Site],
+        layers: Sequence[int] | Mapping[int, str | tuple[str, str]],
         *,
         blocks: str | None = None,
         dtype: str = "float16",

@@ -295,7 +295,7 @@ def test_sites_record_module_inputs_and_outputs_as_the_model_computes_them() -> 
     modules, and the pair adds up to the block's output as the block's code says."""
     model = TinyTextModel().eval()
     ids, mask = _ids()
-    sites = {
+    sites: dict[int, Any] = {
         0: "blocks.1.mlp:output",
         1: "blocks.1.mlp:input",
         2: ("blocks.1", "input"),
@@ -313,7 +313,7 @@ def test_sites_record_module_inputs_and_outputs_as_the_model_computes_them() -> 
     acts = rec.record(ids, attention_mask=mask)
     with torch.inference_mode():
         direct = model(ids, mask, return_all=True)
-        block = model.blocks[1]
+        block: Any = model.blocks[1]
         x = direct[0]
         mlp_in = block.norm(x)
         mlp_out = block.mlp(mlp_in)
