@@ -26,6 +26,7 @@ from .. import world
 from ..errors import LoaderError, Problems
 from ..protocol.jsonfile import is_int, short_repr, type_name
 from ..reader import Shards
+from ..units import html_table
 from . import mapped
 from .batch import Batch
 from .device import DeviceRun, Slots
@@ -293,6 +294,46 @@ class TokenLoader:
     def fingerprint(self) -> str:
         """Digest of `settings`; `load_state_dict` checks it."""
         return hashlib.sha256(json.dumps(self.settings, sort_keys=True).encode()).hexdigest()[:16]
+
+    # -- how it shows itself ----------------------------------------------------------
+    def summary_rows(self) -> list[tuple[str, str]]:
+        """What a notebook shows of this loader (`_repr_html_`): one ``(name, value)`` per line."""
+        md = self.shards.metadata
+        sel = self.selection
+        per_row = f"{len(self.layers)}, " if self.stack_layers else ""
+        if self.sites is not None:
+            chosen = ("sites", ", ".join(map(str, self.sites)))
+        elif md.sites is not None:
+            chosen = ("layers", ", ".join(f"{v} ({md.site_of(v)})" for v in self.layers))
+        else:
+            chosen = ("layers", ", ".join(map(str, self.layers)))
+        device = f" on {self.device}" if self.device is not None else ""
+        ordered = getattr(self.order, "sequential", False)
+        epoch = f"{len(self):,} batches, {self.n_tokens:,} rows on rank {self.rank} of {self.world_size}"
+        rows = [
+            ("cache", f"{md.hash[:12]} at {self.shards.location}"),
+            ("batches", f"({self.batch_size}, {per_row}{md.d_model}) {self.out_dtype}{device}"),
+            chosen,
+            ("tokens", sel.tokens + (", padding skipped" if sel.length_filter else "")),
+            ("per epoch", epoch + (" (drop_last)" if self.drop_last else "")),
+            ("order", "(example, layer, token)" if ordered else f"shuffled, seed {self.seed}"),
+        ]
+        if len(sel.exclude_token_ids):
+            rows.append(("exclude_token_ids", ", ".join(map(str, sel.exclude_token_ids.tolist()))))
+        if sel.norm_filter is not None:
+            rows.append(("max_norm_multiple", f"{sel.norm_filter.multiple:g}"))
+        rows.append(("threads", f"{self.read_threads} reading, {self.gather_threads} gathering"))
+        return rows
+
+    def __repr__(self) -> str:
+        rows = dict(self.summary_rows())
+        return f"<saev_shards.{type(self).__name__} {rows['batches']} x {len(self):,} per epoch, {rows['cache']}>"
+
+    def _repr_html_(self) -> str:
+        """A short table of what the loader yields, for a notebook."""
+        return html_table(
+            f"saev_shards.{type(self).__name__}", self.summary_rows(), "iterate for one epoch; state_dict() to resume"
+        )
 
     # -- epochs and resuming -----------------------------------------------------------
     def set_epoch(self, epoch: int) -> None:
