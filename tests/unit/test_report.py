@@ -145,7 +145,7 @@ def test_outlier_dimensions_rule() -> None:
 
 def _degenerate(root: Path, case: str) -> ss.Shards:
     """A cache the writer accepts, at an edge of what a picture can show."""
-    changes: dict[str, Any] = {
+    cases: dict[str, dict[str, Any]] = {
         "all-zero": {},
         "all-NaN": {},
         "one example": {"n_examples": 1},
@@ -154,7 +154,8 @@ def _degenerate(root: Path, case: str) -> ss.Shards:
         "one token, no CLS": {"patches_per_ex": 1, "cls_token": False, "layers": (0,)},
         "all-inf": {"dtype": "float32"},
         "one value": {},
-    }[case]
+    }
+    changes = cases[case]
     md = small_metadata(**{"n_examples": 6, "patches_per_shard": 20, **changes})
     values = np.zeros(md.shape, np.float32)
     if case == "all-NaN":
