@@ -356,7 +356,7 @@ def draw(r: CacheReport, title: str = "") -> Any:
                 ax.set_title("norms by layer")
                 no_norms(ax)
                 continue
-            ax.set_title("norms by layer", pad=18)  # room for the medians' values above the axes
+            ax.set_title("norms by layer", pad=22)  # room for the medians' values above the axes
             ranks = {layer: i for i, layer in enumerate(sorted(r.layers, key=r.median_norm))}
             for layer in r.layers:
                 c = colour[layer]

@@ -333,7 +333,9 @@ def cmd_report(args: argparse.Namespace) -> int:
     result = shards.report(out, progress=progress_arg(args))
     for layer in result.layers:
         listed = ", ".join(map(str, result.outliers[layer])) or "none"
-        sys.stderr.write(f"layer {layer}: median norm {result.median_norm(layer):.4g}; outlier dimensions: {listed}\n")
+        site = shards.metadata.site_of(layer)
+        name = f"layer {layer}" + (f" ({site})" if site is not None else "")
+        sys.stderr.write(f"{name}: median norm {result.median_norm(layer):.4g}; outlier dimensions: {listed}\n")
     if result.truncated is not None and result.lengths is not None:
         sys.stderr.write(
             f"truncated to T={result.tokens_per_ex}: {result.truncated} of {len(result.lengths)} examples\n"
