@@ -196,8 +196,9 @@ def target_metadata(plan: Plan, src: Metadata, to_protocol: str, dtype: str | No
     """The converted cache's metadata (module docstring). A cache that records sites (protocol
     3.2) keeps them, and so stays 3.2; no other target can say what its layer slots hold."""
     if src.sites is not None and to_protocol not in (PROTOCOL, PROTOCOL_32):
+        target = "saev" if to_protocol in SAEV_CODE_PROTOCOLS else to_protocol
         raise ConvertOptionError(
-            f"--to {to_protocol}: this cache records what each layer slot holds (sites: protocol {PROTOCOL_32}), "
+            f"--to {target}: this cache records what each layer slot holds (sites: protocol {PROTOCOL_32}), "
             f"which protocol {to_protocol} cannot say; convert it to {PROTOCOL} (the default: it stays "
             f"{PROTOCOL_32}, with its sites)"
         )
