@@ -19,7 +19,6 @@ from ._common import EXIT_OK, EXIT_PROBLEM, EXIT_USAGE, add_progress, command
 #: The smallest configuration, shown by ``saev-shards dump --help``; docs/dump.md has them all.
 MINIMAL_CONFIG = """\
   layers = [1, 3]                   # block indices to record
-  # sites = ["intermediate:input", "output.dense:output"]   or these modules in each block (transcoders)
   T = 64                            # tokens per example (truncate or pad)
   model = "/models/bert-base"       # a local Hugging Face folder (never downloaded)
   dataset = "texts.jsonl"           # one {"text": ...} per line; or "stdlib", or lines.txt
