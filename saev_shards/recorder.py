@@ -1,4 +1,5 @@
-"""Record the residual stream of chosen blocks of any `torch.nn.Module` with forward hooks.
+"""Record the residual stream of chosen blocks, or the input or output of any module, of any
+`torch.nn.Module` with forward hooks.
 
 >>> rec = Recorder(model, layers=[3, 1], dtype="float16")     # doctest: +SKIP
 >>> acts = rec.record(input_ids=ids, attention_mask=mask, lengths=lengths)  # doctest: +SKIP
@@ -7,7 +8,12 @@ torch.Size([B, 2, T, D])      # layer axis in the order of ``layers``: 3, then 1
 
 Blocks are named by index into the model's list of blocks (found automatically, the
 largest `torch.nn.ModuleList`, or named with ``blocks="encoder.layer"``), or by dotted
-module name (``modules={0: "embeddings", 6: "encoder.layer.5"}``). Hooks are installed
+module name (``layers={0: "embeddings", 6: "encoder.layer.5"}``), or by site: the input or
+the output of any module (``layers={0: "encoder.layer.3.intermediate:input", 1:
+"encoder.layer.3.output.dense:output"}``, a transcoder's pair; protocol.md 2.1.1). An
+output is the tensor a module returns (or the first element of a tuple); an input is the
+first tensor its forward is called with (positionally, else the ``hidden_states``
+keyword, else the first tensor keyword). Hooks are installed
 for one forward pass and removed afterwards, also when the pass raises. The forward
 pass runs under `torch.inference_mode` and stops as soon as every recorded block has
 run. Values are cast to the stored dtype on the model's device, so only the stored
@@ -33,6 +39,7 @@ import torch
 
 from ._layers import string_layers_problem
 from .errors import RecorderError, WriterError
+from .protocol.sites import Site, as_site
 from .writer import ShardWriter
 
 #: Stored dtype names to torch dtypes.
@@ -60,25 +67,45 @@ def find_blocks(model: torch.nn.Module) -> str:
 
 def resolve_modules(
     model: torch.nn.Module,
-    layers: Sequence[int] | Mapping[int, str],
+    layers: Sequence[int] | Mapping[int, str | tuple[str, str]],
     blocks: str | None = None,
 ) -> dict[int, tuple[str, torch.nn.Module]]:
     """Layer value -> ``(dotted name, module)``.
 
     ``layers`` is either a sequence of indices into the block list ``blocks`` (found with
     `find_blocks` when None; negative indices count from the end) or a mapping from layer
-    value to dotted module name.
+    value to dotted module name, or to a site (`resolve_sites` says which end of the module).
+    """
+    return {value: (name, module) for value, (name, module, _) in resolve_sites(model, layers, blocks).items()}
+
+
+def resolve_sites(
+    model: torch.nn.Module,
+    layers: Sequence[int] | Mapping[int, str | tuple[str, str]],
+    blocks: str | None = None,
+) -> dict[int, tuple[str, torch.nn.Module, str]]:
+    """Layer value -> ``(dotted name, module, "input" or "output")``.
+
+    As `resolve_modules`; a mapping's value is a dotted module name (its output), or a site:
+    a `Site`, a ``(name, io)`` pair or ``"name:io"`` with io ``"input"`` or ``"output"``
+    (``""`` names the model itself).
     """
     as_string = string_layers_problem("layers", layers)
     if as_string is not None:
         raise RecorderError(as_string)
     named = dict(model.named_modules())
-    out: dict[int, tuple[str, torch.nn.Module]] = {}
+    out: dict[int, tuple[str, torch.nn.Module, str]] = {}
     if isinstance(layers, Mapping):
-        for value, name in layers.items():
+        for value, target in layers.items():
+            site = as_site(target) if not isinstance(target, str) or ":" in target else None
+            name, io = (site.module, site.io) if site is not None else (target, "output")
+            if not isinstance(name, str):
+                raise RecorderError(f"layer {value}: expected a module name or a site 'name:io', found {target!r}")
             if name not in named:
-                raise RecorderError(f"layer {value}: no module named {name!r} in {type(model).__name__}")
-            out[int(value)] = (name, named[name])
+                near = [n for n in named if n.endswith("." + name.rsplit(".", 1)[-1])][:4]
+                hint = f" (modules with that last part: {near})" if near else ""
+                raise RecorderError(f"layer {value}: no module named {name!r} in {type(model).__name__}{hint}")
+            out[int(value)] = (name, named[name], io)
         return out
     list_name = blocks if blocks is not None else find_blocks(model)
     block_list = named.get(list_name)
@@ -89,8 +116,19 @@ def resolve_modules(
         if not -n <= int(layer) < n:
             raise RecorderError(f"layer {layer} out of range: {list_name} has {n} blocks")
         idx = int(layer) % n
-        out[int(layer)] = (f"{list_name}.{idx}" if list_name else str(idx), block_list[idx])
+        out[int(layer)] = (f"{list_name}.{idx}" if list_name else str(idx), block_list[idx], "output")
     return out
+
+
+def _first_input(args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    """The tensor a module's forward is called with: the first positional tensor, else the
+    ``hidden_states`` keyword, else the first tensor keyword (None when there is none)."""
+    for value in args:
+        if isinstance(value, torch.Tensor):
+            return value
+    if isinstance(kwargs.get("hidden_states"), torch.Tensor):
+        return kwargs["hidden_states"]
+    return next((v for v in kwargs.values() if isinstance(v, torch.Tensor)), None)
 
 
 def _hidden(output: Any) -> torch.Tensor:
@@ -106,13 +144,16 @@ def _hidden(output: Any) -> torch.Tensor:
 
 
 class Recorder:
-    """Capture the outputs of chosen blocks as one ``(B, L, T, D)`` tensor per forward pass.
+    """Capture the outputs of chosen blocks (or the inputs or outputs of any modules) as one
+    ``(B, L, T, D)`` tensor per forward pass.
 
     Arguments:
         model: any module whose blocks output ``(B, T, D)`` hidden states (a tensor or a
             tuple whose first element is one).
         layers: layer values in the order of ``metadata.layers``: indices into the block
-            list, or a mapping ``{layer value: dotted module name}``.
+            list, or a mapping ``{layer value: dotted module name}`` (its output) or
+            ``{layer value: site}`` (``"name:input"``, ``"name:output"``, a `Site`), so that
+            ``Recorder(model, dict(zip(md.layers, md.sites)))`` records a cache's sites.
         blocks: dotted name of the block list (default: `find_blocks`).
         dtype: stored dtype (``"float16"``, ``"bfloat16"``, ``"float32"``); the cast runs
             on the model's device.
@@ -123,7 +164,7 @@ class Recorder:
     def __init__(
         self,
         model: torch.nn.Module,
-        layers: Sequence[int] | Mapping[int, str],
+        layers: Sequence[int] | Mapping[int, str | tuple[str, str]],
         *,
         blocks: str | None = None,
         dtype: str = "float16",
@@ -132,7 +173,10 @@ class Recorder:
         if dtype not in TORCH_DTYPES:
             raise RecorderError(f"dtype must be one of {list(TORCH_DTYPES)}, found {dtype!r}")
         self.model = model
-        self.modules = resolve_modules(model, layers, blocks)
+        resolved = resolve_sites(model, layers, blocks)
+        self.modules = {value: (name, module) for value, (name, module, _) in resolved.items()}
+        #: What each slot holds, in layer order: the module's dotted name and "input" or "output".
+        self.sites = tuple(Site(name, io) for name, _, io in resolved.values())
         self.layers = tuple(self.modules)
         if len(set(self.layers)) != len(self.layers) or not self.layers:
             raise RecorderError(f"layers must be distinct and non-empty, found {list(self.layers)}")
@@ -150,9 +194,19 @@ class Recorder:
         state: dict[str, Any] = {"out": None, "filled": 0}
         target = TORCH_DTYPES[self.dtype]
 
-        def make_hook(slot: int, name: str) -> Any:
+        def make_hook(slot: int, site: Site) -> Any:
+            name = site.module if site.io == "output" else str(site)
+
             def hook(module: torch.nn.Module, inputs: Any, output: Any) -> None:
-                hidden = _hidden(output)
+                store(_hidden(output))
+
+            def pre_hook(module: torch.nn.Module, args: Any, kwargs: Any) -> None:
+                hidden = _first_input(tuple(args), dict(kwargs))
+                if hidden is None:
+                    raise RecorderError(f"{name}: the module was called without a tensor argument")
+                store(hidden)
+
+            def store(hidden: torch.Tensor) -> None:
                 if hidden.ndim != 3:
                     raise RecorderError(f"{name}: expected hidden states (B, T, D), found shape {tuple(hidden.shape)}")
                 if slots[slot] is not None:
@@ -164,7 +218,7 @@ class Recorder:
                     state["out"] = out
                 elif hidden.shape != (out.shape[0], out.shape[2], out.shape[3]):
                     raise RecorderError(
-                        f"{name}: output shape {tuple(hidden.shape)} differs from the other recorded blocks' "
+                        f"{name}: {site.io} shape {tuple(hidden.shape)} differs from the other recorded sites' "
                         f"{(out.shape[0], out.shape[2], out.shape[3])}"
                     )
                 out[:, slot].copy_(hidden)  # the cast happens here, on the model's device
@@ -173,12 +227,15 @@ class Recorder:
                 if self.stop_early and state["filled"] == n_layers:
                     raise _StopForward
 
-            return hook
+            return pre_hook if site.io == "input" else hook
 
         handles = []
         try:
-            for slot, (name, module) in enumerate(self.modules.values()):
-                handles.append(module.register_forward_hook(make_hook(slot, name)))
+            for slot, ((_, module), site) in enumerate(zip(self.modules.values(), self.sites, strict=True)):
+                if site.io == "input":
+                    handles.append(module.register_forward_pre_hook(make_hook(slot, site), with_kwargs=True))
+                else:
+                    handles.append(module.register_forward_hook(make_hook(slot, site)))
             with torch.inference_mode(), contextlib.suppress(_StopForward):
                 self.model(*args, **kwargs)
         finally:

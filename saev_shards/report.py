@@ -3,7 +3,8 @@
 The panels, each where the cache has what it needs:
 
 * **norms by layer**: the distribution of vector norms of every layer (log scale), with
-  its median;
+  its median marked and written on its line (vectors of norm 0, which a log scale cannot
+  place, are counted in a note; a cache without a finite vector says so);
 * **dimensions, layer L** (one per layer): the mean and the standard deviation of every
   dimension; *outlier dimensions* ("massive activations") are marked and listed: those
   whose root mean square ``sqrt(mean^2 + var)`` exceeds `OUTLIER_MULTIPLE` times the median
@@ -11,7 +12,13 @@ The panels, each where the cache has what it needs:
 * **CLS and content tokens** (caches with a CLS token): the norms of the two kinds apart;
 * **lengths and truncation** (a ``lengths`` column; ``true_lengths`` too for a dump): how
   long the examples are, and how many were cut to ``T``;
-* **shard sizes**: the bytes of every shard file.
+* **shard sizes**: the bytes of every shard file, where they differ (a cache of equal
+  shards says its count and size in the title instead).
+
+Layers are named as the cache names them: ``layer 3``, or for a cache of sites (protocol
+3.2) the module and whether input or output. Each layer keeps one colour in every panel,
+and legends sit beside the axes, off the data. In a notebook a report shows itself: the
+picture and a table of its numbers (`CacheReport._repr_html_`, `_repr_png_`).
 
 Everything comes from one sequential pass over the cache with bounded memory (the norms of
 `saev_shards.norms.vector_blocks`, counted in fixed histograms; the per-dimension sums
@@ -38,6 +45,7 @@ from .optional import require
 from .units import human_bytes
 
 if TYPE_CHECKING:
+    from .metadata import Metadata
     from .reader import Shards
 
 #: A dimension is an outlier when its root mean square exceeds this many times the layer's median.
@@ -49,9 +57,12 @@ _BUCKETS = 1 << 16
 DRAWN_BINS = 80
 
 
-@dataclasses.dataclass
+@dataclasses.dataclass(repr=False)
 class CacheReport:
-    """What `report` computed, and the figure drawn from it (``figure`` is a matplotlib Figure)."""
+    """What `report` computed, and the figure drawn from it (``figure`` is a matplotlib Figure).
+
+    In a notebook it shows the picture and a table of its numbers; ``repr`` is one line.
+    """
 
     path: Path
     layers: tuple[int, ...]
@@ -71,6 +82,37 @@ class CacheReport:
     tokens_per_ex: int
     shard_nbytes: list[int]
     figure: Any = None
+    #: Layer value -> how people call it: "layer 3", or a site's module and end (protocol 3.2).
+    labels: dict[int, str] = dataclasses.field(default_factory=dict)
+    #: The title of the picture: the cache's hash, model, dtype and shape.
+    title: str = ""
+
+    def label(self, layer: int) -> str:
+        """``"layer 3"``, or ``"encoder.layer.3.intermediate (input)"`` in a cache of sites."""
+        return self.labels.get(layer, f"layer {layer}")
+
+    def zero_norms(self, layer: int) -> int:
+        """Vectors of ``layer`` whose norm is 0 (below float32's smallest normal: the first bucket)."""
+        return int(self.norm_buckets[layer][0])
+
+    def __repr__(self) -> str:
+        medians = ", ".join(f"{self.label(layer)} {self.median_norm(layer):.4g}" for layer in self.layers[:4])
+        more = f", ... ({len(self.layers)} layers)" if len(self.layers) > 4 else ""
+        return f"<CacheReport of {self.path.name[:12]}: median norms {medians}{more}>"
+
+    def _repr_png_(self) -> bytes:
+        """The picture, for a notebook (IPython's display protocol)."""
+        return self.png()
+
+    def _repr_html_(self) -> str:
+        """The picture and the table of its numbers, for a notebook."""
+        return self.html(page=False)
+
+    def png(self, dpi: int = 100) -> bytes:
+        """The figure as PNG bytes."""
+        buffer = io.BytesIO()
+        self.figure.savefig(buffer, format="png", dpi=dpi)
+        return buffer.getvalue()
 
     def median_norm(self, layer: int, which: str = "all") -> float:
         """Median norm of ``layer`` from its histogram (the lower edge of the bucket holding it)."""
@@ -99,22 +141,33 @@ class CacheReport:
             raise ShardsError(f"report: expected an output file ending in .png or .html, found {str(out)!r}")
         return out
 
-    def html(self) -> str:
-        buffer = io.BytesIO()
-        self.figure.savefig(buffer, format="png", dpi=100)
-        picture = base64.b64encode(buffer.getvalue()).decode("ascii")
+    def html(self, *, page: bool = True) -> str:
+        """The picture (inline PNG) and the table of its numbers: a whole page, or with
+        ``page=False`` the fragment a notebook shows."""
+        picture = base64.b64encode(self.png()).decode("ascii")
+        named = any(self.label(layer) != f"layer {layer}" for layer in self.layers)
         rows = "".join(
-            f"<tr><td>{layer}</td><td>{self.median_norm(layer):.4g}</td>"
+            f"<tr><td>{layer}</td>"
+            + (f"<td>{html.escape(self.label(layer))}</td>" if named else "")
+            + f"<td>{int(self.norm_buckets[layer].sum()):,}</td><td>{self.median_norm(layer):.4g}</td>"
             f"<td>{html.escape(', '.join(map(str, self.outliers[layer])) or 'none')}</td></tr>"
             for layer in self.layers
         )
         name = html.escape(str(self.path))
-        return (
-            f"<!doctype html><meta charset='utf-8'><title>{name}</title><h1>{name}</h1>"
-            f"<img src='data:image/png;base64,{picture}' alt='report of {name}'>"
-            "<table><tr><th>layer</th><th>median norm</th>"
-            f"<th>outlier dimensions (RMS above {OUTLIER_MULTIPLE:g} x the median)</th></tr>{rows}</table>\n"
+        head = "<tr><th>layer</th>" + ("<th>site</th>" if named else "") + "<th>vectors</th><th>median norm</th>"
+        table = (
+            f"<table>{head}<th>outlier dimensions (RMS above {OUTLIER_MULTIPLE:g} x the median)</th></tr>{rows}</table>"
         )
+        lines = []
+        if self.truncated is not None and self.lengths is not None:
+            lines.append(f"{self.truncated:,} of {len(self.lengths):,} examples truncated to T={self.tokens_per_ex}")
+        lines.append(f"{len(self.shard_nbytes):,} shards, {human_bytes(sum(self.shard_nbytes))}; per-dimension "
+                     f"numbers from {self.dims_source}")  # fmt: skip
+        notes = "".join(f"<p>{html.escape(line)}</p>" for line in lines)
+        img = f"<img src='data:image/png;base64,{picture}' alt='report of {name}' style='max-width:100%'>"
+        if not page:
+            return f"<div><b>{html.escape(self.title or name)}</b><br>{img}{table}{notes}</div>"
+        return f"<!doctype html><meta charset='utf-8'><title>{name}</title><h1>{name}</h1>{img}{table}{notes}\n"
 
 
 def _edge(bucket: int | npt.NDArray[Any]) -> npt.NDArray[np.float32]:
@@ -168,6 +221,7 @@ def report(shards: Shards, out: str | Path | None = None, *, progress: bool | No
     source = "this pass"
     if stats is not None:
         source = "stats.json" if shards.manifest.stats is not None else "the stats sidecar"
+    labels, prefix = site_labels(md)
     result = CacheReport(
         path=shards.path,
         layers=tuple(md.layers),
@@ -181,11 +235,34 @@ def report(shards: Shards, out: str | Path | None = None, *, progress: bool | No
         true_lengths=np.asarray(shards.columns["true_lengths"], np.int64) if "true_lengths" in columns else None,
         tokens_per_ex=md.tokens_per_ex,
         shard_nbytes=list(shards.manifest.shards.sizes),
+        labels=labels,
+        title=f"{md.hash[:12]}  {md.family}:{md.ckpt}  {md.dtype} {tuple(md.shape)}"
+        + (f"  (sites: modules named after {prefix!r})" if prefix else ""),
     )
-    result.figure = draw(result, title=f"{md.hash[:12]}  {md.family}:{md.ckpt}  {md.dtype} {tuple(md.shape)}")
+    result.figure = draw(result, title=result.title)
     if out is not None:
         result.save(out)
     return result
+
+
+def site_labels(md: Metadata) -> tuple[dict[int, str], str]:
+    """Layer value -> its label, and the dotted prefix every label leaves out: in a cache of
+    sites whose modules share leading parts (``encoder.layer.``), the rest of each name and
+    its end (``3.intermediate (input)``), so legends stay short; else `Metadata.describe_layer`."""
+    labels = {layer: md.describe_layer(layer) for layer in md.layers}
+    if md.sites is None or len(md.sites) < 2:
+        return labels, ""
+    parts = [site.module.split(".") for site in md.sites]
+    keep = min(len(p) for p in parts) - 1  # every label keeps at least its last part
+    common = 0
+    while common < keep and len({p[common] for p in parts}) == 1:
+        common += 1
+    if common == 0:
+        return labels, ""
+    prefix = ".".join(parts[0][:common]) + "."
+    return {
+        layer: f"{site.module[len(prefix) :]} ({site.io})" for layer, site in zip(md.layers, md.sites, strict=True)
+    }, prefix
 
 
 def _drawn(buckets: npt.NDArray[np.int64], edges: npt.NDArray[np.float64]) -> npt.NDArray[np.int64]:
@@ -205,9 +282,28 @@ def _drawn_edges(nonzero: list[npt.NDArray[np.int64]]) -> npt.NDArray[np.float64
     first = min(int(np.flatnonzero(b)[0]) for b in nonzero)
     stop = max(int(np.flatnonzero(b)[-1]) for b in nonzero) + 1
     floor = max(float(_edge(stop)) * 1e-6, float(np.finfo(np.float32).tiny))
-    first = max(first, int(np.float32(floor).view(np.uint32) >> 16))
+    first = min(max(first, int(np.float32(floor).view(np.uint32) >> 16)), stop - 1)
     stride = max(1, -(-(stop - first) // DRAWN_BINS))
     return _edge(np.arange(first, stop + stride, stride)).astype(np.float64)
+
+
+def _positive(buckets: npt.NDArray[np.int64]) -> npt.NDArray[np.int64]:
+    """The buckets of positive norms: bucket 0 (norm 0, and norms below float32's smallest
+    normal) has no place on a log scale."""
+    out = buckets.copy()
+    out[0] = 0
+    return out
+
+
+#: Where every legend goes: beside its axes, off the data.
+_LEGEND = {"loc": "upper left", "bbox_to_anchor": (1.01, 1.0), "fontsize": "small", "frameon": False}
+
+
+def _nothing(ax: Any, text: str) -> None:
+    """Say in an empty panel what it would have shown."""
+    ax.text(0.5, 0.5, text, transform=ax.transAxes, ha="center", va="center", wrap=True, color="0.35")
+    ax.set_xticks([])
+    ax.set_yticks([])
 
 
 def draw(r: CacheReport, title: str = "") -> Any:
@@ -216,6 +312,11 @@ def draw(r: CacheReport, title: str = "") -> Any:
     from matplotlib.ticker import FuncFormatter, LogLocator, MaxNLocator
 
     plain = FuncFormatter(lambda v, _: f"{v:g}")  # 5, 10, 20 on a log axis, not 5x10^0
+    colour = {layer: f"C{i % 10}" for i, layer in enumerate(r.layers)}  # one colour per layer, every panel
+    positive = {layer: _positive(r.norm_buckets[layer]) for layer in r.layers}
+    edges = _drawn_edges([b for b in positive.values() if b.any()])
+    zeros = sum(r.zero_norms(layer) for layer in r.layers)
+    drawn = sum(int(b.sum()) for b in positive.values())
 
     def log_norm_axis(ax: Any) -> None:
         narrow = edges[-1] < 10 * edges[0]  # under a decade: evenly spaced round numbers
@@ -223,50 +324,89 @@ def draw(r: CacheReport, title: str = "") -> Any:
         ax.xaxis.set_major_formatter(plain)
         ax.xaxis.set_minor_formatter(FuncFormatter(lambda v, _: ""))
 
+    def no_norms(ax: Any) -> None:
+        if zeros:
+            _nothing(ax, f"all {zeros:,} vectors are zero (norm 0): nothing to draw on a log scale")
+        else:
+            _nothing(ax, "no finite vectors to draw (every vector holds inf or NaN, or the cache is empty)")
+
     panels = ["norms"] + [f"dims {layer}" for layer in r.layers]
     if r.cls_buckets:
         panels.append("cls")
     if r.lengths is not None:
         panels.append("lengths")
-    panels.append("shards")
+    sizes = r.shard_nbytes
+    if len(set(sizes)) > 1:  # equal shards say nothing a line of the title cannot
+        panels.append("shards")
     cols = 2
     rows = -(-len(panels) // cols)
-    fig = Figure(figsize=(12, 3.6 * rows), layout="constrained")
-    fig.suptitle(title or str(r.path))
+    fig = Figure(figsize=(13, 3.6 * rows), layout="constrained")
+    shards_line = (
+        "no shards"
+        if not sizes
+        else f"{len(sizes)} shard{'s' * (len(sizes) > 1)} of {human_bytes(sizes[0])}"
+        if len(set(sizes)) == 1
+        else f"{len(sizes)} shards, {human_bytes(sum(sizes))}"
+    )
+    fig.suptitle(f"{title or r.path}\n{shards_line}", fontsize="medium")
     axes = fig.subplots(rows, cols, squeeze=False).ravel()
-    edges = _drawn_edges([b for b in r.norm_buckets.values() if b.any()])
     for ax, panel in zip(axes, panels, strict=False):
         if panel == "norms":
+            if not drawn:
+                ax.set_title("norms by layer")
+                no_norms(ax)
+                continue
+            ax.set_title("norms by layer", pad=22)  # room for the medians' values above the axes
+            ranks = {layer: i for i, layer in enumerate(sorted(r.layers, key=r.median_norm))}
             for layer in r.layers:
-                steps = ax.stairs(_drawn(r.norm_buckets[layer], edges), edges, label=f"layer {layer}")
-                ax.axvline(r.median_norm(layer), linestyle=":", color=steps.get_edgecolor())
-            ax.set(xscale="log", title="norms by layer", xlabel="vector norm", ylabel="vectors")
+                c = colour[layer]
+                median = r.median_norm(layer)
+                on_scale = median > 0  # NaN (no vector) and 0 (mostly zeros) have no place on a log scale
+                label = r.label(layer) + (f", median {median:.3g}" if on_scale else "")
+                ax.stairs(_drawn(positive[layer], edges), edges, label=label, color=c)
+                if on_scale:
+                    ax.axvline(median, linestyle=":", color=c)
+                    ax.annotate(
+                        f"{median:.3g}", xy=(median, 1.0), xycoords=ax.get_xaxis_transform(),
+                        xytext=(0, 2 + 8 * (ranks[layer] % 2)), textcoords="offset points", ha="center", va="bottom",
+                        fontsize="x-small", color=c,
+                    )  # fmt: skip
+            note = f" ({zeros:,} vectors of norm 0 not drawn)" if zeros else ""
+            ax.set(xscale="log", xlabel=f"vector norm{note}", ylabel="vectors")
             log_norm_axis(ax)
-            ax.legend()
+            ax.legend(**_LEGEND)
         elif panel.startswith("dims "):
-            layer = int(panel.split()[1])
+            layer = int(panel.split(" ", 1)[1])
             mean, std = r.dims[layer]
-            ax.plot(mean, label="mean", linewidth=0.8)
-            ax.plot(std, label="std", linewidth=0.8)
             marked = r.outliers[layer]
+            listed = ", ".join(map(str, marked[:8])) + (" ..." if len(marked) > 8 else "")
+            found = f"(outliers: {listed})" if marked else "(no outliers)"
+            name = f"dimensions, {r.label(layer)}"
+            ax.set_title(f"{name}\n{found}" if len(name) + len(found) > 48 else f"{name} {found}")
+            style = {"linewidth": 0.8, "marker": "o" if len(mean) <= 32 else None, "markersize": 3}
+            ax.plot(mean, label="mean", color=colour[layer], **style)
+            ax.plot(std, label="std", color="0.45", **style)
             if marked:
                 ax.plot(marked, mean[marked], "rx", label="outlier dimensions")
                 for dim in marked[:8]:
                     ax.annotate(str(dim), (dim, mean[dim]), fontsize=8, color="red")
-            listed = ", ".join(map(str, marked[:8])) + (" ..." if len(marked) > 8 else "")
-            ax.set(
-                title=f"dimensions, layer {layer}" + (f" (outliers: {listed})" if marked else " (no outliers)"),
-                xlabel=f"dimension (from {r.dims_source})",
-                ylabel="value",
-            )
-            ax.legend()
+            ax.set(xlabel=f"dimension (from {r.dims_source})", ylabel="value")
+            ax.xaxis.get_major_locator().set_params(integer=True)
+            ax.legend(**_LEGEND)
         elif panel == "cls":
+            ax.set_title("CLS and content tokens")
+            if not drawn:
+                no_norms(ax)
+                continue
             for layer in r.layers:
-                ax.stairs(_drawn(r.content_buckets[layer], edges), edges, label=f"content, layer {layer}")
-                ax.stairs(_drawn(r.cls_buckets[layer], edges), edges, label=f"CLS, layer {layer}", linestyle="--")
-            ax.set(xscale="log", yscale="log", title="CLS and content tokens", xlabel="vector norm", ylabel="vectors")
+                c = colour[layer]
+                ax.stairs(_drawn(_positive(r.content_buckets[layer]), edges), edges, color=c,
+                          label=f"content, {r.label(layer)}")  # fmt: skip
+                ax.stairs(_drawn(_positive(r.cls_buckets[layer]), edges), edges, color=c, linestyle="--",
+                          label=f"CLS, {r.label(layer)}")  # fmt: skip
+            ax.set(xscale="log", yscale="log", xlabel="vector norm", ylabel="vectors")
             log_norm_axis(ax)
-            ax.legend()
+            ax.legend(**_LEGEND)
         elif panel == "lengths":
             assert r.lengths is not None
             # Up to twice T: longer true lengths are counted in the last bin, so the kept ones stay readable.
@@ -275,18 +415,20 @@ def draw(r: CacheReport, title: str = "") -> Any:
             ax.hist(r.lengths, bins=bins, label="kept (lengths)")
             if r.true_lengths is not None:
                 shown = np.minimum(r.true_lengths, top)
-                ax.hist(shown, bins=bins, histtype="step", label=f"before truncation (true_lengths; >= {top} at {top})")
-                ax.axvline(r.tokens_per_ex, color="red", linestyle=":")
+                ax.hist(
+                    shown, bins=bins, histtype="step", label=f"before truncation\n(true_lengths; >= {top} at {top})"
+                )
+                ax.axvline(r.tokens_per_ex, color="red", linestyle=":", label=f"T = {r.tokens_per_ex}")
             cut = (
                 f", {r.truncated} of {len(r.lengths)} truncated to T={r.tokens_per_ex}"
                 if r.truncated is not None
                 else ""
             )
             ax.set(title=f"lengths and truncation{cut}", xlabel="tokens", ylabel="examples")
-            ax.legend()
+            ax.legend(**_LEGEND)
         elif panel == "shards":
-            ax.bar(range(len(r.shard_nbytes)), r.shard_nbytes)
-            ax.set(title=f"shard sizes ({len(r.shard_nbytes)} shards)", xlabel="shard", ylabel="file size")
+            ax.bar(range(len(sizes)), sizes)
+            ax.set(title=f"shard sizes ({len(sizes)} shards)", xlabel="shard", ylabel="file size")
             ax.yaxis.set_major_formatter(FuncFormatter(lambda v, _: human_bytes(v)))
             ax.xaxis.get_major_locator().set_params(integer=True)
     for ax in axes[len(panels) :]:

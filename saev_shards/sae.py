@@ -1,10 +1,15 @@
-"""A minimal top-k sparse autoencoder, enough to train from a cache in the demo.
+"""A minimal top-k sparse autoencoder, enough to train from a cache in the demo, and the
+same model as a transcoder.
 
 The top-k SAE (Gao et al., 2024, "Scaling and evaluating sparse autoencoders") keeps the
 ``k`` largest latents per token, so sparsity needs no penalty to tune and the loss is
 plain reconstruction error. Inputs are normalised with the cache's own statistics
 (stats.json): ``(x - mean) / scale`` with ``scale = sqrt(mean(var))``, so the mean squared
 error per dimension is the fraction of variance left unexplained.
+
+A transcoder (Dunefsky et al., 2024) is the same model trained to predict an MLP's output
+from its input: `train` with ``target`` takes batches ``(B, 2, D)`` of (input, output)
+pairs, as a loader gives them from a cache of sites (``sites=[mlp input, mlp output]``).
 
 torch is imported when this module is imported; ``import saev_shards`` never imports it.
 """
@@ -68,8 +73,14 @@ def train(
     lr: float = 1e-3,
     log_every: int = 25,
     say: Callable[[str], None] = print,
+    target: tuple[torch.Tensor, float] | None = None,
 ) -> list[tuple[int, float]]:
-    """Train on ``steps`` batches of raw activations; return ``(step, mean loss since last log)``."""
+    """Train on ``steps`` batches of raw activations; return ``(step, mean loss since last log)``.
+
+    ``target`` ``(mean, scale)``: train a transcoder. Each batch is ``(B, 2, D)``: the input
+    ``[:, 0]`` (normalised with ``mean`` and ``scale``) and the output to predict ``[:, 1]``
+    (normalised with ``target``'s); the loss is the fraction of the output's variance left
+    unexplained."""
     opt = torch.optim.Adam(sae.parameters(), lr=lr)
     history: list[tuple[int, float]] = []
     running, count = 0.0, 0
@@ -77,9 +88,16 @@ def train(
     seen = 0
     it: Iterator[torch.Tensor] = iter(batches)
     for step in range(1, steps + 1):
-        x = (next(it).float() - mean) / scale
+        batch = next(it).float()
+        if target is None:
+            x = y = (batch - mean) / scale
+        else:
+            if batch.ndim != 3 or batch.shape[1] != 2:
+                raise ValueError(f"a transcoder trains on (input, output) pairs (B, 2, D), found {tuple(batch.shape)}")
+            x = (batch[:, 0] - mean) / scale
+            y = (batch[:, 1] - target[0]) / target[1]
         x_hat, _ = sae(x)
-        loss = (x_hat - x).pow(2).mean()
+        loss = (x_hat - y).pow(2).mean()
         opt.zero_grad(set_to_none=True)
         loss.backward()
         opt.step()
@@ -91,7 +109,8 @@ def train(
             history.append((step, running / count))
             elapsed = time.perf_counter() - t0
             say(
-                f"  step {step:4d}  reconstruction loss (fraction of variance unexplained) {running / count:.4f}"
+                f"  step {step:4d}  {'reconstruction' if target is None else 'prediction'} loss (fraction of "
+                f"variance unexplained) {running / count:.4f}"
                 f"  [{seen / elapsed:,.0f} tokens/s]"
             )
             running, count = 0.0, 0

@@ -90,6 +90,8 @@ def to_xarray(shards: Shards, examples_per_chunk: int | None = None) -> Any:
     xr = require("xarray", "views", "Shards.to_xarray")
     md = shards.metadata
     coords: dict[str, Any] = {"layer": ("layer", np.asarray(md.layers, np.int64))}
+    if md.sites is not None:  # protocol 3.2: what each layer slot holds, "module:input" or "module:output"
+        coords["site"] = ("layer", np.array([str(site) for site in md.sites], dtype=object))
     for name, values in shards.columns.items():
         if name in DIMS:
             continue

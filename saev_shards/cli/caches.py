@@ -59,6 +59,7 @@ def cmd_info(args: argparse.Namespace) -> int:
         ("shape", f"({n}, {layers}, {tokens}, {d})  examples x layers x tokens x d_model"),
         ("dtype", _dtype_row(info, itemsize)),
         ("layers", str(info["layers"])),
+        *([("sites", _sites_row(info))] if info["sites"] is not None else []),
         ("tokens", _tokens_row(info)),
         ("shards", f"{info['n_shards']} x {info['examples_per_shard']} examples{last}"),
         (
@@ -130,6 +131,11 @@ def _remote_row(info: dict[str, Any]) -> str:
         "checked per whole file (no blocks.json: a protocol 3.0 cache): the first read of a file "
         "downloads and checks all of it"
     )
+
+
+def _sites_row(info: dict[str, Any]) -> str:
+    """What each layer slot holds (protocol 3.2): ``0 encoder.layer.3.intermediate:input, 1 ...``."""
+    return ", ".join(f"{layer} {site}" for layer, site in zip(info["layers"], info["sites"], strict=True))
 
 
 def _protocol_row(info: dict[str, Any]) -> str:
@@ -344,7 +350,9 @@ def cmd_report(args: argparse.Namespace) -> int:
     result = shards.report(out, progress=progress_arg(args))
     for layer in result.layers:
         listed = ", ".join(map(str, result.outliers[layer])) or "none"
-        sys.stderr.write(f"layer {layer}: median norm {result.median_norm(layer):.4g}; outlier dimensions: {listed}\n")
+        site = shards.metadata.site_of(layer)
+        name = f"layer {layer}" + (f" ({site})" if site is not None else "")
+        sys.stderr.write(f"{name}: median norm {result.median_norm(layer):.4g}; outlier dimensions: {listed}\n")
     if result.truncated is not None and result.lengths is not None:
         sys.stderr.write(
             f"truncated to T={result.tokens_per_ex}: {result.truncated} of {len(result.lengths)} examples\n"

@@ -47,7 +47,16 @@ from ..errors import ConvertError, ConvertOptionError, ProtocolWarning, ShardsEr
 from ..fileio import hash_file
 from ..metadata import Metadata
 from ..protocol import is_cache_name
-from ..protocol.common import FLOAT8, MANIFEST_FILE, METADATA_FILE, SAEV_CODE_PROTOCOLS, V3_PROTOCOLS, shard_name
+from ..protocol.common import (
+    FLOAT8,
+    MANIFEST_FILE,
+    METADATA_FILE,
+    PROTOCOL,
+    PROTOCOL_32,
+    SAEV_CODE_PROTOCOLS,
+    V3_PROTOCOLS,
+    shard_name,
+)
 from ..protocol.saev_code import DEFAULT_PIXEL_AGG, SAEV_FAMILIES
 from ..protocol.v3 import canonical_json
 from ..reader import Shards
@@ -215,7 +224,15 @@ def _history_kept(dialect: Any, metadata: Any) -> dict[str, Any] | None:
 
 
 def target_metadata(plan: Plan, src: Metadata, to_protocol: str, dtype: str | None, pps: int | None) -> Metadata:
-    """The converted cache's metadata (module docstring)."""
+    """The converted cache's metadata (module docstring). A cache that records sites (protocol
+    3.2) keeps them, and so stays 3.2; no other target can say what its layer slots hold."""
+    if src.sites is not None and to_protocol not in (PROTOCOL, PROTOCOL_32):
+        target = "saev" if to_protocol in SAEV_CODE_PROTOCOLS else to_protocol
+        raise ConvertOptionError(
+            f"--to {target}: this cache records what each layer slot holds (sites: protocol {PROTOCOL_32}), "
+            f"which protocol {to_protocol} cannot say; convert it to {PROTOCOL} (the default: it stays "
+            f"{PROTOCOL_32}, with its sites)"
+        )
     common: dict[str, Any] = dict(
         family=plan.family,
         ckpt=plan.ckpt,
@@ -233,7 +250,14 @@ def target_metadata(plan: Plan, src: Metadata, to_protocol: str, dtype: str | No
         # never takes the name of the original.
         dequantized = {DEQUANTIZED_KEY: {"cache": src.hash, "dtype": FLOAT8}, "source_data": src.data}
         if to_protocol in V3_PROTOCOLS:
-            return Metadata(**common, data=dequantized, dataset=src.dataset, dtype=target_dtype, protocol=to_protocol)
+            return Metadata(
+                **common,
+                data=dequantized,
+                dataset=src.dataset,
+                dtype=target_dtype,
+                protocol=to_protocol,
+                sites=src.sites,
+            )
         check_saev_family(plan.family, src.cls_token)
         return Metadata(
             **common,
@@ -256,7 +280,9 @@ def target_metadata(plan: Plan, src: Metadata, to_protocol: str, dtype: str | No
                     "dialect": src.dialect,
                 }
             }
-        return Metadata(**common, data=data, dataset=src.dataset, dtype=target_dtype, protocol=to_protocol)
+        return Metadata(
+            **common, data=data, dataset=src.dataset, dtype=target_dtype, protocol=to_protocol, sites=src.sites
+        )
     check_saev_family(plan.family, src.cls_token)
     kept = _kept_fields(src.data) if not src.format.legacy else None
     if src.format.history:

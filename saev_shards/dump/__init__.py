@@ -10,6 +10,9 @@ One command, safe to interrupt, fast on many machines (docs/dump.md):
   an uninterrupted run, and to a run with any number of writers.
 * ``--rank/--world-size`` (or torchrun's RANK/WORLD_SIZE, or a SLURM array) split the
   shards between processes; the last writer to finish publishes (or ``--finalize``).
+* ``sites`` records the input or the output of any module instead of block outputs (an
+  MLP's input and output for a transcoder): the cache's ``metadata.sites`` says what each
+  layer slot holds (protocol 3.2).
 * Mistakes in the configuration are found before anything is written: the schema lists
   every problem at once, and what only the model knows (its blocks, maximum positions,
   width, the device and dtype) is checked against the loaded model first.

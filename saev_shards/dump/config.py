@@ -26,6 +26,7 @@ import tomllib
 from .._layers import string_layers_problem
 from ..errors import ConfigError, Problems
 from ..format import COLUMN_DTYPES, DTYPES_BY_PROTOCOL, FIELD_NAME_RE, PROTOCOL, is_int
+from ..protocol.sites import Site, as_site, site_problem
 
 #: The protocol's default shard budget (protocol.md section 3).
 DEFAULT_PATCHES_PER_SHARD = 2_400_000
@@ -81,6 +82,10 @@ def _layers(v: Any) -> bool:
     )
 
 
+def _sites(v: Any) -> bool:
+    return isinstance(v, (list, tuple)) and len(v) > 0  # each entry: `_layers_or_sites`
+
+
 @dataclasses.dataclass(frozen=True)
 class ModelConfig:
     """Which model to run. Exactly one of ``path``, ``package`` or ``factory``.
@@ -128,12 +133,25 @@ class DumpConfig:
 
     ``root`` None: the cache goes to the shards root (``$SAEV_SHARDS_ROOT``, else
     ``$SAEV_SCRATCH/saev/shards``; see `saev_shards.dump.output_root`).
+
+    ``sites`` (protocol 3.2): record the input or the output of modules rather than block
+    outputs, each ``"module:input"`` or ``"module:output"``. With ``layers``, a module name is
+    relative to each listed block (``"intermediate:input"`` in block 3 of BERT is
+    ``encoder.layer.3.intermediate:input``; ``":output"`` is the block's own output), slots
+    block by block; without ``layers``, names are the model's full dotted names.
+    The cache's ``metadata.sites`` names every slot in full, and its ``layers`` are the slot
+    numbers ``0 .. S-1`` (`expand_sites`).
     """
 
     model: ModelConfig
     dataset: DatasetConfig
-    layers: tuple[int, ...] = _spec("distinct block indices >= 0, e.g. [1, 3]", _layers)
     T: int = _spec("an integer >= 1 (tokens per example)", _int_at_least(1))
+    layers: tuple[int, ...] = _spec("distinct block indices >= 0, e.g. [1, 3]", _layers, ())
+    sites: tuple[Site, ...] = _spec(
+        "a list of sites such as [\"intermediate:input\", \"output.dense:output\"] ('module:input' or 'module:output')",
+        _sites,
+        (),
+    )
     dtype: str = _spec(
         f"one of {list(DTYPES_BY_PROTOCOL[PROTOCOL])}", _one_of(*DTYPES_BY_PROTOCOL[PROTOCOL]), "float16"
     )
@@ -233,7 +251,35 @@ def _dataset_columns(
         problems.add("dataset: columns and text_fields apply to jsonl datasets only", field="dataset")
 
 
-_RULES = (_one_model_source, _dataset_path, _dataset_columns)
+def _layers_or_sites(
+    top: Mapping[str, Any], model: Mapping[str, Any], ds: Mapping[str, Any], problems: Problems
+) -> None:
+    if "layers" not in top and "sites" not in top:
+        problems.add("missing key 'layers' (block indices; or sites, the modules to record)", field="layers")
+    sites = top.get("sites")
+    if isinstance(sites, (list, tuple)):
+        for i, site in enumerate(sites):
+            if as_site(site) is None:
+                problems.add(f"sites[{i}]: {site_problem(site)}", field="sites")
+        parsed = [as_site(site) for site in sites]
+        repeated = sorted({str(p) for p in parsed if p is not None and parsed.count(p) > 1})
+        if repeated:
+            problems.add(f"sites: each site once, found {repeated} more than once", field="sites")
+
+
+def expand_sites(cfg: DumpConfig, block_list: str) -> tuple[Site, ...]:
+    """The full sites a configuration records, one per slot: with ``layers``, each of ``sites``
+    in each listed block of the block list ``block_list`` (block by block); without, ``sites``."""
+    if not cfg.layers:
+        return cfg.sites
+    return tuple(
+        Site(f"{block_list}.{block}" + (f".{site.module}" if site.module else ""), site.io)
+        for block in cfg.layers
+        for site in cfg.sites
+    )
+
+
+_RULES = (_one_model_source, _dataset_path, _dataset_columns, _layers_or_sites)
 
 
 def parse_config(obj: object, *, base: str | os.PathLike[str] | None = None, where: str = "config") -> DumpConfig:
@@ -269,6 +315,8 @@ def parse_config(obj: object, *, base: str | os.PathLike[str] | None = None, whe
                 values[f.name] = dict(values[f.name])
             if f.name in ("layers", "text_fields") and f.name in values:
                 values[f.name] = tuple(values[f.name])
+            if f.name == "sites" and f.name in values:
+                values[f.name] = tuple(as_site(v) for v in values[f.name])
         return cls(**values)
 
     config: DumpConfig = build(

@@ -14,7 +14,7 @@ import json
 import os
 import re
 import sys
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -25,6 +25,7 @@ import xxhash
 from ..errors import ConfigError, RecorderError
 from ..format import is_int
 from ..protocol.common import FLOAT8
+from ..protocol.sites import Site
 from .config import DumpConfig, ModelConfig
 
 if TYPE_CHECKING:
@@ -373,7 +374,13 @@ def check_limits(cfg: DumpConfig, limits: ModelLimits) -> list[str]:
     return problems
 
 
-def check_model(cfg: DumpConfig, loaded: Loaded, device: torch.device, d_model: int) -> None:
+def check_model(
+    cfg: DumpConfig,
+    loaded: Loaded,
+    device: torch.device,
+    d_model: int,
+    recording: Sequence[int] | Mapping[int, Site] | None = None,
+) -> None:
     """Run the checks only the loaded model can answer, before anything is written; raise
     `ConfigError` naming the field and the model's limit.
 
@@ -381,15 +388,17 @@ def check_model(cfg: DumpConfig, loaded: Loaded, device: torch.device, d_model: 
     through the model on ``device`` with the weights' dtype, recording ``layers`` in the
     stored dtype: positions past the model's maximum, a dtype the device cannot compute
     in, or blocks whose width is not ``d_model`` fail here, not after shards were written.
+    ``recording``: what the recorder records (`Plan.recording`; default ``cfg.layers``).
     """
     from .. import recorder
 
+    what = cfg.layers if recording is None else recording
     problems = check_limits(cfg, loaded.limits)
     try:
-        blocks = recorder.resolve_modules(loaded.model, cfg.layers, cfg.model.blocks)
+        blocks = recorder.resolve_modules(loaded.model, what, cfg.model.blocks)
     except RecorderError as err:
         field = "model.blocks" if cfg.model.blocks is not None and "not a ModuleList" in str(err) else "layers"
-        problems.append(f"{field}: {err}")
+        problems.append(f"{'sites' if cfg.sites and field == 'layers' else field}: {err}")
         blocks = None
     if problems:
         raise ConfigError("; ".join(problems))
@@ -397,7 +406,7 @@ def check_model(cfg: DumpConfig, loaded: Loaded, device: torch.device, d_model: 
     try:
         probe = loaded.encoder.encode([" ".join(["probe"] * cfg.T)])  # at least T tokens: every position is used
         model = loaded.model.to(device)
-        rec = recorder.Recorder(model, cfg.layers, blocks=cfg.model.blocks, dtype=record_dtype(cfg.dtype))
+        rec = recorder.Recorder(model, what, blocks=cfg.model.blocks, dtype=record_dtype(cfg.dtype))
         acts = rec.record(**{k: v.to(device) for k, v in probe.inputs.items()})
     except ConfigError:
         raise

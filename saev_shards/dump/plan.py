@@ -16,12 +16,13 @@ import numpy as np
 from .. import corpus as corpus_mod
 from ..errors import ConfigError, RecorderError, RootNotSetError, ShardsError
 from ..metadata import Metadata
+from ..protocol.sites import Site
 from ..protocol.staging import staging_dir
 from ..store import Root, shards_root
 from ..units import human_bytes
 from ..writer import rank_shards, sealed_shards
 from ..writer import space_needed as writer_space_needed
-from .config import RESERVED_TEXT, DumpConfig, as_config
+from .config import RESERVED_TEXT, DumpConfig, as_config, expand_sites
 from .model import Loaded, check_limits, load_model, what_failed
 
 
@@ -92,6 +93,12 @@ class Plan:
     blocks: dict[int, str]
 
     @property
+    def recording(self) -> tuple[int, ...] | dict[int, Site]:
+        """What the recorder records (`recorder.Recorder`'s ``layers``): the block indices, or
+        for a dump of sites each slot's layer value and site."""
+        return recording(self.config, self.metadata)
+
+    @property
     def columns(self) -> dict[str, tuple[Any, tuple[int, ...]]]:
         """The per-example columns this dump writes: name -> (dtype, per-example shape)."""
         return _columns_for(self.config)
@@ -106,25 +113,36 @@ def plan(config: DumpConfig | Mapping[str, Any] | str | os.PathLike[str], *, wei
 
     What the model's config.json declares (its blocks, its maximum positions) is checked
     against ``layers`` and ``T`` here, so ``--dry-run`` reports those mistakes too.
+
+    A dump of ``sites`` always loads the weights: the sites' full names come from the
+    model's modules, and their width (``d_model``, which need not be the model's) from one
+    trial forward pass.
     """
     cfg = as_config(config)
     corpus = load_corpus(cfg)
     check_columns(cfg, corpus)
-    loaded = load_model(cfg, weights=weights)
+    loaded = load_model(cfg, weights=weights or bool(cfg.sites))
     problems = check_limits(cfg, loaded.limits)
     if problems:
         raise ConfigError("; ".join(problems))
     blocks: dict[int, str] = {}
     d_model = loaded.d_model
+    sites: tuple[Site, ...] | None = None
     if loaded.model is not None:
-        from ..recorder import resolve_modules
+        from ..recorder import find_blocks, resolve_sites
 
+        field = "sites" if cfg.sites else "layers"
         try:
-            resolved = resolve_modules(loaded.model, cfg.layers, cfg.model.blocks)
+            if cfg.sites:
+                block_list = "" if not cfg.layers else cfg.model.blocks or find_blocks(loaded.model)
+                sites = expand_sites(cfg, block_list)
+            what: Sequence[int] | dict[int, Site] = cfg.layers if sites is None else dict(enumerate(sites))
+            resolved = resolve_sites(loaded.model, what, cfg.model.blocks)
         except RecorderError as err:
-            raise ConfigError(f"layers: {err}") from None
-        blocks = {k: name for k, (name, _) in resolved.items()}
-        d_model = _probe_d_model(cfg, loaded) if d_model is None or cfg.model.factory is not None else d_model
+            raise ConfigError(f"{field}: {err}") from None
+        blocks = {k: name if sites is None else f"{name}:{io}" for k, (name, _, io) in resolved.items()}
+        if d_model is None or cfg.model.factory is not None or sites is not None:
+            d_model = _probe_d_model(cfg, loaded, what)
     if d_model is None:
         raise ConfigError("model: cannot tell d_model from config.json (hidden_size, n_embd or d_model)")
     patches = cfg.T - (1 if loaded.cls_token else 0)
@@ -136,17 +154,24 @@ def plan(config: DumpConfig | Mapping[str, Any] | str | os.PathLike[str], *, wei
             "budget": cfg.budget,
             "batch_size": cfg.batch_size,
             "blocks": cfg.model.blocks,
-            "record": "block outputs (residual stream), padding positions zeroed",
+            "record": (
+                "block outputs (residual stream), padding positions zeroed"
+                if sites is None
+                else "the inputs and outputs of modules named by metadata sites, padding positions zeroed"
+            ),
             "truncation": "tokenizer" if loaded.encoder.hf else "prefix",
             "columns": {k: [np.dtype(v[0]).str, list(v[1])] for k, v in _columns_for(cfg).items()},
             "text": [*RESERVED_TEXT, *cfg.dataset.text_fields],
         },
     }
+    if sites is not None:  # only then: the data (and so the hash) of a dump without sites is as before
+        data["dump"]["sites"] = [str(site) for site in cfg.sites]
     try:
         md = Metadata(
             family=loaded.family,
             ckpt=loaded.ckpt,
-            layers=cfg.layers,
+            layers=cfg.layers if sites is None else tuple(range(len(sites))),
+            sites=sites,
             patches_per_ex=patches,
             cls_token=loaded.cls_token,
             d_model=d_model,
@@ -172,15 +197,23 @@ def _columns_for(cfg: DumpConfig) -> dict[str, tuple[Any, tuple[int, ...]]]:
     return cols
 
 
-def _probe_d_model(cfg: DumpConfig, loaded: Loaded) -> int:
-    """Run one short example to see the recorded width (factory models declare nothing)."""
+def recording(cfg: DumpConfig, md: Metadata) -> tuple[int, ...] | dict[int, Site]:
+    """`recorder.Recorder`'s ``layers`` for a dump: the block indices, or each slot's site."""
+    return cfg.layers if md.sites is None else dict(zip(md.layers, md.sites, strict=True))
+
+
+def _probe_d_model(cfg: DumpConfig, loaded: Loaded, what: Sequence[int] | dict[int, Site]) -> int:
+    """Run one short example to see the recorded width (factory models declare nothing; the
+    sites of a dump of sites need not have the model's width)."""
     from ..recorder import Recorder
 
     try:
         enc = loaded.encoder.encode(["probe"])
-        acts = Recorder(loaded.model, cfg.layers, blocks=cfg.model.blocks, dtype="float32").record(**enc.inputs)
+        acts = Recorder(loaded.model, what, blocks=cfg.model.blocks, dtype="float32").record(**enc.inputs)
     except ConfigError:
         raise
+    except RecorderError as err:
+        raise ConfigError(f"{'sites' if cfg.sites else 'layers'}: {err}") from None
     except Exception as err:  # the model's or the tokenizer's own code
         raise ConfigError(f"model: a trial forward pass of one short example failed ({what_failed(err)})") from None
     return int(acts.shape[-1])
@@ -248,8 +281,13 @@ def describe(the_plan: Plan, root: Path | Root, rank: int, world_size: int) -> s
     lines = [
         f"hash      {md.hash}",
         f"path      {final}" + (f"  (root from {where.source})" if where.source else ""),
-        f"model     {md.family} {md.ckpt} layers {list(md.layers)} "
-        f"(blocks {the_plan.blocks or 'resolved when the model loads'})",
+        (
+            f"model     {md.family} {md.ckpt} layers {list(md.layers)} "
+            f"(blocks {the_plan.blocks or 'resolved when the model loads'})"
+            if md.sites is None
+            else f"model     {md.family} {md.ckpt}, {md.n_layers} sites (layer: module:io) "
+            + ", ".join(f"{layer}: {site}" for layer, site in zip(md.layers, md.sites, strict=True))
+        ),
         f"dataset   {md.dataset}: {md.n_examples} examples",
         f"shape     ({md.n_examples}, {md.n_layers}, {md.tokens_per_ex}, {md.d_model}) {md.dtype}, "
         f"cls_token={str(md.cls_token).lower()}",

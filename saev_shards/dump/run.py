@@ -75,13 +75,13 @@ def dump(
     device = device_of(cfg)
     if the_plan.loaded.model is None:
         the_plan = dataclasses.replace(the_plan, loaded=load_model(cfg))
-    check_model(cfg, the_plan.loaded, device, md.d_model)  # before the writer makes its staging folder
+    check_model(cfg, the_plan.loaded, device, md.d_model, the_plan.recording)  # before the writer's staging folder
     import torch
 
     from ..recorder import AsyncWriter, Recorder
 
     model = the_plan.loaded.model.to(device)
-    recorder = Recorder(model, cfg.layers, blocks=cfg.model.blocks, dtype=record_dtype(cfg.dtype))
+    recorder = Recorder(model, the_plan.recording, blocks=cfg.model.blocks, dtype=record_dtype(cfg.dtype))
     writer = ShardWriter(
         out_root,
         md,
@@ -99,8 +99,9 @@ def dump(
     if resume_at > start:
         say(f"{who}resuming at example {resume_at} ({resume_at - start} of {stop - start} already sealed)")
     say(
-        f"{who}dumping examples [{resume_at}, {stop}) of {md.n_examples} on {device}: {md.n_layers} layers "
-        f"{list(md.layers)} x {md.tokens_per_ex} tokens x {md.d_model} ({md.dtype}) -> {writer.staging}"
+        f"{who}dumping examples [{resume_at}, {stop}) of {md.n_examples} on {device}: {md.n_layers} "
+        + (f"layers {list(md.layers)}" if md.sites is None else "sites")
+        + f" x {md.tokens_per_ex} tokens x {md.d_model} ({md.dtype}) -> {writer.staging}"
     )
     encoder = the_plan.loaded.encoder
     examples = the_plan.corpus.examples

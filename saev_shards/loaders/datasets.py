@@ -23,7 +23,15 @@ from .._indexing import wrap_index
 from ..errors import LoaderError
 from ..protocol.jsonfile import is_int, short_repr
 from ..reader import Shards
-from .selection import CLS_LABEL, TokenSelection, as_shards, check_layers_not_mixed, parse_layers, parse_out_dtype
+from .selection import (
+    CLS_LABEL,
+    TokenSelection,
+    as_shards,
+    check_layers_not_mixed,
+    choose_sites,
+    parse_layers,
+    parse_out_dtype,
+)
 from .tensors import require_torch, to_tensor
 
 if TYPE_CHECKING:
@@ -43,6 +51,10 @@ class TokenDataset(_MapDataset):
     axis) and, when the cache has labels.bin, ``label`` (`CLS_LABEL` for a CLS token).
     Index ``i`` walks examples in order, then their chosen tokens in order.
 
+    ``sites`` (a cache that records sites, protocol 3.2), instead of ``layer``: one site
+    (``"module:io"``) is that slot; a list of sites gives each token at every one of them,
+    ``acts`` ``(S, D)`` in the order listed and ``layers`` (their values).
+
     >>> ds = TokenDataset(shards, layer=11, tokens="content", ignore_labels=[0])  # doctest: +SKIP
     >>> DataLoader(ds, batch_size=4096, shuffle=True, num_workers=4)             # doctest: +SKIP
     """
@@ -58,22 +70,33 @@ class TokenDataset(_MapDataset):
         *,
         exclude_token_ids: Iterable[int] = (),
         max_norm_multiple: float | None = None,
+        sites: Any = None,
     ) -> None:
         require_torch(type(self).__name__)
         self.shards = as_shards(shards)
         recorded = self.shards.metadata.layers
-        if layer is None:
+        choice = choose_sites(self.shards, sites, layer)
+        #: The sites each item holds, in order (``sites=`` a list); None otherwise.
+        self.sites = choice.sites if choice is not None and choice.stacked else None
+        chosen: int | Sequence[int] | None = layer
+        if choice is not None:
+            chosen = choice.layers if choice.stacked else choice.layers[0]
+        elif layer is None:
             if len(recorded) != 1:
                 raise LoaderError(
                     f"layer: expected one of {list(recorded)} (the cache records several, and a TokenDataset yields "
                     f"one layer; ExampleDataset and the token loaders can stack them), found None"
                 )
-            layer = recorded[0]
+            chosen = recorded[0]
         self.selection = TokenSelection(
-            self.shards, layer, tokens, ignore_labels, skip_padding, exclude_token_ids, max_norm_multiple
+            self.shards, chosen, tokens, ignore_labels, skip_padding, exclude_token_ids, max_norm_multiple
         )
-        self.layer = self.selection.layer_values[0]
-        self.layer_position = int(self.selection.layer_positions[0])
+        stacked = choice is not None and self.sites is not None
+        self.layer = choice.layers[0] if choice is not None and stacked else self.selection.layer_values[0]
+        self.layer_position = self.shards.layer_index(self.layer)
+        #: Stacked sites: their layer values and positions, in the order asked.
+        self.layers = None if choice is None or self.sites is None else choice.layers
+        self._positions = None if self.layers is None else [self.shards.layer_index(v) for v in self.layers]
         self.out_dtype = parse_out_dtype(self.shards, out_dtype)
         counts = self.selection.counts
         per_example = len(self.selection.base_tokens)
@@ -96,15 +119,20 @@ class TokenDataset(_MapDataset):
     def __getitem__(self, index: int) -> dict[str, Any]:
         example, token = self.locate(index)
         shard, local = divmod(example, self.shards.examples_per_shard)
-        raw = np.array(self.shards.shard(shard)[local, self.layer_position, token])
+        where: int | list[int] = self.layer_position if self._positions is None else self._positions
+        raw = np.array(self.shards.shard(shard)[local, where, token])  # (D,), or (S, D) for stacked sites
         scales = None
         if self.shards.scales is not None:  # float8_e4m3: the vector's scale, by the same arithmetic
-            scales = np.array(self.shards.scale_shard(shard)[local, self.layer_position, token])
+            scales = np.array(self.shards.scale_shard(shard)[local, where, token])
         item: dict[str, Any] = {
             "acts": to_tensor(raw, self.shards.dtype, self.out_dtype, scales),
             "example": example,
             "token": token,
         }
+        if self.layers is not None:
+            import torch
+
+            item["layers"] = torch.tensor(self.layers, dtype=torch.int64)
         if self.selection.has_labels:
             labels = self.shards.labels
             assert labels is not None
@@ -123,7 +151,8 @@ class ExampleDataset(_MapDataset):
     chosen layer, so a shuffled DataLoader mixes layers in a batch. Items are dicts: ``acts``,
     ``example``, ``layer`` (the layer value; ``layers`` when stacked), ``length`` when the cache
     has a lengths column, and ``labels`` ``(patches_per_ex,)`` when ``with_labels`` is set.
-    No other activation bytes are read.
+    No other activation bytes are read. ``sites`` (a cache that records sites), instead of
+    ``layers``: one site, or a list of them stacked ``(S, T, D)`` in the order listed.
     """
 
     def __init__(
@@ -135,9 +164,16 @@ class ExampleDataset(_MapDataset):
         *,
         stack_layers: bool = False,
         mix_layers: bool = False,
+        sites: Any = None,
     ) -> None:
         require_torch(type(self).__name__)
         self.shards = as_shards(shards)
+        choice = choose_sites(self.shards, sites, layers)
+        if choice is not None:
+            layers = choice.layers if choice.stacked else choice.layers[0]
+            stack_layers = bool(stack_layers) or (choice.stacked and not mix_layers)
+        #: The sites asked for (``sites=``), in the order items hold them; None without.
+        self.sites = None if choice is None else choice.sites
         self.layers = parse_layers(self.shards, layers)
         self.stack_layers = bool(stack_layers)
         check_layers_not_mixed(self.shards, self.layers, self.stack_layers, bool(mix_layers))

@@ -5,6 +5,7 @@ Shared by the token loaders and `TokenDataset`; numpy only (no torch).
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from collections.abc import Iterable, Sequence
 from typing import Any
@@ -14,8 +15,9 @@ import numpy.typing as npt
 
 from .. import norms
 from .._layers import string_layers_problem
-from ..errors import LoaderError
-from ..protocol.jsonfile import is_int
+from ..errors import LoaderError, NameNotFoundError
+from ..protocol.jsonfile import is_int, short_repr
+from ..protocol.sites import Site
 from ..reader import Shards
 from ..store import open_cache
 
@@ -56,6 +58,60 @@ def parse_layers(shards: Shards, layers: int | Sequence[int] | None) -> tuple[in
     if len(set(values)) != len(values):
         raise LoaderError(f"layers: expected distinct layer values, found {values}")
     return tuple(values)
+
+
+@dataclasses.dataclass(frozen=True)
+class SiteChoice:
+    """The sites a loader yields (``sites=``, a cache with metadata sites, protocol 3.2), in the
+    order asked: one site gives rows ``(D,)``, a list of them rows ``(S, D)``."""
+
+    #: The sites, in the order asked.
+    sites: tuple[Site, ...]
+    #: Their layer values, in the same order.
+    layers: tuple[int, ...]
+    #: A list was given: every row holds every site (stacked).
+    stacked: bool
+
+    def order(self, disk: Sequence[int]) -> tuple[int, ...] | None:
+        """Where each asked site sits among ``disk`` (the layer values in storage order, as the
+        loaders gather them), or None when they are asked in that order already."""
+        where = tuple(list(disk).index(v) for v in self.layers)
+        return None if where == tuple(range(len(where))) else where
+
+
+def choose_sites(shards: Shards, sites: object, layers: object = None) -> SiteChoice | None:
+    """``sites=`` of a loader checked against the cache: None when not given; one site (a
+    string ``"module:io"`` or a `Site`) or a list of them, each recorded once. `LoaderError`
+    naming the recorded sites otherwise, and when ``layers`` is given as well."""
+    if sites is None:
+        return None
+    if layers is not None:
+        raise LoaderError(f"give layers or sites, not both (found layers={short_repr(layers)} and sites)")
+    md = shards.metadata
+    single = isinstance(sites, (str, Site))
+    asked: list[object]
+    if single:
+        asked = [sites]
+    elif isinstance(sites, Iterable) and not isinstance(sites, (bytes, dict)):
+        asked = list(sites)
+    else:
+        raise LoaderError(
+            f"sites: expected a site such as 'encoder.layer.3.intermediate:input' or a list of them, "
+            f"found {short_repr(sites)}"
+        )
+    if not asked:
+        raise LoaderError("sites: expected at least one site, found none")
+    values, chosen = [], []
+    for site in asked:
+        try:
+            value = md.site_layer(site)
+        except NameNotFoundError as err:
+            raise LoaderError(f"sites: {err}") from None
+        values.append(value)
+        chosen.append(md.site_of(value))
+    if len(set(values)) != len(values):
+        raise LoaderError(f"sites: expected each site once, found {[str(s) for s in chosen]}")
+    return SiteChoice(tuple(s for s in chosen if s is not None), tuple(values), not single)
 
 
 def check_layers_not_mixed(shards: Shards, layer_values: Sequence[int], stack_layers: bool, mix_layers: bool) -> None:

@@ -26,6 +26,7 @@ from .. import world
 from ..errors import LoaderError, Problems
 from ..protocol.jsonfile import is_int, short_repr, type_name
 from ..reader import Shards
+from ..units import html_table
 from . import mapped
 from .batch import Batch
 from .device import DeviceRun, Slots
@@ -33,7 +34,7 @@ from .mapped import CacheMap
 from .order import Order, parse_order
 from .pipeline import Config, HostRun, Pools, Schedule
 from .plan import BLOCK_BYTES, Blocks, EpochPlan, index_window, plan_epoch
-from .selection import TokenSelection, as_shards, check_layers_not_mixed, parse_out_dtype
+from .selection import TokenSelection, as_shards, check_layers_not_mixed, choose_sites, parse_out_dtype
 from .tensors import require_torch
 
 #: A host window buffer: the stored values ``(rows * T, D)``, and a float8_e4m3 cache's scales ``(rows * T,)``.
@@ -99,7 +100,11 @@ class TokenLoader:
 
     ``order``: ``"shuffled"`` (a new order from ``(seed, epoch)`` each epoch) or ``"ordered"``
     (strict ``(example, layer, token)`` order). ``stack_layers=True``: each row is one
-    ``(example, token)`` at every chosen layer, batches ``(B, L, D)``. ``device``: None
+    ``(example, token)`` at every chosen layer, batches ``(B, L, D)``. ``sites`` (a cache that
+    records sites, protocol 3.2), instead of ``layers``: one site (``"module:input"``,
+    ``"module:output"`` or a `Site`) gives batches ``(B, D)``; a list of sites gives every
+    row at each of them, ``(B, S, D)`` in the order listed (a transcoder's input and output
+    pair: ``(B, 2, D)``). ``device``: None
     gathers on the host (``pin_memory`` pins the batches); ``"cuda"`` copies whole windows to
     the GPU and shuffles there, batches come out on it (``"cpu"`` runs that path on the CPU).
 
@@ -145,11 +150,16 @@ class TokenLoader:
         exclude_token_ids: Iterable[int] = (),
         max_norm_multiple: float | None = None,
         progress: bool | None = None,
+        sites: Any = None,
     ) -> None:
         require_torch(type(self).__name__)
         import torch
 
         self.shards = as_shards(shards)
+        choice = choose_sites(self.shards, sites, layers)
+        if choice is not None:
+            layers = choice.layers if choice.stacked else choice.layers[0]
+            stack_layers = bool(stack_layers) or (choice.stacked and not mix_layers)
         if not is_int(batch_size, numpy_ok=True) or batch_size < 1:
             raise LoaderError(f"batch_size: expected an integer >= 1, found {batch_size!r}")
         if int(seed) < 0:
@@ -177,6 +187,10 @@ class TokenLoader:
         self.out_dtype = parse_out_dtype(self.shards, out_dtype)
         self.stack_layers = bool(stack_layers)
         check_layers_not_mixed(self.shards, self.layers, self.stack_layers, bool(mix_layers))
+        #: The sites asked for (``sites=``), in the order batches hold them; None without.
+        self.sites = None if choice is None else choice.sites
+        #: Stacked sites asked in another order than stored: where each one sits in a gathered row.
+        self._site_order = choice.order(self.layers) if choice is not None and self.stack_layers else None
         self.device = None if device is None else _parse_device(device)
         self.pin_memory = bool(pin_memory) and torch.cuda.is_available() and self.device is None
         self.buffer_bytes = int(buffer_bytes)
@@ -252,6 +266,8 @@ class TokenLoader:
         }
         if self.stack_layers:  # only when set: states saved before the option still load
             config["stack_layers"] = True
+        if self.sites is not None:  # the order asked decides the batches too
+            config["sites"] = [str(site) for site in self.sites]
         if len(sel.exclude_token_ids):  # the token masks too: only when set
             config["exclude_token_ids"] = sel.exclude_token_ids.tolist()
         if sel.norm_filter is not None:
@@ -278,6 +294,46 @@ class TokenLoader:
     def fingerprint(self) -> str:
         """Digest of `settings`; `load_state_dict` checks it."""
         return hashlib.sha256(json.dumps(self.settings, sort_keys=True).encode()).hexdigest()[:16]
+
+    # -- how it shows itself ----------------------------------------------------------
+    def summary_rows(self) -> list[tuple[str, str]]:
+        """What a notebook shows of this loader (`_repr_html_`): one ``(name, value)`` per line."""
+        md = self.shards.metadata
+        sel = self.selection
+        per_row = f"{len(self.layers)}, " if self.stack_layers else ""
+        if self.sites is not None:
+            chosen = ("sites", ", ".join(map(str, self.sites)))
+        elif md.sites is not None:
+            chosen = ("layers", ", ".join(f"{v} ({md.site_of(v)})" for v in self.layers))
+        else:
+            chosen = ("layers", ", ".join(map(str, self.layers)))
+        device = f" on {self.device}" if self.device is not None else ""
+        ordered = getattr(self.order, "sequential", False)
+        epoch = f"{len(self):,} batches, {self.n_tokens:,} rows on rank {self.rank} of {self.world_size}"
+        rows = [
+            ("cache", f"{md.hash[:12]} at {self.shards.location}"),
+            ("batches", f"({self.batch_size}, {per_row}{md.d_model}) {self.out_dtype}{device}"),
+            chosen,
+            ("tokens", sel.tokens + (", padding skipped" if sel.length_filter else "")),
+            ("per epoch", epoch + (" (drop_last)" if self.drop_last else "")),
+            ("order", "(example, layer, token)" if ordered else f"shuffled, seed {self.seed}"),
+        ]
+        if len(sel.exclude_token_ids):
+            rows.append(("exclude_token_ids", ", ".join(map(str, sel.exclude_token_ids.tolist()))))
+        if sel.norm_filter is not None:
+            rows.append(("max_norm_multiple", f"{sel.norm_filter.multiple:g}"))
+        rows.append(("threads", f"{self.read_threads} reading, {self.gather_threads} gathering"))
+        return rows
+
+    def __repr__(self) -> str:
+        rows = dict(self.summary_rows())
+        return f"<saev_shards.{type(self).__name__} {rows['batches']} x {len(self):,} per epoch, {rows['cache']}>"
+
+    def _repr_html_(self) -> str:
+        """A short table of what the loader yields, for a notebook."""
+        return html_table(
+            f"saev_shards.{type(self).__name__}", self.summary_rows(), "iterate for one epoch; state_dict() to resume"
+        )
 
     # -- epochs and resuming -----------------------------------------------------------
     def set_epoch(self, epoch: int) -> None:
@@ -402,11 +458,12 @@ class TokenLoader:
 
         self._runs.add(run)
         _LIVE_RUNS.add(run)
+        order = self._site_order
         try:
             for i, batch in enumerate(run, start=start + 1):
                 if self._position is not None and self._position[0] == epoch:
                     self._position = (epoch, i)
-                yield batch
+                yield batch if order is None else _reordered(batch, order)
         finally:
             run.close()
             release()
@@ -500,6 +557,18 @@ class TokenLoader:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def _reordered(batch: Batch, order: tuple[int, ...]) -> Batch:
+    """``batch`` with its stacked sites in the order asked (a gathered row holds them in storage order)."""
+    import torch
+
+    index = torch.as_tensor(order, device=batch.acts.device)
+    acts = batch.acts.index_select(1, index)
+    if batch.acts.device.type == "cpu" and batch.acts.is_pinned():  # pin_memory=True: keep the promise
+        acts = acts.pin_memory()
+    layers = batch.layers.index_select(1, index.to(batch.layers.device))
+    return Batch(acts, batch.examples, batch.tokens, layers, batch.labels)
 
 
 def _parse_device(device: Any) -> Any:

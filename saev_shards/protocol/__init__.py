@@ -1,7 +1,8 @@
 """The on-disk protocol (protocol.md, normative): every byte rule, one module per version.
 
 * `v3`: protocol 3.0, this library's own; `v31`: protocol 3.1 (float8_e4m3 with scale
-  files, blocks.json), the version it writes by default;
+  files, blocks.json), the version it writes by default; `v32`: protocol 3.2 (metadata's
+  optional ``sites``: what each layer slot holds, `sites`), written for caches with sites;
 * `saev_code`: protocol 2.1 as saev's code writes it (``"saev"``, 8-digit names, and
   ``"saev-64"``, the 64-digit names of caches written before 2025-10-14);
 * `saev_spec`: protocol 2.1 as saev's protocol document describes it (read only);
@@ -17,8 +18,16 @@ Each version is a `Dialect`; the reader, the writer and the store ask it (`diale
 from __future__ import annotations
 
 from ..errors import MetadataError, ProtocolVersionError
-from . import saev_code, saev_history, saev_spec, v3, v31
-from .common import CACHE_NAME_RE, PROTOCOL, PROTOCOL_30, SAEV_20_PROTOCOL, SAEV_CODE_PROTOCOLS, SUPPORTED_PROTOCOLS
+from . import saev_code, saev_history, saev_spec, v3, v31, v32
+from .common import (
+    CACHE_NAME_RE,
+    PROTOCOL,
+    PROTOCOL_30,
+    PROTOCOL_32,
+    SAEV_20_PROTOCOL,
+    SAEV_CODE_PROTOCOLS,
+    SUPPORTED_PROTOCOLS,
+)
 from .dialect import Dialect
 from .jsonfile import short_repr, type_name
 
@@ -27,6 +36,7 @@ DIALECTS: dict[str, Dialect] = {
     d.name: d
     for d in (
         v31.DIALECT,
+        v32.DIALECT,
         v3.DIALECT,
         saev_code.DIALECT,
         saev_code.DIALECT_64,
@@ -37,6 +47,7 @@ DIALECTS: dict[str, Dialect] = {
 #: What ``protocol=`` alone means: the dialect a cache of that version is written in.
 DEFAULT_DIALECTS = {
     PROTOCOL: v31.DIALECT.name,
+    PROTOCOL_32: v32.DIALECT.name,
     PROTOCOL_30: v3.DIALECT.name,
     **{p: saev_code.DIALECT.name for p in SAEV_CODE_PROTOCOLS},
     SAEV_20_PROTOCOL: saev_history.Protocol20Orjson.name,
@@ -83,6 +94,8 @@ def detect(obj: object, dirname: str | None = None) -> Dialect:
     version = check_version(obj["protocol"])
     if version == PROTOCOL:
         return v31.DIALECT
+    if version == PROTOCOL_32:
+        return v32.DIALECT
     if version == PROTOCOL_30:
         return v3.DIALECT
     if version == SAEV_20_PROTOCOL or (version in ("1.0.0", "1.1") and saev_history.V1_KEYS.intersection(obj)):

@@ -17,8 +17,11 @@ PROTOCOL = "3.1"
 #: The previous minor version of this library's protocol: read, and written on request
 #: (``Metadata(..., protocol="3.0")``); its caches are byte-identical to those earlier releases wrote.
 PROTOCOL_30 = "3.0"
+#: The minor version that adds metadata.json's optional ``sites`` (what each layer slot holds,
+#: protocol.md 2.1.1): written for a cache that has sites, and only then.
+PROTOCOL_32 = "3.2"
 #: This library's own versions (protocol.md sections 1 to 8), newest first.
-V3_PROTOCOLS = (PROTOCOL, PROTOCOL_30)
+V3_PROTOCOLS = (PROTOCOL_32, PROTOCOL, PROTOCOL_30)
 #: The saev reference protocol (float32 only): read in both of its dialects, written as saev's code writes it.
 LEGACY_PROTOCOL = "2.1"
 #: Versions saev's code accepts in metadata.json, all with the same keys and layout (read and written).
@@ -47,6 +50,7 @@ DTYPES: dict[str, np.dtype[Any]] = {
 }
 #: Stored dtypes per protocol version (every dialect of saev's stores float32 only).
 DTYPES_BY_PROTOCOL: dict[str, tuple[str, ...]] = {
+    PROTOCOL_32: ("float16", "bfloat16", "float32", FLOAT8),
     PROTOCOL: ("float16", "bfloat16", "float32", FLOAT8),
     PROTOCOL_30: ("float16", "bfloat16", "float32"),
     **{version: ("float32",) for version in (*SAEV_CODE_PROTOCOLS, SAEV_20_PROTOCOL, UNVERSIONED)},

@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Any, ClassVar
 
 from ..errors import DtypeError, Problem, Problems
 from .checks import check_keys
-from .common import DTYPES_BY_PROTOCOL, FLOAT8, MANIFEST_FILE, PROTOCOL
+from .common import DTYPES_BY_PROTOCOL, FLOAT8, MANIFEST_FILE, PROTOCOL, PROTOCOL_32
 from .jsonfile import short_repr, type_name
 
 if TYPE_CHECKING:
@@ -32,7 +32,7 @@ class Dialect:
     has a rule, and nothing where it has none.
     """
 
-    #: As `Metadata.dialect`: ``"3.1"``, ``"3.0"``, ``"saev"``, ``"saev-64"``, ``"saev-spec"``, or
+    #: As `Metadata.dialect`: ``"3.2"``, ``"3.1"``, ``"3.0"``, ``"saev"``, ``"saev-64"``, ``"saev-spec"``, or
     #: one of saev's earlier formats (`saev_history`: ``"saev-0.1.0"``, ...).
     name: str = ""
     #: What it is, for messages and listings.
@@ -75,6 +75,9 @@ class Dialect:
     def name_rule(self) -> str:
         """The rule the directory name is the hash by, in words ("" where protocol.md says it alone)."""
         return ""
+
+    #: metadata.json may say what each layer slot holds (``sites``, protocol 3.2).
+    has_sites: bool = False
 
     # -- metadata.json -------------------------------------------------------------------
     def fields(self, obj: dict[str, Any], problems: Problems) -> dict[str, Any]:
@@ -125,6 +128,12 @@ class Dialect:
         if not isinstance(fields["data"], self.data_types):
             kinds = " or ".join("an object" if t is dict else "a string" for t in self.data_types)
             problems.expected("data", f"{kinds} ({self.summary})", type_name(fields["data"]))
+        if fields.get("sites") is not None and not self.has_sites:
+            problems.add(
+                f"sites: {self.summary} cannot say what each layer holds; a cache with sites is protocol "
+                f"{PROTOCOL_32} (leave protocol and dialect at their defaults, or give protocol={PROTOCOL_32!r})",
+                field="sites",
+            )
         if fields["pixel_agg"] is not None and not self.has_pixel_agg:
             problems.add(
                 f"pixel_agg: {self.summary} has no pixel_agg; expected None, found {short_repr(fields['pixel_agg'])}",

@@ -89,7 +89,7 @@ class V3(Dialect):
     name = PROTOCOL_30
     summary = "protocol 3.0"
     protocols = (PROTOCOL_30,)
-    keys = KEYS
+    keys: tuple[str, ...] = KEYS
     holds_extras = True
 
     def metadata_bytes(self, md: Metadata) -> bytes:

@@ -37,7 +37,7 @@ from ..progress import Progress
 from ..protocol.common import CHECKSUMS_FILE, FLOAT8, MAX_METADATA_BYTES, METADATA_FILE, SCALES_DTYPE, STATS_FILE
 from ..protocol.jsonfile import is_int, load_json, short_repr
 from ..protocol.v31 import load_blocks
-from ..units import human_bytes
+from ..units import html_table, human_bytes
 from .handles import Files, LocalFiles
 from .reads import ReadPaths, check_read_dtype
 from .sidecars import Sidecars
@@ -155,9 +155,51 @@ class Shards(ReadPaths, Sidecars):
         read = f" (read as {self.read_dtype})" if self.read_dtype != md.dtype else ""
         return (
             f"<saev_shards.Shards {md.hash[:12]} {md.family}:{md.ckpt} shape=({n}, {l_}, {t}, {d}) "
-            f"{md.dtype}{read} layers={list(md.layers)} tokens={cls}{md.patches_per_ex} "
+            f"{md.dtype}{read} layers={list(md.layers)}"
+            + (f" ({len(md.sites)} sites)" if md.sites is not None else "")
+            + f" tokens={cls}{md.patches_per_ex} "
             f"shards={self.n_shards}x{md.examples_per_shard} {human_bytes(md.nbytes + md.scales_nbytes)} "
             f"protocol={md.protocol}" + (f" [{', '.join(extras)}]" if extras else "") + f" at {self.location}>"
+        )
+
+    def summary_rows(self) -> list[tuple[str, str]]:
+        """What a notebook shows of this cache (`_repr_html_`): one ``(name, value)`` per line."""
+        md = self.metadata
+        n, l_, t, d = md.shape
+        columns = ", ".join(
+            f"{name} {entry.dtype} {tuple(entry.shape)}" for name, entry in self.manifest.columns.items()
+        )
+        rows = [
+            ("cache", md.hash),
+            ("model", f"{md.family} {md.ckpt}"),
+            ("dataset", md.dataset or "-"),
+            ("shape", f"({n:,}, {l_}, {t}, {d})  examples x layers x tokens x d_model"),
+            ("dtype", md.dtype + (f" (read as {self.read_dtype})" if self.read_dtype != md.dtype else "")),
+        ]
+        if md.sites is None:
+            rows.append(("layers", ", ".join(map(str, md.layers)) + "  (block outputs)"))
+        else:
+            rows += [(f"layer {layer}", str(site)) for layer, site in zip(md.layers, md.sites, strict=True)]
+        rows += [
+            ("tokens", f"{t} per example" + (f" (CLS + {md.patches_per_ex})" if md.cls_token else "")),
+            ("shards", f"{self.n_shards:,} x {md.examples_per_shard:,} examples"),
+            ("bytes", human_bytes(md.nbytes + md.scales_nbytes)),
+            ("labels", "labels.bin" if self.manifest.labels is not None else "-"),
+            ("columns", columns or "-"),
+            ("text", ", ".join(self.manifest.text) or "-"),
+            ("stats", "stats.json" if self.manifest.stats is not None else "-"),
+            ("protocol", md.protocol),
+            ("location", self.location),
+        ]
+        return rows
+
+    def _repr_html_(self) -> str:
+        """A short table of the cache, for a notebook (``shards.report()`` draws its picture)."""
+        md = self.metadata
+        return html_table(
+            f"saev_shards.Shards {md.hash[:12]}",
+            self.summary_rows(),
+            "shards.report() draws its picture (one pass over the cache); shards[i] reads example i",
         )
 
     @property

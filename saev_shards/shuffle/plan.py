@@ -172,6 +172,8 @@ def output_metadata(
         dataset=md.dataset,
         dtype=dtype,
         protocol=PROTOCOL,
+        # What each chosen slot holds, where the source says (protocol 3.2, which Metadata then picks).
+        sites=None if md.sites is None else tuple(md.sites[md.layer_index(v)] for v in selection.layers),
     )
 
 

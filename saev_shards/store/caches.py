@@ -468,6 +468,8 @@ def summary(shards: reader.Shards) -> dict[str, Any]:
         # float8_e4m3 values are read dequantized, as float16 unless another dtype is asked for.
         "read_dtype": shards.read_dtype,
         "layers": list(md.layers),
+        # Protocol 3.2: what each layer slot holds, "module:input" or "module:output" (None: block outputs).
+        "sites": None if md.sites is None else [str(site) for site in md.sites],
         "patches_per_ex": md.patches_per_ex,
         "cls_token": md.cls_token,
         "tokens_per_ex": md.tokens_per_ex,

@@ -40,9 +40,15 @@ GOLDEN_LENGTHS = [3, 1, 2, 3, 0]
 GOLDEN_PROMPTS = ["zero", "one 一", 'two "quoted"', "three\nlines", {"four": 4}]
 
 
-def golden_metadata(protocol: str = "3.0", dtype: str = "float16") -> ss.Metadata:
+#: The sites of the protocol 3.2 golden cache: a transcoder's pair, an MLP's input and output.
+GOLDEN_SITES = (ss.Site("blocks.1.mlp", "input"), ss.Site("blocks.1.mlp", "output"))
+
+
+def golden_metadata(
+    protocol: str = "3.0", dtype: str = "float16", sites: tuple[ss.Site, ...] | None = None
+) -> ss.Metadata:
     """The golden cache's configuration: protocol 3.0 (the committed bytes of golden-3.0), or
-    3.1 in float16 or float8_e4m3 (golden-3.1)."""
+    3.1 in float16 or float8_e4m3 (golden-3.1), or 3.2 with ``sites`` (golden-3.2)."""
     return ss.Metadata(
         family="clip",
         ckpt="golden/ckpt",
@@ -56,11 +62,14 @@ def golden_metadata(protocol: str = "3.0", dtype: str = "float16") -> ss.Metadat
         dataset="/golden",
         dtype=dtype,
         protocol=protocol,
+        sites=sites,
     )
 
 
-def write_golden_3(root: Path, protocol: str = "3.0", dtype: str = "float16") -> Path:
-    md = golden_metadata(protocol, dtype)
+def write_golden_3(
+    root: Path, protocol: str = "3.0", dtype: str = "float16", sites: tuple[ss.Site, ...] | None = None
+) -> Path:
+    md = golden_metadata(protocol, dtype, sites)
     values = golden_values(*md.shape)
     with ss.ShardWriter(root, md, stats=True) as w:
         for a, b in ((0, 3), (3, 5)):
@@ -126,6 +135,7 @@ def main() -> None:
     writers = {
         "golden-3.0": lambda target: [write_golden_3(target)],
         "golden-3.1": lambda target: [write_golden_3(target, "3.1", dtype) for dtype in GOLDEN_31],
+        "golden-3.2": lambda target: [write_golden_3(target, "3.2", "float16", GOLDEN_SITES)],
         "legacy-2.1-padded": lambda target: [write_reference_style(target, 5)],
         "legacy-2.1-divisible": lambda target: [write_reference_style(target, 4)],
     }

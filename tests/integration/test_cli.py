@@ -693,3 +693,17 @@ def test_info_stats_and_verify_of_a_float8_cache(tmp_path: Path):
     assert verify.code == 1
     assert f"{copy / 'scales000001.bin'}: xxh3_128 expected" in verify.err
     assert f"; block 0 (bytes 0-{len(data) - 1}) differs" in verify.err
+
+
+def test_info_of_a_cache_of_sites_says_what_each_layer_holds():
+    """Protocol 3.2: `info` prints a line of sites, and `info --json` lists them."""
+    golden = Path(__file__).resolve().parents[1] / "data" / "golden-3.2"
+    (cache,) = golden.iterdir()
+    command = [sys.executable, "-m", "saev_shards", "info", str(cache)]
+    r = subprocess.run(command, check=False, capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
+    fields = dict(line.split(None, 1) for line in r.stdout.splitlines() if line and not line.startswith(" "))
+    assert fields["protocol"] == "3.2" and fields["layers"] == "[9, 2]"
+    assert fields["sites"] == "9 blocks.1.mlp:input, 2 blocks.1.mlp:output"
+    info = json.loads(subprocess.run([*command, "--json"], check=True, capture_output=True, text=True).stdout)
+    assert info["sites"] == ["blocks.1.mlp:input", "blocks.1.mlp:output"]

@@ -167,6 +167,8 @@ PLAN: dict[tuple[str, str], tuple[str, Callable[[Env], dict[str, Any]], dict[str
         "run", lambda e: {"shards": e.dumped}, {}),
     ("docs/loaders.md", "shuffled = ss.shuffle_cache(\"3f2a\", layers=11, tokens=\"content\""): (
         "run", lambda e: {"n_epochs": 2}, {'"3f2a"': "DUMPED"}),
+    ("docs/training.md", "shards = ss.open(dump(\"transcoder.toml\"))"):
+        "run on the real MiniLM-L6 by test_transcoder's test_the_transcoder_recipe_trains_and_its_loss_falls",
     ("docs/remote.md", "shards = ss.open(\"s3://my-bucket/saev/shards/3f2a\")"):
         "run against an S3 server (moto) by test_remote's test_the_readme_commands_run_as_written",
 }  # fmt: skip

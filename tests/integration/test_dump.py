@@ -353,3 +353,87 @@ def test_three_writer_processes_make_the_same_cache_as_one(tmp_path: Path) -> No
     single = tmp_path / "single"
     dump_mod.dump(cfg, root=single, log=quiet)
     assert tree_bytes(Path(cfg["root"]) / md.hash) == tree_bytes(single / md.hash)
+
+
+# -- sites (protocol 3.2): the input or output of any module --------------------------------
+
+
+def test_a_dump_of_sites_records_each_module_input_and_output(tmp_path: Path) -> None:
+    """``sites`` relative to each block of ``layers``: the slots are each block's sites, in
+    order, named in full in ``metadata.sites``; the values are the recorder's for those
+    modules, batched as the dump batches; a plain dump's hash is untouched by the feature."""
+    plain = plan(make_config(tmp_path)).metadata
+    assert plain.sites is None and plain.protocol == "3.1" and "sites" not in plain.data["dump"]
+    cfg = make_config(
+        tmp_path,
+        layers=[3, 1],
+        sites=["mlp:input", "mlp:output", ":output"],
+        dtype="float32",
+        patches_per_shard=5 * T * 6,  # 5 examples per shard, as the plain dump: the same batches
+    )
+    path = dump_mod.dump(cfg, durable=False, log=quiet)
+    assert path is not None
+    shards = ss.open(path)
+    md = shards.metadata
+    assert (md.protocol, md.layers, md.d_model) == ("3.2", (0, 1, 2, 3, 4, 5), 16)
+    assert [str(s) for s in md.sites or ()] == [
+        "blocks.3.mlp:input", "blocks.3.mlp:output", "blocks.3:output",
+        "blocks.1.mlp:input", "blocks.1.mlp:output", "blocks.1:output",
+    ]  # fmt: skip
+    assert md.data["dump"]["sites"] == ["mlp:input", "mlp:output", ":output"]
+    shards.verify()
+    block_outputs = ss.open(dump_mod.dump(make_config(tmp_path, dtype="float32"), durable=False, log=quiet) or "")
+    np.testing.assert_array_equal(shards[:, 2], block_outputs[:, 0])  # blocks.3:output is layer 3
+    np.testing.assert_array_equal(shards[:, 5], block_outputs[:, 1])
+    model = TinyTextModel(d_model=16, n_blocks=4, max_len=T).eval()
+    lengths = shards.columns["lengths"]
+    from saev_shards.recorder import Recorder
+
+    enc = dump_mod.TextEncoder(tiny_tokenize, T)
+    records = [json.loads(line) for line in (tmp_path / "data.jsonl").read_text().splitlines()]
+    rec = Recorder(model, dict(zip(md.layers, md.sites or (), strict=True)), dtype="float32")
+    for a, b in batches(0, md.n_examples, md.examples_per_shard, cfg["batch_size"]):
+        e = enc.encode([r["text"] for r in records[a:b]])
+        want = rec.record(**e.inputs, lengths=torch.as_tensor(e.lengths)).numpy()
+        np.testing.assert_array_equal(shards[a:b], want)
+    padding = np.arange(T)[None, :] >= lengths[:, None]  # (N, T)
+    assert (shards[:].transpose(0, 2, 1, 3)[padding] == 0).all()  # every site's padding: zeros
+
+
+def test_sites_with_full_names_and_a_pair_for_a_transcoder(tmp_path: Path) -> None:
+    cfg = make_config(tmp_path, sites=["blocks.2.mlp:input", "blocks.2.mlp:output"])
+    del cfg["layers"]
+    the_plan = plan(cfg)
+    md = the_plan.metadata
+    assert [str(s) for s in md.sites or ()] == ["blocks.2.mlp:input", "blocks.2.mlp:output"]
+    assert "2 sites (layer: module:io) 0: blocks.2.mlp:input, 1: blocks.2.mlp:output" in dump_mod.describe(
+        the_plan, tmp_path, 0, 1
+    )
+
+
+@pytest.mark.parametrize(
+    ("changes", "message"),
+    [
+        ({"sites": ["mlp:inside"]}, r"sites\[0\]: expected 'module:input' or 'module:output'"),
+        ({"sites": ["mlp:input", "mlp:input"]}, r"sites: each site once, found \['mlp:input'\]"),
+        ({"sites": "mlp:input"}, "sites: expected a list of sites"),
+        ({"sites": [3]}, r"sites\[0\]: expected a site"),
+    ],
+)
+def test_bad_sites_in_a_config_are_named(tmp_path: Path, changes: dict[str, Any], message: str) -> None:
+    with pytest.raises(ConfigError, match=message):
+        parse_config(make_config(tmp_path, **changes))
+
+
+def test_sites_the_model_cannot_give_are_config_errors_before_anything_is_written(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match=r"sites: layer 0: no module named 'blocks\.3\.mpl'"):
+        plan(make_config(tmp_path, sites=["mpl:input"]))
+    with pytest.raises(
+        ConfigError, match=r"sites: blocks\.\d\.mlp\.0: output shape .* differs from the other recorded sites"
+    ):
+        plan(make_config(tmp_path, sites=["mlp:input", "mlp.0:output"]))  # 16 and 32 wide
+    cfg = make_config(tmp_path)
+    del cfg["layers"]
+    with pytest.raises(ConfigError, match=r"missing key 'layers' \(block indices; or sites"):
+        parse_config(cfg)
+    assert not (tmp_path / "shards").exists()

@@ -16,9 +16,11 @@ def metadata(
     max_examples: int = 40,
     dtypes: tuple[str, ...] = ("float16", "bfloat16", "float32", "float8_e4m3"),
     min_examples: int = 0,
+    sites: bool = False,
 ) -> ss.Metadata:
     """Small but varied configurations: 1-3 layers in any order, CLS on/off, budgets giving
-    one example per shard up to a dozen, partial last shards, empty caches."""
+    one example per shard up to a dozen, partial last shards, empty caches; with ``sites``,
+    every other one records sites (protocol 3.2, any module names, inputs and outputs)."""
     n_layers = draw(st.integers(1, 3))
     layers = tuple(draw(st.lists(st.integers(-2, 40), min_size=n_layers, max_size=n_layers, unique=True)))
     cls_token = draw(st.booleans())
@@ -38,7 +40,14 @@ def metadata(
         data={"seed": draw(st.integers(0, 3))},
         dataset="/data",
         dtype=draw(st.sampled_from(dtypes)),
+        sites=draw(st.none() | site_lists(n_layers)) if sites else None,
     )
+
+
+def site_lists(n: int) -> st.SearchStrategy[tuple[ss.Site, ...]]:
+    """``n`` distinct sites: module names of any text (the model itself too), either end."""
+    one = st.builds(ss.Site, st.text(max_size=12), st.sampled_from(["input", "output"]))
+    return st.lists(one, min_size=n, max_size=n, unique=True).map(tuple)
 
 
 def batch_sizes() -> st.SearchStrategy[list[int]]:

@@ -1,5 +1,6 @@
-"""Committed caches every release must read exactly (protocol 3.0 and 3.1); protocol 2.1
-compatibility both ways; what a reader of 3.0 alone does with a 3.1 cache."""
+"""Committed caches every release must read exactly (protocol 3.0, 3.1 and 3.2); protocol 2.1
+compatibility both ways; what a reader of 3.0 alone does with a 3.1 cache, and one of 3.1
+alone with a 3.2 cache."""
 
 from __future__ import annotations
 
@@ -21,6 +22,7 @@ from ..data.make_golden import (
     GOLDEN_31,
     GOLDEN_LENGTHS,
     GOLDEN_PROMPTS,
+    GOLDEN_SITES,
     SEED_KEYS,
     golden_labels,
     golden_metadata,
@@ -76,6 +78,14 @@ GOLDEN_31_DIGESTS = {
         "stats.json": "b91b9fec7207abdae7c1ff5acb5a2fd2",
         "text.prompt.jsonl": "96a95b57d990f2a4f6413b9a6e3d91d0",
     },
+}
+
+# The protocol 3.2 golden cache: the 3.1 float16 cache's data, its slots an MLP's input and output.
+GOLDEN_32 = DATA / "golden-3.2" / "8ed90f8d3d5705cc09f03d06eb87df20a5b3a54c43ab9eca61fccd2fb8ea90ba"
+GOLDEN_32_DIGESTS = {
+    # Every file but metadata.json is the 3.1 float16 cache's, byte for byte.
+    **{k: v for k, v in GOLDEN_31_DIGESTS["float16"].items() if k != "metadata.json"},
+    "metadata.json": "c2aa6521286b59863d7c47b8af9ab7dd",
 }
 
 
@@ -255,3 +265,72 @@ def test_a_reader_of_3_0_alone_refuses_3_1_by_its_version(monkeypatch: pytest.Mo
         ss.open(GOLDEN_31_PATHS[dtype])
     assert json.loads((GOLDEN_31_PATHS[dtype] / "metadata.json").read_text())["protocol"] == "3.1"
     ss.open(GOLDEN)  # 3.0 still opens
+
+
+# -- protocol 3.2 ---------------------------------------------------------------------------
+
+
+def test_golden_32_bytes_are_pinned() -> None:
+    assert sorted(p.name for p in GOLDEN_32.iterdir()) == sorted(GOLDEN_32_DIGESTS)
+    for name, digest in GOLDEN_32_DIGESTS.items():
+        assert xxhash.xxh3_128_hexdigest((GOLDEN_32 / name).read_bytes()) == digest, name
+    assert GOLDEN_32.name == golden_metadata("3.2", "float16", GOLDEN_SITES).hash
+
+
+def test_writer_still_writes_the_golden_32_bytes(tmp_path: Path) -> None:
+    assert tree_bytes(write_golden_3(tmp_path, "3.2", "float16", GOLDEN_SITES)) == tree_bytes(GOLDEN_32)
+
+
+def test_golden_32_reads_its_sites() -> None:
+    shards = ss.open(GOLDEN_32)
+    md = shards.metadata
+    assert (md.protocol, md.dialect, md.layers) == ("3.2", "3.2", (9, 2))
+    assert md.sites == (ss.Site("blocks.1.mlp", "input"), ss.Site("blocks.1.mlp", "output"))
+    assert json.loads((GOLDEN_32 / "metadata.json").read_text())["sites"] == [
+        {"io": "input", "module": "blocks.1.mlp"},
+        {"io": "output", "module": "blocks.1.mlp"},
+    ]
+    assert md.site_layer("blocks.1.mlp:output") == 2 and md.describe_layer(9) == "blocks.1.mlp (input)"
+    np.testing.assert_array_equal(shards[:], golden_values(*md.shape).astype(np.float16))
+    shards.verify()
+
+
+def test_caches_without_sites_are_written_as_before() -> None:
+    """Sites are why 3.2 exists: a configuration without them is still 3.1 by default, with the
+    same hash and bytes as before 3.2, and 3.2 is written only where a cache has sites."""
+    assert ss.PROTOCOL == "3.1"
+    assert golden_metadata("3.1").hash == GOLDEN_31_PATHS["float16"].name
+    assert golden_metadata("3.1", sites=GOLDEN_SITES).protocol == "3.2"  # picked for the sites
+    assert golden_metadata("3.2").sites is None  # 3.2 without sites: valid, not written by default
+
+
+def test_a_reader_of_3_1_alone_refuses_3_2_by_its_version(monkeypatch: pytest.MonkeyPatch) -> None:
+    """This library with 3.2 taken out of its version table, as the releases before 3.2 were:
+    the 3.2 cache is refused by its version, never read as block outputs."""
+    older = ("3.1", "3.0", *protocol_common.SAEV_CODE_PROTOCOLS)
+    monkeypatch.setattr(protocol, "SUPPORTED_PROTOCOLS", older)
+    refused = r"unsupported protocol version '3\.2'; this library reads '3\.1'"
+    with pytest.raises(ss.ProtocolVersionError, match=refused):
+        ss.open(GOLDEN_32)
+    ss.open(GOLDEN_31_PATHS["float16"])  # 3.1 still opens
+
+
+@pytest.mark.parametrize(
+    "sites",
+    [
+        [{"io": "input", "module": "blocks.1.mlp"}],
+        [{"io": "input", "module": "blocks.1.mlp"}, {"io": "input", "module": "blocks.1.mlp"}],
+        [{"io": "sideways", "module": "blocks.1.mlp"}, {"io": "output", "module": "blocks.1.mlp"}],
+        "blocks.1.mlp:input",
+        [None, 3],
+    ],
+)
+def test_a_cache_with_bad_sites_is_refused_naming_them(tmp_path: Path, sites: Any) -> None:
+    copy = tmp_path / GOLDEN_32.name
+    copy.mkdir()
+    for f in GOLDEN_32.iterdir():
+        (copy / f.name).write_bytes(f.read_bytes())
+    md = json.loads((copy / "metadata.json").read_text())
+    (copy / "metadata.json").write_text(json.dumps({**md, "sites": sites}))
+    with pytest.raises(ss.MetadataFileError, match=r"metadata\.json.*sites"):
+        ss.open(copy, check_hash=False)

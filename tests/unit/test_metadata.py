@@ -17,6 +17,7 @@ from saev_shards.format import pretty_json
 from saev_shards.metadata import KEYS, parse_metadata
 
 from ..support.caches import small_metadata, write_cache
+from ..support.strategies import metadata
 
 
 def seed_hash(md: dict[str, Any]) -> str:
@@ -232,3 +233,82 @@ def test_float8_is_refused_where_its_protocol_is_not_31() -> None:
     with pytest.raises(ss.DtypeError, match=r"for protocol 3\.0 \(float8_e4m3 is protocol 3\.1's\)"):
         small_metadata(dtype="float8_e4m3", protocol="3.0")
     assert small_metadata(dtype="float8_e4m3").protocol == ss.PROTOCOL
+
+
+# -- sites (protocol 3.2) ---------------------------------------------------------------------
+
+
+@given(md=metadata(sites=True))
+def test_sites_round_trip_through_metadata_json(md: ss.Metadata) -> None:
+    """Any sites survive metadata.json (their order too) and are part of the hash; a cache
+    without sites is protocol 3.1 and has no ``sites`` key, one with sites 3.2."""
+    obj = json.loads(md.to_bytes())
+    again = parse_metadata(obj, md.hash)
+    assert again == md and again.hash == md.hash == seed_hash(obj)
+    assert ("sites" in obj) == (md.sites is not None)
+    assert md.protocol == ("3.1" if md.sites is None else "3.2")
+    if md.sites is not None:
+        assert [md.site_of(layer) for layer in md.layers] == list(md.sites)
+        assert md.site_layer(str(md.sites[-1])) == md.layers[-1]
+        assert md.replace(sites=tuple(reversed(md.sites))).hash != md.hash or len(md.sites) == 1
+
+
+def test_sites_are_given_in_any_spelling() -> None:
+    spelled = [
+        ["encoder.layer.3.intermediate:input", "encoder.layer.3.output.dense:output"],
+        [("encoder.layer.3.intermediate", "input"), ss.Site("encoder.layer.3.output.dense", "output")],
+        [{"module": "encoder.layer.3.intermediate", "io": "input"}, "encoder.layer.3.output.dense:output"],
+    ]
+    made = {small_metadata(layers=(0, 1), sites=sites) for sites in spelled}
+    assert len(made) == 1
+    (md,) = made
+    assert md.sites == (
+        ss.Site("encoder.layer.3.intermediate", "input"),
+        ss.Site("encoder.layer.3.output.dense", "output"),
+    )
+    assert md.describe_layer(1) == "encoder.layer.3.output.dense (output)"
+    assert small_metadata(layers=(0,), sites=[":output"]).describe_layer(0) == "(the model) (output)"
+    assert small_metadata(layers=(4,)).describe_layer(4) == "layer 4"
+
+
+@pytest.mark.parametrize(
+    ("sites", "message"),
+    [
+        (["a:input"], r"sites: expected one site per layer \(2\), found 1"),
+        (["a:input", "a:input"], r"sites\[1\]: 'a:input' is sites\[0\] again"),
+        (["a:inside", "b:output"], r"sites\[0\]: expected 'module:input' or 'module:output'"),
+        ([("a", "input", 3), "b:output"], r"sites\[0\]: expected a site"),
+        ("a:input", "sites: expected None or a list of sites"),
+        (["\ud800:input", "b:output"], r"sites\[0\].module: string .* is not valid Unicode"),
+    ],
+)
+def test_invalid_sites(sites: Any, message: str) -> None:
+    with pytest.raises(ss.MetadataError, match=message):
+        small_metadata(layers=(0, 1), sites=sites)
+
+
+@pytest.mark.parametrize("protocol", ["3.0", "2.1"])
+def test_sites_need_protocol_32(protocol: str) -> None:
+    with pytest.raises(ss.MetadataError, match=r"sites: protocol .* cannot say what each layer holds.*'3\.2'"):
+        small_metadata(layers=(0,), sites=["a:input"], protocol=protocol, dtype="float32", data="x")
+
+
+def test_metadata_json_sites_are_parsed_strictly() -> None:
+    """A 3.2 metadata.json's sites: exactly the keys module and io, the io one of two words;
+    a 3.1 metadata.json has no such key (refused as unknown, so no reader of 3.1 takes a 3.2
+    cache's slots for block outputs)."""
+    good = small_metadata(layers=(0, 1), sites=["a:input", "a:output"]).to_dict()
+    for bad, message in [
+        ([{"module": "a", "io": "input", "x": 1}, {"module": "a", "io": "output"}], r"sites\[0\]: expected an object"),
+        ([{"module": 3, "io": "input"}, {"module": "a", "io": "output"}], r"sites\[0\].module: expected a string"),
+        ([{"module": "a", "io": "in"}, {"module": "a", "io": "output"}], r"sites\[0\].io: expected one of"),
+        ({"module": "a", "io": "input"}, "sites: expected an array"),
+        ([{"module": "a", "io": "input"}], "expected one site per layer"),
+    ]:
+        with pytest.raises(ss.MetadataError, match=message):
+            parse_metadata({**good, "sites": bad})
+    as_31 = {**good, "protocol": "3.1"}
+    with pytest.raises(ss.MetadataError, match=r"unknown keys \['sites'\]"):
+        parse_metadata(as_31)
+    no_sites = {k: v for k, v in good.items() if k != "sites"}
+    assert parse_metadata(no_sites).sites is None  # a 3.2 cache may omit them

@@ -283,3 +283,89 @@ def test_layers_given_as_a_string_is_an_error_that_says_so() -> None:
     with pytest.raises(RecorderError, match=r"such as \[1, 3\], found the string '1,3'"):
         resolve_modules(model, "1,3")  # type: ignore[arg-type]
     assert Recorder(model, [11]).layers == (11,)
+
+
+# --------------------------------------------------------------------------------------
+# sites: the input or the output of any module (protocol 3.2)
+
+
+def test_sites_record_module_inputs_and_outputs_as_the_model_computes_them() -> None:
+    """A transcoder's pair (an MLP's input and output) and a block's input, beside a block
+    output, in the order given; each equals the tensor computed by hand from the model's own
+    modules, and the pair adds up to the block's output as the block's code says."""
+    model = TinyTextModel().eval()
+    ids, mask = _ids()
+    sites: dict[int, Any] = {
+        0: "blocks.1.mlp:output",
+        1: "blocks.1.mlp:input",
+        2: ("blocks.1", "input"),
+        3: ss.Site("blocks.1", "output"),
+        4: "final",  # a plain name: its output, as before
+    }
+    rec = Recorder(model, sites, dtype="float32")
+    assert rec.sites == (
+        ss.Site("blocks.1.mlp", "output"),
+        ss.Site("blocks.1.mlp", "input"),
+        ss.Site("blocks.1", "input"),
+        ss.Site("blocks.1", "output"),
+        ss.Site("final", "output"),
+    )
+    acts = rec.record(ids, attention_mask=mask)
+    with torch.inference_mode():
+        direct = model(ids, mask, return_all=True)
+        block: Any = model.blocks[1]
+        x = direct[0]
+        mlp_in = block.norm(x)
+        mlp_out = block.mlp(mlp_in)
+        m = mask[:, :, None].float()
+        pooled = (x * m).sum(1, keepdim=True) / m.sum(1, keepdim=True).clamp(min=1)
+        final = model.final(direct[-1])
+        mixed = block.mix(pooled)
+    for slot, want in enumerate([mlp_out, mlp_in, x, direct[1], final]):
+        torch.testing.assert_close(acts[:, slot], want, rtol=0, atol=0)
+    torch.testing.assert_close(acts[:, 2] + acts[:, 0] + mixed, acts[:, 3], rtol=1e-6, atol=1e-6)
+    assert _hooks(model) == [(n, []) for n, _ in _hooks(model)]
+    assert all(not m._forward_pre_hooks for m in model.modules())
+
+
+def test_an_input_site_stops_the_forward_pass_before_its_module_runs() -> None:
+    model = TinyTextModel().eval()
+    ran = []
+    model.blocks[3].register_forward_hook(lambda *a: ran.append(3))
+    Recorder(model, {0: "blocks.3:input"}).record(*_ids())
+    assert ran == []  # the last block never ran: its input is all that was needed
+
+
+class _KeywordCaller(torch.nn.Module):
+    """Calls its inner module with keywords only, as many Hugging Face layers do."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.inner = torch.nn.Linear(4, 4)
+        self.norm = torch.nn.LayerNorm(4)
+
+    def forward(self, x: Any) -> Any:
+        return self.inner(input=self.norm(x))  # no positional argument: the hooks' keyword path
+
+
+def test_an_input_given_by_keyword_is_found() -> None:
+    model = _KeywordCaller().eval()
+    x = torch.randn(2, 3, 4)
+    acts = Recorder(model, {0: "inner:input", 1: "inner:output"}, dtype="float32").record(x)
+    with torch.inference_mode():
+        torch.testing.assert_close(acts[:, 0], model.norm(x))
+        torch.testing.assert_close(acts[:, 1], model.inner(model.norm(x)))
+
+
+@pytest.mark.parametrize(
+    ("sites", "message"),
+    [
+        ({0: "blocks.1.mlp.0:output", 1: "blocks.1.mlp:input"}, r"blocks\.1\.mlp(\.0)?.*shape .* differs"),
+        ({0: "blocks.1.mpl:input"}, r"no module named 'blocks\.1\.mpl'"),
+        ({0: "blocks.1.mlp:inside"}, r"no module named 'blocks\.1\.mlp:inside'"),
+        ({0: ("blocks.1", "sideways")}, "expected a module name or a site"),
+    ],
+)
+def test_bad_sites_are_recorder_errors(sites: dict[int, Any], message: str) -> None:
+    with pytest.raises(RecorderError, match=message):
+        Recorder(TinyTextModel().eval(), sites).record(*_ids())

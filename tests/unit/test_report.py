@@ -56,8 +56,7 @@ def test_the_panels_and_their_numbers(tmp_path: Path, stats: bool) -> None:
         "dimensions, layer 11 (outliers: 3)",
         "CLS and content tokens",
         "lengths and truncation, 3 of 12 truncated to T=5",
-        "shard sizes (4 shards)",
-    }
+    }  # four shards of one size: no panel of shard sizes, a line of the title says it
     assert r.outliers == {6: [], 11: [3]} and r.dims_source == ("stats.json" if stats else "this pass")
     # Norms: the population stats.json counts (positions below lengths), all drawn.
     x = ref["stored"]
@@ -65,7 +64,8 @@ def test_the_panels_and_their_numbers(tmp_path: Path, stats: bool) -> None:
     norms = np.sqrt((x * x).sum(axis=3, dtype=np.float32))
     norm_panel = by_title["norms by layer"]
     steps = [p for p in norm_panel.patches if type(p).__name__ == "StepPatch"]
-    assert [s.get_label() for s in steps] == ["layer 6", "layer 11"]
+    medians = [f"{r.median_norm(layer):.3g}" for layer in md.layers]
+    assert [s.get_label() for s in steps] == [f"layer 6, median {medians[0]}", f"layer 11, median {medians[1]}"]
     for li, step in enumerate(steps):
         assert step.get_data().values.sum() == valid.sum() == r.norm_buckets[md.layers[li]].sum()
         median = np.sort(norms[:, li][valid])[(valid.sum() - 1) // 2]
@@ -84,9 +84,26 @@ def test_the_panels_and_their_numbers(tmp_path: Path, stats: bool) -> None:
     lengths_panel = by_title["lengths and truncation, 3 of 12 truncated to T=5"]
     kept = [p.get_height() for p in lengths_panel.patches if type(p).__name__ == "Rectangle"]
     assert sum(kept) == 12 and kept[5] == (ref["lengths"] == 5).sum()
-    # Shards: one bar per shard file, its size.
-    bars = [p.get_height() for p in by_title["shard sizes (4 shards)"].patches]
-    assert bars == list(shards.manifest.shards.sizes)
+    assert r.figure.get_suptitle().endswith(f"\n4 shards of {ss.units.human_bytes(shards.manifest.shards[0].nbytes)}")
+    # Every layer one colour in every panel; legends beside the axes, off the data.
+    colour = {s.get_label().split(", ")[0]: s.get_edgecolor() for s in steps}
+    cls_steps = [p for p in by_title["CLS and content tokens"].patches if type(p).__name__ == "StepPatch"]
+    assert all(s.get_edgecolor() == colour[s.get_label().split(", ", 1)[1]] for s in cls_steps)
+    for ax in by_title.values():
+        legend = ax.get_legend()
+        assert legend is not None and legend.get_bbox_to_anchor().x0 >= ax.get_window_extent().x1
+    # The median of each layer is written on its line.
+    assert [t.get_text() for t in norm_panel.texts] == medians
+
+
+def test_shard_sizes_are_drawn_where_they_differ(tmp_path: Path) -> None:
+    md = small_metadata(n_examples=13, d_model=D, patches_per_shard=3 * T * 2)  # 4 x 3 examples, then 1
+    with ss.ShardWriter(tmp_path, md, durable=False) as w:
+        w.write(np.ones(md.shape, np.float32))
+    shards = ss.open(tmp_path / md.hash)
+    r = shards.report(progress=False)
+    bars = [p.get_height() for p in panels(r.figure)["shard sizes (5 shards)"].patches]
+    assert bars == list(shards.manifest.shards.sizes) and len(set(bars)) == 2
 
 
 def test_the_png_and_the_html_render(tmp_path: Path) -> None:
@@ -124,3 +141,51 @@ def test_outlier_dimensions_rule() -> None:
     std = np.array([1.0, 1.0, 1.0, 1.2])
     assert report_mod.outlier_dimensions(mean, std) == [2]
     assert report_mod.outlier_dimensions(np.zeros(3), np.zeros(3)) == []
+
+
+def _degenerate(root: Path, case: str) -> ss.Shards:
+    """A cache the writer accepts, at an edge of what a picture can show."""
+    cases: dict[str, dict[str, Any]] = {
+        "all-zero": {},
+        "all-NaN": {},
+        "one example": {"n_examples": 1},
+        "D = 1": {"d_model": 1},
+        "empty": {"n_examples": 0},
+        "one token, no CLS": {"patches_per_ex": 1, "cls_token": False, "layers": (0,)},
+        "all-inf": {"dtype": "float32"},
+        "one value": {},
+    }
+    changes = cases[case]
+    md = small_metadata(**{"n_examples": 6, "patches_per_shard": 20, **changes})
+    values = np.zeros(md.shape, np.float32)
+    if case == "all-NaN":
+        values[:] = np.nan
+    elif case == "all-inf":
+        values[:] = np.inf
+    elif case == "one value":
+        values[:] = 3.0
+    elif case in ("one example", "D = 1", "one token, no CLS"):
+        values = np.random.default_rng(0).standard_normal(md.shape).astype(np.float32)
+    lengths = {"lengths": ("int32", ())}
+    with ss.ShardWriter(root, md, durable=False, stats=True, allow_nonfinite=True, columns=lengths) as w:
+        if md.n_examples:
+            w.write(values, columns={"lengths": np.full(md.n_examples, md.tokens_per_ex, np.int32)})
+    return ss.open(root / md.hash)
+
+
+@pytest.mark.parametrize(
+    "case", ["all-zero", "all-NaN", "all-inf", "one value", "one example", "D = 1", "empty", "one token, no CLS"]
+)
+def test_every_cache_the_writer_accepts_draws(tmp_path: Path, case: str) -> None:
+    """Issue 29: a cache of zero vectors raised a raw ValueError from matplotlib. Every cache
+    the writer accepts draws, as a PNG file and in a notebook, and says what it could not show."""
+    shards = _degenerate(tmp_path / "c", case)
+    r = shards.report(tmp_path / "r.png", progress=False)
+    assert (tmp_path / "r.png").read_bytes()[:4] == b"\x89PNG"
+    assert "<img src='data:image/png;base64," in r._repr_html_() and "<table" in r._repr_html_()
+    norms = panels(r.figure)["norms by layer"]
+    if case in ("all-NaN", "all-inf", "empty"):
+        assert any("no finite vectors" in t.get_text() for t in norms.texts)
+    if case in ("all-zero",):
+        assert r.median_norm(shards.metadata.layers[0]) == 0.0
+        assert any("zero" in t.get_text() for t in norms.texts)

@@ -115,3 +115,13 @@ def test_views_of_the_reference_dialect_with_a_padded_last_shard() -> None:
     np.testing.assert_array_equal(shards.to_dask().compute(), logical)
     group = zarr.open_group("reference://", mode="r", storage_options={"fo": zarr_references(shards)})
     np.testing.assert_array_equal(group["acts"][:], logical)  # the padding past n_examples is never referenced
+
+
+def test_xarray_names_the_sites_of_a_cache_of_sites() -> None:
+    golden = Path(__file__).resolve().parents[1] / "data" / "golden-3.2"
+    (cache,) = golden.iterdir()
+    arr = ss.open(cache).to_xarray()
+    assert list(arr.site.values) == ["blocks.1.mlp:input", "blocks.1.mlp:output"]
+    assert list(arr.layer.values) == [9, 2]
+    picked = arr.where(arr.site == "blocks.1.mlp:output", drop=True)
+    assert picked.shape == (5, 1, 3, 4)

@@ -143,3 +143,18 @@ def test_float16_to_float8_to_float16_is_within_the_bound(tmp_path: Path) -> Non
         warnings.simplefilter("ignore", ss.ProtocolWarning)
         saev = open_quiet(convert(f8.path, root=tmp_path / "saev" / "shards", to="saev", durable=False).path)
     np.testing.assert_array_equal(saev[:], ss.float8.dequantize(q, scales, "float32"))
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float8_e4m3"])
+def test_a_cache_of_sites_keeps_them_and_no_target_drops_them(tmp_path: Path, dtype: str) -> None:
+    """Sites say what the slots hold (protocol 3.2): converting keeps them (the result is 3.2);
+    a target that cannot hold them is refused before anything is written."""
+    sites = ("blocks.1.mlp:input", "blocks.1.mlp:output")
+    md = small_metadata(n_examples=5, layers=(0, 1), sites=sites, dtype="float16")
+    write_cache(tmp_path / "src", md)
+    converted = ss.open(convert(tmp_path / "src" / md.hash, root=tmp_path / "out", dtype=dtype, durable=False).path)
+    assert converted.metadata.protocol == "3.2" and [str(s) for s in converted.metadata.sites or ()] == list(sites)
+    for target in ("3.0", "saev"):
+        with pytest.raises(ConvertOptionError, match=rf"--to {target}: this cache records what each layer slot holds"):
+            convert(tmp_path / "src" / md.hash, to=target, root=tmp_path / target, durable=False)
+        assert not (tmp_path / target).exists() or not any((tmp_path / target).iterdir())
