@@ -100,6 +100,9 @@ class TokenDataset(_MapDataset):
         scales = None
         if self.shards.scales is not None:  # float8_e4m3: the vector's scale, by the same arithmetic
             scales = np.array(self.shards.scale_shard(shard)[local, self.layer_position, token])
+            md = self.shards.metadata
+            number = (example * md.n_layers + self.layer_position) * md.tokens_per_ex + token
+            self.shards.check_scales(scales, lambda: number)
         item: dict[str, Any] = {
             "acts": to_tensor(raw, self.shards.dtype, self.out_dtype, scales),
             "example": example,
