@@ -10,7 +10,7 @@ from .. import store, world
 from ..errors import CommandError, DiskFullError, ShuffleError
 from ..format import DTYPES
 from ..shuffle import DEFAULT_MEMORY, plan_shuffle, run_plan, run_rank
-from ..shuffle.ranks import DEFAULT_WAIT, torch_group_from_env
+from ..shuffle.meeting import DEFAULT_WAIT, torch_group_from_env
 from ..shuffle.source import TOKEN_CHOICES
 from ._common import (
     EXIT_OK,

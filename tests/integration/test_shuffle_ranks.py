@@ -23,7 +23,7 @@ import pytest
 import saev_shards as ss
 from saev_shards.cli import main
 from saev_shards.shuffle import plan_shuffle, run_rank
-from saev_shards.shuffle.ranks import rendezvous_folder
+from saev_shards.shuffle.meeting import rendezvous_folder
 
 from ..support.caches import small_metadata, tree_bytes, write_cache
 
