@@ -33,6 +33,7 @@ import numpy.typing as npt
 
 from .errors import ShardsError
 from .progress import Progress
+from .protocol.jsonfile import short_repr
 
 if TYPE_CHECKING:
     from .reader import Shards
@@ -139,14 +140,14 @@ def parse_multiple(value: object, error: type[ShardsError]) -> float | None:
     if value is None:
         return None
     if isinstance(value, bool) or not isinstance(value, (int, float, np.integer, np.floating)):
-        raise error(f"max_norm_multiple: expected None or a number above 1 (such as 10), found {value!r}")
+        raise error(f"max_norm_multiple: expected None or a number above 1 (such as 10), found {short_repr(value)}")
     try:
         k = float(value)
     except OverflowError:  # an int beyond float's range, such as 2**1100
         k = float("inf")
     if not np.isfinite(k) or k <= 1:
         # k <= 1 would drop at least half of every layer: a multiple of the median is above it.
-        raise error(f"max_norm_multiple: expected a finite number above 1 (such as 10), found {value!r}")
+        raise error(f"max_norm_multiple: expected a finite number above 1 (such as 10), found {short_repr(value)}")
     return k
 
 

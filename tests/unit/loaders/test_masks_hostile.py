@@ -44,7 +44,9 @@ def test_token_ids_beyond_int64_are_a_library_error(tmp_path: Path, token_id: An
         plan_shuffle(shards, tmp_path / "out", layers=11, exclude_token_ids=[token_id])
 
 
-@pytest.mark.parametrize("multiple", [2**1100, -(2**1100), 10**400], ids=["2**1100", "-2**1100", "10**400"])
+@pytest.mark.parametrize(
+    "multiple", [2**1100, -(2**1100), 10**400, 10**5000], ids=["2**1100", "-2**1100", "10**400", "10**5000"]
+)
 def test_a_multiple_beyond_float_is_a_library_error(tmp_path: Path, multiple: int) -> None:
     shards, _ = masked_cache(tmp_path, n=10)
     with pytest.raises(LoaderError, match="max_norm_multiple: expected a finite number above 1"):
