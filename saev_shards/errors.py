@@ -254,6 +254,14 @@ class UnexpectedFileError(InvalidCacheError):
     title = "unexpected file"
 
 
+class ScaleError(InvalidCacheError):
+    """Raised when a float8_e4m3 scale file holds a scale the scale rule cannot give (protocol.md
+    5): inf, a negative number, one above the largest float32 over 448, or a NaN other than
+    that of a vector stored as NaN; names the shard and the vector."""
+
+    title = "scales"
+
+
 class LoaderError(ShardsError):
     """Raised when a loader or dataset is configured in a way the cache cannot serve."""
 

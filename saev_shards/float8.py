@@ -49,7 +49,7 @@ import ml_dtypes
 import numpy as np
 import numpy.typing as npt
 
-from .errors import DtypeRangeError
+from .errors import DtypeRangeError, ScaleError
 
 #: The numpy dtype of stored E4M3 values (ml_dtypes' float8_e4m3fn: no infinities, largest 448).
 FLOAT8_DTYPE = np.dtype(ml_dtypes.float8_e4m3fn)
@@ -62,6 +62,16 @@ _MIN_NORMAL = np.float32(2.0**-126)
 #: float16's largest finite value, and the smallest float32 that rounds to float16 infinity.
 FLOAT16_MAX = 65504.0
 _FLOAT16_OVERFLOW = np.float32(65520.0)
+#: bfloat16's largest finite value (bits 0x7F7F), and the smallest float32 that rounds to
+#: bfloat16 infinity (0x7F7F8000: the tie goes to the even 0x7F80, infinity).
+BFLOAT16_MAX = float(np.array([0x7F7F0000], np.uint32).view(np.float32)[0])
+_BFLOAT16_OVERFLOW = np.array([0x7F7F8000], np.uint32).view(np.float32)[0]
+#: The largest scale the rule gives, ``RN32(float32 max / 448)`` (7.595588e35): 448 times it is
+#: float32's largest value, so no scale the rule gives turns a stored value into infinity.
+MAX_SCALE = np.float32(np.finfo(np.float32).max) / np.float32(FLOAT8_MAX)
+_MAX_SCALE_BITS = int(np.array(MAX_SCALE, np.float32).view(np.uint32))
+#: The bits of the scale of a vector stored as NaN (rule 2 of the module docstring).
+NAN_SCALE_BITS = 0x7FC00000
 #: Values per step of the chunked numpy loops: their float32 scratch (512 KiB) stays in a
 #: 1 MiB L2 cache; measured best of 2**14 to 2**19 here.
 _CHUNK_VALUES = 1 << 17
@@ -395,22 +405,97 @@ def _bits(out: npt.NDArray[Any]) -> npt.NDArray[Any]:
     return out.view(np.uint16) if out.dtype == np.float16 else out
 
 
+# -- the scales a cache may hold ---------------------------------------------------------------
+#
+# The rule gives +0.0, a finite positive number up to MAX_SCALE, or the NaN 0x7FC00000 of a
+# vector stored as NaN (whose bytes are all NAN_BYTE). As float32 bits, the first two are
+# exactly the integers 0 .. _MAX_SCALE_BITS (positive floats order like their bits; a sign bit
+# makes the bits larger): one maximum over the bits tells whether a batch of scales is all of
+# them, the common case, before anything more is looked at.
+
+
+def _scale_bits(scales: npt.NDArray[Any]) -> npt.NDArray[np.uint32]:
+    s = np.asarray(scales, np.float32)
+    if s.ndim and s.shape[-1] and s.strides[-1] == 0:  # one per value, broadcast over D: one per vector
+        s = s[..., 0]
+    return s.view(np.uint32)
+
+
+def scales_plain(scales: npt.NDArray[Any]) -> bool:
+    """True when every scale (float32, any shape) is +0.0 or a finite positive number of at most
+    `MAX_SCALE`; one maximum over their bits. False: `odd_scales` tells which are what."""
+    bits = _scale_bits(scales)
+    return bits.size == 0 or int(bits.max()) <= _MAX_SCALE_BITS
+
+
+def odd_scales(scales: npt.NDArray[Any]) -> tuple[npt.NDArray[np.intp], npt.NDArray[np.intp]]:
+    """Flat positions in ``scales`` (float32, any shape) of the scales the rule cannot give
+    (inf, negative, -0.0, above `MAX_SCALE`, a NaN of other bits), and of the NaN scales
+    0x7FC00000 (a vector stored as NaN: valid when its bytes are all `NAN_BYTE`, which only the
+    caller holding them can tell)."""
+    bits = np.asarray(scales, np.float32).reshape(-1).view(np.uint32)
+    nan = bits == NAN_SCALE_BITS
+    return np.flatnonzero((bits > _MAX_SCALE_BITS) & ~nan), np.flatnonzero(nan)
+
+
+def describe_scale(value: object) -> str:
+    """A scale the rule cannot give, in words: ``inf``, ``-2.5 (negative)``, ``1e+38 (above
+    7.595588e+35)``, ``NaN 0xffc00000``."""
+    v = np.float32(value)  # type: ignore[arg-type]
+    bits = int(np.array(v, np.float32).view(np.uint32))
+    if np.isnan(v):
+        return f"NaN 0x{bits:08x}" + (" (a vector stored as NaN has bytes 0x7f)" if bits == NAN_SCALE_BITS else "")
+    if np.isinf(v):
+        return "inf" if v > 0 else "-inf"
+    if bits >> 31:
+        return f"{float(v):.7g} (negative)" if v else "-0.0 (negative zero)"
+    return f"{float(v):.7g} (above {float(MAX_SCALE):.7g})"
+
+
+#: What a valid scale is, for messages.
+SCALE_RULE = (
+    f"expected +0.0, a finite positive number of at most {float(MAX_SCALE):.7g} (float32's largest value over 448), "
+    "or the NaN 0x7fc00000 of a vector stored as NaN (protocol.md 5)"
+)
+
+
 def check_range(scales: npt.NDArray[Any], dtype: str, where: str = "") -> None:
-    """Raise `DtypeRangeError` if a vector with one of these scales does not fit ``dtype``
-    once dequantized (only float16 can overflow: its largest finite value is 65504).
+    """Raise `ScaleError` if a scale is not one the rule gives (`odd_scales`; where the scales
+    came from is the caller's to say: the readers name the shard and the vector before this
+    runs), and `DtypeRangeError` if a vector with one of these scales does not fit ``dtype``
+    once dequantized: float16 (largest finite 65504) or, for scales within a few units of
+    `MAX_SCALE`, bfloat16 (largest finite 3.3895e38).
 
     Exact, and cheap (one value per vector): the largest dequantized value of a vector is
-    ``RN32(448 * s)``, which rounds to float16 infinity from 65520 on.
+    ``RN32(448 * s)``, which rounds to float16 infinity from 65520 on, and to bfloat16's from
+    0x7F7F8000 (3.3961e38) on.
     """
-    if dtype != "float16" or scales.size == 0:
+    if scales.size == 0:
+        return
+    if not scales_plain(scales):
+        odd, _ = odd_scales(scales)
+        if odd.size:
+            flat = np.asarray(scales, np.float32).reshape(-1)
+            more = f" ({odd.size - 1} more)" if odd.size > 1 else ""
+            raise ScaleError(
+                f"{where}float8_e4m3 scales: {SCALE_RULE}, found {describe_scale(flat[odd[0]])} at position "
+                f"{int(odd[0])} of {flat.size}{more}"
+            )
+    if dtype == "float32":
         return
     # fmax skips NaN scales (vectors stored as NaN: NaN in any dtype), so they hide no other.
-    largest = np.float32(FLOAT8_MAX) * np.fmax.reduce(scales, axis=None)
-    if largest >= _FLOAT16_OVERFLOW:
+    largest = np.float32(FLOAT8_MAX) * np.fmax.reduce(np.asarray(scales, np.float32), axis=None)
+    if dtype == "float16" and largest >= _FLOAT16_OVERFLOW:
         raise DtypeRangeError(
             f"{where}float8_e4m3 values of up to {float(largest):.6g} do not fit float16 (largest finite "
             f"{FLOAT16_MAX:g}); read them as float32 or bfloat16: dtype='float32' (Shards.with_dtype, "
             "the read methods) or out_dtype='float32' (the loaders)"
+        )
+    if dtype == "bfloat16" and largest >= _BFLOAT16_OVERFLOW:
+        raise DtypeRangeError(
+            f"{where}float8_e4m3 values of up to {float(largest):.6g} do not fit bfloat16 (largest finite "
+            f"{BFLOAT16_MAX:.5g}); read them as float32: dtype='float32' (Shards.with_dtype, the read methods) "
+            "or out_dtype='float32' (the loaders)"
         )
 
 
@@ -634,15 +719,18 @@ def error_bound(x: npt.NDArray[Any], scales: npt.NDArray[Any]) -> npt.NDArray[np
     return np.maximum(x64 / 16, s64 / 1024) + rounding
 
 
-def dequantize_elementwise(values: npt.NDArray[Any], scales: npt.NDArray[Any], dtype: str) -> npt.NDArray[Any]:
+def dequantize_elementwise(
+    values: npt.NDArray[Any], scales: npt.NDArray[Any], dtype: str, *, checked: bool = False
+) -> npt.NDArray[Any]:
     """`dequantize` where ``scales`` already has ``values``' shape (each value's vector's scale,
     as indexing a cache gives them): the same arithmetic, for arrays of any shape. Scales
     broadcast along the last axis (a stride of 0: one per vector) go to `dequantize`."""
     want = _out_dtype(dtype)
     s = np.asarray(scales, np.float32)
     if s.ndim and s.shape == np.shape(values) and s.shape[-1] and s.strides[-1] == 0:
-        return dequantize(np.asarray(values), s[..., 0], dtype)
-    check_range(s, dtype)
+        return dequantize(np.asarray(values), s[..., 0], dtype, checked=checked)
+    if not checked:
+        check_range(s, dtype)
     codes = np.ascontiguousarray(values).view(np.uint8)
     wide = np.empty(codes.shape, np.float32)
     with np.errstate(all="ignore"):

@@ -15,7 +15,9 @@ What ``max_norm_multiple=k`` drops (the loaders, `saev-shards shuffle`) is defin
   the 65,536-wide bucket holding the median, then by their low 16 bits within that bucket.
   Deterministic, independent of batching, and cached per cache for the process.
 * A token ``(example, position)`` is dropped when its vector at any chosen layer has a norm
-  strictly above ``k`` times that layer's median norm (with one chosen layer: the vector).
+  strictly above ``k`` times that layer's median norm (with one chosen layer: the vector),
+  or is not finite: a non-finite vector is dropped whatever the median, even in a layer
+  that has no finite vector (whose median is NaN).
 
 The dropped tokens are kept as a bit per ``(example, position)``: ``N * T / 8`` bytes.
 """
@@ -31,6 +33,7 @@ import numpy.typing as npt
 
 from .errors import ShardsError
 from .progress import Progress
+from .protocol.jsonfile import short_repr
 
 if TYPE_CHECKING:
     from .reader import Shards
@@ -137,11 +140,14 @@ def parse_multiple(value: object, error: type[ShardsError]) -> float | None:
     if value is None:
         return None
     if isinstance(value, bool) or not isinstance(value, (int, float, np.integer, np.floating)):
-        raise error(f"max_norm_multiple: expected None or a number above 1 (such as 10), found {value!r}")
-    k = float(value)
+        raise error(f"max_norm_multiple: expected None or a number above 1 (such as 10), found {short_repr(value)}")
+    try:
+        k = float(value)
+    except OverflowError:  # an int beyond float's range, such as 2**1100
+        k = float("inf")
     if not np.isfinite(k) or k <= 1:
         # k <= 1 would drop at least half of every layer: a multiple of the median is above it.
-        raise error(f"max_norm_multiple: expected a finite number above 1 (such as 10), found {value!r}")
+        raise error(f"max_norm_multiple: expected a finite number above 1 (such as 10), found {short_repr(value)}")
     return k
 
 
@@ -159,10 +165,16 @@ def norm_filter(
         for p, limit in limits.items():
             with np.errstate(invalid="ignore"):
                 block |= norms[:, p].astype(np.float64) > limit  # NaN (padding) compares False
+            # A non-finite vector's norm is +inf: dropped whatever the limit, even when the
+            # layer has no finite vector (its median, and so the limit, is NaN) or the limit
+            # overflowed to +inf.
+            block |= norms[:, p] == np.inf
         packed[start : start + len(norms)] = np.packbits(block, axis=1)
     return NormFilter(multiple, tuple(layer_positions), medians, packed, md.tokens_per_ex)
 
 
 def to_json(nf: NormFilter, layers: Sequence[int]) -> dict[str, Any]:
-    """What a cache's metadata records of a norm filter: the multiple and each layer's median."""
-    return {"multiple": nf.multiple, "median_norms": {str(layers[p]): float(nf.medians[p]) for p in nf.layer_positions}}
+    """What a cache's metadata records of a norm filter: the multiple and each layer's median
+    (null for a layer with no finite vector, whose median is NaN: JSON has no NaN)."""
+    medians = {str(layers[p]): float(nf.medians[p]) for p in nf.layer_positions}
+    return {"multiple": nf.multiple, "median_norms": {k: None if np.isnan(v) else v for k, v in medians.items()}}

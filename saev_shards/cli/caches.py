@@ -371,9 +371,10 @@ def cmd_verify(args: argparse.Namespace) -> int:
         warn(str(w.message))
     unchecked = any(digest is None for _, _, digest in files)
     checked = "sizes and zero padding only (no checksums recorded)" if unchecked else "sizes, xxh3_128 checksums"
+    scales = "; every float8_e4m3 scale is one the scale rule gives" if shards.manifest.scales else ""
     sys.stdout.write(
         f"ok {shards.location}\n   {len(files)} files, {nbytes:,} bytes ({human_bytes(nbytes)}): "
-        f"{checked} and the metadata hash match\n"
+        f"{checked} and the metadata hash match{scales}\n"
     )
     return EXIT_OK
 

@@ -10,6 +10,7 @@ from .. import store, world
 from ..errors import CommandError, DiskFullError, ShuffleError
 from ..format import DTYPES
 from ..shuffle import DEFAULT_MEMORY, plan_shuffle, run_plan, run_rank
+from ..shuffle.meeting import DEFAULT_WAIT, torch_group_from_env
 from ..shuffle.source import TOKEN_CHOICES
 from ._common import (
     EXIT_OK,
@@ -40,6 +41,17 @@ def parse_token_ids(text: str) -> list[int]:
         return [int(part) for part in text.split(",") if part.strip()]
     except ValueError:
         raise argparse.ArgumentTypeError(f"expected token ids like 101 or 101,0, found {text!r}") from None
+
+
+def parse_seconds(text: str) -> float:
+    """``"600"`` or ``"2.5"`` -> seconds above 0."""
+    try:
+        value = float(text)
+    except ValueError:
+        value = float("nan")
+    if not (value > 0 and value != float("inf")):
+        raise argparse.ArgumentTypeError(f"expected a number of seconds above 0, found {text!r}")
+    return value
 
 
 def cmd_shuffle(args: argparse.Namespace) -> int:
@@ -84,7 +96,9 @@ def cmd_shuffle(args: argparse.Namespace) -> int:
             def waiting(text: str) -> None:
                 err.write(f"rank {rank}: {text}\n")
 
-            done = run_rank(plan, rank, world_size, progress=progress_arg(args), on_wait=waiting)
+            # Under torchrun the ranks meet through a gloo process group; otherwise through files.
+            with torch_group_from_env(found, args.wait):
+                done = run_rank(plan, rank, world_size, progress=progress_arg(args), on_wait=waiting, wait=args.wait)
             if done is None:
                 err.write(f"rank {rank} of {world_size}: its share is written; rank 0 publishes\n")
                 return EXIT_OK
@@ -179,6 +193,14 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser], invoked: 
         type=int,
         help="processes sharing one shuffle over a shared --work-dir and --to (default: WORLD_SIZE or "
         "SLURM_ARRAY_TASK_COUNT, else 1); rank 0 publishes",
+    )
+    p.add_argument(
+        "--wait",
+        type=parse_seconds,
+        default=DEFAULT_WAIT,
+        metavar="SECONDS",
+        help=f"with several ranks: how long a rank waits for the others without progress before it gives up, naming "
+        f"the missing ranks (default: {DEFAULT_WAIT:g}; under torchrun, at each meeting point)",
     )
     p.add_argument("--dry-run", action="store_true", help="print the plan and exit")
     add_roots(p)

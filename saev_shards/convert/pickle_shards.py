@@ -48,7 +48,7 @@ from .base import (
 
 KIND = "pickle"
 INDEX = "metadata.json"
-_LAYER_KEY = re.compile(r"layer_(-?\d+)")
+_LAYER_KEY = re.compile(r"layer_(-?\d+)", re.ASCII)  # int() would take any script's digits
 _SHARD_NAME = re.compile(r"shard_\d+\.pkl(\.gz)?")
 _GZIP_MAGIC = b"\x1f\x8b"
 #: Record keys with a meaning; others are reported as not carried over.
@@ -164,7 +164,10 @@ def _layers_of(shard: Mapping[str, Any], where: Path) -> dict[int, list[Any]]:
         m = _LAYER_KEY.fullmatch(key) if isinstance(key, str) else None
         if m is None:
             raise ConvertError(f"{where}: expected keys like 'layer_15', found {short_repr(key)}")
-        layer = int(m.group(1))
+        # Digits counted before int(), which refuses strings of over 4,300 characters with a
+        # ValueError of its own (leading zeros included); no number of 20 digits fits 64 bits.
+        digits = m.group(1).lstrip("-").lstrip("0") or "0"
+        layer = (-1 if m.group(1).startswith("-") else 1) * int(digits) if len(digits) <= 19 else 2**63
         if not -(2**63) <= layer < 2**63:
             raise ConvertError(f"{where}: {short_repr(key)}: the layer number does not fit 64 bits")
         if layer in keys:  # layer_1 and layer_01: one would silently replace the other

@@ -124,6 +124,9 @@ class TokenDataset(_MapDataset):
         scales = None
         if self.shards.scales is not None:  # float8_e4m3: the vector's scale, by the same arithmetic
             scales = np.array(self.shards.scale_shard(shard)[local, where, token])
+            md = self.shards.metadata
+            slots = np.asarray(where, dtype=np.int64)
+            self.shards.check_scales(scales, lambda: (example * md.n_layers + slots) * md.tokens_per_ex + token)
         item: dict[str, Any] = {
             "acts": to_tensor(raw, self.shards.dtype, self.out_dtype, scales),
             "example": example,

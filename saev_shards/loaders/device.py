@@ -17,9 +17,10 @@ Synchronisation, all by events (no host waits on the training loop's path):
 A float8_e4m3 cache crosses to the device as it is stored, one byte per value, with a
 float32 scale per vector beside it: a batch is gathered from both, then dequantized on the
 device (``float32(q) * s``, then the output dtype), so the host-to-device copy moves half
-the bytes of a float16 cache. The float16 range check (`DtypeRangeError`) is done on the
-host, from the largest scale of each unit, computed when the window's index is uploaded:
-the device never syncs for it.
+the bytes of a float16 cache. The scales were checked when they were read (`Shards.check_scales`:
+a scale the rule cannot give is a `ScaleError` naming its shard and vector), and the range
+check of float16 and bfloat16 (`DtypeRangeError`) is done on the host, from the largest scale
+of each unit, computed when the window's index is uploaded: the device never syncs for it.
 
 On the CPU (``device="cpu"``) the same code runs with plain tensors and synchronous
 copies, and every stream and event operation below is skipped: tests compare its batches
@@ -209,7 +210,7 @@ class DeviceRun:
             meta[2, :n] = index.layers
         if index.labels is not None:
             s.labels_host[slot][:n].numpy()[:] = index.labels
-        if cfg.float8 and cfg.out_dtype == "float16":
+        if cfg.float8 and cfg.out_dtype != "float32":
             picked = np.take(s.scales_np[slot], index.flat, mode="clip").reshape(n, -1)
             np.fmax.reduce(picked, axis=1, out=s.unit_max[slot][:n])  # NaN scales (NaN vectors) skipped
         with self.sync.side_stream():
@@ -270,8 +271,8 @@ class DeviceRun:
         for w, a, b in self.plan.segments(lo, hi):
             loaded = loads[w].result()
             slot = loaded.slot
-            if cfg.float8 and cfg.out_dtype == "float16":
-                check_range(s.unit_max[slot][a:b], "float16")  # before anything of the batch is computed
+            if cfg.float8 and cfg.out_dtype != "float32":
+                check_range(s.unit_max[slot][a:b], cfg.out_dtype)  # before anything of the batch is computed
             if not loaded.waited:
                 self.sync.current_waits(loaded.uploaded)
                 loaded.waited = True

@@ -49,6 +49,7 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
+from .. import float8
 from ..errors import FileSizeError
 from ..protocol.common import FLOAT8
 from ..reader import Shards
@@ -275,6 +276,22 @@ class CacheMap:
                     (shards.read_example_scales if scales else shards.read_example_raw)(a, position, out)
                 self.populate(addr, nbytes)
         self.populated[start:stop] = True
+
+    def check_scales(self, start: int, stop: int, blocks: Blocks) -> None:
+        """`Shards.check_scales` of the scales a window gathers from here: those of examples
+        ``[start, stop)`` at the layer positions ``blocks`` reads (nothing without scales)."""
+        if self.scales is None:
+            return
+        k, local = divmod(start, self.eps)
+        first = int(self.base[k]) + local * self.vectors_per_example
+        n = stop - start
+        found = self.scales[first : first + n * self.vectors_per_example].reshape(n, self.layers, self.tokens)
+        positions = slice(None) if blocks.whole else blocks.read_positions
+        found = found[:, positions]
+        if float8.scales_plain(found):
+            return
+        numbers = np.arange(start * self.vectors_per_example, stop * self.vectors_per_example, dtype=np.int64)
+        self.shards.check_scales(found, lambda: numbers.reshape(n, self.layers, self.tokens)[:, positions])
 
     def _scratch(self, shape: tuple[int, ...], scales: bool) -> npt.NDArray[Any]:
         """This thread's buffer of ``shape`` (stored values, or float32 scales) for reads whose

@@ -363,7 +363,9 @@ class WindowLoader:
                 raise CancelledError
             if in_place:
                 assert self.cfg.mapped is not None
-                self.cfg.mapped.make_resident(int(blocks.start[ids[i]]), int(blocks.stop[ids[i]]), blocks, self.stop)
+                start, stop = int(blocks.start[ids[i]]), int(blocks.stop[ids[i]])
+                self.cfg.mapped.make_resident(start, stop, blocks, self.stop)
+                self.cfg.mapped.check_scales(start, stop, blocks)  # read from the files, they are checked there
             else:
                 self._read_block(int(ids[i]), buffer, int(offsets[i]), scales)
 

@@ -13,7 +13,7 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
-from .. import norms
+from .. import norms, token_masks
 from .._layers import string_layers_problem
 from ..errors import LoaderError, NameNotFoundError
 from ..protocol.jsonfile import is_int, short_repr
@@ -202,17 +202,16 @@ class TokenSelection:
         self.label_filter = bool(ignore) and tokens != "cls" and md.patches_per_ex > 0
         self.length_filter = bool(skip_padding) and "lengths" in shards.manifest.columns
         self.skip_padding = bool(skip_padding)
-        if isinstance(exclude_token_ids, (str, bytes)) or not isinstance(exclude_token_ids, Iterable):
-            raise LoaderError(f"exclude_token_ids: expected a list of token ids, found {exclude_token_ids!r}")
-        excluded = list(exclude_token_ids)
-        if not all(is_int(t, numpy_ok=True) for t in excluded):
-            raise LoaderError(f"exclude_token_ids: expected integer token ids, found {excluded!r}")
-        self.exclude_token_ids = np.array(sorted({int(t) for t in excluded}), dtype=np.int64)
-        if len(self.exclude_token_ids) and "token_ids" not in shards.manifest.columns:
-            raise LoaderError(
-                f"exclude_token_ids: expected a cache with a token_ids column (saev-shards dump records it), "
-                f"found columns {sorted(shards.manifest.columns)} at {shards.path}"
-            )
+        self.exclude_token_ids = token_masks.parse_exclude_token_ids(exclude_token_ids, LoaderError)
+        if len(self.exclude_token_ids):
+            if "token_ids" not in shards.manifest.columns:
+                raise LoaderError(
+                    f"exclude_token_ids: expected a cache with a token_ids column (saev-shards dump records it), "
+                    f"found columns {sorted(shards.manifest.columns)} at {shards.path}"
+                )
+            problem = token_masks.token_ids_problem(shards)
+            if problem is not None:
+                raise LoaderError(problem)
         multiple = norms.parse_multiple(max_norm_multiple, LoaderError)
         #: The tokens ``max_norm_multiple`` drops (None without it); computed here, once.
         self.norm_filter = (
@@ -257,7 +256,7 @@ class TokenSelection:
             mask &= np.arange(self.tokens_per_ex) < lengths[:, None]
         taken: dict[str, npt.NDArray[np.bool_]] = {}
         if len(self.exclude_token_ids):
-            ids = np.asarray(self.shards.columns["token_ids"][examples])
+            ids = token_masks.token_ids_of(self.shards, examples)
             taken["exclude_token_ids"] = mask & np.isin(ids, self.exclude_token_ids)
             mask &= ~taken["exclude_token_ids"]
         if self.norm_filter is not None:

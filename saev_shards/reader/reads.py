@@ -24,9 +24,9 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
-from .. import dtypes, layout
+from .. import dtypes, float8, layout
 from .._indexing import CACHE_RANGE, wrap_index
-from ..errors import FileSizeError
+from ..errors import FileSizeError, ScaleError
 from ..fileio import pread_exact
 from ..protocol.common import FLOAT8, SCALES_DTYPE
 from .handles import ShardHandles
@@ -286,6 +286,8 @@ class ReadPaths(ShardHandles):
         k, i = divmod(example, self.examples_per_shard)
         nbytes = tokens * SCALES_DTYPE.itemsize
         pread_exact(self._scale_fd(k), out.view(np.uint8).data, (i * n_layers + layer_idx) * nbytes, self._preadv)
+        if not float8.scales_plain(out):
+            self.check_scales(out, lambda: (example * n_layers + layer_idx) * tokens + np.arange(tokens))
         return out
 
     def read_range_scales(
@@ -296,9 +298,10 @@ class ReadPaths(ShardHandles):
         if not 0 <= start <= stop <= self.n_examples:
             raise IndexError(f"range [{start}, {stop}) is not within [0, {self.n_examples}]")
         out = self._scales_out(out, (stop - start, md.n_layers, md.tokens_per_ex))
-        self._read_examples_into(
-            start, stop, out, md.n_layers * md.tokens_per_ex * SCALES_DTYPE.itemsize, self._scale_fd
-        )
+        per_example = md.n_layers * md.tokens_per_ex
+        self._read_examples_into(start, stop, out, per_example * SCALES_DTYPE.itemsize, self._scale_fd)
+        if not float8.scales_plain(out):
+            self.check_scales(out, lambda: np.arange(start * per_example, stop * per_example).reshape(out.shape))
         return out
 
     def read_vectors_scales(
@@ -312,7 +315,62 @@ class ReadPaths(ShardHandles):
         ex, li, tok = self._vector_coordinates(examples, layer_idx, tokens)
         out = self._scales_out(out, (ex.size,))
         self._gather_rows(ex, li, tok, out, 1, SCALES_DTYPE.itemsize, self._scale_fd, self.scale_path)
+        if not float8.scales_plain(out):
+            self.check_scales(out, lambda: (ex * self.shape[1] + li) * self.shape[2] + tok)
         return out
+
+    # -- what a scale file may hold (protocol.md 5) --------------------------------------------
+    def check_scales(self, scales: npt.NDArray[Any], vectors: Callable[[], npt.ArrayLike]) -> None:
+        """`ScaleError` naming the scale file, the vector and the scale, for the first scale in
+        ``scales`` (float32, read from this cache) that the scale rule cannot give; nothing
+        when all are valid. ``vectors()`` numbers each scale's vector, ``(example * L +
+        layer_idx) * T + token`` (of ``scales``' shape, or broadcast to it). A NaN scale is
+        valid only for a vector stored as NaN: the bytes of those vectors are read, and must
+        all be 0x7F. Every read of scales calls this, once `float8.scales_plain` (one maximum
+        over their bits) has found something else than plain scales."""
+        found = self.scale_problems(scales, vectors)
+        if found:
+            more = f"; {len(found) - 1} more in what was read" if len(found) > 1 else ""
+            raise ScaleError(f"{found[0][1]}{more} (`saev-shards verify` lists them all)")
+
+    def scale_problems(self, scales: npt.NDArray[Any], vectors: Callable[[], npt.ArrayLike]) -> list[tuple[int, str]]:
+        """``(vector number, message)`` of each vector among ``scales`` whose scale the rule
+        cannot give (see `check_scales`), by vector number."""
+        if float8.scales_plain(scales):
+            return []
+        flat = np.asarray(scales, np.float32).reshape(-1)
+        odd, nan = float8.odd_scales(flat)
+        ids = np.broadcast_to(np.asarray(vectors(), np.int64), np.shape(scales)).reshape(-1)
+        found: dict[int, str] = {}
+        for j in odd[np.unique(ids[odd], return_index=True)[1]].tolist():
+            found[int(ids[j])] = f"scale {float8.describe_scale(flat[j])}: {float8.SCALE_RULE}"
+        if nan.size:  # stored as NaN? Then every byte of the vector is 0x7F (rule 2)
+            numbers = np.unique(ids[nan])
+            n_layers, tokens = self.shape[1], self.shape[2]
+            ex, rest = np.divmod(numbers, n_layers * tokens)
+            bytes_ = self.read_vectors_raw(ex, rest // tokens, rest % tokens).view(np.uint8)
+            for number in numbers[~(bytes_ == float8.NAN_BYTE).all(axis=1)].tolist():
+                found.setdefault(
+                    int(number),
+                    "scale NaN 0x7fc00000, the scale of a vector stored as NaN, but the vector's bytes are not all "
+                    "0x7f (protocol.md 5)",
+                )
+        return [(number, f"{self.scale_vector_name(number)}: {message}") for number, message in sorted(found.items())]
+
+    def scale_vector_name(self, number: int) -> str:
+        """Where vector ``number`` (``(example * L + layer_idx) * T + token``) has its scale:
+        ``"<scale file>: vector 17 (example 3, layer 11, token 2)"``."""
+        md = self.metadata
+        n_layers, tokens = self.shape[1], self.shape[2]
+        example, rest = divmod(int(number), n_layers * tokens)
+        layer_idx, token = divmod(rest, tokens)
+        k, i = divmod(example, self.examples_per_shard)
+        scales = self.manifest.scales
+        where = self.files.where(scales.names[k]) if scales is not None else str(self.path)
+        return (
+            f"{where}: vector {(i * n_layers + layer_idx) * tokens + token} (example {example}, layer "
+            f"{md.layers[layer_idx]}, token {token})"
+        )
 
     def _scales_out(self, out: npt.NDArray[Any] | None, shape: tuple[int, ...]) -> npt.NDArray[np.float32]:
         if self.metadata.dtype != FLOAT8:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import os
 import warnings
 from collections.abc import Callable, Iterator, Sequence
@@ -12,7 +13,7 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
-from .. import layout
+from .. import float8, layout
 from .._indexing import CACHE_RANGE, getitem, wrap_index
 from ..dtypes import convert, to_float32
 from ..errors import (
@@ -28,6 +29,7 @@ from ..errors import (
     NameNotFoundError,
     NotRegularFileError,
     Problem,
+    ScaleError,
     raise_problems,
 )
 from ..fileio import IO_CHUNK, BlockHasher, hash_file, open_regular
@@ -132,13 +134,21 @@ class Shards(ReadPaths, Sidecars):
         return Scales(self) if self.dtype == FLOAT8 else None
 
     def _values(
-        self, raw: npt.NDArray[Any], scales: Callable[[], npt.NDArray[Any]], dtype: str | None = None
+        self,
+        raw: npt.NDArray[Any],
+        scales: Callable[[], npt.NDArray[Any]],
+        dtype: str | None = None,
+        vectors: Callable[[], npt.ArrayLike] | None = None,
     ) -> npt.NDArray[Any]:
         """Stored values as `read_dtype` (or ``dtype``); ``scales()`` gives the scales of each
-        value's vector, broadcast to ``raw``'s shape (float8_e4m3 only)."""
+        value's vector, broadcast to ``raw``'s shape, and ``vectors()`` the number of each
+        value's vector (for `check_scales`; float8_e4m3 only)."""
         want = self.read_dtype if dtype is None else check_read_dtype(self.dtype, dtype)
         if self.dtype == FLOAT8:
-            return convert(raw, self.dtype, want, scales(), elementwise=True)
+            found = scales()
+            if vectors is not None and not float8.scales_plain(found):
+                self.check_scales(found, vectors)
+            return convert(raw, self.dtype, want, found, elementwise=True)
         return convert(raw, self.dtype, want)
 
     def __repr__(self) -> str:
@@ -266,7 +276,13 @@ class Shards(ReadPaths, Sidecars):
             raise IndexError(f"token {token} out of range [0, {self.shape[2]})")
         li = self.layer_index(layer)
         raw = np.asarray(self.shard(k)[i, li, t])
-        return self._values(raw, lambda: np.broadcast_to(self.scale_shard(k)[i, li, t], raw.shape), dtype)
+        number = (k * self.examples_per_shard + i) * self.shape[1] + li
+        return self._values(
+            raw,
+            lambda: np.broadcast_to(self.scale_shard(k)[i, li, t], raw.shape),
+            dtype,
+            lambda: number * self.shape[2] + t % self.shape[2],
+        )
 
     def example(self, example: int, layer: int, *, dtype: str | None = None) -> npt.NDArray[Any]:
         """The ``(T, D)`` slice of ``example`` at layer *value* ``layer`` (a view of the memmap
@@ -274,7 +290,13 @@ class Shards(ReadPaths, Sidecars):
         k, i = self._example(example)
         li = self.layer_index(layer)
         raw = np.asarray(self.shard(k)[i, li])
-        return self._values(raw, lambda: np.broadcast_to(self.scale_shard(k)[i, li][:, None], raw.shape), dtype)
+        first = ((k * self.examples_per_shard + i) * self.shape[1] + li) * self.shape[2]
+        return self._values(
+            raw,
+            lambda: np.broadcast_to(self.scale_shard(k)[i, li][:, None], raw.shape),
+            dtype,
+            lambda: first + np.arange(self.shape[2])[:, None],
+        )
 
     def locate(self, example: int, layer: int, token: int) -> tuple[int, int]:
         """``(shard_index, byte_offset)`` of a vector; pure arithmetic, no I/O."""
@@ -314,7 +336,9 @@ class Shards(ReadPaths, Sidecars):
             raw = getitem(self, key)
             if self.read_dtype == self.dtype:
                 return raw
-            return self._values(raw, lambda: getitem(_BroadcastScales(self), key))
+            return self._values(
+                raw, lambda: getitem(_BroadcastScales(self), key), vectors=lambda: getitem(_VectorNumbers(self), key)
+            )
         except IndexError as err:
             value = self._layer_value_given_as_position(key)
             if value is None:
@@ -422,6 +446,7 @@ class Shards(ReadPaths, Sidecars):
         unchecked = [name for name, _, digest in files if digest is None]
         checked = 0
         blocks = self._verify_blocks()
+        scale_files = {name: k for k, name in enumerate(self.manifest.scales.names)} if self.manifest.scales else {}
         with Progress(total, f"verify {self.path.name[:12]}", enabled=progress) as bar:
 
             def tick(n: int) -> None:
@@ -448,6 +473,8 @@ class Shards(ReadPaths, Sidecars):
                     continue
                 if name == STATS_FILE:  # its bytes are intact: check what they say
                     problems.extend(self._stats_problems())
+                if name in scale_files:  # a scale file: every scale one the rule gives?
+                    problems.extend(self._scale_file_problems(scale_files[name]))
                 if self.manifest.blocks is not None and name == self.manifest.blocks.name:
                     problems.extend(self._blocks_problems())
         reported = {p.message.split(": ")[0] for p in problems}  # a file reported once: its digest or size
@@ -466,6 +493,30 @@ class Shards(ReadPaths, Sidecars):
                 stacklevel=2,
             )
         return checked
+
+    def _scale_file_problems(self, k: int) -> list[Problem]:
+        """Scale file ``k`` read again (intact: its digest matched), a bounded step at a time: the
+        vectors whose scale the rule cannot give (`scale_problems`), as one problem naming the
+        first few and counting the rest."""
+        md = self.metadata
+        per_example = md.n_layers * md.tokens_per_ex
+        n, first = self.manifest.shards.counts[k], k * self.examples_per_shard
+        step = max(1, _SCALES_STEP // max(1, per_example))
+        buffer = np.empty((min(step, n), md.n_layers, md.tokens_per_ex), SCALES_DTYPE)
+        found: list[str] = []
+        count = 0
+        for a in range(first, first + n, step):
+            b = min(first + n, a + step)
+            out = buffer[: b - a]
+            self._read_examples_into(a, b, out, per_example * SCALES_DTYPE.itemsize, self._scale_fd)
+            numbers = np.arange(a * per_example, b * per_example).reshape(out.shape)
+            bad = self.scale_problems(out, functools.partial(np.asarray, numbers))
+            count += len(bad)
+            found += [message for _, message in bad[: _LISTED_SCALES - len(found)]]
+        if not count:
+            return []
+        more = f"; and {count - len(found)} more vectors of this file" if count > len(found) else ""
+        return [Problem(ScaleError, "; ".join(found) + more)]
 
     def _metadata_problems(self) -> list[Problem]:
         """metadata.json read again (from the server for a remote cache): the same configuration and hash?"""
@@ -657,6 +708,28 @@ def _first_nonzero(path: Path, start: int, end: int) -> int | None:
     return None
 
 
+class _VectorNumbers:
+    """The number of each value's vector, ``(example * L + layer_idx) * T + token``, as a
+    `ShardedArray` of the values' shape (shard ``k`` made when indexed, broadcast over D): the
+    same key as a read gives the vector of each value read (`Shards.check_scales`)."""
+
+    def __init__(self, shards: Shards) -> None:
+        self.shards = shards
+        self.shape = shards.shape
+        self.n_examples = shards.n_examples
+        self.examples_per_shard = shards.examples_per_shard
+        self.numpy_dtype = np.dtype(np.int64)
+
+    def shard(self, k: int) -> npt.NDArray[Any]:
+        n, (n_layers, tokens, d_model) = self.shards.manifest.shards.counts[k], self.shape[1:]
+        first = k * self.examples_per_shard * n_layers * tokens
+        numbers = np.arange(first, first + n * n_layers * tokens, dtype=np.int64).reshape(n, n_layers, tokens)
+        return np.broadcast_to(numbers[..., None], (n, n_layers, tokens, d_model))
+
+
+#: Scales `verify` reads at a time (4 bytes each), and bad ones it names per scale file.
+_SCALES_STEP = 1 << 20
+_LISTED_SCALES = 3
 #: Damaged blocks named in one problem of `verify` (the rest are counted).
 _LISTED_BLOCKS = 5
 

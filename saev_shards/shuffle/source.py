@@ -15,7 +15,7 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
-from .. import norms
+from .. import norms, token_masks
 from ..errors import ShuffleError
 from ..fileio import pread_exact
 from ..protocol.common import FLOAT8
@@ -125,16 +125,16 @@ def parse_selection(
         positions = (0,)
     else:
         positions = tuple(range(md.tokens_per_ex))
-    if isinstance(exclude_token_ids, (str, bytes)) or not isinstance(exclude_token_ids, (list, tuple, range, set)):
-        raise ShuffleError(f"exclude_token_ids: expected a list of token ids, found {exclude_token_ids!r}")
-    if not all(is_int(t, numpy_ok=True) for t in exclude_token_ids):
-        raise ShuffleError(f"exclude_token_ids: expected integer token ids, found {sorted(exclude_token_ids)!r}")
-    excluded = tuple(sorted({int(t) for t in exclude_token_ids}))
-    if excluded and "token_ids" not in shards.manifest.columns:
-        raise ShuffleError(
-            f"exclude_token_ids: expected a source with a token_ids column (saev-shards dump records it), found "
-            f"columns {sorted(shards.manifest.columns)} at {shards.path}"
-        )
+    excluded = tuple(token_masks.parse_exclude_token_ids(exclude_token_ids, ShuffleError).tolist())
+    if excluded:
+        if "token_ids" not in shards.manifest.columns:
+            raise ShuffleError(
+                f"exclude_token_ids: expected a source with a token_ids column (saev-shards dump records it), found "
+                f"columns {sorted(shards.manifest.columns)} at {shards.path}"
+            )
+        problem = token_masks.token_ids_problem(shards)
+        if problem is not None:
+            raise ShuffleError(problem)
     multiple = norms.parse_multiple(max_norm_multiple, ShuffleError)
     return Selection(
         layers=tuple(recorded[p] for p in positions_of_layers),

@@ -501,10 +501,17 @@ def _quantized(md: Metadata, values: Any, scales: Any) -> tuple[npt.NDArray[Any]
     s = _to_numpy(scales)
     if s.dtype != np.float32 or s.shape != arr.shape[:3]:
         raise WriterError(f"scales: expected float32 of shape {arr.shape[:3]}, found {s.dtype} {tuple(s.shape)}")
-    with np.errstate(invalid="ignore"):
-        bad = ~(np.isnan(s) | (np.isfinite(s) & (s >= 0)))
-    if bad.any():
-        raise WriterError(f"scales: expected finite values >= 0 (NaN: a vector stored as NaN), found {s[bad][:5]}")
+    if not float8.scales_plain(s):  # the scale rule's (protocol.md 5), as every reader checks it
+        odd, nan = float8.odd_scales(s)
+        if odd.size:
+            at = tuple(int(i) for i in np.unravel_index(int(odd[0]), s.shape))
+            raise WriterError(
+                f"scales: {float8.SCALE_RULE}, found {float8.describe_scale(s.reshape(-1)[odd[0]])} at (example, "
+                f"layer, token) {at} of the batch ({odd.size} such scales)"
+            )
+        rows = arr.view(np.uint8).reshape(-1, arr.shape[-1])[nan]
+        if not (rows == float8.NAN_BYTE).all():
+            raise WriterError("scales: a NaN scale is that of a vector stored as NaN, whose bytes are all 0x7f")
     # Fresh copies: the caller may reuse its buffers while the writer writes in the background.
     return np.array(arr, order="C"), True, np.array(s, order="C")
 

@@ -97,6 +97,7 @@ ATTACK_SHARDS: dict[str, Callable[[], Any]] = {
     "shard a list": lambda: [_record(0)],
     "shard empty": lambda: {},
     "layer key of 30 digits": lambda: {"layer_" + "9" * 30: [_record(0)]},
+    "layer key of 5,000 digits": lambda: {"layer_" + "9" * 5000: [_record(0)]},  # past int()'s 4,300-digit limit
     "metadata not a dict": lambda: _shard([_record(0, metadata=np.arange(3))]),
     "metadata integer 2**70": lambda: _shard([_record(0, metadata={"token_count": 2**70})]),
     "metadata NaN and infinity": lambda: _shard([_record(3, metadata={"token_count": 3, "score": float("nan")}),

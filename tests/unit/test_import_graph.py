@@ -26,6 +26,7 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     ("errors",),
     ("units", "layout", "optional", "world", "fileio", "progress", "_layers", "float8", "float8_kernels"),
     ("protocol", "manifest", "metadata", "format", "dtypes", "_indexing", "statistics", "norms", "remote"),
+    ("token_masks",),
     ("reader", "views", "writer", "report"),
     ("store",),
     ("loaders", "datasets", "shuffle", "convert", "dump", "recorder", "corpus", "sae"),

@@ -185,6 +185,20 @@ def test_two_keys_of_one_layer_are_refused(tmp_path: Path) -> None:
     assert not (tmp_path / "root").exists() or not any((tmp_path / "root").iterdir())
 
 
+def test_layer_keys_of_thousands_of_digits(tmp_path: Path) -> None:
+    """A key of 5,000 digits raised Python's own ValueError (int()'s 4,300-digit limit) before
+    the fix; a number that long never fits 64 bits, while leading zeros name a small layer."""
+    src = tmp_path / "src"
+    pickle_source(src, per_shard=(2, 2), layers=(1, 2))
+    _rewrite_shards(src, lambda shard: shard.update({"layer_" + "9" * 5000: shard.pop("layer_2")}))
+    with pytest.raises(ConvertError, match=r"'layer_9999.*: the layer number does not fit 64 bits"):
+        convert(src, root=tmp_path / "root", durable=False)
+    again = tmp_path / "zeros"
+    pickle_source(again, per_shard=(2, 2), layers=(1, 2))
+    _rewrite_shards(again, lambda shard: shard.update({"layer_" + "0" * 5000 + "2": shard.pop("layer_2")}))
+    assert _convert(again, tmp_path / "root2").metadata.layers == (1, 2)
+
+
 @pytest.mark.parametrize("value", [1.5, np.float64(2.25), "7", True, 2**70], ids=repr)
 def test_a_sample_idx_that_is_not_an_integer_is_refused(tmp_path: Path, value: object) -> None:
     """Before the fix a sample_idx of 1.5 was stored as 1."""
