@@ -8,7 +8,11 @@ STAMP  := $(VENV)/.installed
 # h5py or matplotlib; the full install (STAMP) touches both, and a later `make test` after
 # `make demo` still installs the rest.
 DEMO_STAMP := $(VENV)/.installed-demo
-# torch==2.13.0 is pinned in pyproject.toml: this machine has its CPU wheel locally.
+# pyproject.toml declares version ranges; constraints.txt pins the exact versions every
+# environment here is built with (torch==2.13.0 among them: this machine has its CPU wheel
+# locally, and a looser torch downloads a CUDA build of several GB).
+CONSTRAINTS := constraints.txt
+PIP_INSTALL = $(BIN)/python -m pip install --quiet -c $(CONSTRAINTS)
 # `make dist` writes the sdist and the wheel here (DIST=dir to put them elsewhere).
 DIST ?= dist
 
@@ -16,16 +20,16 @@ DIST ?= dist
 
 venv: $(STAMP)
 
-$(STAMP): pyproject.toml
+$(STAMP): pyproject.toml $(CONSTRAINTS)
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install --quiet --upgrade pip
-	$(BIN)/python -m pip install --quiet -e '.[dev,models,bench,convert,views,plot,remote,fast]'
+	$(PIP_INSTALL) -e '.[dev,models,bench,convert,views,plot,remote,fast]'
 	touch $(STAMP) $(DEMO_STAMP)
 
-$(DEMO_STAMP): pyproject.toml
+$(DEMO_STAMP): pyproject.toml $(CONSTRAINTS)
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install --quiet --upgrade pip
-	$(BIN)/python -m pip install --quiet -e '.[models,plot]'
+	$(PIP_INSTALL) -e '.[models,plot]'
 	touch $(DEMO_STAMP)
 
 lint: $(STAMP)

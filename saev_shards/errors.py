@@ -374,6 +374,11 @@ class CommandError(ShardsError):
         self.code = code
 
 
+class SlowPathWarning(UserWarning):
+    """Issued once per process when work runs on a slower path than an optional dependency would
+    give: float8_e4m3 dequantized with numpy because numba (the ``fast`` extra) is not installed."""
+
+
 class RunWarning(UserWarning):
     """Issued when a run is created from caches training may not expect: a val cache that is the
     train cache, or differs from it in model, layers, width, tokens or dtype."""

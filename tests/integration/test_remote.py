@@ -462,6 +462,45 @@ def test_cli_push_pull_ls_info_verify_resolve(
     assert "already here" in capsys.readouterr().err
 
 
+def test_rm_of_a_url_removes_the_remote_cache_manifest_first(
+    s3: S3, local: tuple[ss.Shards, Any], capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`rm s3://...` removes the remote cache (it was taken for a local path, "no such file"):
+    listed with its size, asked, shards.json deleted first (protocol.md 6.1), then the rest."""
+    shards, _ = local
+    h = shards.metadata.hash
+    url = pushed(s3, local).url
+    assert main(["rm", f"{s3.root}/{h[:6]}", "--dry-run"]) == 0
+    listed = capsys.readouterr().out
+    assert listed.startswith("would remove 1 cache, ") and url in listed and "other machines are not seen" in listed
+    assert Client(s3.root).list_objects(f"{h}/")  # nothing removed by a dry run
+    deletes: list[str] = []
+    real_delete = Client.delete
+
+    def delete(client: Client, name: str) -> None:
+        deletes.append(name)
+        real_delete(client, name)
+
+    monkeypatch.setattr(Client, "delete", delete)
+    assert main(["rm", url, "--yes"]) == 0
+    assert capsys.readouterr().out.endswith(f"removed {url}\n")
+    assert deletes[0] == f"{h}/shards.json" and f"{h}/metadata.json" in deletes, deletes
+    assert Client(s3.root).list_objects(f"{h}/") == {}
+    assert shards.path.is_dir()  # the local cache of the same hash is untouched
+    assert main(["rm", url, "--yes"]) == 3  # nothing left: not found
+    assert "no cache at" in capsys.readouterr().err
+
+
+def test_ls_above_a_shards_root_names_the_roots_below(
+    s3: S3, local: tuple[ss.Shards, Any], capsys: pytest.CaptureFixture[str]
+) -> None:
+    pushed(s3, local)
+    bucket = s3.root.rsplit("/", 1)[0]  # s3://<bucket>, the folder above s3://<bucket>/shards
+    assert main(["ls", bucket]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith(f"{bucket}: 0 caches") and f"saev-shards ls {s3.root}\n" in out, out
+
+
 def test_statistics_computed_later_for_a_remote_cache_live_in_its_root(
     s3: S3, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
