@@ -187,10 +187,44 @@ def test_every_pip_line_installs_from_a_checkout_with_extras_that_exist() -> Non
             target = m.group(1).strip()
             where = f"{path.relative_to(REPO)}: pip install {target}"
             found.append(where)
+            # Other packages may come along (a trainer, moto), and -c constraints.txt
+            # (docs/training.md); this package itself only from the checkout or the wheel.
+            words = target.split(" ")
+            if words[:2] == ["-c", "constraints.txt"]:
+                words = words[2:]
+            ours, others = (" ".join(words[:2]), words[2:]) if words[0] == "-e" else (words[0], words[1:])
             form = re.fullmatch(
-                r"-e (?:\.|'\.\[([\w,]+)\]')|'dist/saev_shards-[\w.]+-py3-none-any\.whl\[([\w,]+)\]'", target
+                r"-e (?:\.|'\.\[([\w,]+)\]')|'dist/saev_shards-[\w.]+-py3-none-any\.whl\[([\w,]+)\]'", ours
             )
             assert form is not None, f"{where}: expected -e '.[extra]' or the wheel from make dist"
             named = (form.group(1) or form.group(2) or "").split(",")
             assert set(filter(None, named)) <= extras, f"{where}: unknown extra"
+            assert not [w for w in others if re.match(r"['\"]?saev[-_]shards", w)], f"{where}: saev-shards is on no index"
     assert len(found) >= 8, found
+
+
+def test_the_quick_start_shows_what_its_metadata_gives() -> None:
+    """README's Quick start, as written: the hash (and its prefixes in the comments below),
+    tokens per example, examples per shard, shards and shard shape its comment shows."""
+    readme = (REPO / "README.md").read_text()
+    block = readme.split("## Quick start\n", 1)[1].split("```python\n", 1)[1].split("```", 1)[0]
+    statement, comment = block.split("md.hash, md.tokens_per_ex", 1)[0], block.split("\n# (", 1)[1].split("\n")[0]
+    namespace: dict[str, Any] = {}
+    exec(compile(statement, "README.md", "exec"), namespace)  # the docs' own code
+    md = namespace["md"]
+    shown = re.fullmatch(r"'([0-9a-f]+)\.\.\.', (.*)\)", comment)
+    assert shown is not None, comment
+    assert md.hash.startswith(shown.group(1)), (md.hash, comment)
+    assert shown.group(2) == repr((md.tokens_per_ex, md.examples_per_shard, md.n_shards, md.shard_shape))[1:-1]
+    prefixes = re.findall(r'ss\.open\("([0-9a-f]{4,})"\)|<saev_shards\.Shards ([0-9a-f]+) ', block)
+    assert len(prefixes) == 2 and all(md.hash.startswith(a or b) for a, b in prefixes), prefixes
+
+
+def test_the_extras_table_has_a_row_for_every_extra() -> None:
+    import tomllib
+
+    extras = set(tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["optional-dependencies"])
+    readme = (REPO / "README.md").read_text()
+    rows = re.findall(r"^\| (`[\w`, ]+`) \| ", readme.split("| extra | adds | for |", 1)[1].split("\n\n", 1)[0], re.M)
+    listed = {name for row in rows for name in re.findall(r"`(\w+)`", row)}
+    assert listed == extras, (sorted(extras - listed), sorted(listed - extras))
