@@ -228,3 +228,27 @@ def test_the_extras_table_has_a_row_for_every_extra() -> None:
     rows = re.findall(r"^\| (`[\w`, ]+`) \| ", readme.split("| extra | adds | for |", 1)[1].split("\n\n", 1)[0], re.M)
     listed = {name for row in rows for name in re.findall(r"`(\w+)`", row)}
     assert listed == extras, (sorted(extras - listed), sorted(listed - extras))
+
+
+#: Commands documented in a page of their own besides docs/cli.md's table.
+OWN_PAGE = {"convert": "convert.md", "dump": "dump.md", "push": "remote.md", "pull": "remote.md"}
+
+
+def test_docs_cli_has_every_command_and_every_option() -> None:
+    """Every command of `saev-shards` has a row in docs/cli.md's table, and every long option
+    of it is named there (or in the command's own page)."""
+    import argparse
+
+    from saev_shards.cli import build_parser
+
+    cli_md = (REPO / "docs" / "cli.md").read_text()
+    table = cli_md.split("| command | what it does |", 1)[1].split("\n\n", 1)[0]
+    sub = next(a for a in build_parser()._actions if isinstance(a, argparse._SubParsersAction))
+    missing = []
+    for name, parser in sub.choices.items():
+        if not re.search(rf"^\| `{name}\b", table, re.M):
+            missing.append(f"no row for {name}")
+        text = cli_md + ((REPO / "docs" / OWN_PAGE[name]).read_text() if name in OWN_PAGE else "")
+        options = {o for a in parser._actions for o in a.option_strings if o.startswith("--") and o != "--help"}
+        missing += [f"{name} {o}" for o in sorted(options) if o not in text]
+    assert not missing, missing
