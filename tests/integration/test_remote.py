@@ -44,7 +44,15 @@ from saev_shards.remote.blockcache import BlockCache
 from saev_shards.remote.client import Client
 
 from ..support.caches import small_metadata, write_cache
-from ..support.remote_servers import Faults, create_bucket, fault_proxy, moto_server, range_server, s3_environment
+from ..support.remote_servers import (
+    Faults,
+    create_bucket,
+    fault_proxy,
+    free_port,
+    moto_server,
+    range_server,
+    s3_environment,
+)
 from ..unit.test_indexing import keys, outcome
 
 torch = pytest.importorskip("torch")
@@ -653,3 +661,31 @@ def test_the_readme_commands_run_as_written(s3: S3, local: tuple[ss.Shards, Any]
     namespace: dict[str, Any] = {}
     exec(compile(source, "docs/remote.md", "exec"), namespace)  # the docs' own code
     assert namespace["shards"].url == f"s3://my-bucket/saev/shards/{local[0].metadata.hash}"
+
+
+def test_the_local_test_server_recipe_runs_as_written(local: tuple[ss.Shards, Any], tmp_path: Path) -> None:
+    """docs/remote.md's moto recipe, run by bash as written (its own server, on a free port
+    instead of 5000; the pip line is what built this environment): a bucket, a push, the
+    listings, and `ls` above the root naming it."""
+    text = (Path(__file__).resolve().parents[2] / "docs" / "remote.md").read_text()
+    block = text.split("## A test server on this machine (moto)\n", 1)[1].split("```bash\n", 1)[1].split("```", 1)[0]
+    port = str(free_port())
+    lines = [line.replace("5000", port) for line in block.splitlines() if not line.startswith("pip install")]
+    h = local[0].metadata.hash
+    script = "\n".join(lines).replace("3f2a", h[:8])
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("AWS_", "SAEV_"))}
+    env.update(
+        SAEV_SHARDS_ROOT=str(local[0].path.parent),
+        SAEV_SHARDS_BLOCK_CACHE=str(tmp_path / "block-cache"),
+        AWS_EC2_METADATA_DISABLED="true",
+        PATH=f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}",
+    )
+    done = subprocess.run(
+        ["bash", "-euo", "pipefail", "-c", script], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300,
+        check=False,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stdout + done.stderr
+    out = done.stdout
+    assert out.startswith(f"s3://my-bucket/shards/{h}\n"), out
+    assert "s3://my-bucket/shards: 1 cache" in out and "(23, 2, 5, 8)" in out, out
+    assert "s3://my-bucket: 0 caches" in out and "saev-shards ls s3://my-bucket/shards" in out, out
