@@ -266,6 +266,11 @@ class DumpError(ShardsError):
     """Raised when a dump fails after its checks passed: the model or its tokenizer raised on a batch."""
 
 
+class TokenizerError(ShardsError):
+    """Raised when the tokenizer of a dumped cache's model cannot be found on this machine, or a
+    folder offered for it does not hold the dumped model's files (`saev_shards.dump.load_tokenizer`)."""
+
+
 class RecorderError(ShardsError):
     """Raised when blocks cannot be found or a hooked block's output cannot be recorded."""
 

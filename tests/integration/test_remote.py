@@ -477,7 +477,8 @@ def test_rm_of_a_url_removes_the_remote_cache_manifest_first(
     listed with its size, asked, shards.json deleted first (protocol.md 6.1), then the rest."""
     shards, _ = local
     h = shards.metadata.hash
-    url = pushed(s3, local).url
+    pushed(s3, local)
+    url = f"{s3.root}/{h}"
     assert main(["rm", f"{s3.root}/{h[:6]}", "--dry-run"]) == 0
     listed = capsys.readouterr().out
     assert listed.startswith("would remove 1 cache, ") and url in listed and "other machines are not seen" in listed
