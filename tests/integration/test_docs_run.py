@@ -167,6 +167,8 @@ def nothing(env: Env) -> dict[str, Any]:
     return {}
 
 
+TRAINERS = "run against the real trainer in .venv-trainers by tests/trainers (make test-trainers)"
+
 #: (file, a line of the block) -> how it runs: ("run", setup, {text: replacement}) or (why not here).
 PLAN: dict[tuple[str, str], tuple[str, Callable[[Env], dict[str, Any]], dict[str, str]] | str] = {
     ("README.md", "md = ss.Metadata(family=\"clip\", ckpt=\"ViT-B-16/openai\""): (
@@ -192,6 +194,13 @@ PLAN: dict[tuple[str, str], tuple[str, Callable[[Env], dict[str, Any]], dict[str
         "run", lambda e: {"shards": e.dumped}, {}),
     ("docs/loaders.md", "shuffled = ss.shuffle_cache(\"3f2a\", layers=11, tokens=\"content\""): (
         "run", lambda e: {"n_epochs": 2}, {'"3f2a"': "DUMPED"}),
+    ("docs/training.md", "def activations(loader"): ("run", nothing, {'"3f2a"': "DUMPED"}),
+    ("docs/training.md", "def train(steps, checkpoint"): ("run", nothing, {'"3f2a"': "DUMPED"}),
+    ("docs/training.md", "class Crosscoder("): ("run", nothing, {'"3f2a"': "DUMPED"}),
+    ("docs/training.md", "from sae_lens import"): TRAINERS,
+    ("docs/training.md", "from dictionary_learning"): TRAINERS,
+    ("docs/training.md", "from sparsify import"): TRAINERS,
+    ("docs/training.md", "from overcomplete.sae import"): TRAINERS,
     ("docs/remote.md", "shards = ss.open(\"s3://my-bucket/saev/shards/3f2a\")"):
         "run against an S3 server (moto) by test_remote's test_the_readme_commands_run_as_written",
 }  # fmt: skip
