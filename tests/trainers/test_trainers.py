@@ -97,10 +97,11 @@ def test_sparsify_sparse_coder_from_the_loader(cache: ss.Shards, tmp_path: Path,
 
 
 @pytest.fixture
-def torchvision_if_missing(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
-    """An empty torchvision where none is installed: `import overcomplete` imports it for its
-    vision-model wrappers, and PyPI's does not load beside the CPU torch 2.13.0 here
-    (docs/training.md, overcomplete). The SAE code that runs is overcomplete's own."""
+def overcomplete_importable(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
+    """What `import overcomplete` (0.3.0) needs outside its SAE code (docs/training.md,
+    overcomplete): an empty torchvision where none is installed (PyPI's does not load beside
+    the CPU torch 2.13.0 here), and ``matplotlib.cm.get_cmap``, removed in matplotlib 3.9
+    (``matplotlib.colormaps.get_cmap`` replaces it). The SAE code that runs is its own."""
     try:
         import torchvision  # noqa: F401
     except ImportError:
@@ -108,11 +109,16 @@ def torchvision_if_missing(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
         stub.transforms = types.ModuleType("torchvision.transforms")  # type: ignore[attr-defined]
         monkeypatch.setitem(sys.modules, "torchvision", stub)
         monkeypatch.setitem(sys.modules, "torchvision.transforms", stub.transforms)  # type: ignore[attr-defined]
+    import matplotlib
+    import matplotlib.cm
+
+    if not hasattr(matplotlib.cm, "get_cmap"):
+        monkeypatch.setattr(matplotlib.cm, "get_cmap", matplotlib.colormaps.get_cmap, raising=False)
     yield
 
 
 def test_overcomplete_train_sae_from_the_loader(
-    cache: ss.Shards, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, torchvision_if_missing: None
+    cache: ss.Shards, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, overcomplete_importable: None
 ) -> None:
     pytest.importorskip("overcomplete")
     namespace = run_recipe(cache, "from overcomplete.sae import", tmp_path, monkeypatch)
