@@ -28,7 +28,6 @@ import sys
 import textwrap
 import zipfile
 from pathlib import Path
-from typing import Any
 
 import numpy as np
 import pytest

@@ -11,6 +11,7 @@ sparse sums of a hidden dictionary, which a sparse autoencoder learns quickly.
 
 from __future__ import annotations
 
+import importlib
 import sys
 import types
 from collections.abc import Iterator
@@ -90,7 +91,9 @@ def test_dictionary_learning_train_sae_from_the_loader(
     assert_loss_fell(namespace)
 
 
-def test_sparsify_sparse_coder_from_the_loader(cache: ss.Shards, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_sparsify_sparse_coder_from_the_loader(
+    cache: ss.Shards, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     pytest.importorskip("sparsify.sparse_coder")  # EleutherAI's (eai-sparsify), not Neural Magic's
     namespace = run_recipe(cache, "from sparsify import", tmp_path, monkeypatch)
     assert_loss_fell(namespace)
@@ -103,12 +106,12 @@ def overcomplete_importable(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
     the CPU torch 2.13.0 here), and ``matplotlib.cm.get_cmap``, removed in matplotlib 3.9
     (``matplotlib.colormaps.get_cmap`` replaces it). The SAE code that runs is its own."""
     try:
-        import torchvision  # noqa: F401
+        importlib.import_module("torchvision")
     except ImportError:
-        stub = types.ModuleType("torchvision")
-        stub.transforms = types.ModuleType("torchvision.transforms")  # type: ignore[attr-defined]
+        stub, transforms = types.ModuleType("torchvision"), types.ModuleType("torchvision.transforms")
+        stub.__dict__["transforms"] = transforms
         monkeypatch.setitem(sys.modules, "torchvision", stub)
-        monkeypatch.setitem(sys.modules, "torchvision.transforms", stub.transforms)  # type: ignore[attr-defined]
+        monkeypatch.setitem(sys.modules, "torchvision.transforms", transforms)
     import matplotlib
     import matplotlib.cm
 
@@ -129,7 +132,7 @@ def test_overcomplete_train_sae_from_the_loader(
 
 def test_every_trainer_block_is_run_here() -> None:
     """A new trainer's block on the page gets a test here (the others run in make test)."""
-    markers = ["from sae_lens import", "from dictionary_learning", "from sparsify import", "from overcomplete.sae import"]
+    markers = ["from sae_lens import", "from dictionary_learning", "from sparsify import", "from overcomplete.sae"]
     here = ["def activations(loader", "def train(steps, checkpoint", "class Crosscoder(", *markers]
     sources = [source for where, source in blocks() if where.startswith(f"{DOC}:")]
     assert sorted(sum(m in s for m in here) for s in sources) == [1] * len(sources), "a block not planned"
