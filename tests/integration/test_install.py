@@ -106,14 +106,31 @@ def fresh_venv(where: Path, *requirements: str) -> Path:
     return python
 
 
+#: Wheels these tests downloaded, kept for the next run. pip's own HTTP cache keeps nothing
+#: on the development machines (the registry answers without the validators or lifetimes a
+#: cache needs), so every run would download them again; `pip download` into this folder
+#: skips the files already there, and the install then reads them from it.
+WHEELHOUSE = Path(os.environ.get("SAEV_SHARDS_TEST_WHEELS", Path.home() / ".cache" / "saev-shards-test-wheels"))
+
+
 def pip_install(python: Path, *args: str) -> None:
-    """pip (this environment's, aimed at ``python``'s) installs ``args``; its cache is used."""
+    """pip (this environment's, aimed at ``python``'s) installs ``args``, the files first
+    downloaded into `WHEELHOUSE` (or found there) and then installed from it alone."""
     env = {k: v for k, v in os.environ.items() if k != "PIP_NO_CACHE_DIR"}
-    proc = subprocess.run(
-        [sys.executable, "-m", "pip", "--python", str(python), "install", "--quiet", *args],
-        capture_output=True, text=True, timeout=1500, check=False, env=env,
-    )  # fmt: skip
-    assert proc.returncode == 0, proc.stdout + proc.stderr
+    pip = [sys.executable, "-m", "pip", "--python", str(python)]
+    WHEELHOUSE.mkdir(parents=True, exist_ok=True)
+    # The download does not see what the environment holds, so a torch range would fetch the
+    # newest (CUDA) torch: it is held to constraints.txt's; the install then decides alone.
+    torch_pin = WHEELHOUSE / "torch-constraint.txt"
+    torch_pin.write_text(
+        "".join(line + "\n" for line in CONSTRAINTS.read_text().splitlines() if line.startswith("torch=="))
+    )
+    download = ["download", "--dest", str(WHEELHOUSE), "-c", str(torch_pin)]
+    for step in (download, ["install", "--no-index", "--find-links", str(WHEELHOUSE)]):
+        proc = subprocess.run(
+            [*pip, *step, "--quiet", *args], capture_output=True, text=True, timeout=1500, check=False, env=env
+        )
+        assert proc.returncode == 0, proc.stdout + proc.stderr
 
 
 def installed(python: Path) -> dict[str, str]:
