@@ -274,6 +274,11 @@ class DumpError(ShardsError):
     """Raised when a dump fails after its checks passed: the model or its tokenizer raised on a batch."""
 
 
+class TokenizerError(ShardsError):
+    """Raised when the tokenizer of a dumped cache's model cannot be found on this machine, or a
+    folder offered for it does not hold the dumped model's files (`saev_shards.dump.load_tokenizer`)."""
+
+
 class RecorderError(ShardsError):
     """Raised when blocks cannot be found or a hooked block's output cannot be recorded."""
 
@@ -390,6 +395,11 @@ class CommandError(ShardsError):
     def __init__(self, code: int, message: str) -> None:
         super().__init__(message)
         self.code = code
+
+
+class SlowPathWarning(UserWarning):
+    """Issued once per process when work runs on a slower path than an optional dependency would
+    give: float8_e4m3 dequantized with numpy because numba (the ``fast`` extra) is not installed."""
 
 
 class RunWarning(UserWarning):

@@ -49,7 +49,8 @@ import ml_dtypes
 import numpy as np
 import numpy.typing as npt
 
-from .errors import DtypeRangeError, ScaleError
+from .errors import DtypeRangeError, ScaleError, SlowPathWarning
+from .optional import install_hint
 
 #: The numpy dtype of stored E4M3 values (ml_dtypes' float8_e4m3fn: no infinities, largest 448).
 FLOAT8_DTYPE = np.dtype(ml_dtypes.float8_e4m3fn)
@@ -350,12 +351,20 @@ def kernels_in_use() -> bool:
     return _kernels() is not None
 
 
+#: Why numba could not be imported (the ``fast`` extra missing, or a numba that does not
+#: import beside this numpy), once `_load_kernels` has tried; empty otherwise.
+_NO_NUMBA: list[str] = []
+#: Not empty once `SlowPathWarning` has been issued in this process.
+_SLOW_WARNED: list[bool] = []
+
+
 def _load_kernels() -> Any:
     if os.environ.get("SAEV_SHARDS_NUMBA", "1") == "0":
         return None
     try:
         from . import float8_kernels
-    except ImportError:
+    except ImportError as err:
+        _NO_NUMBA.append(str(err))
         return None
     try:
         mismatch = _check_kernels(float8_kernels)
@@ -365,6 +374,22 @@ def _load_kernels() -> Any:
         warnings.warn(f"float8: numba's kernels are not used ({mismatch}); dequantizing with numpy", stacklevel=3)
         return None
     return float8_kernels
+
+
+def _warn_numpy_dequantize() -> None:
+    """Say once per process that float8_e4m3 is dequantized with numpy because numba cannot be
+    imported (not when numpy was asked for: `numpy_only`, ``SAEV_SHARDS_NUMBA=0``), with the
+    pip command that installs the ``fast`` extra."""
+    if _SLOW_WARNED or _NUMPY_ONLY or not _NO_NUMBA:
+        return
+    _SLOW_WARNED.append(True)
+    warnings.warn(
+        "float8_e4m3 values are dequantized with numpy, several times slower than with numba's compiled "
+        f"kernels (the `fast` extra; numba: {_NO_NUMBA[0]}), so a float8 cache may read slower than a "
+        f"float16 one; install it with: {install_hint('fast')}",
+        SlowPathWarning,
+        stacklevel=4,
+    )
 
 
 def _check_kernels(kernels: Any) -> str:
@@ -542,6 +567,7 @@ def dequantize(
     if kernels is not None:
         kernels.DEQUANTIZE[dtype](codes, s, _bits(flat))
     else:
+        _warn_numpy_dequantize()
         _dequantize_numpy(codes, s, flat, dtype)
     return out
 
@@ -580,6 +606,7 @@ def take_dequantize(
     flat = out.reshape(-1, d_model)
     kernels = _kernels()
     if kernels is None:
+        _warn_numpy_dequantize()
         _dequantize_numpy(codes, picked_scales, flat, dtype, flat_rows)
         return
     step = max(1, _TAKE_BYTES // d_model)

@@ -309,6 +309,13 @@ def _ls_remote(roots: list[str], as_json: bool) -> int:
         published = [e for e in entries if e.published]
         total = sum(e.nbytes for e in published)
         out.write(f"{root}: {plural(len(published), 'cache')}, {human_bytes(total)}\n")
+        if not entries:  # a bucket's top, or a folder above the shards root: say where the caches are
+            below = store.nested_roots(root)
+            if below:
+                out.write(
+                    "  no cache directly here; shards roots below it (a root is the folder that holds the "
+                    "<HASH> folders):\n" + "".join(f"    saev-shards ls {url}\n" for url in below)
+                )
         if published:
             _cache_table(published, out, lambda e: (e.problem or "?").splitlines()[0])
         for e in entries:

@@ -16,6 +16,7 @@ from pathlib import Path
 from .. import store
 from ..errors import CommandError, RootNotSetError
 from ..protocol import is_cache_name
+from ..remote.url import is_url, split_url
 from ._common import (
     EXIT_OK,
     EXIT_PROBLEM,
@@ -57,7 +58,14 @@ def _add_confirm_options(p: argparse.ArgumentParser) -> None:
 
 def cmd_rm(args: argparse.Namespace) -> int:
     # Resolve every reference first: a typo in the third deletes nothing.
-    paths = list(dict.fromkeys(store.resolve(ref, roots_arg(args)) for ref in args.refs))
+    urls = list(dict.fromkeys(store.resolve_remote(ref) for ref in args.refs if is_url(ref)))
+    paths = list(dict.fromkeys(store.resolve(ref, roots_arg(args)) for ref in args.refs if not is_url(ref)))
+    for url in urls:
+        if not is_cache_name(split_url(url)[1]):
+            raise CommandError(
+                EXIT_USAGE, f"refusing to remove {url}: expected a cache URL ending in its hash (or a hash prefix)"
+            )
+    remote = {url: store.remote_objects(url) for url in urls}
     for p in paths:
         if not is_cache_name(p.name):  # a path given directly: it must be named like a cache
             raise CommandError(
@@ -100,10 +108,17 @@ def cmd_rm(args: argparse.Namespace) -> int:
                 + ")"
             )
     rows = [(p.name[:12], human_bytes(sizes[p]), str(p) + note.get(p, "")) for p in paths]
-    total = f"{plural(len(paths), 'cache')}, {human_bytes(sum(sizes.values()))}"
+    rows += [
+        (split_url(url)[1][:12], human_bytes(sum(objects.values())), f"{url}  ({plural(len(objects), 'object')})")
+        for url, objects in remote.items()
+    ]
+    nbytes = sum(sizes.values()) + sum(sum(objects.values()) for objects in remote.values())
+    total = f"{plural(len(paths) + len(urls), 'cache')}, {human_bytes(nbytes)}"
     out = sys.stdout
     out.write(("would remove " if args.dry_run else "to remove: ") + total + "\n")
     table(rows, out, indent="  ")
+    if urls:
+        out.write("  (readers of a remote cache on other machines are not seen: they fail at their next read)\n")
     if args.dry_run:
         return EXIT_OK
     out.flush()
@@ -111,6 +126,9 @@ def cmd_rm(args: argparse.Namespace) -> int:
     for p in paths:
         store.remove(p, force=args.force)
         out.write(f"removed {p}\n")
+    for url in urls:
+        store.remove_remote(url)
+        out.write(f"removed {url}\n")
     return EXIT_OK
 
 
@@ -189,7 +207,8 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser], invoked: 
         "unless --force",
         "  saev-shards rm 3f2a                  # lists it with its size, then asks\n"
         "  saev-shards rm 3f2a 9c1d --yes       # no question\n"
-        "  saev-shards rm 3f2a --dry-run        # only list\n",
+        "  saev-shards rm 3f2a --dry-run        # only list\n"
+        "  saev-shards rm s3://bucket/shards/3f2a   # a cache in an object store (shards.json first)\n",
         cmd_rm,
         description=(
             "Remove published caches. Every reference is resolved first (a mistake removes nothing); "
@@ -197,7 +216,10 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser], invoked: 
             "unless --force (exit 1), and so is a cache in use: a reader or a training loader holds its lock "
             "(a shared flock on the cache folder, held while it is open) or has its files open or mapped; the "
             "processes are named (exit 4). Lists what it would remove with sizes and asks; --yes removes without "
-            "asking, --dry-run only lists. Not confirmed: nothing removed, exit 1."
+            "asking, --dry-run only lists. Not confirmed: nothing removed, exit 1. A URL (s3://..., a hash prefix "
+            "resolved in its root) removes that remote cache: its shards.json first, so that no reader or listing "
+            "takes the rest for a cache, then its other objects and its statistics sidecar; runs and readers on "
+            "other machines are not checked."
         ),
     )
     p.add_argument("refs", nargs="+", metavar="REF", help=REF_HELP)

@@ -64,6 +64,13 @@ def open_source(path: Path, options: Options, scan: Callable[[int, int], None] |
         raise ConvertError(
             f"{path}: expected shape (N, L, T, D) = (examples, layers, tokens, d_model), found {array.shape}"
             + ("; add a layer axis first (np.expand_dims(a, 1))" if array.ndim == 3 else "")
+            + (
+                "; for token vectors (n_tokens, d_model), save them as examples of one layer: "
+                "a.reshape(n_examples, 1, T, d_model) when every example has T tokens, else "
+                "a[:, None, None, :] (one token per example)"
+                if array.ndim == 2
+                else ""
+            )
         )
     if array.dtype.kind != "f":
         raise ConvertError(f"{path}: expected floating-point activations, found dtype {array.dtype}")

@@ -24,7 +24,9 @@ fields ``id`` and ``text`` (the full, untruncated example), plus per-layer stati
 
 The package: `config` (the schema, parsed at the edge), `model` (loading, identity and the
 checks against the model), `plan` (metadata, hash, where the cache goes, batches, bytes),
-`run` (the forward passes and the writer). The command line is `saev_shards.cli.dump`.
+`run` (the forward passes and the writer), `tokenizer` (`load_tokenizer`: the dumped
+model's tokenizer found again offline, to turn ``token_ids`` back into strings). The command
+line is `saev_shards.cli.dump`.
 
 Python API::
 
@@ -78,6 +80,7 @@ from .plan import (
     space_needed,
 )
 from .run import dump, shard_ranges, truncation, truncation_line, try_finalize
+from .tokenizer import load_tokenizer
 
 __all__ = [
     "DEFAULT_PATCHES_PER_SHARD",
@@ -103,6 +106,7 @@ __all__ = [
     "load_config",
     "load_corpus",
     "load_model",
+    "load_tokenizer",
     "model_dir",
     "output_root",
     "parse_config",

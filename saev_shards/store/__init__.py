@@ -8,8 +8,9 @@
   found by `Shards.stats` (`compute_stats`, `write_sidecar`, `find_stats`);
 * `staging`: `stage` / `copy_cache`, a verified, atomic, resumable local copy;
 * `remote`: shards roots in object stores: `push`, `list_remote`, `resolve_remote`,
-  `locate` (a URL, a local reference, or a hash found in a remote root); `staging.pull`
-  copies a remote cache to local disk like `stage`;
+  `locate` (a URL, a local reference, or a hash found in a remote root), `remove_remote`,
+  `nested_roots` (roots below a bucket's top); `staging.pull` copies a remote cache to
+  local disk like `stage`;
 * `runs`: run folders (`create_run`, `open_run`, `Run`);
 * `doctor`: what is wrong with a run (`doctor`) or with the configured roots
   (`doctor_environment`).
@@ -40,7 +41,17 @@ from .caches import (
 )
 from .doctor import Finding, doctor, doctor_environment
 from .inuse import Holder, users
-from .remote import PushReport, RemoteEntry, list_remote, locate, push, resolve_remote
+from .remote import (
+    PushReport,
+    RemoteEntry,
+    list_remote,
+    locate,
+    nested_roots,
+    push,
+    remote_objects,
+    remove_remote,
+    resolve_remote,
+)
 from .roots import (
     COPY_PREFIX,
     MIN_PREFIX,
@@ -120,13 +131,16 @@ __all__ = [
     "list_unpublished",
     "local_roots",
     "locate",
+    "nested_roots",
     "open_cache",
     "open_quietly",
     "open_run",
     "pull",
     "push",
+    "remote_objects",
     "remote_roots",
     "remove",
+    "remove_remote",
     "remove_unpublished",
     "resolve",
     "resolve_remote",

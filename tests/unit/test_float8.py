@@ -253,3 +253,52 @@ def test_large_batches_quantized_on_several_threads_give_the_same_bytes() -> Non
         want_q, want_s = float8.quantize_numpy(np.asarray(source))
         np.testing.assert_array_equal(q.view(np.uint8), want_q.view(np.uint8))
         np.testing.assert_array_equal(s, want_s)
+
+
+SLOW_READ = """
+import sys, warnings
+import numpy as np
+import saev_shards as ss
+from saev_shards.loaders import ShuffledLoader
+
+if sys.argv[2] == "no-numba":
+    sys.modules["numba"] = None  # what a process without the fast extra sees: ImportError
+shards = ss.open(sys.argv[1])
+with warnings.catch_warnings(record=True) as caught:
+    warnings.simplefilter("always")
+    shards[0]
+    shards[:, 0]
+    for _ in ShuffledLoader(shards, batch_size=8, layers=shards.metadata.layers[0], seed=0, out_dtype="float32"):
+        pass
+slow = [str(w.message) for w in caught if issubclass(w.category, ss.SlowPathWarning)]
+print(len(slow))
+print(slow[0] if slow else "")
+"""
+
+
+@pytest.mark.parametrize("how", ["no-numba", "numba-off", "numba"])
+def test_reading_float8_without_the_fast_extra_says_so_once(tmp_path: Path, how: str) -> None:
+    """Without numba a float8 cache is dequantized with numpy, several times slower: one
+    `SlowPathWarning` per process, naming the pip command; none when numba is used or turned
+    off on purpose (SAEV_SHARDS_NUMBA=0)."""
+    import os
+    import subprocess
+    import sys
+
+    from ..support.caches import write_cache
+
+    md = small_metadata(dtype="float8_e4m3")
+    write_cache(tmp_path, md)
+    env = {**os.environ, "SAEV_SHARDS_NUMBA": "0" if how == "numba-off" else "1"}
+    proc = subprocess.run(
+        [sys.executable, "-c", SLOW_READ, str(tmp_path / md.hash), how],
+        capture_output=True, text=True, timeout=300, check=False, env=env,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr
+    count, message = proc.stdout.splitlines()[:2] if proc.stdout.count("\n") >= 2 else (proc.stdout.strip(), "")
+    if how == "no-numba":
+        assert count == "1", proc.stdout
+        assert "dequantized with numpy" in message and "install it with: pip install -e " in message, message
+        assert "[fast]" in message, message
+    else:
+        assert count == "0", proc.stdout

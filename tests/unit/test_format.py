@@ -40,7 +40,8 @@ from ..support.hostile import Raw, render, writable
         (b'"\xff"', "not valid UTF-8"),
         (b"\xef\xbb\xbf{}", "byte order mark"),
         (b"[" * 65 + b"]" * 65, "nested deeper than 64 levels"),
-        (b"[" * 100_000 + b"]" * 100_000, "depth limit exceeded"),
+        # orjson >= 3.10 stops at its own depth limit; older ones parse it, and the depth check names it
+        (b"[" * 100_000 + b"]" * 100_000, "depth limit exceeded|nested deeper than 64 levels"),
         (b"[18446744073709551616]", "integer 18446744073709551616 does not fit 64 bits"),
         (b"[-9223372036854775809]", "does not fit 64 bits"),
         (b"[1" + b"0" * 5000 + b"]", "not valid JSON"),
