@@ -39,7 +39,8 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import saev_shards as ss
-from saev_shards import float8, loaders
+from saev_shards import loaders
+from saev_shards.codecs import float8
 from scripts import benchlib as bl
 from scripts.bench_loaders import PAGE_CACHED_BYTES, gather_limits
 
@@ -172,7 +173,7 @@ def sae_batches(shards: ss.Shards, batch_size: int, window_rows: int) -> Iterato
 def bench_sae(reference: ss.Shards, work: Path, steps: int, batch_size: int) -> None:
     import torch
 
-    from saev_shards import sae as sae_mod
+    from saev_shards.demo import sae as sae_mod
 
     md = reference.metadata
     n_train = int(md.n_examples * 0.9)

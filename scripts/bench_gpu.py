@@ -62,7 +62,7 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import saev_shards as ss
-from saev_shards import float8
+from saev_shards.codecs import float8
 from saev_shards.loaders.token_loader import default_read_threads, usable_cores
 from scripts import benchlib as bl
 from scripts.bench_core import D_MODEL, LAYERS, PATCHES
@@ -794,7 +794,7 @@ def part_float8(res: Results, caches: dict[str, ss.Shards], cuda: bool, seconds:
 def part_sae(res: Results, caches: dict[str, ss.Shards], cuda: bool, seconds: float) -> None:
     import torch
 
-    from saev_shards.sae import TopKSAE
+    from saev_shards.demo.sae import TopKSAE
 
     for shards in caches.values():
         warm(shards)

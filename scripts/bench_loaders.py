@@ -32,7 +32,7 @@ import saev_shards as ss
 from saev_shards import loaders
 from saev_shards.loaders.mapped import CacheMap
 from saev_shards.loaders.plan import index_window
-from saev_shards.manifest import Manifest, ShardEntry, ShardList
+from saev_shards.protocol.manifest import Manifest, ShardEntry, ShardList
 from scripts import benchlib as bl
 from scripts.bench_core import make_metadata
 

@@ -42,6 +42,7 @@ from ..errors import (
     UnknownCacheError,
     WriterBusyError,
 )
+from ..humanize import human_bytes
 from . import caches, cleanup, convert, dump, remote, runs, shuffle
 from ._common import (
     EXIT_BROKEN_PIPE,
@@ -56,7 +57,6 @@ from ._common import (
     PROG,
     ROOTS_HELP,
     EscapingWriter,
-    human_bytes,
     warn,
 )
 

@@ -13,6 +13,7 @@ import orjson
 
 from .. import store
 from ..errors import CommandError
+from ..humanize import human_age, human_bytes
 from ..protocol.common import UNVERSIONED
 from ._common import (
     EXIT_NOT_FOUND,
@@ -23,8 +24,6 @@ from ._common import (
     add_progress,
     add_roots,
     command,
-    human_age,
-    human_bytes,
     plural,
     print_json,
     progress_arg,

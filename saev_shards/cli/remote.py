@@ -6,17 +6,8 @@ import argparse
 import sys
 
 from .. import store
-from ._common import (
-    EXIT_OK,
-    REF_HELP,
-    add_progress,
-    add_roots,
-    command,
-    human_bytes,
-    plural,
-    progress_arg,
-    roots_arg,
-)
+from ..humanize import human_bytes
+from ._common import EXIT_OK, REF_HELP, add_progress, add_roots, command, plural, progress_arg, roots_arg
 
 
 def cmd_push(args: argparse.Namespace) -> int:

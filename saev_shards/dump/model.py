@@ -23,8 +23,8 @@ import numpy.typing as npt
 import xxhash
 
 from ..errors import ConfigError, RecorderError
-from ..format import is_int
 from ..protocol.common import FLOAT8
+from ..protocol.jsonfile import is_int
 from ..protocol.sites import Site
 from .config import DumpConfig, ModelConfig
 
@@ -197,7 +197,7 @@ def module_limits(model: Any, blocks: str | None) -> ModelLimits:
     when ``blocks`` is not given) and the rows of a position-embedding table."""
     import torch
 
-    from ..recorder import find_blocks
+    from .recorder import find_blocks
 
     config = getattr(model, "config", None)
     to_dict = getattr(config, "to_dict", None)
@@ -390,7 +390,7 @@ def check_model(
     in, or blocks whose width is not ``d_model`` fail here, not after shards were written.
     ``recording``: what the recorder records (`Plan.recording`; default ``cfg.layers``).
     """
-    from .. import recorder
+    from . import recorder
 
     what = cfg.layers if recording is None else recording
     problems = check_limits(cfg, loaded.limits)

@@ -11,15 +11,15 @@ from typing import Any
 
 import numpy as np
 
-from .. import float8
+from ..codecs import float8
 from ..errors import AlreadyPublishedError, DumpError, ShardsError, WriterBusyError, WriterError
 from ..fileio import check_free_space
-from ..metadata import Metadata
+from ..humanize import human_bytes
 from ..progress import Progress
 from ..protocol.common import FLOAT8
+from ..protocol.metadata import Metadata
 from ..reader import Shards
 from ..reader import open as open_shards
-from ..units import human_bytes
 from ..writer import ShardWriter, finalize, rank_shards, sealed_shards, world_from_env
 from .config import DumpConfig
 from .model import check_model, device_of, load_model, record_dtype
@@ -78,7 +78,7 @@ def dump(
     check_model(cfg, the_plan.loaded, device, md.d_model, the_plan.recording)  # before the writer's staging folder
     import torch
 
-    from ..recorder import AsyncWriter, Recorder
+    from .recorder import AsyncWriter, Recorder
 
     model = the_plan.loaded.model.to(device)
     recorder = Recorder(model, the_plan.recording, blocks=cfg.model.blocks, dtype=record_dtype(cfg.dtype))

@@ -49,9 +49,9 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
-from .. import float8
 from ..errors import FileSizeError
 from ..protocol.common import FLOAT8
+from ..protocol.float8 import scales_plain
 from ..reader import Shards
 from .plan import Blocks
 
@@ -288,7 +288,7 @@ class CacheMap:
         found = self.scales[first : first + n * self.vectors_per_example].reshape(n, self.layers, self.tokens)
         positions = slice(None) if blocks.whole else blocks.read_positions
         found = found[:, positions]
-        if float8.scales_plain(found):
+        if scales_plain(found):
             return
         numbers = np.arange(start * self.vectors_per_example, stop * self.vectors_per_example, dtype=np.int64)
         self.shards.check_scales(found, lambda: numbers.reshape(n, self.layers, self.tokens)[:, positions])

@@ -45,7 +45,7 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
-from .. import float8
+from ..codecs import float8
 from ..protocol.common import FLOAT8
 from ..reader import Shards
 from .batch import Batch

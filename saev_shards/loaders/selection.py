@@ -13,12 +13,12 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
-from .. import norms, token_masks
+from .. import token_masks
 from .._layers import string_layers_problem
 from ..errors import LoaderError, NameNotFoundError
 from ..protocol.jsonfile import is_int, short_repr
 from ..protocol.sites import Site
-from ..reader import Shards
+from ..reader import Shards, norms
 from ..store import open_cache
 
 #: Label reported for a [CLS] token: labels.bin has no CLS column, and 255 is the one

@@ -24,9 +24,9 @@ import numpy.typing as npt
 
 from .. import world
 from ..errors import LoaderError, Problems
+from ..humanize import html_table
 from ..protocol.jsonfile import is_int, short_repr, type_name
 from ..reader import Shards
-from ..units import html_table
 from . import mapped
 from .batch import Batch
 from .device import DeviceRun, Slots

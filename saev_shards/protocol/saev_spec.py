@@ -18,7 +18,7 @@ from .v21 import V21Files
 
 if TYPE_CHECKING:
     from ..errors import Problems
-    from ..metadata import Metadata
+    from .metadata import Metadata
 
 
 class SaevSpec(V21Files):

@@ -21,7 +21,6 @@ from typing import TYPE_CHECKING, Any
 import xxhash
 
 from ..errors import JSONFileError, ManifestError, NotRegularFileError, Problem
-from ..manifest import Blocks, FileEntry, Manifest, ShardList
 from . import v3
 from .checks import JSONChecks
 from .common import (
@@ -37,9 +36,10 @@ from .common import (
     n_blocks,
 )
 from .jsonfile import is_int, load_json, read_capped, short_repr, strict_json_loads, type_name
+from .manifest import Blocks, FileEntry, Manifest, ShardList
 
 if TYPE_CHECKING:
-    from ..metadata import Metadata
+    from .metadata import Metadata
 
 #: shards.json's top-level keys beyond 3.0's.
 TOP_KEYS = ("scales", "blocks")

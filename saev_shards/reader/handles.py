@@ -36,9 +36,9 @@ import numpy.typing as npt
 
 from ..errors import CacheNotFoundError
 from ..fileio import hold_folder
-from ..manifest import Manifest
-from ..metadata import Metadata
 from ..protocol.common import SCALES_DTYPE
+from ..protocol.manifest import Manifest
+from ..protocol.metadata import Metadata
 
 #: Attributes that belong to one process: never pickled, rebuilt after fork or unpickling.
 _PER_PROCESS = (

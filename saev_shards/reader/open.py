@@ -33,8 +33,6 @@ from ..errors import (
     raise_problems,
 )
 from ..fileio import file_kind
-from ..manifest import Manifest
-from ..metadata import Metadata, parse_metadata
 from ..protocol import DIALECTS, is_cache_name
 from ..protocol.common import (
     BLOCKS_FILE,
@@ -52,6 +50,8 @@ from ..protocol.common import (
     stats_max_bytes,
 )
 from ..protocol.jsonfile import load_json, short_repr
+from ..protocol.manifest import Manifest
+from ..protocol.metadata import Metadata, parse_metadata
 from ..remote.url import is_url
 from .shards import Shards
 from .sidecars import SIDECAR_DIR
@@ -97,7 +97,7 @@ def open(path: PathLike, *, check_hash: bool = True) -> Shards:
     problems.extend(more)
     raise_problems(problems, where)
     assert manifest is not None
-    if md.format.legacy:
+    if md.rules.legacy:
         _warn_legacy_once(root, md)
     return Shards(root, md, manifest)
 
@@ -153,9 +153,9 @@ def _open_remote_in(url: str, cache: BlockCache, memory: bool, check_hash: bool)
     if md is None:
         raise_problems(_at_url(problems, folder, url), url)
         raise AssertionError("unreachable")
-    if md.format.legacy:
+    if md.rules.legacy:
         raise ManifestError(
-            f"{url}: a protocol {md.protocol} cache ({md.format.summary}): remote caches are read in protocol 3 "
+            f"{url}: a protocol {md.protocol} cache ({md.rules.summary}): remote caches are read in protocol 3 "
             f"only, whose manifest has a digest for every file; convert it first "
             f"(`saev-shards convert <local copy> --to 3.0`), then push it"
         )
@@ -163,7 +163,7 @@ def _open_remote_in(url: str, cache: BlockCache, memory: bool, check_hash: bool)
         raise CacheNotFoundError(
             f"no cache at {url}: it has {METADATA_FILE} but no {MANIFEST_FILE} (an upload in progress, or interrupted)"
         )
-    manifest, more = md.format.load_manifest(folder, md)
+    manifest, more = md.rules.load_manifest(folder, md)
     problems.extend(more)
     if manifest is not None and not more:
         problems.extend(_check_shards(folder, md, manifest, on_disk=False))
@@ -204,14 +204,14 @@ def _warn_legacy_once(root: Path, md: Metadata) -> None:
     if key in _LEGACY_WARNED:
         return
     _LEGACY_WARNED.add(key)
-    if md.format.history:
+    if md.rules.history:
         message = (
-            f"{root.name[:12]}: a cache of {md.format.summary} (dialect {md.format.name}), read in place by "
+            f"{root.name[:12]}: a cache of {md.rules.summary} (dialect {md.rules.name}), read in place by "
             "protocol.md section 9.5 (no checksums: verify checks sizes, the name and the zero padding)"
         )
     else:
         message = (
-            f"{root.name[:12]}: protocol {md.protocol} cache ({md.format.name} dialect), read by protocol.md "
+            f"{root.name[:12]}: protocol {md.protocol} cache ({md.rules.name} dialect), read by protocol.md "
             f"section 9 (no checksums unless {CHECKSUMS_FILE})"
         )
     warnings.warn(message, ProtocolWarning, stacklevel=3)
@@ -238,9 +238,9 @@ def _hash_mismatch(root: Path, md: Metadata) -> str:
     the rule of its dialect, and every name the same metadata.json may have (saev 2.0's two)."""
     detail = "" if is_cache_name(root.name) else f" (the directory name is not a {len(md.hash)}-digit hash)"
     expected = md.hash
-    if md.format.name_rule():
-        names = [f"{md.hash} ({md.format.name_rule()})"]
-        names += [f"{md.replace(dialect=s).hash} ({DIALECTS[s].name_rule()})" for s in md.format.siblings]
+    if md.rules.name_rule():
+        names = [f"{md.hash} ({md.rules.name_rule()})"]
+        names += [f"{md.replace(dialect=s).hash} ({DIALECTS[s].name_rule()})" for s in md.rules.siblings]
         expected = " or ".join(names)
     return (
         f"{root}: directory name is not the hash of its metadata.json{detail}; "
@@ -249,7 +249,7 @@ def _hash_mismatch(root: Path, md: Metadata) -> str:
 
 
 def _load_manifest(root: Path, md: Metadata) -> tuple[Manifest | None, list[Problem]]:
-    manifest, problems = md.format.load_manifest(root, md)
+    manifest, problems = md.rules.load_manifest(root, md)
     if manifest is None or problems:
         return manifest, problems
     problems.extend(_check_shards(root, md, manifest))
@@ -286,7 +286,7 @@ def _check_shards(root: Path, md: Metadata, manifest: Manifest, *, on_disk: bool
     # list arithmetic, not a loop: 10^4 shards
     full = eps * example_nbytes
     want_sizes = (([full] * (expected - 1) + [last * example_nbytes] if expected else []) + extra)[:count]
-    if md.format.padded_last and count == expected and expected and sizes[-1] == full:
+    if md.rules.padded_last and count == expected and expected and sizes[-1] == full:
         want_sizes[-1] = full  # 2.1: the last shard's file padded to a full shard
     if names == want_names and counts == want_counts and sizes == want_sizes:
         if on_disk:
@@ -470,12 +470,12 @@ def _check_other_files(root: Path, md: Metadata, manifest: Manifest, *, on_disk:
     unlisted.difference_update(name for name, _, _ in manifest.other_files())
     if manifest.blocks is not None:
         unlisted.discard(manifest.blocks.name)
-    v31 = md.format.block_size is not None  # the names protocol 3.1 gave a meaning
-    listing = md.format.manifest_file
+    v31 = md.rules.block_size is not None  # the names protocol 3.1 gave a meaning
+    listing = md.rules.manifest_file
     unlisted_why = (
         f"not listed in {listing}"
         if listing is not None
-        else f"beyond the shards of n_examples={md.n_examples} ({md.format.summary} has no {MANIFEST_FILE})"
+        else f"beyond the shards of n_examples={md.n_examples} ({md.rules.summary} has no {MANIFEST_FILE})"
     )
     problems.extend(
         Problem(UnexpectedFileError, f"{root / name}: data file {unlisted_why}")

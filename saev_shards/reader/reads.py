@@ -24,12 +24,14 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
-from .. import dtypes, float8, layout
-from .._indexing import CACHE_RANGE, wrap_index
+from ..codecs import dtypes
 from ..errors import FileSizeError, ScaleError
 from ..fileio import pread_exact
+from ..protocol import layout
 from ..protocol.common import FLOAT8, SCALES_DTYPE
+from ..protocol.float8 import NAN_BYTE, SCALE_RULE, describe_scale, odd_scales, scales_plain
 from .handles import ShardHandles
+from .indexing import CACHE_RANGE, wrap_index
 
 #: Buffers one preadv call may take (Linux's IOV_MAX).
 _IOV_MAX = 1024
@@ -286,7 +288,7 @@ class ReadPaths(ShardHandles):
         k, i = divmod(example, self.examples_per_shard)
         nbytes = tokens * SCALES_DTYPE.itemsize
         pread_exact(self._scale_fd(k), out.view(np.uint8).data, (i * n_layers + layer_idx) * nbytes, self._preadv)
-        if not float8.scales_plain(out):
+        if not scales_plain(out):
             self.check_scales(out, lambda: (example * n_layers + layer_idx) * tokens + np.arange(tokens))
         return out
 
@@ -300,7 +302,7 @@ class ReadPaths(ShardHandles):
         out = self._scales_out(out, (stop - start, md.n_layers, md.tokens_per_ex))
         per_example = md.n_layers * md.tokens_per_ex
         self._read_examples_into(start, stop, out, per_example * SCALES_DTYPE.itemsize, self._scale_fd)
-        if not float8.scales_plain(out):
+        if not scales_plain(out):
             self.check_scales(out, lambda: np.arange(start * per_example, stop * per_example).reshape(out.shape))
         return out
 
@@ -315,7 +317,7 @@ class ReadPaths(ShardHandles):
         ex, li, tok = self._vector_coordinates(examples, layer_idx, tokens)
         out = self._scales_out(out, (ex.size,))
         self._gather_rows(ex, li, tok, out, 1, SCALES_DTYPE.itemsize, self._scale_fd, self.scale_path)
-        if not float8.scales_plain(out):
+        if not scales_plain(out):
             self.check_scales(out, lambda: (ex * self.shape[1] + li) * self.shape[2] + tok)
         return out
 
@@ -326,7 +328,7 @@ class ReadPaths(ShardHandles):
         when all are valid. ``vectors()`` numbers each scale's vector, ``(example * L +
         layer_idx) * T + token`` (of ``scales``' shape, or broadcast to it). A NaN scale is
         valid only for a vector stored as NaN: the bytes of those vectors are read, and must
-        all be 0x7F. Every read of scales calls this, once `float8.scales_plain` (one maximum
+        all be 0x7F. Every read of scales calls this, once `scales_plain` (one maximum
         over their bits) has found something else than plain scales."""
         found = self.scale_problems(scales, vectors)
         if found:
@@ -336,20 +338,20 @@ class ReadPaths(ShardHandles):
     def scale_problems(self, scales: npt.NDArray[Any], vectors: Callable[[], npt.ArrayLike]) -> list[tuple[int, str]]:
         """``(vector number, message)`` of each vector among ``scales`` whose scale the rule
         cannot give (see `check_scales`), by vector number."""
-        if float8.scales_plain(scales):
+        if scales_plain(scales):
             return []
         flat = np.asarray(scales, np.float32).reshape(-1)
-        odd, nan = float8.odd_scales(flat)
+        odd, nan = odd_scales(flat)
         ids = np.broadcast_to(np.asarray(vectors(), np.int64), np.shape(scales)).reshape(-1)
         found: dict[int, str] = {}
         for j in odd[np.unique(ids[odd], return_index=True)[1]].tolist():
-            found[int(ids[j])] = f"scale {float8.describe_scale(flat[j])}: {float8.SCALE_RULE}"
+            found[int(ids[j])] = f"scale {describe_scale(flat[j])}: {SCALE_RULE}"
         if nan.size:  # stored as NaN? Then every byte of the vector is 0x7F (rule 2)
             numbers = np.unique(ids[nan])
             n_layers, tokens = self.shape[1], self.shape[2]
             ex, rest = np.divmod(numbers, n_layers * tokens)
             bytes_ = self.read_vectors_raw(ex, rest // tokens, rest % tokens).view(np.uint8)
-            for number in numbers[~(bytes_ == float8.NAN_BYTE).all(axis=1)].tolist():
+            for number in numbers[~(bytes_ == NAN_BYTE).all(axis=1)].tolist():
                 found.setdefault(
                     int(number),
                     "scale NaN 0x7fc00000, the scale of a vector stored as NaN, but the vector's bytes are not all "

@@ -13,9 +13,7 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
-from .. import float8, layout
-from .._indexing import CACHE_RANGE, getitem, wrap_index
-from ..dtypes import convert, to_float32
+from ..codecs.dtypes import convert, to_float32
 from ..errors import (
     CacheNotFoundError,
     ChecksumMismatchError,
@@ -33,14 +31,17 @@ from ..errors import (
     raise_problems,
 )
 from ..fileio import IO_CHUNK, BlockHasher, hash_file, open_regular
-from ..manifest import Blocks, Manifest
-from ..metadata import Metadata, parse_metadata
+from ..humanize import html_table, human_bytes
 from ..progress import Progress
+from ..protocol import layout
 from ..protocol.common import CHECKSUMS_FILE, FLOAT8, MAX_METADATA_BYTES, METADATA_FILE, SCALES_DTYPE, STATS_FILE
+from ..protocol.float8 import scales_plain
 from ..protocol.jsonfile import is_int, load_json, short_repr
+from ..protocol.manifest import Blocks, Manifest
+from ..protocol.metadata import Metadata, parse_metadata
 from ..protocol.v31 import load_blocks
-from ..units import html_table, human_bytes
 from .handles import Files, LocalFiles
+from .indexing import CACHE_RANGE, getitem, wrap_index
 from .reads import ReadPaths, check_read_dtype
 from .sidecars import Sidecars
 
@@ -146,7 +147,7 @@ class Shards(ReadPaths, Sidecars):
         want = self.read_dtype if dtype is None else check_read_dtype(self.dtype, dtype)
         if self.dtype == FLOAT8:
             found = scales()
-            if vectors is not None and not float8.scales_plain(found):
+            if vectors is not None and not scales_plain(found):
                 self.check_scales(found, vectors)
             return convert(raw, self.dtype, want, found, elementwise=True)
         return convert(raw, self.dtype, want)
@@ -377,14 +378,14 @@ class Shards(ReadPaths, Sidecars):
         """A ``dask.array`` of the logical ``(N, L, T, D)`` tensor over the shard memmaps (no copy
         where no conversion is needed); one chunk per shard, or ``examples_per_chunk`` examples
         (never across shards). Values as `read_dtype`, or ``dtype`` (bfloat16 as float32)."""
-        from ..views import to_dask
+        from .views import to_dask
 
         return to_dask(self if dtype is None else self.with_dtype(dtype), examples_per_chunk)
 
     def to_xarray(self, examples_per_chunk: int | None = None, *, dtype: str | None = None) -> Any:
         """An ``xarray.DataArray`` (dims example, layer, token, dim) over `to_dask`, layer values and
         columns as coordinates."""
-        from ..views import to_xarray
+        from .views import to_xarray
 
         return to_xarray(self if dtype is None else self.with_dtype(dtype), examples_per_chunk)
 
@@ -392,7 +393,7 @@ class Shards(ReadPaths, Sidecars):
         """One picture of this cache (`saev_shards.report`: norms by layer, dimensions with outliers
         marked, CLS and content tokens, lengths and truncation, shard sizes), from one streaming
         pass; saved to ``out`` (``.png`` or ``.html``) when given. Needs the ``plot`` extra."""
-        from ..report import report
+        from .report import report
 
         return report(self, out, progress=progress)
 
@@ -480,9 +481,9 @@ class Shards(ReadPaths, Sidecars):
         reported = {p.message.split(": ")[0] for p in problems}  # a file reported once: its digest or size
         problems.extend(p for p in self._padding_problems() if p.message.split(": ")[0] not in reported)
         raise_problems(problems, self.location)
-        if unchecked and self.metadata.format.history:
+        if unchecked and self.metadata.rules.history:
             warnings.warn(
-                f"{self.location}: {self.metadata.format.summary} records no checksums: the sizes of its "
+                f"{self.location}: {self.metadata.rules.summary} records no checksums: the sizes of its "
                 f"{len(unchecked)} files, its name and the zero padding were checked, not the values",
                 stacklevel=2,
             )
@@ -546,7 +547,7 @@ class Shards(ReadPaths, Sidecars):
         after a shard filled exactly, are zeros, as its writer's memmaps left them. The one check
         of content a cache without checksums allows."""
         md, manifest = self.metadata, self.manifest
-        if not md.format.padded_last or self.url is not None:
+        if not md.rules.padded_last or self.url is not None:
             return []
         regions: list[tuple[str, int, int, str]] = []
         if len(manifest.shards):

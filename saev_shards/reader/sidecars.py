@@ -20,7 +20,6 @@ import numpy.typing as npt
 import orjson
 import xxhash
 
-from .._indexing import wrap_index
 from ..errors import (
     InvalidCacheError,
     JSONFileError,
@@ -35,6 +34,7 @@ from ..protocol.common import METADATA_FILE, stats_max_bytes
 from ..protocol.jsonfile import load_json, read_json_file, short_repr, strict_json_loads
 from ..protocol.v3 import parse_stats, pretty_json
 from .handles import ShardHandles, naming_removal
+from .indexing import wrap_index
 
 
 class TextColumn(Sequence[Any]):
@@ -265,7 +265,7 @@ def sidecar_path(shards: Sidecars) -> Path:
 def manifest_file(shards: Sidecars) -> Path:
     """The file that lists the shards of ``shards``: shards.json, or metadata.json for saev's
     formats before 1.0.0, which have none (their shards follow from it, protocol.md 9.5)."""
-    return shards.path / (shards.metadata.format.manifest_file or METADATA_FILE)
+    return shards.path / (shards.metadata.rules.manifest_file or METADATA_FILE)
 
 
 def manifest_digest(shards: Sidecars) -> str:

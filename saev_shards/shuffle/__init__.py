@@ -37,8 +37,8 @@ import orjson
 
 from ..errors import AlreadyPublishedError, DiskFullError, ShardsError, WriterBusyError
 from ..fileio import check_free_space, fault_point, naming_disk_full, remove_path, take_lock, write_file_atomic
-from ..format import strict_json_loads
 from ..progress import Progress
+from ..protocol.jsonfile import strict_json_loads
 from ..protocol.staging import staging_dir
 from ..reader import Shards
 from ..reader import open as open_path

@@ -24,7 +24,7 @@ import numpy as np
 import numpy.typing as npt
 import xxhash
 
-from ..dtypes import bf16_to_float32
+from ..codecs.bfloat16 import bf16_to_float32
 from ..errors import ShuffleError
 from ..writer import ShardWriter
 from .plan import SOURCE_EXAMPLE, SOURCE_TOKEN, WRITE_QUEUE, ShufflePlan

@@ -21,10 +21,10 @@ import numpy as np
 import numpy.typing as npt
 import xxhash
 
-from .. import dtypes, float8
+from ..codecs import dtypes, float8
 from ..errors import NonFiniteError, ShuffleError
 from ..fileio import aligned_buffer
-from ..float8 import FLOAT8_DTYPE
+from ..protocol.float8 import FLOAT8_DTYPE
 from .order import bucket_of, sort_keys
 from .plan import SOURCE_EXAMPLE, SOURCE_TOKEN, ShufflePlan
 from .runs import RunRecord, run_file, write_record, write_run

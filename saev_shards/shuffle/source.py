@@ -15,12 +15,12 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
-from .. import norms, token_masks
+from .. import token_masks
 from ..errors import ShuffleError
 from ..fileio import pread_exact
 from ..protocol.common import FLOAT8
 from ..protocol.jsonfile import is_int
-from ..reader import Shards
+from ..reader import Shards, norms
 
 #: Token choices: the patches (content tokens), the [CLS] token, or both.
 TOKEN_CHOICES = ("content", "cls", "all")

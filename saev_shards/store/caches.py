@@ -28,13 +28,13 @@ from ..fileio import (
     take_lock,
     try_flock,
 )
-from ..metadata import Metadata, parse_metadata
+from ..humanize import human_bytes
 from ..protocol import is_cache_name
 from ..protocol.common import MANIFEST_FILE, MAX_METADATA_BYTES, METADATA_FILE
 from ..protocol.jsonfile import read_json_file
+from ..protocol.metadata import Metadata, parse_metadata
 from ..protocol.staging import LOCK_SUFFIX, OLD_LOCK_FILE, STAGING_PREFIX, part_record_shard
 from ..remote.url import is_url
-from ..units import human_bytes
 from .inuse import users
 from .roots import (
     COPY_PREFIX,
@@ -454,7 +454,7 @@ def summary(shards: reader.Shards) -> dict[str, Any]:
         "protocol": md.protocol,
         # How metadata.json is spelled: the protocol's own ("3.0") or one of saev's (protocol 2.1).
         "dialect": md.dialect,
-        "dialect_summary": md.format.summary,
+        "dialect_summary": md.rules.summary,
         # One of saev's earlier formats (protocol.md 9.5): what it does not record, the rule its
         # name is the hash by, and what `verify` checks; None for the other dialects.
         "saev_format": _saev_format(md),
@@ -497,7 +497,7 @@ def summary(shards: reader.Shards) -> dict[str, Any]:
 
 
 def _saev_format(md: Metadata) -> dict[str, Any] | None:
-    fmt = md.format
+    fmt = md.rules
     if not fmt.history:
         return None
     return {

@@ -35,10 +35,10 @@ from ..errors import (
     UnknownCacheError,
 )
 from ..fileio import fault_point
-from ..metadata import Metadata
 from ..progress import Progress
 from ..protocol import is_cache_name
 from ..protocol.common import MANIFEST_FILE, METADATA_FILE
+from ..protocol.metadata import Metadata
 from ..reader.sidecars import SIDECAR_DIR, sidecar_path
 from ..remote.client import PART_BYTES, Client, requests_in_flight
 from ..remote.url import is_url, join_url, split_url, strip
@@ -95,9 +95,9 @@ def push(
         raise CacheRefError(f"push: expected a remote shards root (s3://bucket/prefix, ...), found {root_url!r}")
     source = reader.open(resolve(ref, roots))
     md = source.metadata
-    if md.format.legacy:
+    if md.rules.legacy:
         raise ManifestError(
-            f"{source.path}: a protocol {md.protocol} cache ({md.format.summary}): remote caches are protocol 3 "
+            f"{source.path}: a protocol {md.protocol} cache ({md.rules.summary}): remote caches are protocol 3 "
             f"only; convert it first (`saev-shards convert {source.path} --to 3.0`)"
         )
     url = join_url(root_url, md.hash)

@@ -19,8 +19,9 @@ from ..errors import (
     RunWarning,
     ShardsError,
 )
-from ..format import MAX_METADATA_BYTES, METADATA_FILE, read_json_file
-from ..metadata import Metadata, parse_metadata
+from ..protocol.common import MAX_METADATA_BYTES, METADATA_FILE
+from ..protocol.jsonfile import read_json_file
+from ..protocol.metadata import Metadata, parse_metadata
 from .roots import PathLike, Roots, _scan, resolve, runs_root
 
 #: The links a run folder holds (seed 004): the caches and the datasets they came from.

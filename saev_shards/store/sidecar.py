@@ -33,9 +33,8 @@ import xxhash
 from .. import reader
 from ..errors import StatsFileError
 from ..fileio import file_kind, naming_disk_full, write_file_atomic
-from ..format import pretty_json
 from ..progress import Progress
-from ..protocol.v3 import parse_stats
+from ..protocol.v3 import parse_stats, pretty_json
 from ..reader.sidecars import SIDECAR_DIR, SIDECAR_KEYS, find_stats, manifest_digest, sidecar_path
 from ..statistics import STATS_CHUNK, StatsAccumulator
 

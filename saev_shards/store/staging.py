@@ -283,8 +283,8 @@ def _copy_files(
                 list(pool.map(one, files))
     expected = {fname: nbytes for fname, nbytes, _ in files}
     # The small JSON files go last: their presence never suggests the data is complete.
-    sidecars = source.metadata.format.sidecar_names
-    listing = () if source.metadata.format.manifest_file is None else (MANIFEST_FILE,)  # saev before 1.0.0: none
+    sidecars = source.metadata.rules.sidecar_names
+    listing = () if source.metadata.rules.manifest_file is None else (MANIFEST_FILE,)  # saev before 1.0.0: none
     for fname in (METADATA_FILE, *listing, *sidecars):
         src = source.path / fname
         if src.exists() or fname not in sidecars:

@@ -17,7 +17,7 @@ import pytest
 
 import saev_shards as ss
 from saev_shards import cli
-from saev_shards.units import human_bytes
+from saev_shards.humanize import human_bytes
 
 from ..support.caches import colliding_metadata, small_metadata, tree_bytes, writable_copy, write_cache
 from ..support.cli import cli_with_ctrl_c

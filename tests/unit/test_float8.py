@@ -15,8 +15,9 @@ from hypothesis import strategies as st
 from hypothesis.extra import numpy as hnp
 
 import saev_shards as ss
-from saev_shards import float8
-from saev_shards.float8 import FLOAT8_DTYPE
+from saev_shards.codecs import _float8_passes, float8
+from saev_shards.codecs.bfloat16 import float32_to_bf16
+from saev_shards.protocol.float8 import FLOAT8_DTYPE
 
 from ..support.caches import small_metadata
 
@@ -70,7 +71,7 @@ def test_round_trip_is_within_the_bound_per_element(x: np.ndarray[Any, Any]) -> 
     if float(np.float32(448) * (s.max() if s.size else 0)) < 65520:
         np.testing.assert_array_equal(float8.dequantize(q, s, "float16"), back.astype(np.float16))
     bf16 = ss.dtypes.convert(q, "float8_e4m3", "bfloat16", s)
-    np.testing.assert_array_equal(bf16, ss.dtypes.float32_to_bf16(back))
+    np.testing.assert_array_equal(bf16, float32_to_bf16(back))
 
 
 @given(activations())
@@ -106,7 +107,7 @@ def test_the_rule_in_torch_ops_gives_the_host_bytes(x: np.ndarray[Any, Any], dty
     specials = np.array([[0.0, -0.0], [1.0, np.nan], [np.inf, 1.0], [1e-44, 0.0], [3e-40, -2e-40]], np.float32)
     for values in (x, specials):
         t = torch.from_numpy(values.copy()).to(getattr(torch, dtype))
-        q, s = float8._quantize_torch(t)
+        q, s = _float8_passes.quantize_torch(t)
         ref_q, ref_s = float8.quantize_numpy(t.to(torch.float32).numpy())
         np.testing.assert_array_equal(q.numpy(), ref_q.view(np.uint8))
         np.testing.assert_array_equal(s.numpy().view(np.uint32), ref_s.view(np.uint32))
@@ -221,7 +222,7 @@ def test_every_read_path_dequantizes_and_refuses_float16_overflow(tmp_path: Path
     np.testing.assert_array_equal(shards.get(4, md.layers[1], 2, dtype="float32"), want[4, 1, 2])
     np.testing.assert_array_equal(shards.read_example(4, 1, dtype="float32"), want[4, 1])
     bf16 = shards.read_range(0, 6, dtype="bfloat16")
-    np.testing.assert_array_equal(bf16, ss.dtypes.float32_to_bf16(want))
+    np.testing.assert_array_equal(bf16, float32_to_bf16(want))
     np.testing.assert_array_equal(shards[:3], want[:3].astype(np.float16))  # the other examples fit
     assert shards.scales is not None
     np.testing.assert_array_equal(shards.scales[4, 1], s[4, 1])

@@ -8,7 +8,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 import saev_shards as ss
-from saev_shards import layout
+from saev_shards.protocol import layout
 
 from ..support import strategies
 

@@ -11,8 +11,8 @@ import pytest
 import torch
 
 import saev_shards as ss
+from saev_shards.dump.recorder import AsyncWriter, Recorder, find_blocks, resolve_modules
 from saev_shards.errors import RecorderError
-from saev_shards.recorder import AsyncWriter, Recorder, find_blocks, resolve_modules
 
 from ..support.caches import small_metadata, tree_bytes
 from ..support.models import TinyTextModel, TinyViT

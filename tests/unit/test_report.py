@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 import saev_shards as ss
-from saev_shards import report as report_mod
+from saev_shards.reader import report as report_mod
 
 from ..support.caches import small_metadata
 

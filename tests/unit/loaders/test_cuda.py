@@ -27,10 +27,11 @@ from hypothesis import strategies as st
 from hypothesis.extra import numpy as hnp
 
 import saev_shards as ss
-from saev_shards import float8, loaders
+from saev_shards import loaders
+from saev_shards.codecs import float8
+from saev_shards.dump.recorder import AsyncWriter
 from saev_shards.loaders import Batch, device, token_loader
 from saev_shards.loaders.tensors import pinned_empty
-from saev_shards.recorder import AsyncWriter
 
 from ...support import strategies
 from ...support.caches import small_metadata, tree_bytes

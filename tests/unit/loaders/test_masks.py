@@ -13,8 +13,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import saev_shards as ss
-from saev_shards import loaders, norms
+from saev_shards import loaders
 from saev_shards.errors import LoaderError
+from saev_shards.reader import norms
 
 from ...support.caches import small_metadata
 

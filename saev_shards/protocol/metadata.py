@@ -4,18 +4,20 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import warnings
 from typing import Any
 
 import numpy as np
 
+from ..errors import DtypeError, MetadataError, NameNotFoundError, Problems
 from . import layout
-from .errors import DtypeError, MetadataError, NameNotFoundError, Problems
-from .protocol import DEFAULT_DIALECTS, DIALECTS, Dialect, detect
-from .protocol.common import DEFAULT_DTYPE, DTYPES, FLOAT8, METADATA_PROTOCOLS, PROTOCOL, PROTOCOL_32, SCALES_DTYPE
-from .protocol.jsonfile import is_int, json_value_problem, short_repr, type_name
-from .protocol.saev_code import DEFAULT_PIXEL_AGG as SAEV_DEFAULT_PIXEL_AGG
-from .protocol.sites import Site, as_site, describe, normalise, site_problem, sites_problems
-from .protocol.v3 import KEYS
+from .common import DEFAULT_DTYPE, DTYPES, FLOAT8, METADATA_PROTOCOLS, PROTOCOL, PROTOCOL_32, SCALES_DTYPE
+from .dialect import Dialect
+from .jsonfile import is_int, json_value_problem, short_repr, type_name
+from .saev_code import DEFAULT_PIXEL_AGG as SAEV_DEFAULT_PIXEL_AGG
+from .sites import Site, as_site, describe, normalise, site_problem, sites_problems
+from .v3 import KEYS
+from .versions import DEFAULT_DIALECTS, DIALECTS, detect
 
 SAEV_DEFAULT_DIALECT = "saev"
 __all__ = ["FIELDS", "KEYS", "Metadata", "Site", "check_fields", "parse_metadata", "validate"]
@@ -93,17 +95,25 @@ class Metadata:
         return {name: getattr(self, name) for name in FIELDS}
 
     @property
-    def format(self) -> Dialect:
-        """The dialect's byte rules (`saev_shards.protocol.Dialect`)."""
+    def rules(self) -> Dialect:
+        """The byte rules of this cache's `dialect` (a `saev_shards.protocol.Dialect`; `dialect`
+        is its name)."""
         return DIALECTS[self.dialect]
+
+    @property
+    def format(self) -> Dialect:
+        """Deprecated: `rules` (the name it had before ``dialect``'s object and string were told
+        apart). Warns with `DeprecationWarning`."""
+        warnings.warn("Metadata.format is deprecated; use Metadata.rules", DeprecationWarning, stacklevel=2)
+        return self.rules
 
     def to_dict(self) -> dict[str, Any]:
         """The JSON object stored as metadata.json, keys in the order written (layers as a list)."""
-        return self.format.to_json(self)
+        return self.rules.to_json(self)
 
     def to_bytes(self) -> bytes:
         """metadata.json's bytes, as this cache's dialect writes them."""
-        return self.format.metadata_bytes(self)
+        return self.rules.metadata_bytes(self)
 
     @property
     def hash(self) -> str:
@@ -111,7 +121,7 @@ class Metadata:
         sort_keys=True, separators=(',', ':')))``, 64 hex digits; for saev's code the first 8
         (``"saev-64"``: all 64) of the sha256 of its compact orjson in field order (protocol.md 9);
         for saev's earlier formats all 64 digits by each one's rule (protocol.md 9.5)."""
-        return self.format.directory_name(self)
+        return self.rules.directory_name(self)
 
     def __hash__(self) -> int:
         return hash(self.hash)
@@ -206,7 +216,7 @@ class Metadata:
 
         Protocol 2.1 pads the last shard to a full shard, as saev's writer does.
         """
-        return self.format.shard_nbytes(self, shard)
+        return self.rules.shard_nbytes(self, shard)
 
     def site_of(self, layer: int) -> Site | None:
         """What the slot of layer value ``layer`` holds: its `Site` (protocol 3.2), or None for a

@@ -33,13 +33,14 @@ import numpy as np
 import numpy.typing as npt
 import orjson
 
-from . import dtypes
-from .errors import ShardsError
-from .optional import require
-from .protocol.common import FLOAT8
+from ..codecs import dtypes
+from ..codecs.bfloat16 import bf16_to_float32
+from ..errors import ShardsError
+from ..optional import require
+from ..protocol.common import FLOAT8
 
 if TYPE_CHECKING:
-    from .reader import Shards
+    from .shards import Shards
 
 #: The dims of the logical tensor, in order.
 DIMS = ("example", "layer", "token", "dim")
@@ -81,7 +82,7 @@ def to_dask(shards: Shards, examples_per_chunk: int | None = None) -> Any:
     name = f"saev-{shards.metadata.hash}-{examples_per_chunk or 'shard'}"
     arr = da.from_array(_Window(shards), chunks=chunks, asarray=False, lock=False, fancy=False, name=name)
     if shards.read_dtype == "bfloat16":
-        return arr.map_blocks(dtypes.bf16_to_float32, dtype=np.float32)
+        return arr.map_blocks(bf16_to_float32, dtype=np.float32)
     return arr
 
 

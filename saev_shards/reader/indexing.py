@@ -14,7 +14,7 @@ from typing import Any, Protocol
 import numpy as np
 import numpy.typing as npt
 
-from .protocol.jsonfile import is_int
+from ..protocol.jsonfile import is_int
 
 NDIM = 4
 

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Iterable, Iterator
-from typing import Any
+from typing import Any, TypedDict, Unpack
 
 import numpy as np
 import torch
@@ -63,6 +63,14 @@ def normaliser(stats: dict[str, Any], layer_index: int) -> tuple[torch.Tensor, f
     return mean, scale
 
 
+class Log(TypedDict, total=False):
+    """How `train` reports: every ``log_every`` steps (default 25), a line passed to ``say``
+    (default `print`)."""
+
+    log_every: int
+    say: Callable[[str], None]
+
+
 def train(
     sae: TopKSAE,
     batches: Iterable[torch.Tensor],
@@ -71,16 +79,20 @@ def train(
     mean: torch.Tensor,
     scale: float,
     lr: float = 1e-3,
-    log_every: int = 25,
-    say: Callable[[str], None] = print,
     target: tuple[torch.Tensor, float] | None = None,
+    **log: Unpack[Log],
 ) -> list[tuple[int, float]]:
     """Train on ``steps`` batches of raw activations; return ``(step, mean loss since last log)``.
 
     ``target`` ``(mean, scale)``: train a transcoder. Each batch is ``(B, 2, D)``: the input
     ``[:, 0]`` (normalised with ``mean`` and ``scale``) and the output to predict ``[:, 1]``
     (normalised with ``target``'s); the loss is the fraction of the output's variance left
-    unexplained."""
+    unexplained. ``log_every=`` and ``say=`` (`Log`): how often it reports, and to what."""
+    unknown = sorted(set(log) - set(Log.__annotations__))
+    if unknown:
+        raise TypeError(f"train() got unexpected keyword arguments: {', '.join(unknown)}")
+    log_every = log.get("log_every", 25)
+    say = log.get("say", print)
     opt = torch.optim.Adam(sae.parameters(), lr=lr)
     history: list[tuple[int, float]] = []
     running, count = 0.0, 0

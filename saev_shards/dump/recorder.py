@@ -37,10 +37,10 @@ from typing import Any
 import numpy as np
 import torch
 
-from ._layers import string_layers_problem
-from .errors import RecorderError, WriterError
-from .protocol.sites import Site, as_site
-from .writer import ShardWriter
+from .._layers import string_layers_problem
+from ..errors import RecorderError, WriterError
+from ..protocol.sites import Site, as_site
+from ..writer import ShardWriter
 
 #: Stored dtype names to torch dtypes.
 TORCH_DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32}

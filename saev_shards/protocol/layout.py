@@ -12,7 +12,7 @@ from __future__ import annotations
 import numpy as np
 import numpy.typing as npt
 
-from .errors import MetadataError
+from ..errors import MetadataError
 
 #: Largest byte count a single file (and numpy's int64 offsets) may describe.
 MAX_NBYTES = 2**63 - 1

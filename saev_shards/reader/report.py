@@ -39,14 +39,14 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import numpy.typing as npt
 
-from .errors import ShardsError
+from ..errors import ShardsError
+from ..humanize import human_bytes
+from ..optional import require
 from .norms import vector_blocks
-from .optional import require
-from .units import human_bytes
 
 if TYPE_CHECKING:
-    from .metadata import Metadata
-    from .reader import Shards
+    from ..protocol.metadata import Metadata
+    from .shards import Shards
 
 #: A dimension is an outlier when its root mean square exceeds this many times the layer's median.
 OUTLIER_MULTIPLE = 10.0

@@ -31,12 +31,12 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import numpy.typing as npt
 
-from .errors import ShardsError
-from .progress import Progress
-from .protocol.jsonfile import short_repr
+from ..errors import ShardsError
+from ..progress import Progress
+from ..protocol.jsonfile import short_repr
 
 if TYPE_CHECKING:
-    from .reader import Shards
+    from .shards import Shards
 
 #: Bytes read per step of a pass (bounds its memory: the block and its float32 norms).
 PASS_BYTES = 32 << 20
