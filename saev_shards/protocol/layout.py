@@ -9,10 +9,43 @@ holds any byte offset of a file smaller than 8 EiB.
 
 from __future__ import annotations
 
+import functools
+from collections.abc import Callable
+from typing import Any, TypeVar
+
 import numpy as np
 import numpy.typing as npt
 
 from ..errors import MetadataError
+
+#: Largest byte count a single file (and numpy's int64 offsets) may describe.
+MAX_NBYTES = 2**63 - 1
+
+F = TypeVar("F", bound=Callable[..., Any])
+
+
+def _earlier_keywords(f: F) -> F:
+    """Let ``f`` take the keywords of this module's earlier signatures: ``eps`` for
+    ``examples_per_shard``, and ``d_model`` with ``itemsize`` for ``vector_nbytes`` (their
+    product)."""
+    names = set(f.__code__.co_varnames[: f.__code__.co_argcount + f.__code__.co_kwonlyargcount])
+
+    @functools.wraps(f)
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        if kwargs.keys() <= names:
+            return f(*args, **kwargs)
+        if "eps" in kwargs:
+            if "examples_per_shard" in kwargs:
+                raise TypeError(f"{f.__name__}() got both eps and examples_per_shard (the same argument)")
+            kwargs["examples_per_shard"] = kwargs.pop("eps")
+        if "d_model" in kwargs or "itemsize" in kwargs:
+            if "vector_nbytes" in kwargs or not {"d_model", "itemsize"} <= kwargs.keys():
+                raise TypeError(f"{f.__name__}() takes vector_nbytes, or d_model and itemsize together")
+            kwargs["vector_nbytes"] = kwargs.pop("d_model") * kwargs.pop("itemsize")
+        return f(*args, **kwargs)
+
+    return wrapper  # type: ignore[return-value]
+
 
 #: Largest byte count a single file (and numpy's int64 offsets) may describe.
 MAX_NBYTES = 2**63 - 1
@@ -40,17 +73,19 @@ def examples_per_shard(patches_per_shard: int, tokens: int, n_layers: int) -> in
     return eps
 
 
-def n_shards(n_examples: int, eps: int) -> int:
+@_earlier_keywords
+def n_shards(n_examples: int, examples_per_shard: int) -> int:
     """Number of shard files: ``ceil(n_examples / examples_per_shard)``."""
-    return -(-n_examples // eps)
+    return -(-n_examples // examples_per_shard)
 
 
-def shard_n_examples(shard: int, n_examples: int, eps: int) -> int:
-    """Examples held by shard ``shard``: ``eps`` for all but the last, the rest in the last."""
-    count = n_shards(n_examples, eps)
+@_earlier_keywords
+def shard_n_examples(shard: int, n_examples: int, examples_per_shard: int) -> int:
+    """Examples held by shard ``shard``: ``examples_per_shard`` for all but the last, the rest in the last."""
+    count = n_shards(n_examples, examples_per_shard)
     if not 0 <= shard < count:
         raise IndexError(f"shard {shard} out of range for a cache of {count} shards")
-    return min(eps, n_examples - shard * eps)
+    return min(examples_per_shard, n_examples - shard * examples_per_shard)
 
 
 def example_nbytes(n_layers: int, tokens: int, d_model: int, itemsize: int) -> int:
@@ -58,9 +93,10 @@ def example_nbytes(n_layers: int, tokens: int, d_model: int, itemsize: int) -> i
     return n_layers * tokens * d_model * itemsize
 
 
-def shard_of(example: int, eps: int) -> tuple[int, int]:
+@_earlier_keywords
+def shard_of(example: int, examples_per_shard: int) -> tuple[int, int]:
     """``(shard_idx, ex_in_shard)`` of a global example index (protocol.md 4.2 step 1)."""
-    return example // eps, example % eps
+    return divmod(example, examples_per_shard)
 
 
 def offset_in_vectors(ex_in_shard: int, layer_idx: int, token: int, n_layers: int, tokens: int) -> int:
@@ -68,22 +104,24 @@ def offset_in_vectors(ex_in_shard: int, layer_idx: int, token: int, n_layers: in
     return ex_in_shard * n_layers * tokens + layer_idx * tokens + token
 
 
+@_earlier_keywords
 def locate(
     example: int,
     layer_idx: int,
     token: int,
     *,
     n_examples: int,
-    eps: int,
+    examples_per_shard: int,
     n_layers: int,
     tokens: int,
-    d_model: int,
-    itemsize: int,
+    vector_nbytes: int,
 ) -> tuple[int, int]:
     """``(shard_idx, byte_offset)`` of the first byte of vector ``[example, layer_idx, token]``.
 
-    ``layer_idx`` is a position in ``metadata.layers`` (not a layer value). Raises
-    `IndexError` for coordinates outside the logical tensor.
+    ``layer_idx`` is a position in ``metadata.layers`` (not a layer value). ``vector_nbytes``
+    is ``d_model * itemsize`` in a shard file, 4 in a float8_e4m3 cache's scale file (one
+    float32 per vector); the earlier keywords ``eps``, ``d_model`` and ``itemsize`` still work.
+    Raises `IndexError` for coordinates outside the logical tensor.
     """
     if not 0 <= example < n_examples:
         raise IndexError(f"example {example} out of range [0, {n_examples})")
@@ -91,25 +129,25 @@ def locate(
         raise IndexError(f"layer index {layer_idx} out of range [0, {n_layers})")
     if not 0 <= token < tokens:
         raise IndexError(f"token {token} out of range [0, {tokens})")
-    shard, ex_in_shard = shard_of(example, eps)
+    shard, ex_in_shard = shard_of(example, examples_per_shard)
     vectors = offset_in_vectors(ex_in_shard, layer_idx, token, n_layers, tokens)
-    return shard, vectors * d_model * itemsize
+    return shard, vectors * vector_nbytes
 
 
+@_earlier_keywords
 def locate_many(
     examples: npt.ArrayLike,
     layer_idx: npt.ArrayLike,
     tokens_idx: npt.ArrayLike,
     *,
-    eps: int,
+    examples_per_shard: int,
     n_layers: int,
     tokens: int,
-    d_model: int,
-    itemsize: int,
+    vector_nbytes: int,
 ) -> tuple[npt.NDArray[np.int64], npt.NDArray[np.int64]]:
     """Vectorised `locate` without bounds checks: int64 arrays ``(shard_idx, byte_offset)``."""
     ex = np.asarray(examples, dtype=np.int64)
-    shard = ex // eps
-    vectors = (ex % eps) * (n_layers * tokens) + np.asarray(layer_idx, np.int64) * tokens
+    shard = ex // examples_per_shard
+    vectors = (ex % examples_per_shard) * (n_layers * tokens) + np.asarray(layer_idx, np.int64) * tokens
     vectors = vectors + np.asarray(tokens_idx, np.int64)
-    return shard, vectors * (d_model * itemsize)
+    return shard, vectors * vector_nbytes

@@ -164,7 +164,7 @@ class Manifest:
 
 
 @dataclasses.dataclass(frozen=True)
-class Blocks:
+class BlockDigests:
     """blocks.json (protocol 3.1): the xxh3_128 digest of every ``block_size`` bytes of every
     listed file; block ``i`` of a file covers bytes ``[i * block_size, (i + 1) * block_size)``
     (the last one ends with the file)."""
@@ -177,3 +177,8 @@ class Blocks:
         """``(first, last)`` byte of block ``index`` of a file of ``nbytes`` bytes (inclusive)."""
         first = index * self.block_size
         return first, min(first + self.block_size, nbytes) - 1
+
+
+#: The earlier name of `BlockDigests` ("blocks" alone also names the loaders' read spans and a
+#: model's transformer blocks).
+Blocks = BlockDigests

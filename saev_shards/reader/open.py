@@ -402,6 +402,15 @@ def _check_one_file(path: Path, nbytes: int) -> list[Problem]:
 def _check_other_files(root: Path, md: Metadata, manifest: Manifest, *, on_disk: bool = True) -> list[Problem]:
     """The shapes and sizes the manifest gives the files beside the shards; with ``on_disk``,
     also each file itself, and no unlisted data file in ``root``."""
+    problems = _listed_file_problems(root, md, manifest, on_disk=on_disk)
+    if on_disk:
+        problems += _unlisted_file_problems(root, md, manifest)
+    return problems
+
+
+def _listed_file_problems(root: Path, md: Metadata, manifest: Manifest, *, on_disk: bool) -> list[Problem]:
+    """The shapes and sizes the manifest gives labels, columns, text, blocks.json and
+    stats.json; with ``on_disk``, also each file itself (`_check_one_file`)."""
     problems: list[Problem] = []
     where = root / MANIFEST_FILE
 
@@ -461,8 +470,12 @@ def _check_other_files(root: Path, md: Metadata, manifest: Manifest, *, on_disk:
             )
         else:
             problems.extend(_check_file(root / manifest.stats.name, manifest.stats.nbytes))
-    if not on_disk:
-        return problems
+    return problems
+
+
+def _unlisted_file_problems(root: Path, md: Metadata, manifest: Manifest) -> list[Problem]:
+    """A data file in ``root`` (a shard's name, labels, stats, a column, text; blocks.json and
+    scale files from protocol 3.1 on) that the manifest does not list."""
     present = set(os.listdir(root))
     unlisted = present.difference(manifest.shards.names)  # set operations in C: 10^4 names
     unlisted.difference_update(manifest.empty_shards.names)
@@ -477,12 +490,11 @@ def _check_other_files(root: Path, md: Metadata, manifest: Manifest, *, on_disk:
         if listing is not None
         else f"beyond the shards of n_examples={md.n_examples} ({md.rules.summary} has no {MANIFEST_FILE})"
     )
-    problems.extend(
+    return [
         Problem(UnexpectedFileError, f"{root / name}: data file {unlisted_why}")
         for name in sorted(unlisted)
         if SHARD_NAME_RE.fullmatch(name)
         or name in (LABELS_FILE, STATS_FILE)
         or (name.startswith(("column.", "text.")) and name.endswith((".bin", ".jsonl")))
         or (v31 and (name == BLOCKS_FILE or SCALES_NAME_RE.fullmatch(name) is not None))
-    )
-    return problems
+    ]

@@ -37,8 +37,8 @@ from .indexing import CACHE_RANGE, wrap_index
 _IOV_MAX = 1024
 
 
-class ReadPaths(ShardHandles):
-    """Fast copying reads (pread; used by loaders, the shuffle and benchmarks)."""
+class RawReads(ShardHandles):
+    """The stored values, copied with ``pread`` (the loaders' hot path, the shuffle, benchmarks)."""
 
     shape: tuple[int, int, int, int]
     n_examples: int
@@ -46,88 +46,6 @@ class ReadPaths(ShardHandles):
     dtype: str
     read_dtype: str
     _slice_nbytes: int
-
-    # -- values in the caller's dtype ------------------------------------------------------
-    def read_example(
-        self, example: int, layer_idx: int, out: npt.NDArray[Any] | None = None, *, dtype: str | None = None
-    ) -> npt.NDArray[Any]:
-        """Copy ``[example, layer_idx]`` ``(T, D)`` into ``out``, in ``out``'s dtype, else
-        ``dtype``, else `read_dtype` (float8_e4m3 dequantized: one ``pread`` of the values and
-        one of their ``T`` scales). ``layer_idx`` is a position in ``metadata.layers``."""
-        want = self._want(out, dtype)
-        if want == self.dtype:
-            return self.read_example_raw(example, layer_idx, out)
-        raw = self.read_example_raw(example, layer_idx, np.empty(self.shape[2:], self.numpy_dtype))
-        scales = self.read_example_scales(example, layer_idx) if self.dtype == FLOAT8 else None
-        return dtypes.convert(raw, self.dtype, want, scales, out)
-
-    def read_range(
-        self, start: int, stop: int, out: npt.NDArray[Any] | None = None, *, dtype: str | None = None
-    ) -> npt.NDArray[Any]:
-        """Copy examples ``[start, stop)`` ``(stop - start, L, T, D)`` into ``out``, in the dtype
-        chosen as for `read_example`."""
-        want = self._want(out, dtype)
-        if want == self.dtype:
-            return self.read_range_raw(start, stop, out)
-        raw = self.read_range_raw(start, stop)
-        scales = self.read_range_scales(start, stop) if self.dtype == FLOAT8 else None
-        return dtypes.convert(raw, self.dtype, want, scales, out)
-
-    def read_vectors(
-        self,
-        examples: npt.ArrayLike,
-        layer_idx: npt.ArrayLike,
-        tokens: npt.ArrayLike,
-        out: npt.NDArray[Any] | None = None,
-        *,
-        dtype: str | None = None,
-    ) -> npt.NDArray[Any]:
-        """Copy the ``(n, D)`` vectors ``[examples[j], layer_idx[j], tokens[j]]`` (positions,
-        broadcast) into ``out``, in the dtype chosen as for `read_example`; see `read_vectors_raw`."""
-        want = self._want(out, dtype)
-        if want == self.dtype:
-            return self.read_vectors_raw(examples, layer_idx, tokens, out)
-        raw = self.read_vectors_raw(examples, layer_idx, tokens)
-        scales = self.read_vectors_scales(examples, layer_idx, tokens) if self.dtype == FLOAT8 else None
-        return dtypes.convert(raw, self.dtype, want, scales, out)
-
-    def read_examples(
-        self,
-        examples: npt.ArrayLike,
-        layer_idx: npt.ArrayLike,
-        out: npt.NDArray[Any] | None = None,
-        *,
-        dtype: str | None = None,
-    ) -> npt.NDArray[Any]:
-        """Copy ``(n, T, D)`` slices for pairs ``(examples[j], layer_idx[j])`` (positions), in the
-        dtype chosen as for `read_example`."""
-        ex = np.asarray(examples, dtype=np.int64).reshape(-1)
-        li = np.broadcast_to(np.asarray(layer_idx, dtype=np.int64), ex.shape)
-        md = self.metadata
-        want = self._want(out, dtype)
-        if out is None:
-            out = np.empty(
-                (len(ex), *md.shard_shape[2:]), self.numpy_dtype if want == self.dtype else dtypes.READ_DTYPES[want]
-            )
-        for j in range(len(ex)):
-            self.read_example(int(ex[j]), int(li[j]), out[j], dtype=want)
-        return out
-
-    def _want(self, out: npt.NDArray[Any] | None, dtype: str | None) -> str:
-        """The dtype name a read returns: ``out``'s, else ``dtype``, else `read_dtype`."""
-        if out is not None:
-            if out.dtype == self.numpy_dtype:
-                return self.dtype
-            for name, np_dtype in dtypes.READ_DTYPES.items():
-                if out.dtype == np_dtype:
-                    return name
-            raise ValueError(
-                f"out: expected a {self.numpy_dtype} array (the stored values) or one of "
-                f"{[str(d) for d in dtypes.READ_DTYPES.values()]}, found {out.dtype}"
-            )
-        if dtype is None:
-            return self.read_dtype
-        return check_read_dtype(self.dtype, dtype)
 
     # -- the stored values -------------------------------------------------------------------
     def read_example_raw(self, example: int, layer_idx: int, out: npt.NDArray[Any] | None = None) -> npt.NDArray[Any]:
@@ -254,8 +172,8 @@ class ReadPaths(ShardHandles):
         if n == 0:
             return
         shard, offset = layout.locate_many(
-            ex, li, tok, eps=md.examples_per_shard, n_layers=md.n_layers, tokens=md.tokens_per_ex,
-            d_model=row_values, itemsize=itemsize,
+            ex, li, tok, examples_per_shard=md.examples_per_shard, n_layers=md.n_layers, tokens=md.tokens_per_ex,
+            vector_nbytes=row_values * itemsize,
         )  # fmt: skip
         vec = row_values * itemsize
         order = np.lexsort((offset, shard))
@@ -274,6 +192,10 @@ class ReadPaths(ShardHandles):
                 got = self._preadv(fd, part, off + (c - a) * vec)
                 if got != len(part) * vec:
                     raise FileSizeError(f"{path_of(k)}: short read at byte {off} (file truncated after open?)")
+
+
+class ScaleReads(RawReads):
+    """A float8_e4m3 cache's float32 scales, copied with ``pread``, and what a scale file may hold."""
 
     # -- the scales of a float8_e4m3 cache -----------------------------------------------------
     def read_example_scales(
@@ -384,6 +306,93 @@ class ReadPaths(ShardHandles):
                 f"out must be a C-contiguous float32 array of shape {shape}, found {out.dtype} {out.shape}"
             )
         return out
+
+
+class ReadPaths(ScaleReads):
+    """Fast copying reads (pread; used by loaders, the shuffle and benchmarks): the stored
+    values (`RawReads`), the scales (`ScaleReads`), and values in the caller's dtype (here)."""
+
+    # -- values in the caller's dtype ------------------------------------------------------
+    def read_example(
+        self, example: int, layer_idx: int, out: npt.NDArray[Any] | None = None, *, dtype: str | None = None
+    ) -> npt.NDArray[Any]:
+        """Copy ``[example, layer_idx]`` ``(T, D)`` into ``out``, in ``out``'s dtype, else
+        ``dtype``, else `read_dtype` (float8_e4m3 dequantized: one ``pread`` of the values and
+        one of their ``T`` scales). ``layer_idx`` is a position in ``metadata.layers``."""
+        want = self._want(out, dtype)
+        if want == self.dtype:
+            return self.read_example_raw(example, layer_idx, out)
+        raw = self.read_example_raw(example, layer_idx, np.empty(self.shape[2:], self.numpy_dtype))
+        scales = self.read_example_scales(example, layer_idx) if self.dtype == FLOAT8 else None
+        return dtypes.convert(raw, self.dtype, want, scales, out)
+
+    def read_range(
+        self, start: int, stop: int, out: npt.NDArray[Any] | None = None, *, dtype: str | None = None
+    ) -> npt.NDArray[Any]:
+        """Copy examples ``[start, stop)`` ``(stop - start, L, T, D)`` into ``out``, in the dtype
+        chosen as for `read_example`."""
+        want = self._want(out, dtype)
+        if want == self.dtype:
+            return self.read_range_raw(start, stop, out)
+        raw = self.read_range_raw(start, stop)
+        scales = self.read_range_scales(start, stop) if self.dtype == FLOAT8 else None
+        return dtypes.convert(raw, self.dtype, want, scales, out)
+
+    def read_vectors(
+        self,
+        examples: npt.ArrayLike,
+        layer_idx: npt.ArrayLike,
+        tokens: npt.ArrayLike,
+        out: npt.NDArray[Any] | None = None,
+        *,
+        dtype: str | None = None,
+    ) -> npt.NDArray[Any]:
+        """Copy the ``(n, D)`` vectors ``[examples[j], layer_idx[j], tokens[j]]`` (positions,
+        broadcast) into ``out``, in the dtype chosen as for `read_example`; see `read_vectors_raw`."""
+        want = self._want(out, dtype)
+        if want == self.dtype:
+            return self.read_vectors_raw(examples, layer_idx, tokens, out)
+        raw = self.read_vectors_raw(examples, layer_idx, tokens)
+        scales = self.read_vectors_scales(examples, layer_idx, tokens) if self.dtype == FLOAT8 else None
+        return dtypes.convert(raw, self.dtype, want, scales, out)
+
+    def read_examples(
+        self,
+        examples: npt.ArrayLike,
+        layer_idx: npt.ArrayLike,
+        out: npt.NDArray[Any] | None = None,
+        *,
+        dtype: str | None = None,
+    ) -> npt.NDArray[Any]:
+        """Copy ``(n, T, D)`` slices for pairs ``(examples[j], layer_idx[j])`` (positions), in the
+        dtype chosen as for `read_example`."""
+        ex = np.asarray(examples, dtype=np.int64).reshape(-1)
+        li = np.broadcast_to(np.asarray(layer_idx, dtype=np.int64), ex.shape)
+        md = self.metadata
+        want = self._want(out, dtype)
+        if out is None:
+            out = np.empty(
+                (len(ex), *md.shard_shape[2:]), self.numpy_dtype if want == self.dtype else dtypes.READ_DTYPES[want]
+            )
+        for j in range(len(ex)):
+            self.read_example(int(ex[j]), int(li[j]), out[j], dtype=want)
+        return out
+
+    def _want(self, out: npt.NDArray[Any] | None, dtype: str | None) -> str:
+        """The dtype name a read returns: ``out``'s, else ``dtype``, else `read_dtype`."""
+        if out is not None:
+            if out.dtype == self.numpy_dtype:
+                return self.dtype
+            for name, np_dtype in dtypes.READ_DTYPES.items():
+                if out.dtype == np_dtype:
+                    return name
+            raise ValueError(
+                f"out: expected a {self.numpy_dtype} array (the stored values) or one of "
+                f"{[str(d) for d in dtypes.READ_DTYPES.values()]}, found {out.dtype}"
+            )
+        if dtype is None:
+            return self.read_dtype
+        return check_read_dtype(self.dtype, dtype)
 
 
 def check_read_dtype(stored: str, dtype: object) -> str:

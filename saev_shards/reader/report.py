@@ -309,37 +309,18 @@ def _nothing(ax: Any, text: str) -> None:
 def draw(r: CacheReport, title: str = "") -> Any:
     """The figure of a report: a matplotlib Figure, one titled Axes per panel (no pyplot state)."""
     from matplotlib.figure import Figure
-    from matplotlib.ticker import FuncFormatter, LogLocator, MaxNLocator
 
-    plain = FuncFormatter(lambda v, _: f"{v:g}")  # 5, 10, 20 on a log axis, not 5x10^0
-    colour = {layer: f"C{i % 10}" for i, layer in enumerate(r.layers)}  # one colour per layer, every panel
-    positive = {layer: _positive(r.norm_buckets[layer]) for layer in r.layers}
-    edges = _drawn_edges([b for b in positive.values() if b.any()])
-    zeros = sum(r.zero_norms(layer) for layer in r.layers)
-    drawn = sum(int(b.sum()) for b in positive.values())
-
-    def log_norm_axis(ax: Any) -> None:
-        narrow = edges[-1] < 10 * edges[0]  # under a decade: evenly spaced round numbers
-        ax.xaxis.set_major_locator(MaxNLocator(nbins=8) if narrow else LogLocator(subs=(1.0, 2.0, 5.0)))
-        ax.xaxis.set_major_formatter(plain)
-        ax.xaxis.set_minor_formatter(FuncFormatter(lambda v, _: ""))
-
-    def no_norms(ax: Any) -> None:
-        if zeros:
-            _nothing(ax, f"all {zeros:,} vectors are zero (norm 0): nothing to draw on a log scale")
-        else:
-            _nothing(ax, "no finite vectors to draw (every vector holds inf or NaN, or the cache is empty)")
-
-    panels = ["norms"] + [f"dims {layer}" for layer in r.layers]
+    panels = _Panels(r)
+    names = ["norms"] + [f"dims {layer}" for layer in r.layers]
     if r.cls_buckets:
-        panels.append("cls")
+        names.append("cls")
     if r.lengths is not None:
-        panels.append("lengths")
+        names.append("lengths")
     sizes = r.shard_nbytes
     if len(set(sizes)) > 1:  # equal shards say nothing a line of the title cannot
-        panels.append("shards")
+        names.append("shards")
     cols = 2
-    rows = -(-len(panels) // cols)
+    rows = -(-len(names) // cols)
     fig = Figure(figsize=(13, 3.6 * rows), layout="constrained")
     shards_line = (
         "no shards"
@@ -350,87 +331,127 @@ def draw(r: CacheReport, title: str = "") -> Any:
     )
     fig.suptitle(f"{title or r.path}\n{shards_line}", fontsize="medium")
     axes = fig.subplots(rows, cols, squeeze=False).ravel()
-    for ax, panel in zip(axes, panels, strict=False):
-        if panel == "norms":
-            if not drawn:
-                ax.set_title("norms by layer")
-                no_norms(ax)
-                continue
-            ax.set_title("norms by layer", pad=22)  # room for the medians' values above the axes
-            ranks = {layer: i for i, layer in enumerate(sorted(r.layers, key=r.median_norm))}
-            for layer in r.layers:
-                c = colour[layer]
-                median = r.median_norm(layer)
-                on_scale = median > 0  # NaN (no vector) and 0 (mostly zeros) have no place on a log scale
-                label = r.label(layer) + (f", median {median:.3g}" if on_scale else "")
-                ax.stairs(_drawn(positive[layer], edges), edges, label=label, color=c)
-                if on_scale:
-                    ax.axvline(median, linestyle=":", color=c)
-                    ax.annotate(
-                        f"{median:.3g}", xy=(median, 1.0), xycoords=ax.get_xaxis_transform(),
-                        xytext=(0, 2 + 8 * (ranks[layer] % 2)), textcoords="offset points", ha="center", va="bottom",
-                        fontsize="x-small", color=c,
-                    )  # fmt: skip
-            note = f" ({zeros:,} vectors of norm 0 not drawn)" if zeros else ""
-            ax.set(xscale="log", xlabel=f"vector norm{note}", ylabel="vectors")
-            log_norm_axis(ax)
-            ax.legend(**_LEGEND)
-        elif panel.startswith("dims "):
-            layer = int(panel.split(" ", 1)[1])
-            mean, std = r.dims[layer]
-            marked = r.outliers[layer]
-            listed = ", ".join(map(str, marked[:8])) + (" ..." if len(marked) > 8 else "")
-            found = f"(outliers: {listed})" if marked else "(no outliers)"
-            name = f"dimensions, {r.label(layer)}"
-            ax.set_title(f"{name}\n{found}" if len(name) + len(found) > 48 else f"{name} {found}")
-            style = {"linewidth": 0.8, "marker": "o" if len(mean) <= 32 else None, "markersize": 3}
-            ax.plot(mean, label="mean", color=colour[layer], **style)
-            ax.plot(std, label="std", color="0.45", **style)
-            if marked:
-                ax.plot(marked, mean[marked], "rx", label="outlier dimensions")
-                for dim in marked[:8]:
-                    ax.annotate(str(dim), (dim, mean[dim]), fontsize=8, color="red")
-            ax.set(xlabel=f"dimension (from {r.dims_source})", ylabel="value")
-            ax.xaxis.get_major_locator().set_params(integer=True)
-            ax.legend(**_LEGEND)
-        elif panel == "cls":
-            ax.set_title("CLS and content tokens")
-            if not drawn:
-                no_norms(ax)
-                continue
-            for layer in r.layers:
-                c = colour[layer]
-                ax.stairs(_drawn(_positive(r.content_buckets[layer]), edges), edges, color=c,
-                          label=f"content, {r.label(layer)}")  # fmt: skip
-                ax.stairs(_drawn(_positive(r.cls_buckets[layer]), edges), edges, color=c, linestyle="--",
-                          label=f"CLS, {r.label(layer)}")  # fmt: skip
-            ax.set(xscale="log", yscale="log", xlabel="vector norm", ylabel="vectors")
-            log_norm_axis(ax)
-            ax.legend(**_LEGEND)
-        elif panel == "lengths":
-            assert r.lengths is not None
-            # Up to twice T: longer true lengths are counted in the last bin, so the kept ones stay readable.
-            top = 2 * r.tokens_per_ex if r.true_lengths is not None else r.tokens_per_ex
-            bins = np.arange(0, top + 2) - 0.5
-            ax.hist(r.lengths, bins=bins, label="kept (lengths)")
-            if r.true_lengths is not None:
-                shown = np.minimum(r.true_lengths, top)
-                ax.hist(
-                    shown, bins=bins, histtype="step", label=f"before truncation\n(true_lengths; >= {top} at {top})"
-                )
-                ax.axvline(r.tokens_per_ex, color="red", linestyle=":", label=f"T = {r.tokens_per_ex}")
-            cut = (
-                f", {r.truncated} of {len(r.lengths)} truncated to T={r.tokens_per_ex}"
-                if r.truncated is not None
-                else ""
-            )
-            ax.set(title=f"lengths and truncation{cut}", xlabel="tokens", ylabel="examples")
-            ax.legend(**_LEGEND)
-        elif panel == "shards":
-            ax.bar(range(len(sizes)), sizes)
-            ax.set(title=f"shard sizes ({len(sizes)} shards)", xlabel="shard", ylabel="file size")
-            ax.yaxis.set_major_formatter(FuncFormatter(lambda v, _: human_bytes(v)))
-            ax.xaxis.get_major_locator().set_params(integer=True)
-    for ax in axes[len(panels) :]:
+    for ax, name in zip(axes, names, strict=False):
+        if name.startswith("dims "):
+            panels.dims(ax, int(name.split(" ", 1)[1]))
+        else:
+            getattr(panels, name)(ax)
+    for ax in axes[len(names) :]:
         ax.set_visible(False)
     return fig
+
+
+class _Panels:
+    """The panels of `draw`, one method each, over what they share: one colour per layer and
+    the histogram edges of the norms."""
+
+    def __init__(self, r: CacheReport) -> None:
+        from matplotlib.ticker import FuncFormatter
+
+        self.r = r
+        self.plain = FuncFormatter(lambda v, _: f"{v:g}")  # 5, 10, 20 on a log axis, not 5x10^0
+        self.colour = {layer: f"C{i % 10}" for i, layer in enumerate(r.layers)}  # one colour per layer, every panel
+        self.positive = {layer: _positive(r.norm_buckets[layer]) for layer in r.layers}
+        self.edges = _drawn_edges([b for b in self.positive.values() if b.any()])
+        self.zeros = sum(r.zero_norms(layer) for layer in r.layers)
+        self.drawn = sum(int(b.sum()) for b in self.positive.values())
+
+    def log_norm_axis(self, ax: Any) -> None:
+        from matplotlib.ticker import FuncFormatter, LogLocator, MaxNLocator
+
+        edges = self.edges
+        narrow = edges[-1] < 10 * edges[0]  # under a decade: evenly spaced round numbers
+        ax.xaxis.set_major_locator(MaxNLocator(nbins=8) if narrow else LogLocator(subs=(1.0, 2.0, 5.0)))
+        ax.xaxis.set_major_formatter(self.plain)
+        ax.xaxis.set_minor_formatter(FuncFormatter(lambda v, _: ""))
+
+    def no_norms(self, ax: Any) -> None:
+        if self.zeros:
+            _nothing(ax, f"all {self.zeros:,} vectors are zero (norm 0): nothing to draw on a log scale")
+        else:
+            _nothing(ax, "no finite vectors to draw (every vector holds inf or NaN, or the cache is empty)")
+
+    def norms(self, ax: Any) -> None:
+        r, edges = self.r, self.edges
+        if not self.drawn:
+            ax.set_title("norms by layer")
+            self.no_norms(ax)
+            return
+        ax.set_title("norms by layer", pad=22)  # room for the medians' values above the axes
+        ranks = {layer: i for i, layer in enumerate(sorted(r.layers, key=r.median_norm))}
+        for layer in r.layers:
+            c = self.colour[layer]
+            median = r.median_norm(layer)
+            on_scale = median > 0  # NaN (no vector) and 0 (mostly zeros) have no place on a log scale
+            label = r.label(layer) + (f", median {median:.3g}" if on_scale else "")
+            ax.stairs(_drawn(self.positive[layer], edges), edges, label=label, color=c)
+            if on_scale:
+                ax.axvline(median, linestyle=":", color=c)
+                ax.annotate(
+                    f"{median:.3g}", xy=(median, 1.0), xycoords=ax.get_xaxis_transform(),
+                    xytext=(0, 2 + 8 * (ranks[layer] % 2)), textcoords="offset points", ha="center", va="bottom",
+                    fontsize="x-small", color=c,
+                )  # fmt: skip
+        note = f" ({self.zeros:,} vectors of norm 0 not drawn)" if self.zeros else ""
+        ax.set(xscale="log", xlabel=f"vector norm{note}", ylabel="vectors")
+        self.log_norm_axis(ax)
+        ax.legend(**_LEGEND)
+
+    def dims(self, ax: Any, layer: int) -> None:
+        r = self.r
+        mean, std = r.dims[layer]
+        marked = r.outliers[layer]
+        listed = ", ".join(map(str, marked[:8])) + (" ..." if len(marked) > 8 else "")
+        found = f"(outliers: {listed})" if marked else "(no outliers)"
+        name = f"dimensions, {r.label(layer)}"
+        ax.set_title(f"{name}\n{found}" if len(name) + len(found) > 48 else f"{name} {found}")
+        style = {"linewidth": 0.8, "marker": "o" if len(mean) <= 32 else None, "markersize": 3}
+        ax.plot(mean, label="mean", color=self.colour[layer], **style)
+        ax.plot(std, label="std", color="0.45", **style)
+        if marked:
+            ax.plot(marked, mean[marked], "rx", label="outlier dimensions")
+            for dim in marked[:8]:
+                ax.annotate(str(dim), (dim, mean[dim]), fontsize=8, color="red")
+        ax.set(xlabel=f"dimension (from {r.dims_source})", ylabel="value")
+        ax.xaxis.get_major_locator().set_params(integer=True)
+        ax.legend(**_LEGEND)
+
+    def cls(self, ax: Any) -> None:
+        r, edges = self.r, self.edges
+        ax.set_title("CLS and content tokens")
+        if not self.drawn:
+            self.no_norms(ax)
+            return
+        for layer in r.layers:
+            c = self.colour[layer]
+            ax.stairs(_drawn(_positive(r.content_buckets[layer]), edges), edges, color=c,
+                      label=f"content, {r.label(layer)}")  # fmt: skip
+            ax.stairs(_drawn(_positive(r.cls_buckets[layer]), edges), edges, color=c, linestyle="--",
+                      label=f"CLS, {r.label(layer)}")  # fmt: skip
+        ax.set(xscale="log", yscale="log", xlabel="vector norm", ylabel="vectors")
+        self.log_norm_axis(ax)
+        ax.legend(**_LEGEND)
+
+    def lengths(self, ax: Any) -> None:
+        r = self.r
+        assert r.lengths is not None
+        # Up to twice T: longer true lengths are counted in the last bin, so the kept ones stay readable.
+        top = 2 * r.tokens_per_ex if r.true_lengths is not None else r.tokens_per_ex
+        bins = np.arange(0, top + 2) - 0.5
+        ax.hist(r.lengths, bins=bins, label="kept (lengths)")
+        if r.true_lengths is not None:
+            shown = np.minimum(r.true_lengths, top)
+            ax.hist(shown, bins=bins, histtype="step", label=f"before truncation\n(true_lengths; >= {top} at {top})")
+            ax.axvline(r.tokens_per_ex, color="red", linestyle=":", label=f"T = {r.tokens_per_ex}")
+        cut = f", {r.truncated} of {len(r.lengths)} truncated to T={r.tokens_per_ex}" if r.truncated is not None else ""
+        ax.set(title=f"lengths and truncation{cut}", xlabel="tokens", ylabel="examples")
+        ax.legend(**_LEGEND)
+
+    def shards(self, ax: Any) -> None:
+        from matplotlib.ticker import FuncFormatter
+
+        sizes = self.r.shard_nbytes
+        ax.bar(range(len(sizes)), sizes)
+        ax.set(title=f"shard sizes ({len(sizes)} shards)", xlabel="shard", ylabel="file size")
+        ax.yaxis.set_major_formatter(FuncFormatter(lambda v, _: human_bytes(v)))
+        ax.xaxis.get_major_locator().set_params(integer=True)
