@@ -15,7 +15,7 @@ Parts, in this order (``--parts`` picks some; each ends in one or two tables):
   pinned), device-side shuffle (layer 11, every layer), stacked layers (host, device).
   Target: the device-side shuffle >= 0.8 of the pread limit.
 * ``float8``: float8_e4m3 against float16, page-cached: tokens/s and bytes moved per token.
-* ``sae``: a top-k SAE step (`saev_shards.sae`) on data already on the GPU against the same
+* ``sae``: a top-k SAE step (`saev_shards.demo.sae`) on data already on the GPU against the same
   step fed by the loader. Target: >= 0.98.
 * ``cold``: the page cache dropped before each sample: the loader against sequential and
   parallel O_DIRECT reads and parallel buffered reads of the same files. Target: >= 0.9 of

@@ -72,7 +72,7 @@ fi
 } >"$OUT/env.txt" 2>&1
 say "$(grep -m1 -E 'NVIDIA|No devices|not found|failed' "$OUT/env.txt" || echo 'nvidia-smi: no answer')"
 say "$(grep -m1 '^torch ' "$OUT/env.txt")"
-if ! "$PY" -c "import saev_shards, saev_shards.loaders, saev_shards.recorder, saev_shards.sae" >>"$LOG" 2>&1; then
+if ! "$PY" -c "import saev_shards, saev_shards.loaders, saev_shards.dump.recorder, saev_shards.demo.sae" >>"$LOG" 2>&1; then
     say "IMPORT FAILED: saev_shards does not import under $PY (session.log has the error)"
 fi
 CUDA=$("$PY" -c "import torch; print(int(torch.cuda.is_available()))" 2>/dev/null || echo 0)

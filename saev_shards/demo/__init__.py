@@ -19,6 +19,6 @@ A few minutes on 2 CPU cores. ``python -m saev_shards.demo --help`` for the knob
 `run`; `sae` is the small top-k SAE (and transcoder) it trains.
 """
 
-from .run import main
+from .run import DEMO_CONFIG, cache_layer, main, next_steps, save_loss_curve
 
-__all__ = ["main"]
+__all__ = ["DEMO_CONFIG", "cache_layer", "main", "next_steps", "save_loss_curve"]

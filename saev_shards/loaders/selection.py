@@ -154,7 +154,7 @@ class TokenSelection:
     The token masks: ``exclude_token_ids`` drops positions whose ``token_ids`` column value
     is listed (BOS, padding ids: a dump records the column); ``max_norm_multiple=k`` drops
     positions whose vector at any chosen layer has a norm above ``k`` times its layer's
-    median norm (`saev_shards.norms` defines both exactly; computed once, with ``progress``).
+    median norm (`saev_shards.reader.norms` defines both exactly; computed once, with ``progress``).
     Within an example the selected vectors are ordered by layer (metadata order), then token.
     """
 

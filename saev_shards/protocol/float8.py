@@ -78,7 +78,7 @@ def reference_quantize(x: npt.NDArray[Any]) -> tuple[npt.NDArray[Any], npt.NDArr
     x32 = arr.astype(np.float32)
     with np.errstate(all="ignore"):  # NaN vectors, and zero or subnormal scales: dealt with below
         largest = np.abs(x32).max(axis=-1) if x32.shape[-1] else np.zeros(x32.shape[:-1], np.float32)
-        scales = (largest / np.float32(FLOAT8_MAX)).astype(np.float32)
+        scales = np.array(largest / np.float32(FLOAT8_MAX), np.float32)  # an array even for one vector
         usable = (scales > 0) & np.isfinite(scales)
         quotient = x32 / np.where(usable, scales, np.float32(1))[..., None]
         values = np.clip(quotient, -FLOAT8_MAX, FLOAT8_MAX).astype(FLOAT8_DTYPE)

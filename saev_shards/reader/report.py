@@ -21,7 +21,7 @@ and legends sit beside the axes, off the data. In a notebook a report shows itse
 picture and a table of its numbers (`CacheReport._repr_html_`, `_repr_png_`).
 
 Everything comes from one sequential pass over the cache with bounded memory (the norms of
-`saev_shards.norms.vector_blocks`, counted in fixed histograms; the per-dimension sums
+`norms.vector_blocks`, counted in fixed histograms; the per-dimension sums
 only when the cache has no statistics: stats.json or the stats sidecar are used when
 present), with a progress bar. Norms are counted over the population stats.json describes
 (valid positions, non-finite vectors left out). matplotlib comes with the ``plot`` extra.

@@ -276,7 +276,7 @@ class Shards(ReadPaths, Sidecars):
         """Values read from this cache (as `read_dtype`) as float32 (widens bfloat16 bits exactly)."""
         return to_float32(values, self.read_dtype)
 
-    # -- views for other tools (saev_shards.views; dask and xarray are optional) -------------
+    # -- views for other tools (`views`; dask and xarray are optional) -------------
     def to_dask(self, examples_per_chunk: int | None = None, *, dtype: str | None = None) -> Any:
         """A ``dask.array`` of the logical ``(N, L, T, D)`` tensor over the shard memmaps (no copy
         where no conversion is needed); one chunk per shard, or ``examples_per_chunk`` examples
@@ -293,7 +293,7 @@ class Shards(ReadPaths, Sidecars):
         return to_xarray(self if dtype is None else self.with_dtype(dtype), examples_per_chunk)
 
     def report(self, out: str | Path | None = None, *, progress: bool | None = None) -> Any:
-        """One picture of this cache (`saev_shards.report`: norms by layer, dimensions with outliers
+        """One picture of this cache (`report`: norms by layer, dimensions with outliers
         marked, CLS and content tokens, lengths and truncation, shard sizes), from one streaming
         pass; saved to ``out`` (``.png`` or ``.html``) when given. Needs the ``plot`` extra."""
         from .report import report

@@ -158,7 +158,7 @@ def shuffle_cache(
         work_dir: where the scratch runs go (default: ``root``); they need about the output's
             size in free space until the end, and are deleted then.
         allow_nonfinite: store inf/NaN (after the cast) instead of raising `NonFiniteError`.
-        exclude_token_ids, max_norm_multiple: the loaders' token masks (`saev_shards.norms`):
+        exclude_token_ids, max_norm_multiple: the loaders' token masks (`saev_shards.reader.norms`):
             positions whose ``token_ids`` value is listed, and positions whose vector at any
             chosen layer is above ``max_norm_multiple`` times its layer's median norm, are left
             out; the output's ``metadata.data["shuffle"]`` records both and how many each

@@ -106,7 +106,7 @@ def test_a_float8_dump_is_the_float32_dump_quantized(tmp_path: Path) -> None:
     wide, shards = ss.open(wide_path), ss.open(path)
     assert (shards.metadata.dtype, shards.metadata.protocol) == ("float8_e4m3", ss.PROTOCOL)
     shards.verify()
-    values, scales = ss.float8.quantize_numpy(wide[:])
+    values, scales = ss.codecs.float8.quantize_numpy(wide[:])
     assert shards.scales is not None
     np.testing.assert_array_equal(shards.raw[:].view(np.uint8), values.view(np.uint8))
     np.testing.assert_array_equal(shards.scales[:], scales)
@@ -114,7 +114,7 @@ def test_a_float8_dump_is_the_float32_dump_quantized(tmp_path: Path) -> None:
     padding = np.arange(T)[None, :] >= lengths[:, None]  # (N, T)
     assert (shards.scales[:].transpose(0, 2, 1)[padding] == 0).all()  # zero vectors: scale 0
     got = shards.with_dtype("float32")[:]
-    assert (np.abs(got - wide[:]) <= ss.float8.error_bound(wide[:], scales)).all()
+    assert (np.abs(got - wide[:]) <= ss.codecs.float8.error_bound(wide[:], scales)).all()
     stats, wide_stats = shards.stats, wide.stats
     assert stats is not None and wide_stats is not None
     for slot in range(len(LAYERS)):
