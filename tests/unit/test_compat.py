@@ -16,6 +16,8 @@ import saev_shards as ss
 from saev_shards import _compat
 from saev_shards.protocol.manifest import BlockDigests
 
+from .test_import_graph import PACKAGE, imported_modules, module_name
+
 #: Every public name of each module before it moved (read from its source at the move).
 EARLIER_NAMES: dict[str, list[str]] = {
     "layout": [
@@ -81,6 +83,20 @@ HEAVY = {"recorder", "sae", "float8_kernels"}
 
 def test_every_moved_module_is_listed_here() -> None:
     assert set(_compat.MOVED) == set(EARLIER_NAMES)
+
+
+def test_the_library_imports_no_earlier_path() -> None:
+    """Inside the library every import names a module's home, never an earlier name."""
+    earlier = {f"saev_shards.{name}" for name in _compat.MOVED}
+    files = {module_name(path): path for path in PACKAGE.rglob("*.py")}
+    known = set(files) | earlier
+    found = sorted(
+        f"{module} -> {target}"
+        for module, path in files.items()
+        for target in imported_modules(path, module, known)
+        if target in earlier or any(target.startswith(f"{name}.") for name in earlier)
+    )
+    assert not found, found
 
 
 @pytest.mark.parametrize("name", sorted(EARLIER_NAMES))
