@@ -8,7 +8,7 @@ else ``~/.cache/saev-shards``)::
                           manifest records it (blocks.json), or ``file-<digest>`` for a whole
                           file of a cache verified per whole file
     tmp/                  entries being written; renamed into blocks/ once complete
-    roots/<id>/<HASH>/    the JSON files of remote caches opened here (see `files`)
+    roots/<id>/<HASH>/    the JSON files of remote caches opened here (see `remote_json`)
     trim.lock             held by the process that trims the cache
 
 Why it is safe to share: an entry appears by one ``rename`` of a complete file (never
@@ -45,18 +45,13 @@ from memory, with one warning per process.
 
 from __future__ import annotations
 
-import atexit
 import contextlib
 import errno
-import grp
 import hashlib
 import mmap
 import os
-import pwd
 import re
-import shutil
 import stat
-import tempfile
 import threading
 import time
 import warnings
@@ -67,7 +62,18 @@ from typing import Any
 import xxhash
 
 from ..errors import BlockCacheError
-from ..fileio import DIRECT_ALIGN, DISK_FULL_ERRNOS, file_kind, free_bytes, pwrite_direct, try_flock
+from ..fileio import DISK_FULL_ERRNOS, free_bytes
+from .folders import (
+    OPEN_DIR,
+    PRIVATE_MODES,
+    check_folder,
+    lock_file,
+    memory_folder,
+    names,
+    remove_name,
+    subdir,
+    write_new_file,
+)
 
 CACHE_ENV = "SAEV_SHARDS_BLOCK_CACHE"
 LIMIT_ENV = "SAEV_SHARDS_BLOCK_CACHE_BYTES"
@@ -79,12 +85,6 @@ TRIM_TO = 0.9
 STALE_SECONDS = 3600
 #: After a full disk, no entry is written for this long (each try would trim and fail again).
 FULL_PAUSE = 10.0
-#: Modes of folders, of files, and of entries (read-only once written): a private cache, and
-#: one shared with its folder's group on purpose (module docstring).
-PRIVATE_MODES = (0o700, 0o600, 0o400)
-SHARED_MODES = (0o2770, 0o660, 0o440)
-
-_OPEN_DIR = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
 _SIZE_RE = re.compile(r"(\d{1,20})\s*([kmgt]?)(?:i?b)?", re.IGNORECASE)
 _UNITS = {"": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40}
 
@@ -195,10 +195,10 @@ class BlockCache:
 
     @property
     def modes(self) -> tuple[int, int, int]:
-        """``(folders, files, entries)`` modes: `PRIVATE_MODES`, or `SHARED_MODES` in a folder
+        """``(folders, files, entries)`` modes: `folders.PRIVATE_MODES`, or `folders.SHARED_MODES` in a folder
         shared with a group on purpose (checked, and the folder made, on first use)."""
         if self._modes is None:
-            self._modes = _check_folder(self.folder)
+            self._modes = check_folder(self.folder, CACHE_ENV)
         return self._modes
 
     def path(self, key: str) -> Path:
@@ -215,7 +215,7 @@ class BlockCache:
         try:
             for name in names:
                 assert fd is not None
-                sub = _subdir(fd, name, dir_mode if create else None)
+                sub = subdir(fd, name, dir_mode if create else None)
                 os.close(fd)
                 fd = sub
                 if fd is None:
@@ -228,7 +228,7 @@ class BlockCache:
     def json_folder(self, root: str, name: str, memory: bool = False) -> Path:
         """``roots/<id of root>/<name>`` made, its ``.stats`` beside it, no link followed on the
         way (in `memory_folder` with ``memory``, or when the cache is `disabled`): where
-        `files.local_folder` keeps the JSON files of a remote cache. `_Unwritable` when the
+        `remote_json.local_folder` keeps the JSON files of a remote cache. `_Unwritable` when the
         folders cannot be made here."""
         top = memory_folder() if memory or self.disabled else self.folder
         try:
@@ -236,12 +236,12 @@ class BlockCache:
             fd = os.open(top, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
             try:
                 for step in ("roots", root_id(root)):
-                    sub = _subdir(fd, step, dir_mode)
+                    sub = subdir(fd, step, dir_mode)
                     os.close(fd)
                     assert sub is not None
                     fd = sub
                 for last in (".stats", name):
-                    made = _subdir(fd, last, dir_mode)
+                    made = subdir(fd, last, dir_mode)
                     assert made is not None
                     os.close(made)
             finally:
@@ -272,13 +272,13 @@ class BlockCache:
                     return None
                 except OSError as err:
                     if err.errno == errno.ELOOP:  # a link: removed (the link, not what it leads to)
-                        _remove(dfd, key, None)
+                        remove_name(dfd, key, None)
                     return None  # unreadable here (another member's entry): fetched again
                 try:
                     st = os.fstat(fd)
                     if not stat.S_ISREG(st.st_mode) or st.st_size != nbytes or digest_of(fd, nbytes) != digest:
                         os.close(fd)
-                        _remove(dfd, key, st)
+                        remove_name(dfd, key, st)
                         return None
                 except BaseException:
                     with contextlib.suppress(OSError):
@@ -302,7 +302,7 @@ class BlockCache:
         for attempt in range(2):
             try:
                 with self.writing(key) as tmp:
-                    _write_entry(tmp.fd, view)
+                    write_new_file(tmp.fd, view)
                     return self.commit(tmp)
             except OSError as err:
                 if err.errno not in DISK_FULL_ERRNOS:
@@ -350,7 +350,7 @@ class BlockCache:
             except OSError as err:
                 if err.errno not in (errno.EISDIR, errno.ENOTEMPTY, errno.EEXIST):
                     raise
-                _remove(dfd, tmp.key, None)  # a folder at the entry's name
+                remove_name(dfd, tmp.key, None)  # a folder at the entry's name
                 os.replace(tmp.name, tmp.key, src_dir_fd=tmp.dir_fd, dst_dir_fd=dfd)
         tmp.committed = True
         with self._lock:  # another process may have put the same bytes there: either is right
@@ -407,13 +407,13 @@ class BlockCache:
         try:
             with self._dir("blocks", create=False) as blocks:
                 if blocks is not None:
-                    for sub in _names(blocks):
+                    for sub in names(blocks):
                         try:
-                            sfd = os.open(sub, _OPEN_DIR, dir_fd=blocks)
+                            sfd = os.open(sub, OPEN_DIR, dir_fd=blocks)
                         except OSError:
                             continue  # not a folder (a link, a file): nothing of it is an entry
                         fds.append(sfd)
-                        for name in _names(sfd):
+                        for name in names(sfd):
                             with contextlib.suppress(OSError):
                                 st = os.stat(name, dir_fd=sfd, follow_symlinks=False)
                                 out.append((st.st_mtime, st.st_size, sub, name, sfd))
@@ -435,18 +435,18 @@ class BlockCache:
             return 0
         with self._dir() as top:
             assert top is not None
-            lock = _lock_file(top, "trim.lock", self.modes[1])
+            lock = lock_file(top, "trim.lock", self.modes[1])
         if lock is None:
             return 0
         try:
             now = time.time()
             with self._dir("tmp", create=False) as tmp:
-                for name in _names(tmp) if tmp is not None else []:
+                for name in names(tmp) if tmp is not None else []:
                     assert tmp is not None
                     with contextlib.suppress(OSError):
                         st = os.stat(name, dir_fd=tmp, follow_symlinks=False)
                         if now - st.st_mtime > STALE_SECONDS:
-                            _remove(tmp, name, st)
+                            remove_name(tmp, name, st)
             with self._scan_entries() as found:
                 found.sort()
                 total = sum(e[1] for e in found)
@@ -465,219 +465,6 @@ class BlockCache:
             os.close(lock)
 
 
-def _check_folder(folder: Path) -> tuple[int, int, int]:
-    """Make the block cache's folder (0700) or check the one there: a folder of this user's
-    (made 0700 when its modes are looser), or one shared with a group on purpose. Returns its
-    modes (`PRIVATE_MODES` or `SHARED_MODES`); `BlockCacheError` for anything else."""
-    try:
-        os.makedirs(folder.parent, exist_ok=True)
-        with contextlib.suppress(FileExistsError):
-            os.mkdir(folder, PRIVATE_MODES[0])
-        st = os.stat(folder)  # the folder itself may be reached through a link
-    except OSError as err:
-        if err.errno in (errno.ENOTDIR, errno.EEXIST):
-            raise BlockCacheError(f"{folder}: cannot make the block cache's folder here: {err.strerror}") from None
-        raise
-    if not stat.S_ISDIR(st.st_mode):
-        raise BlockCacheError(f"{folder}: expected a folder for the block cache, found {file_kind(st.st_mode)}")
-    mode = stat.S_IMODE(st.st_mode)
-    if mode & stat.S_ISGID and mode & 0o070 == 0o070:  # shared with its group on purpose
-        if mode & 0o007:
-            raise BlockCacheError(
-                f"{folder}: a block cache shared with a group is open to every user too (mode {mode:o}): "
-                f"chmod o-rwx {folder}, or set {CACHE_ENV} to a folder of your own"
-            )
-        if st.st_gid != os.getegid() and st.st_gid not in os.getgroups():
-            raise BlockCacheError(
-                f"{folder}: this block cache is shared with group {_group(st.st_gid)}, which you are not in: "
-                f"set {CACHE_ENV} to a folder of your own"
-            )
-        return SHARED_MODES
-    if st.st_uid != os.geteuid():
-        raise BlockCacheError(
-            f"{folder}: the block cache's folder belongs to user {_user(st.st_uid)}, not to you "
-            f"(its blocks could be theirs to read and change): set {CACHE_ENV} to a folder of your own, "
-            f"or share one with a group on purpose (docs/remote.md: install -d -m 2770 -g GROUP DIR)"
-        )
-    if mode & 0o077:  # made by an earlier version (0755), or by hand: private from now on
-        os.chmod(folder, PRIVATE_MODES[0])
-    return PRIVATE_MODES
-
-
-def _user(uid: int) -> str:
-    try:
-        return f"{pwd.getpwuid(uid).pw_name} ({uid})"
-    except KeyError:
-        return str(uid)
-
-
-def _group(gid: int) -> str:
-    try:
-        return f"{grp.getgrgid(gid).gr_name} ({gid})"
-    except KeyError:
-        return str(gid)
-
-
-def _subdir(parent: int, name: str, mode: int | None) -> int | None:
-    """A descriptor of folder ``name`` in the folder ``parent``, never through a link. With
-    ``mode``, made when missing, and a link or anything else at its name removed (the link
-    itself) and a folder made in its place; without, None when it is not a folder."""
-    for _ in range(8):
-        try:
-            return os.open(name, _OPEN_DIR, dir_fd=parent)
-        except FileNotFoundError:
-            if mode is None:
-                return None
-            with contextlib.suppress(FileExistsError):
-                os.mkdir(name, mode, dir_fd=parent)
-                fd = os.open(name, _OPEN_DIR, dir_fd=parent)
-                if stat.S_IMODE(os.fstat(fd).st_mode) != mode:
-                    os.fchmod(fd, mode)  # the umask took group permissions of a shared cache
-                return fd
-        except OSError as err:
-            if err.errno not in (errno.ELOOP, errno.ENOTDIR):
-                raise
-            if mode is None:
-                return None
-            _remove(parent, name, None)  # a link, a file, a FIFO: never what a link leads to
-    raise OSError(errno.EAGAIN, f"{name}: replaced again and again while being made a folder")
-
-
-def _remove(parent: int, name: str, bad: os.stat_result | None) -> None:
-    """Remove ``name`` from the folder ``parent`` (a link itself, never what it leads to; a
-    folder with what it holds), unless ``bad`` is given and another process has replaced it."""
-    with contextlib.suppress(OSError):
-        now = os.stat(name, dir_fd=parent, follow_symlinks=False)
-        if bad is not None and (now.st_dev, now.st_ino) != (bad.st_dev, bad.st_ino):
-            return
-        if stat.S_ISDIR(now.st_mode):
-            shutil.rmtree(name, dir_fd=parent)  # descriptor-based: never follows a link inside
-        else:
-            os.unlink(name, dir_fd=parent)
-
-
-def _names(fd: int) -> list[str]:
-    """The names in the open folder ``fd``."""
-    try:
-        with os.scandir(fd) as it:
-            return [e.name for e in it]
-    except OSError:
-        return []
-
-
-def _lock_file(parent: int, name: str, mode: int) -> int | None:
-    """``flock`` the file ``name`` of ``parent`` without waiting (never through a link): its
-    descriptor, or None if another process holds it."""
-    for _ in range(8):
-        try:
-            flags = os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
-            fd = os.open(name, flags, mode, dir_fd=parent)
-        except OSError as err:
-            if err.errno not in (errno.ELOOP, errno.EISDIR, errno.ENXIO):
-                raise
-            _remove(parent, name, None)
-            continue
-        if not stat.S_ISREG(os.fstat(fd).st_mode):  # a FIFO opened without blocking
-            os.close(fd)
-            _remove(parent, name, None)
-            continue
-        if try_flock(fd):
-            return fd
-        os.close(fd)
-        return None
-    return None
-
-
-def _write_entry(fd: int, view: memoryview) -> None:
-    """Write a new entry's bytes into ``fd`` (a new temporary file): whole 4 KiB blocks with
-    O_DIRECT where the filesystem allows it and ``view`` is page-aligned (the pooled buffers of
-    `files` are), so that storing a block costs no copy into the page cache and never pushes
-    out what the node's readers have cached; the rest buffered."""
-    direct = _reopen_direct(fd) if view.nbytes >= DIRECT_ALIGN else None
-    try:
-        pwrite_direct(direct, fd, view, 0)
-    finally:
-        if direct is not None:
-            os.close(direct)
-
-
-def _reopen_direct(fd: int) -> int | None:
-    """The file open as ``fd`` opened again for writing with O_DIRECT (through ``/proc``: the
-    very file, whatever its folder's name leads to now); None where that is refused (tmpfs,
-    some network filesystems, systems without O_DIRECT or ``/proc``)."""
-    flag = getattr(os, "O_DIRECT", 0)
-    if not flag:
-        return None
-    try:
-        return os.open(f"/proc/self/fd/{fd}", os.O_WRONLY | os.O_CLOEXEC | flag)
-    except OSError:
-        return None
-
-
 def root_id(url: str) -> str:
     """A short, stable folder name for a remote root (its URL hashed)."""
     return hashlib.sha256(url.encode()).hexdigest()[:16]
-
-
-# --------------------------------------------------------------------------------------
-# the folder in memory: JSON files of remote caches when no disk cache can hold them
-
-_MEMORY_PREFIX = "saev-shards-"
-_MEMORY: dict[int, Path] = {}
-_MEMORY_LOCK = threading.Lock()
-
-
-def memory_folder() -> Path:
-    """A folder private to this process in memory (``/dev/shm``, else the temporary folder),
-    removed when the process ends: where the JSON files of remote caches go when the block
-    cache is `BlockCache.disabled` or cannot be written (a full disk). Folders left by killed
-    processes of this user are removed when the next one is made."""
-    pid = os.getpid()
-    with _MEMORY_LOCK:
-        folder = _MEMORY.get(pid)
-        if folder is None or not folder.is_dir():
-            shm = Path("/dev/shm")  # noqa: S108 - a private folder made in it by mkdtemp (0700)
-            base = str(shm) if shm.is_dir() and os.access(shm, os.W_OK | os.X_OK) else None
-            folder = Path(tempfile.mkdtemp(prefix=f"{_MEMORY_PREFIX}{pid}-", dir=base))
-            _MEMORY[pid] = folder
-            atexit.register(_remove_memory_folder, folder, pid)
-            _remove_stale(folder.parent)
-    return folder
-
-
-def _remove_memory_folder(folder: Path, pid: int) -> None:
-    if os.getpid() == pid:  # a forked child runs its parent's exit handlers too
-        shutil.rmtree(folder, ignore_errors=True)
-
-
-def _remove_stale(base: Path) -> None:
-    """Remove the memory folders of this user's processes that are gone."""
-    for name in _names_in(base):
-        if not name.startswith(_MEMORY_PREFIX):
-            continue
-        pid_text = name[len(_MEMORY_PREFIX) :].split("-", 1)[0]
-        if not pid_text.isdigit() or int(pid_text) == os.getpid():
-            continue
-        path = base / name
-        with contextlib.suppress(OSError):
-            st = os.lstat(path)
-            if not stat.S_ISDIR(st.st_mode) or st.st_uid != os.geteuid() or _alive(int(pid_text)):
-                continue
-            shutil.rmtree(path, ignore_errors=True)
-
-
-def _names_in(folder: Path) -> list[str]:
-    try:
-        return os.listdir(folder)
-    except OSError:
-        return []
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except OSError:
-        return True
-    return True

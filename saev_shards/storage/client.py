@@ -8,7 +8,7 @@ standard AWS variables (``AWS_ENDPOINT_URL``, ``AWS_ACCESS_KEY_ID``, ``AWS_REGIO
 identity, container and instance roles); and it is one wheel with no dependencies.
 
 What it does not do, this layer adds: it never checks what a server sends (a body cut short
-but announced as complete, a flipped byte), so `files` checks every block against the
+but announced as complete, a flipped byte), so `units` checks every block against the
 manifest's digests; and its errors are turned into ours, one line each: missing or rejected
 credentials (`RemoteCredentialsError`), a missing bucket (`RemoteBucketError`), another
 region (`RemoteRegionError`), a denied request (`RemoteAccessDeniedError`).
@@ -46,7 +46,7 @@ FIRST_BACKOFF = datetime.timedelta(milliseconds=100)
 MAX_BACKOFF = datetime.timedelta(seconds=10)
 #: Seconds a request may take, from connecting to its body's last byte, per `TIMEOUT_BYTES` it
 #: asks for (rounded up to a power of two of them, at least one): ``$SAEV_SHARDS_REMOTE_TIMEOUT``.
-#: A unit of a read (`files`) gets as long in all, every fetch and wait included.
+#: A unit of a read (`units`) gets as long in all, every fetch and wait included.
 TIMEOUT_ENV = "SAEV_SHARDS_REMOTE_TIMEOUT"
 DEFAULT_TIMEOUT = 30.0
 TIMEOUT_BYTES = 16 << 20
@@ -238,7 +238,7 @@ class Client:
 
     def read_into(self, name: str, start: int, view: memoryview) -> int:
         """Bytes ``[start, start + len(view))`` of ``name`` copied into ``view`` as they arrive
-        (not checked: `files` checks them). Returns how many bytes the server sent: fewer than
+        (not checked: `units` checks them). Returns how many bytes the server sent: fewer than
         asked for when its body was short; one more than asked for, with ``view`` full, when it
         sent more (the rest is not read)."""
         got = 0

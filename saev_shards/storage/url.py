@@ -37,7 +37,7 @@ def check_url(url: str) -> str:
     """``url`` if every segment of its path may name a remote object and a local folder:
     `CacheRefError` for a ``.`` or ``..`` segment (``%2e`` spellings included) or a control
     character (NUL among them). Checked before a request is sent or a local path is made
-    from a segment (`files.local_folder` names folders after them)."""
+    from a segment (`remote_json.local_folder` names folders after them)."""
     rest = url.split("://", 1)[1] if "://" in url else url
     bad = _CONTROL_RE.search(url)
     if bad is not None:

@@ -15,7 +15,7 @@ from ..errors import (
 )
 from .caches import list_unpublished, open_quietly
 from .roots import PathLike, Root, Roots, _scan, runs_root, shards_roots, stage_root
-from .runs import CHECKPOINT_FILES, LINK_NAMES, Run, compare_caches, dataset_target, open_run
+from .run_folders import CHECKPOINT_FILES, LINK_NAMES, Run, compare_caches, dataset_target, open_run
 
 
 def _one_line(err: Exception, cache: Path) -> str:

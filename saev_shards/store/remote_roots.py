@@ -1,13 +1,11 @@
-"""Shards roots in object stores: `push` a cache to one, list and resolve what it holds.
+"""Shards roots in object stores: list and resolve what they hold (`list_remote`,
+`resolve_remote`, `find_cache`), and remove a cache from one (`remove_remote`).
 
 A remote shards root (``s3://bucket/prefix``, protocol.md 6.1) is laid out as a local one:
 ``<root>/<HASH>/<files>`` and ``<root>/.stats/<HASH>.json``. A cache there is published when
-its shards.json exists: `push` uploads the data files first (several at once, each a
-multipart upload with parts in parallel, hashed while read so that damaged local bytes are
-never published), then blocks.json and the statistics sidecar, then metadata.json, and
-shards.json last. A killed push leaves objects without shards.json, which no listing or
-reader takes for a cache, and running it again uploads only what is missing. `pull` is
-`stage` from a remote source (`staging.copy_cache`).
+its shards.json exists: until then (an upload in progress, or interrupted) no listing or
+reader takes its objects for a cache. Copies into and out of a remote root are
+`copies.push` and `copies.pull`.
 """
 
 from __future__ import annotations
@@ -15,268 +13,27 @@ from __future__ import annotations
 import dataclasses
 import os
 import re
-import threading
-from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-
-import xxhash
 
 from .. import reader
 from ..errors import (
     AmbiguousPrefixError,
     CacheRefError,
-    ChecksumMismatchError,
-    FileSizeError,
-    ManifestError,
-    RemoteBucketError,
     RemoteError,
     ShardsError,
     UnknownCacheError,
 )
-from ..fileio import fault_point
 from ..metadata import Metadata
-from ..progress import Progress
 from ..protocol import is_cache_name
-from ..protocol.common import MANIFEST_FILE, METADATA_FILE
-from ..reader.sidecars import SIDECAR_DIR, sidecar_path
-from ..remote.client import PART_BYTES, Client, requests_in_flight
-from ..remote.url import is_url, join_url, split_url, strip
+from ..protocol.common import MANIFEST_FILE
+from ..reader.sidecars import SIDECAR_DIR
+from ..storage.client import Client
+from ..storage.transfer import PUSH_FILES
+from ..storage.url import is_url, join_url, split_url, strip
 from .roots import MIN_PREFIX, PathLike, Roots, local_roots, remote_roots, resolve
 
-#: Files uploaded at once by `push` (each with its parts in flight).
-PUSH_FILES = 4
 _HEX_RE = re.compile(r"[0-9a-f]{1,64}")
-
-
-@dataclasses.dataclass
-class PushReport:
-    """What `push` did."""
-
-    source: Path
-    #: The URL of the remote cache: ``<root URL>/<HASH>``.
-    url: str
-    uploaded_files: int = 0
-    uploaded_bytes: int = 0
-    #: Data files already there (an earlier, interrupted push) with the right size and digest.
-    kept_files: int = 0
-    kept_bytes: int = 0
-    #: Objects found with the right size but other bytes (a broken earlier upload, someone
-    #: else's): uploaded again, before the cache was published.
-    replaced: list[str] = dataclasses.field(default_factory=list)
-    #: The remote cache was already complete and every object of it checked; nothing was uploaded.
-    already_pushed: bool = False
-    #: Bytes read back from the server and checked against the manifest (what was there
-    #: already, always; what was uploaded, unless ``verify=False``).
-    verified_bytes: int = 0
-
-
-def push(
-    ref: PathLike,
-    root_url: str,
-    *,
-    roots: Roots = None,
-    verify: bool = True,
-    progress: bool | None = False,
-    on_bytes: Callable[[int], None] | None = None,
-) -> PushReport:
-    """Publish the local cache ``ref`` names as ``<root_url>/<HASH>`` (module docstring).
-
-    Every byte uploaded is hashed as it is read and must match the manifest (a damaged local
-    file raises `ChecksumMismatchError` naming it, and what was uploaded of it is deleted);
-    nothing local is changed. Objects already there (an interrupted push, or a damaged
-    earlier copy) are read back and checked against the manifest first: those of the wrong
-    size or with other bytes are uploaded again, the copy unpublished meanwhile, so a push
-    repairs a damaged remote copy. ``verify``: what was uploaded is read back and checked too,
-    before shards.json (the commit point) is written; without it, the sizes the server lists
-    are checked. A remote copy that does not check out is never published.
-    """
-    if not is_url(root_url):
-        raise CacheRefError(f"push: expected a remote shards root (s3://bucket/prefix, ...), found {root_url!r}")
-    source = reader.open(resolve(ref, roots))
-    md = source.metadata
-    if md.format.legacy:
-        raise ManifestError(
-            f"{source.path}: a protocol {md.protocol} cache ({md.format.summary}): remote caches are protocol 3 "
-            f"only; convert it first (`saev-shards convert {source.path} --to 3.0`)"
-        )
-    url = join_url(root_url, md.hash)
-    report = PushReport(source=source.path, url=url)
-    client = Client(url)
-    if not client.can_list:
-        raise RemoteError(
-            f"{root_url}: push needs an object store (s3://, gs://, az://); plain HTTP servers are read-only"
-        )
-    _check_json_schemas(source)
-    present = client.list_objects()
-    data_files = source.manifest.files()
-    json_files = _json_files(source)
-    sized = [f for f in data_files if present.get(f[0]) == f[1]]
-    # What is there already is read back before anything is published: an object of the right
-    # size may hold other bytes (a broken earlier upload, someone else's).
-    report.verified_bytes = sum(n for _, n, _ in sized)
-    damaged = _differing(client, sized, f"check {md.hash[:12]}", progress)
-    report.replaced = [name for name, _, _ in damaged]
-    todo = [f for f in data_files if present.get(f[0]) != f[1] or f[0] in report.replaced]
-    report.kept_files = len(data_files) - len(todo)
-    report.kept_bytes = sum(n for _, n, _ in data_files) - sum(n for _, n, _ in todo)
-    if not todo and all(present.get(name) == len(data) for name, data in json_files) and _same_json(client, json_files):
-        report.already_pushed = True
-        reader.open(url)  # it opens as a cache (its JSON files checked as any reader checks them)
-        return report
-    if MANIFEST_FILE in present:  # republishing over a damaged or incomplete remote copy: unpublish it first
-        client.delete(MANIFEST_FILE)
-    total = sum(n for _, n, _ in todo)
-    with Progress(total, f"push {md.hash[:12]}", enabled=progress) as bar:
-
-        def tick(n: int) -> None:
-            bar.update(n)
-            if on_bytes is not None:
-                on_bytes(n)
-
-        report.uploaded_files, report.uploaded_bytes = len(todo), total
-        with ThreadPoolExecutor(max(1, min(PUSH_FILES, len(todo)))) as pool:
-            list(pool.map(lambda f: _upload_file(client, source.path / f[0], f[0], f[1], f[2], tick), todo))
-    sidecar = sidecar_path(source)
-    if source.manifest.stats is None and sidecar.is_file():  # statistics computed later travel with it
-        Client(root_url).put(f"{SIDECAR_DIR}/{md.hash}.json", sidecar.read_bytes())
-    *before, (commit, manifest_bytes) = json_files
-    for name, data in before:  # metadata.json (and any other JSON file): all but the commit point
-        fault_point("push-json")
-        client.put(name, data)
-    if verify:  # read back before the commit point: a copy that does not check out is never published
-        report.verified_bytes += total
-        wrong = _differing(client, todo, f"verify {md.hash[:12]}", progress)
-        if wrong:
-            raise ChecksumMismatchError(
-                "; ".join(f"{client.url(name)}: {why}" for name, _, why in wrong[:20])
-                + f": the server holds other bytes than were uploaded; {url} was not published (push again)"
-            )
-    else:
-        _check_sizes(client, data_files, before)
-    fault_point("push-json")
-    client.put(commit, manifest_bytes)  # shards.json: the commit point
-    if not _same_json(client, [(commit, manifest_bytes)]):
-        client.delete(commit)
-        raise ChecksumMismatchError(
-            f"{client.url(commit)}: the server holds other bytes than were uploaded; {url} was not published"
-        )
-    reader.open(url)  # it opens as a cache (its JSON files checked as any reader checks them)
-    return report
-
-
-def _check_json_schemas(source: reader.Shards) -> None:
-    """The local cache's stats.json and blocks.json checked against their schemas before any of
-    it is uploaded (what a remote `verify` would find in the byte-identical copies)."""
-    if source.manifest.stats is not None:
-        source.stats  # noqa: B018 - read and checked (StatsFileError)
-    if source.manifest.blocks is not None:
-        for name, _, _ in source.manifest.blocked_files()[:1]:
-            source.block_digests(name)  # blocks.json read and checked (ManifestError)
-
-
-def _differing(
-    client: Client, files: list[tuple[str, int, str | None]], desc: str, progress: bool | None
-) -> list[tuple[str, int, str]]:
-    """``(name, nbytes, what differs)`` of each of ``files`` whose object on the server is not
-    exactly its ``nbytes`` bytes with its xxh3_128 (read back, several at once, never more
-    than one byte past its size)."""
-    if not files:
-        return []
-    with Progress(sum(n for _, n, _ in files), desc, enabled=progress) as bar:
-        lock = threading.Lock()
-
-        def one(row: tuple[str, int, str | None]) -> tuple[str, int, str] | None:
-            name, nbytes, digest = row
-            h = xxhash.xxh3_128()
-            got = 0
-            try:
-                for piece in client.stream(name, 0, nbytes, PART_BYTES):
-                    view = memoryview(piece)
-                    h.update(view)
-                    got += view.nbytes
-                    with lock:
-                        bar.update(view.nbytes)
-            except RemoteBucketError:
-                raise
-            except FileNotFoundError:
-                return name, nbytes, "missing"
-            if got != nbytes:
-                return name, nbytes, f"expected {nbytes} bytes, found {'more' if got > nbytes else got}"
-            if digest is not None and h.hexdigest() != digest:
-                return name, nbytes, f"xxh3_128 expected {digest}, found {h.hexdigest()}"
-            return None
-
-        with ThreadPoolExecutor(max(1, min(requests_in_flight(), len(files))), "saev-push-check") as pool:
-            return [found for found in pool.map(one, files) if found is not None]
-
-
-def _json_files(source: reader.Shards) -> list[tuple[str, bytes]]:
-    """The JSON files of ``source`` in upload order: those beside the manifest, metadata.json,
-    shards.json last."""
-    names = [
-        n for n in sorted(os.listdir(source.path)) if n.endswith(".json") and n not in (METADATA_FILE, MANIFEST_FILE)
-    ]
-    listed = {name for name, _, _ in source.manifest.files()}
-    extra = [n for n in names if n not in listed]  # blocks.json (protocol 3.1)
-    return [(n, (source.path / n).read_bytes()) for n in [*extra, METADATA_FILE, MANIFEST_FILE]]
-
-
-def _same_json(client: Client, json_files: list[tuple[str, bytes]]) -> bool:
-    try:
-        return all(client.get_bytes(name, len(data)) == data for name, data in json_files)
-    except (FileNotFoundError, ShardsError):
-        return False
-
-
-def _upload_file(
-    client: Client, path: Path, name: str, nbytes: int, digest: str | None, tick: Callable[[int], None]
-) -> None:
-    """Upload ``path`` as ``name`` (multipart, parts in parallel), hashing what is read: the
-    object is deleted again when the local bytes do not match the manifest."""
-    h = xxhash.xxh3_128()
-    read = [0]
-
-    def pieces() -> Iterator[bytes]:
-        with open(path, "rb", buffering=0) as f:
-            while True:
-                chunk = f.read(PART_BYTES)
-                if not chunk:
-                    return
-                h.update(chunk)
-                read[0] += len(chunk)
-                tick(len(chunk))
-                yield chunk
-
-    if nbytes <= PART_BYTES:
-        client.put(name, b"".join(pieces()))
-    else:
-        client.put(name, pieces())
-    fault_point("pushed-file")
-    if read[0] != nbytes or (digest is not None and h.hexdigest() != digest):
-        client.delete(name)
-        found = f"{read[0]} bytes" if read[0] != nbytes else f"xxh3_128 {h.hexdigest()}"
-        raise ChecksumMismatchError(
-            f"{path}: expected {nbytes} bytes with xxh3_128 {digest}, found {found} while uploading it; the local "
-            f"cache is damaged and was not published (check it with: saev-shards verify {path.parent})"
-        )
-
-
-def _check_sizes(
-    client: Client, data_files: list[tuple[str, int, str | None]], json_files: list[tuple[str, bytes]]
-) -> None:
-    listed = client.list_objects()
-    wrong = [
-        f"{client.url(name)}: expected {nbytes} bytes, found {listed.get(name, 'none')}"
-        for name, nbytes in [*((n, s) for n, s, _ in data_files), *((n, len(d)) for n, d in json_files)]
-        if listed.get(name) != nbytes
-    ]
-    if wrong:
-        raise FileSizeError("; ".join(wrong[:20]) + f"; {client.root} was not published (push again)")
-
-
-# --------------------------------------------------------------------------------------
-# listing and resolving
 
 
 @dataclasses.dataclass(frozen=True)
@@ -420,7 +177,7 @@ def _ambiguous(text: str, matches: list[str]) -> AmbiguousPrefixError:
     )
 
 
-def locate(ref: PathLike, roots: Roots = None) -> Path | str:
+def find_cache(ref: PathLike, roots: Roots = None) -> Path | str:
     """The cache ``ref`` names: a URL (hash prefixes resolved in its root), else `resolve` in
     the local shards roots, else the hash (prefix) looked up in the remote roots given
     (``--root s3://...``) or listed in ``$SAEV_SHARDS_ROOT``."""
@@ -445,3 +202,7 @@ def locate(ref: PathLike, roots: Roots = None) -> Path | str:
     if not found:
         raise UnknownCacheError(f"no cache matches hash prefix {text!r} in the shards roots or in {', '.join(remote)}")
     raise _ambiguous(text, found)
+
+
+#: The earlier name of `find_cache` (``store.locate``), kept for callers.
+locate = find_cache

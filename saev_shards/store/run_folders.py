@@ -1,4 +1,4 @@
-"""Run folders (seed 004): ``<runs root>/<run_id>/`` with ``links/``, ``checkpoint/`` and ``inference/``."""
+"""SAE training run folders: ``<runs root>/<run_id>/`` with ``links/``, ``checkpoint/`` and ``inference/``."""
 
 from __future__ import annotations
 

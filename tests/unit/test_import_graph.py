@@ -25,7 +25,7 @@ ENTRY = "<entry points>"
 LAYERS: tuple[tuple[str, ...], ...] = (
     ("errors",),
     ("units", "layout", "optional", "world", "fileio", "progress", "_layers", "float8", "float8_kernels"),
-    ("protocol", "manifest", "metadata", "format", "dtypes", "_indexing", "statistics", "norms", "remote"),
+    ("protocol", "manifest", "metadata", "format", "dtypes", "_indexing", "statistics", "norms", "storage", "remote"),
     ("token_masks",),
     ("reader", "views", "writer", "report"),
     ("store",),
