@@ -455,7 +455,11 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser], invoked: 
     p.add_argument("ref", help=REF_HELP)
     add_roots(p)
     add_progress(p)
+    _register_derived(sub)
 
+
+def _register_derived(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    """``report``, ``stats`` and ``resolve``: what is drawn, computed or found for a cache."""
     p = command(
         sub,
         "report",

@@ -268,6 +268,8 @@ class RemoteFiles(UnitReads, Files):
     def stream(self, name: str, start: int = 0, stop: int | None = None) -> Iterator[memoryview]:
         """Straight from the server (not checked, not cached: the caller hashes them), to the size
         the manifest gives ``name`` by default, whatever the server sends."""
+        if name not in self.files:
+            raise FileNotFoundError(f"{self.where(name)}: not a data file of this cache")
         end = self.files[name][0] if stop is None else stop
         return self.client.stream(name, start, end, STREAM_CHUNK)
 
