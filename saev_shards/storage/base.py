@@ -13,8 +13,9 @@ The calls, by what they are for:
 
 * the descriptor interface of the reader's hot paths: `open`, `preadv`, `prefetch`, `close`
   (and `close_all`, when the cache is closed);
-* whole files: `map` (a read-only array where the storage can map files), `read`,
-  `read_json`, `stream` (the bytes as they come, for a transfer to hash), `verify_file`;
+* whole files: `map` (a read-only memory map, where the storage can map files) and `load`
+  (the same, or a checked copy), `read`, `open_file`, `read_json`, `stream` (the bytes as
+  they come, for a transfer to hash), `verify_file`;
 * where things are, for messages and for the store: `url`, `location`, `where`, `beside`,
   `local_root`, `footprint`, `share_beside`, `lock_folder`;
 * what the storage can do (zarr's ``supports_*`` flags): `mappable`, `prefetches`,
