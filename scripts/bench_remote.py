@@ -432,7 +432,7 @@ def _fill(url: str) -> None:
     for _ in range(8):
         shards = ss.open(url)
         for name, _, _ in shards.manifest.files():
-            shards.files.read(name)  # type: ignore[attr-defined]
+            shards.files.read(name)
         shards.close()
         if not shards.files.skipped:  # type: ignore[attr-defined]
             return

@@ -17,7 +17,7 @@ from .. import store
 from ..errors import CommandError, RootNotSetError
 from ..humanize import human_age, human_bytes
 from ..protocol import is_cache_name
-from ..remote.url import is_url, split_url
+from ..storage.url import is_url, split_url
 from ._common import EXIT_OK, EXIT_PROBLEM, EXIT_USAGE, REF_HELP, add_roots, command, plural, roots_arg, table, warn
 
 

@@ -1,6 +1,7 @@
 """Reading a cache: `open` a directory, get a `Shards`.
 
-* `open`: validation up front, without reading shards (protocol.md section 7);
+* `open`: validation up front, without reading shards (protocol.md section 7), the files
+  the manifest lists checked by `manifest_checks`;
 * `shards`: `Shards`, the facade: numpy-style indexing, layers by value;
 * `indexing`: numpy's indexing of the logical tensor across shard files (the loaders'
   datasets use it too);

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import os
 from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
@@ -22,7 +21,8 @@ from ..protocol.jsonfile import is_int, short_repr
 from ..protocol.manifest import BlockDigests, Manifest
 from ..protocol.metadata import Metadata
 from ..protocol.v31 import load_blocks
-from .handles import Files, LocalFiles
+from ..storage.base import Files
+from ..storage.local import LocalFiles
 from .indexing import CACHE_RANGE, getitem, wrap_index
 from .reads import ReadPaths, check_read_dtype
 from .sidecars import Sidecars
@@ -150,13 +150,13 @@ class Shards(ReadPaths, Sidecars):
     @property
     def url(self) -> str | None:
         """The URL of a remote cache (``s3://bucket/root/<hash>``), None for a local one. A
-        remote cache's `path` is the local folder that keeps its JSON files (`remote.files`)."""
+        remote cache's `path` is the local folder that keeps its JSON files (`storage.remote_json`)."""
         return self.files.url
 
     @property
     def location(self) -> str:
         """Where the cache is, for messages: its URL, or its path."""
-        return self.files.url or str(self.path)
+        return self.files.location
 
     def prefetch(self, start: int, stop: int) -> None:
         """Hint that examples ``[start, stop)`` are about to be read (the loaders call it for
@@ -164,12 +164,11 @@ class Shards(ReadPaths, Sidecars):
         float8_e4m3 cache has the kernel start reading their scales (POSIX_FADV_WILLNEED), as
         its readahead does not foresee a loader's small scattered scale reads, which would
         otherwise wait for the disk one after another; a local cache's values are left to the
-        kernel's readahead."""
-        remote = getattr(self.files, "prefetch", None)
-        scales = remote is None and self.metadata.dtype == FLOAT8 and hasattr(os, "posix_fadvise")
-        if (remote is None and not scales) or stop <= start:
-            return
+        kernel's readahead (`Files.prefetch`: the storage decides what a hint is worth)."""
         md = self.metadata
+        values, scales = self.files.prefetches, md.dtype == FLOAT8
+        if not (values or scales) or stop <= start:
+            return
         eps, example_nbytes = self.examples_per_shard, md.example_nbytes
         scale_nbytes = md.n_layers * md.tokens_per_ex * SCALES_DTYPE.itemsize
         e = max(0, start)
@@ -177,10 +176,11 @@ class Shards(ReadPaths, Sidecars):
         while e < stop:
             k, local = layout.shard_of(e, eps)
             count = min(stop, (k + 1) * eps) - e
-            if remote is not None:
-                remote(self.manifest.shards[k].name, local * example_nbytes, (local + count) * example_nbytes)
-            else:
-                os.posix_fadvise(self._scale_fd(k), local * scale_nbytes, count * scale_nbytes, os.POSIX_FADV_WILLNEED)
+            if values:
+                self.files.prefetch(self._fd(k), local * example_nbytes, (local + count) * example_nbytes)
+            if scales:
+                first, last = local * scale_nbytes, (local + count) * scale_nbytes
+                self.files.prefetch(self._scale_fd(k), first, last, scattered=True)
             e += count
 
     def layer_index(self, layer: int) -> int:

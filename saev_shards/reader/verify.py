@@ -17,7 +17,7 @@ import warnings
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import numpy as np
 
@@ -35,10 +35,9 @@ from ..errors import (
     ScaleError,
     raise_problems,
 )
-from ..fileio import IO_CHUNK, BlockHasher, hash_file, open_regular
+from ..fileio import IO_CHUNK, open_regular
 from ..progress import Progress
 from ..protocol.common import CHECKSUMS_FILE, MAX_METADATA_BYTES, METADATA_FILE, SCALES_DTYPE, STATS_FILE
-from ..protocol.jsonfile import load_json
 from ..protocol.manifest import BlockDigests
 from ..protocol.metadata import parse_metadata
 
@@ -139,13 +138,7 @@ def scale_file_problems(shards: Shards, k: int) -> list[Problem]:
 def metadata_problems(shards: Shards) -> list[Problem]:
     """metadata.json read again (from the server for a remote cache): the same configuration and hash?"""
     where = shards.files.where(METADATA_FILE)
-    if shards.url is not None:
-        from ..remote.files import refetch_json
-
-        remote: Any = shards.files
-        obj, problems = refetch_json(remote, METADATA_FILE, MAX_METADATA_BYTES, MetadataFileError)
-    else:
-        obj, problems = load_json(shards.path / METADATA_FILE, MAX_METADATA_BYTES, MetadataFileError)
+    obj, problems = shards.files.read_json(METADATA_FILE, MAX_METADATA_BYTES, MetadataFileError)
     if problems:
         return problems
     try:
@@ -165,7 +158,7 @@ def padding_problems(shards: Shards) -> list[Problem]:
     after a shard filled exactly, are zeros, as its writer's memmaps left them. The one check
     of content a cache without checksums allows."""
     md, manifest = shards.metadata, shards.manifest
-    if not md.rules.padded_last or shards.url is not None:
+    if not md.rules.padded_last:  # protocol 2.1 and earlier: local only (`open_remote` refuses them)
         return []
     regions: list[tuple[str, int, int, str]] = []
     if len(manifest.shards):
@@ -202,32 +195,21 @@ def hash_files(
     def block_size(name: str) -> int | None:
         return blocks.block_size if blocks is not None and name in blocks.files else None
 
-    remote = getattr(shards.files, "verify_file", None)
-    if remote is not None:  # several files in flight: each is one stream from the server
-        from ..remote.client import requests_in_flight
-
-        def one(name: str) -> tuple[int, str, list[str]] | Problem:
-            try:
-                return remote(name, block_size(name), tick)  # type: ignore[no-any-return]
-            except FileNotFoundError:
-                return Problem(CacheNotFoundError, f"{shards.files.where(name)}: missing")
-
-        with ThreadPoolExecutor(max(1, min(len(files), requests_in_flight() // 2))) as pool:
-            yield from pool.map(one, [name for name, _, _ in files])
-        return
-    buffer = memoryview(bytearray(IO_CHUNK))
-    for name, _, _ in files:
-        path = shards.path / name
-        hasher = BlockHasher(block_size(name))
+    def one(name: str) -> tuple[int, str, list[str]] | Problem:
         try:
-            size, found = hash_file(path, tick, regular_only=True, buffer=buffer, hasher=hasher)
+            return shards.files.verify_file(name, block_size(name), tick)
         except NotRegularFileError as err:
-            yield Problem(ManifestError, str(err))
-            continue
-        except OSError as err:
-            yield Problem(CacheNotFoundError, f"{path}: {err.strerror}")
-            continue
-        yield size, found, hasher.block_hexdigests()
+            return Problem(ManifestError, str(err))
+        except CacheNotFoundError as err:
+            return Problem(CacheNotFoundError, str(err))
+
+    names = [name for name, _, _ in files]
+    workers = max(1, min(len(names), shards.files.streams // 2))  # each a stream: from a server, several
+    if workers == 1:
+        yield from map(one, names)
+        return
+    with ThreadPoolExecutor(workers) as pool:
+        yield from pool.map(one, names)
 
 
 def fresh_block_digests(shards: Shards) -> BlockDigests | None:

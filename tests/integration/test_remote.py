@@ -298,7 +298,7 @@ def test_a_fault_that_persists_is_a_clear_error(
     remote_url = pushed(s3, local).location
     fresh_block_cache(tmp_path, monkeypatch)
     monkeypatch.setenv("SAEV_SHARDS_REMOTE_RETRIES", "1")
-    monkeypatch.setattr("saev_shards.remote.files.VERIFY_BACKOFF", 0.01)
+    monkeypatch.setattr("saev_shards.storage.units.VERIFY_BACKOFF", 0.01)
     remote = ss.open(remote_url)
     s3.faults.add(kind, "acts000002.bin", times=-1)
     expected: type[Exception] = ChecksumMismatchError if kind != "slowdown" else ss.errors.RemoteError
@@ -349,7 +349,7 @@ def test_reads_are_verified_per_block_where_the_manifest_has_block_digests(
 
     url = pushed(s3, local).location
     fresh_block_cache(tmp_path, monkeypatch)
-    monkeypatch.setattr("saev_shards.remote.files.VERIFY_BACKOFF", 0.01)
+    monkeypatch.setattr("saev_shards.storage.units.VERIFY_BACKOFF", 0.01)
     remote = ss.open(url)
     size = 64
     data = {name: (local[0].path / name).read_bytes() for name, _, _ in local[0].manifest.files()}

@@ -26,7 +26,12 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     ("errors",),
     ("_compat", "humanize", "optional", "world", "fileio", "progress", "_layers"),
     ("protocol",),  # every byte rule, the parsed types, the offsets
-    ("codecs", "statistics", "remote"),  # the compute engines, below the reader and the writer
+    (
+        "codecs",
+        "statistics",
+        "storage",
+        "remote",
+    ),  # the compute engines and the storages, below the reader and the writer
     ("token_masks",),
     ("reader", "writer"),
     ("store",),
