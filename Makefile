@@ -82,14 +82,14 @@ demo: $(DEMO_STAMP)
 
 ## make bench: the benchmark tables (ratios to the machine's limits and to the alternatives)
 bench: $(STAMP)
-	$(BIN)/python scripts/bench.py
+	$(BIN)/python benchmarks/run_all.py
 
 bench-quick: $(STAMP)
-	$(BIN)/python scripts/bench.py --quick
+	$(BIN)/python benchmarks/run_all.py --quick
 
 ## make bench-gpu: the loaders against a GPU node's own limits (host parts only without CUDA)
 bench-gpu: $(STAMP)
-	$(BIN)/python scripts/bench_gpu.py
+	$(BIN)/python benchmarks/gpu.py
 
 ## make dist: the sdist and the wheel (pip install 'dist/saev_shards-<version>-py3-none-any.whl[torch]')
 dist: $(STAMP)

@@ -1,4 +1,4 @@
-"""`scripts/bench_gpu.py`: docs/bench/gpu.md rendered from a results file says what each figure
+"""`benchmarks/gpu.py`: docs/bench/gpu.md rendered from a results file says what each figure
 is limited by and what would close each gap, from the figures alone; a part that did not
 finish is named; the stack sampler files a thread under the stage it is in; and (slow) the
 benchmark runs end to end on a small cache here, CPU only, and its results render."""
@@ -15,7 +15,7 @@ from typing import Any
 
 import pytest
 
-from scripts import bench_gpu as bg
+from benchmarks import gpu as bg
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -162,12 +162,12 @@ def test_the_sampler_files_threads_under_their_stage() -> None:
 @pytest.mark.slow
 def test_the_benchmark_runs_on_a_cpu_and_renders(tmp_path: Path) -> None:
     """Every part on a 30 MB cache, without CUDA (device modes on the CPU), a second process
-    per part as scripts/gpu_session.sh runs them; the page renders from what they wrote."""
+    per part as benchmarks/gpu_session.sh runs them; the page renders from what they wrote."""
     results = tmp_path / "gpu_results.json"
     env = {**os.environ, "SAEV_BENCH_DIR": str(tmp_path / "bench"), "SAEV_RESULTS_DIR": str(tmp_path / "tables")}
     base = [
         sys.executable,
-        "scripts/bench_gpu.py",
+        "benchmarks/gpu.py",
         "--gb",
         "0.03",
         "--seconds",

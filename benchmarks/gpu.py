@@ -1,4 +1,4 @@
-"""GPU-node benchmark (issues 15 and 34): the loaders beside the node's own limits, measured in one run.
+"""GPU-node benchmark: the loaders beside the node's own limits, measured in one run.
 
 Parts, in this order (``--parts`` picks some; each ends in one or two tables):
 
@@ -20,21 +20,21 @@ Parts, in this order (``--parts`` picks some; each ends in one or two tables):
 * ``cold``: the page cache dropped before each sample: the loader against sequential and
   parallel O_DIRECT reads and parallel buffered reads of the same files. Target: >= 0.9 of
   the disk.
-* ``threads``: the host gather by gather threads (issue 15).
+* ``threads``: the host gather by gather threads.
 
 Every loader sample also records where the loader's threads and the training loop spend
 their time (their Python stacks sampled every 5 ms): docs/bench/gpu.md says from it what
 limits each row.
 
 Every table lands in the results file (``--results``, default results/gpu_results.json) the
-moment it is done, so a part stopped at its time limit (scripts/gpu_session.sh gives each
+moment it is done, so a part stopped at its time limit (benchmarks/gpu_session.sh gives each
 one) loses only itself. ``--render FILE`` prints docs/bench/gpu.md made from such a file:
 the machine, the tables, what limits each row, what would close each gap. Without CUDA the
 host parts run, the device modes run on the CPU (``device="cpu"``: their host side only)
 and the SAE step runs small on the CPU; the tables say so.
 
-    .venv/bin/python scripts/bench_gpu.py [--quick] [--gb N] [--seconds S] [--parts a,b] [--keep]
-    .venv/bin/python scripts/bench_gpu.py --render results/gpu_results.json > docs/bench/gpu.md
+    .venv/bin/python benchmarks/gpu.py [--quick] [--gb N] [--seconds S] [--parts a,b] [--keep]
+    .venv/bin/python benchmarks/gpu.py --render results/gpu_results.json > docs/bench/gpu.md
 """
 
 from __future__ import annotations
@@ -62,10 +62,11 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import saev_shards as ss
+from benchmarks import benchlib as bl
+from benchmarks import tables
+from benchmarks.core import D_MODEL, LAYERS, PATCHES
 from saev_shards import float8
 from saev_shards.loaders.token_loader import default_read_threads, usable_cores
-from scripts import benchlib as bl
-from scripts.bench_core import D_MODEL, LAYERS, PATCHES
 
 # torch (and with it saev_shards.loaders) is imported inside the parts that use it: the
 # build part forks its writers from a process that never imported it.
@@ -77,7 +78,7 @@ LAYER = 11
 SHARDS = 16
 PARTS = ("build", "limits", "modes", "float8", "sae", "cold", "threads")
 TARGETS = {"page_cached": 0.8, "cold": 0.9, "sae": 0.98}
-#: Test runs scripts/gpu_session.sh records in the results (``--mark``), in words.
+#: Test runs benchmarks/gpu_session.sh records in the results (``--mark``), in words.
 TEST_RUNS = {
     "cuda_tests": "The tests that need CUDA (test_cuda.py, the pinned-batch test, the docs' GPU block)",
     "suite": "The loader, recorder and float8 tests under this node's Python, numpy and torch",
@@ -124,7 +125,7 @@ class Results:
         tmp.write_text(json.dumps(self.data, indent=1, default=_jsonable))
         os.replace(tmp, self.path)
 
-    def table(self, part: str, table: bl.Table, rows: list[dict[str, Any]]) -> None:
+    def table(self, part: str, table: tables.Table, rows: list[dict[str, Any]]) -> None:
         """Print ``table`` and keep it, with the figures behind each row (``rows``)."""
         table.emit()
         self.data["tables"][part] = {
@@ -160,13 +161,13 @@ def now() -> str:
 
 def machine_info(cuda: bool | None) -> dict[str, Any]:
     """The node, its disk, and (``cuda`` not None) torch and the GPU."""
-    info: dict[str, Any] = {"summary": bl.machine(), "usable_cores": usable_cores(), "kernel": platform.release()}
+    info: dict[str, Any] = {"summary": tables.machine(), "usable_cores": usable_cores(), "kernel": platform.release()}
     with contextlib.suppress(ImportError):
         import numba
 
         info["numba"] = numba.__version__
     info["float8_kernels"] = float8.kernels_in_use()
-    work = bl.bench_dir()
+    work = tables.bench_dir()
     info["bench_dir"] = str(work)
     info["filesystem"] = filesystem_of(work)
     info["readahead_kb"] = bl.readahead_nbytes(work) // 1024
@@ -281,7 +282,7 @@ def cache_nbytes(shards: ss.Shards) -> int:
 def open_caches(res: Results, gb: float) -> dict[str, ss.Shards]:
     """The float16 and float8 caches of ``gb`` GB (float16), writing any that is missing."""
     n = max(64, int(gb * 1e9 / gpu_metadata(1, F16).example_nbytes))
-    root = bl.bench_dir() / "gpu"
+    root = tables.bench_dir() / "gpu"
     root.mkdir(parents=True, exist_ok=True)
     caches = {}
     for dtype in (F16, F8):
@@ -423,104 +424,6 @@ class Sampler:
 # the node's limits
 
 
-def memcpy_threads_gbps(threads: int, nbytes: int = 256 << 20) -> float:
-    """``threads`` threads each copying their own ``nbytes`` buffer (numpy releases the GIL)."""
-    pairs = [(np.ones(nbytes, np.uint8), np.empty(nbytes, np.uint8)) for _ in range(threads)]
-    for src, dst in pairs:
-        np.copyto(dst, src)
-
-    def work(i: int) -> None:
-        src, dst = pairs[i]
-        for _ in range(3):
-            np.copyto(dst, src)
-
-    return 3 * threads * nbytes / bl.in_threads(threads, work) / 1e9
-
-
-def host_buffer(nbytes: int, pinned: bool) -> np.ndarray[Any, Any]:
-    import torch
-
-    if pinned:
-        return torch.empty(nbytes, dtype=torch.uint8, pin_memory=True).numpy()
-    return np.ones(nbytes, np.uint8)  # touched, as a loader's reused buffers are
-
-
-def random_jobs(paths: list[Path], block: int, n: int, seed: int = 0) -> tuple[list[int], list[tuple[int, int]]]:
-    """``n`` random ``(fd, offset)`` reads of ``block`` bytes over ``paths`` (fds to close)."""
-    sizes = [os.stat(p).st_size for p in paths]
-    rng = np.random.default_rng(seed)
-    picks = rng.integers(0, len(paths), n)
-    fds = [os.open(p, os.O_RDONLY) for p in paths]
-    return fds, [(fds[k], int(rng.integers(0, max(1, sizes[k] - block)))) for k in picks.tolist()]
-
-
-def pread_threads_gbps(paths: list[Path], threads: int, total: int, pinned: bool, block: int = BLOCK) -> float:
-    """Random ``block``-byte preads of page-cached ``paths`` into one (pinned) buffer per thread."""
-    fds, jobs = random_jobs(paths, block, max(threads, total // block))
-    buffers = [host_buffer(block, pinned) for _ in range(threads)]
-
-    def work(i: int) -> None:
-        view = buffers[i].data
-        for fd, off in jobs[i::threads]:
-            os.preadv(fd, [view], off)
-
-    try:
-        return len(jobs) * block / bl.in_threads(threads, work) / 1e9
-    finally:
-        for fd in fds:
-            os.close(fd)
-
-
-def read_upload_gbps(paths: list[Path], threads: int, total: int) -> float:
-    """Random 4 MiB preads into pinned memory, each block then copied to the GPU on the
-    thread's own stream (two pinned buffers per thread, one filling while the other uploads):
-    the device-side shuffle's work without anything else."""
-    import torch
-
-    fds, jobs = random_jobs(paths, BLOCK, max(threads, total // BLOCK), seed=1)
-    pinned = [[torch.empty(BLOCK, dtype=torch.uint8, pin_memory=True) for _ in range(2)] for _ in range(threads)]
-    dev = torch.empty((threads, 2, BLOCK), dtype=torch.uint8, device="cuda")
-    streams = [torch.cuda.Stream() for _ in range(threads)]
-
-    def work(i: int) -> None:
-        events: list[Any] = [None, None]
-        with torch.cuda.stream(streams[i]):
-            for j, (fd, off) in enumerate(jobs[i::threads]):
-                k = j % 2
-                if events[k] is not None:
-                    events[k].synchronize()
-                os.preadv(fd, [pinned[i][k].numpy().data], off)
-                dev[i, k].copy_(pinned[i][k], non_blocking=True)
-                events[k] = torch.cuda.Event()
-                events[k].record()
-            streams[i].synchronize()
-
-    try:
-        return len(jobs) * BLOCK / bl.in_threads(threads, work) / 1e9
-    finally:
-        for fd in fds:
-            os.close(fd)
-
-
-def copy_gbps(kind: str, nbytes: int = 512 << 20, repeats: int = 8) -> float:
-    """``h2d`` (pinned), ``h2d_pageable``, ``d2h`` (pinned) or ``d2d`` (bytes read + written) copies."""
-    import torch
-
-    pinned = kind != "h2d_pageable"
-    host = torch.ones(nbytes, dtype=torch.uint8).pin_memory() if pinned else torch.ones(nbytes, dtype=torch.uint8)
-    dev = torch.ones(nbytes, dtype=torch.uint8, device="cuda")
-    dev2 = torch.empty_like(dev)
-    src, dst = {"h2d": (host, dev), "h2d_pageable": (host, dev), "d2h": (dev, host), "d2d": (dev, dev2)}[kind]
-    dst.copy_(src, non_blocking=pinned)
-    torch.cuda.synchronize()
-    start = time.perf_counter()
-    for _ in range(repeats):
-        dst.copy_(src, non_blocking=pinned)
-    torch.cuda.synchronize()
-    moved = repeats * nbytes * (2 if kind == "d2d" else 1)
-    return moved / (time.perf_counter() - start) / 1e9
-
-
 def part_limits(res: Results, caches: dict[str, ss.Shards], cuda: bool, quick: bool) -> None:
     shards = caches[F16]
     warm(shards)
@@ -529,7 +432,7 @@ def part_limits(res: Results, caches: dict[str, ss.Shards], cuda: bool, quick: b
     files = shard_files(shards)
     md = shards.metadata
     slice_bytes = md.tokens_per_ex * md.d_model * md.itemsize
-    table = bl.Table(
+    table = tables.Table(
         "gpu_limits",
         f"The node's limits ({cores} usable cores; float16 cache page-cached; CUDA: {cuda})",
         ["what", "threads", "GB/s"],
@@ -544,33 +447,33 @@ def part_limits(res: Results, caches: dict[str, ss.Shards], cuda: bool, quick: b
             limits[key] = max(limits.get(key, 0.0), gbps)
 
     for threads in thread_counts(min(cores, 16)):
-        add("memcpy", "memcpy, 256 MiB buffers per thread", threads, memcpy_threads_gbps(threads))
+        add("memcpy", "memcpy, 256 MiB buffers per thread", threads, bl.memcpy_threads_gbps(threads))
     where = "pinned" if cuda else "pageable"
     for threads in thread_counts(min(2 * cores, 32)):
         add(
             "pread",
             f"pread of random 4 MiB blocks into {where} memory",
             threads,
-            pread_threads_gbps(files, threads, total, cuda),
+            bl.pread_threads_gbps(files, threads, total, cuda),
         )
     for threads in sorted({4, default_read_threads(device_side=True), min(2 * cores, 32)}):
         add(
             "pread_slices",
             f"pread of random layer slices ({slice_bytes:,} B) into {where} memory",
             threads,
-            pread_threads_gbps(files, threads, total // 2, cuda, block=slice_bytes),
+            bl.pread_threads_gbps(files, threads, total // 2, cuda, block=slice_bytes),
         )
     if cuda:
-        add("h2d", "host-to-device copy, pinned, 512 MiB", 1, copy_gbps("h2d"))
-        add("h2d_pageable", "host-to-device copy, pageable, 512 MiB", 1, copy_gbps("h2d_pageable"))
-        add("d2h", "device-to-host copy, pinned, 512 MiB", 1, copy_gbps("d2h"))
-        add("d2d", "device-to-device copy (bytes read + written)", 1, copy_gbps("d2d"))
+        add("h2d", "host-to-device copy, pinned, 512 MiB", 1, bl.copy_gbps("h2d"))
+        add("h2d_pageable", "host-to-device copy, pageable, 512 MiB", 1, bl.copy_gbps("h2d_pageable"))
+        add("d2h", "device-to-host copy, pinned, 512 MiB", 1, bl.copy_gbps("d2h"))
+        add("d2d", "device-to-device copy (bytes read + written)", 1, bl.copy_gbps("d2d"))
         for threads in sorted({4, default_read_threads(device_side=True)}):
             add(
                 "read_upload",
                 "pread of random 4 MiB blocks into pinned memory + upload, one stream per thread",
                 threads,
-                read_upload_gbps(files, threads, total),
+                bl.read_upload_gbps(files, threads, total, BLOCK),
             )
     table.note(
         "Each figure from this run, once. The pread limit the loader tables use is the best over thread counts "
@@ -691,7 +594,7 @@ def part_modes(res: Results, caches: dict[str, ss.Shards], cuda: bool, seconds: 
         ),
         f"stacked layers (B, 2, D), device ({dev})": ("device", shuffled(shards, stack_layers=True, device=dev), False),
     }
-    table = bl.Table(
+    table = tables.Table(
         "gpu_loader_modes",
         "ShuffledLoader by mode, float16 cache page-cached, batches of 4,096 delivered "
         + ("on the GPU" if cuda else "on the host (no CUDA)")
@@ -747,7 +650,7 @@ def part_float8(res: Results, caches: dict[str, ss.Shards], cuda: bool, seconds:
         warm(shards)
     dev = device_name(cuda)
     d = D_MODEL
-    table = bl.Table(
+    table = tables.Table(
         "gpu_float8",
         "float8_e4m3 against float16, page-cached, batches of 4,096 on the "
         + ("GPU" if cuda else "host (no CUDA)")
@@ -859,7 +762,7 @@ def part_sae(res: Results, caches: dict[str, ss.Shards], cuda: bool, seconds: fl
     rounds = 2
     medians = bl.interleaved(feeds, rounds=rounds)
     base = medians["already on the device"]
-    table = bl.Table(
+    table = tables.Table(
         "gpu_sae_step",
         f"Top-k SAE {D_MODEL} -> {n_latents:,}, k={k}, Adam, bf16 autocast, batches of 4,096, on {device.type}: "
         "fed by the loader against data already there",
@@ -901,9 +804,9 @@ def disk_limits(
     total = sum(os.stat(p).st_size for p in paths)
     method = drop(paths, drop_all)
     probe_bytes = min(total, 256 << 20)
-    probe = odirect_files_gbps(paths, probe_bytes)
+    probe = bl.odirect_files_gbps(paths, probe_bytes)
     budget = int(min(total, max(probe_bytes, probe * 1e9 * seconds)))
-    out = [("sequential O_DIRECT reads, 8 MiB requests", 1, odirect_files_gbps(paths, budget))]
+    out = [("sequential O_DIRECT reads, 8 MiB requests", 1, bl.odirect_files_gbps(paths, budget))]
     drop(paths, drop_all)
     block = min(BLOCK, max(os.stat(p).st_size for p in paths) // bl.ALIGN * bl.ALIGN)  # small caches' shards
     gbps, _ = bl.odirect_random_read_files(paths, block, max(threads, budget // block), threads)
@@ -911,20 +814,6 @@ def disk_limits(
     drop(paths, drop_all)
     out.append(("buffered 4 MiB preads in file order", threads, bl.buffered_read_gbps(paths, threads, limit=budget)))
     return out, method
-
-
-def odirect_files_gbps(paths: list[Path], limit: int) -> float:
-    """Sequential O_DIRECT reads of ``paths`` in turn, up to ``limit`` bytes in all."""
-    done, elapsed = 0, 0.0
-    for path in paths:
-        size = min(os.stat(path).st_size, limit - done)
-        if size < bl.DIRECT_BLOCK:
-            break
-        gbps = bl.odirect_read_gbps(path, limit=size)
-        read = size - size % bl.DIRECT_BLOCK
-        elapsed += read / gbps / 1e9
-        done += read
-    return done / max(elapsed, 1e-9) / 1e9
 
 
 def part_cold(res: Results, caches: dict[str, ss.Shards], cuda: bool, seconds: float, drop_all: bool) -> None:
@@ -948,7 +837,7 @@ def part_cold(res: Results, caches: dict[str, ss.Shards], cuda: bool, seconds: f
     res.data["limits"]["disk"] = disk
     res.save()
     dev = "cuda" if cuda else None
-    table = bl.Table(
+    table = tables.Table(
         "gpu_cold",
         "From disk, the page cache dropped before each sample: ratio to the disk's best reader",
         ["reader", "threads", "GB/s", "tokens/s", "ratio to disk", "first batch (s)"],
@@ -982,7 +871,7 @@ def part_threads(res: Results, caches: dict[str, ss.Shards], cuda: bool, seconds
     shards = caches[F16]
     warm(shards)
     limits = res.data["limits"]
-    table = bl.Table(
+    table = tables.Table(
         "gpu_loader_threads",
         f"ShuffledLoader host gather by threads, layer {LAYER}, page-cached, pin_memory: ratio to the pread limit",
         ["gather threads", "GB/s", "ratio to pread limit", "CPU cores busy"],
@@ -1006,14 +895,14 @@ def render(data: dict[str, Any]) -> str:
     m, tables, limits = data.get("machine", {}), data.get("tables", {}), data.get("limits", {})
     out = ["# GPU node benchmark", ""]
     out += [
-        f"`make bench-gpu` (`scripts/bench_gpu.py`), run {data.get('started', '?')} "
+        f"`make bench-gpu` (`benchmarks/gpu.py`), run {data.get('started', '?')} "
         + (
-            "by `scripts/gpu_session.sh`, which also ran the tests that need a GPU (below). "
+            "by `benchmarks/gpu_session.sh`, which also ran the tests that need a GPU (below). "
             if "cuda_tests" in data.get("parts", {})
-            else "as `" + data.get("command", "scripts/bench_gpu.py") + "`. "
+            else "as `" + data.get("command", "benchmarks/gpu.py") + "`. "
         )
         + "Every ratio is to a limit of the same node measured in the same run. This page is written by "
-        "`scripts/bench_gpu.py --render` from that run's results file; edit the script, not the page.",
+        "`benchmarks/gpu.py --render` from that run's results file; edit the script, not the page.",
         "",
         "## The machine",
         "",
@@ -1331,7 +1220,7 @@ def _advice(row: dict[str, Any], limits: dict[str, float]) -> str:
 
 
 def main(args: argparse.Namespace) -> None:
-    results = Path(args.results) if args.results else bl.results_dir() / "gpu_results.json"
+    results = Path(args.results) if args.results else tables.results_dir() / "gpu_results.json"
     res = Results(results)
     parts = [p for p in PARTS if p in args.parts.split(",")] if args.parts else list(PARTS)
     unknown = set(args.parts.split(",")) - set(PARTS) if args.parts else set()
@@ -1340,8 +1229,8 @@ def main(args: argparse.Namespace) -> None:
     gb = args.gb if args.gb is not None else (0.4 if args.quick else 8.0)
     seconds = args.seconds if args.seconds is not None else (1.0 if args.quick else 3.0)
     res.data["machine"].update(machine_info(None))
-    res.data.setdefault("command", " ".join(["scripts/bench_gpu.py", *sys.argv[1:]]))
-    print(f"Machine: {bl.machine()}\n", flush=True)
+    res.data.setdefault("command", " ".join(["benchmarks/gpu.py", *sys.argv[1:]]))
+    print(f"Machine: {tables.machine()}\n", flush=True)
     caches: dict[str, ss.Shards] = {}
     try:
         for part in parts:
@@ -1379,7 +1268,7 @@ def main(args: argparse.Namespace) -> None:
         for shards in caches.values():
             shards.close()
         if not args.keep:
-            shutil.rmtree(bl.bench_dir() / "gpu", ignore_errors=True)
+            shutil.rmtree(tables.bench_dir() / "gpu", ignore_errors=True)
 
 
 if __name__ == "__main__":
@@ -1406,6 +1295,6 @@ if __name__ == "__main__":
     if args.render:
         sys.stdout.write(render(json.loads(Path(args.render).read_text())))
     elif args.mark:
-        Results(Path(args.results) if args.results else bl.results_dir() / "gpu_results.json").part(*args.mark)
+        Results(Path(args.results) if args.results else tables.results_dir() / "gpu_results.json").part(*args.mark)
     else:
         main(args)
