@@ -74,7 +74,11 @@ def header(args: argparse.Namespace, names: list[str], started: datetime.datetim
     if args.suite:
         flags += f" --suite {args.suite}"
     command = "`make bench` (`benchmarks/run_all.py`)" if not flags else f"`benchmarks/run_all.py {flags.strip()}`"
-    guide = os.path.relpath(tables.REPO / "docs" / "contributing" / "benchmarks.md", page.resolve().parent)
+    here = page.resolve().parent
+    guide, gpu, earlier = (
+        os.path.relpath(tables.REPO / "docs" / name, here)
+        for name in ("contributing/benchmarks.md", "bench/gpu.md", "bench/earlier.md")
+    )
     return [
         "# `make bench` results",
         "",
@@ -84,7 +88,8 @@ def header(args: argparse.Namespace, names: list[str], started: datetime.datetim
         "Every figure is a ratio to a limit of this machine measured in the same run (benchmarks/benchlib.py), or "
         "to the best alternative run on identical data; a disk's own rates drift between runs, so compare ratios, "
         f"not GB/s, with other runs. What each suite measures, and why: [docs/contributing/benchmarks.md]({guide}). "
-        "Edit the benchmarks, not this page: the next full `make bench` replaces it.",
+        "Edit the benchmarks, not this page: the next full `make bench` replaces it. A GPU node's figures are in "
+        f"[gpu.md]({gpu}), and figures of earlier runs in [earlier.md]({earlier}).",
         "",
     ]
 
