@@ -142,11 +142,13 @@ def main(argv: list[str] | None = None) -> int:
             if error:
                 failed.append(name)
     page.parent.mkdir(parents=True, exist_ok=True)
-    page.write_text("\n".join(lines).rstrip("\n") + "\n")
-    if page == PAGE:
+    if page == PAGE:  # the plots this run drew (a scale plot of an earlier --scale run stays out)
         for plot in PLOTS:
-            if (tables.results_dir() / plot).exists():
-                shutil.copyfile(tables.results_dir() / plot, PAGE.parent / plot)
+            path = tables.results_dir() / plot
+            if path.exists() and path.stat().st_mtime >= started.timestamp():
+                shutil.copyfile(path, PAGE.parent / plot)
+                lines += [f"![{plot}]({plot})", ""]
+    page.write_text("\n".join(lines).rstrip("\n") + "\n")
     print(f"The page: {page}" + (f"; failed: {', '.join(failed)}" if failed else ""), flush=True)
     return 1 if failed else 0
 
