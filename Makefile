@@ -80,10 +80,12 @@ test-trainers: $(TRAINERS_STAMP)
 demo: $(DEMO_STAMP)
 	HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 $(BIN)/python -m saev_shards.demo
 
-## make bench: the benchmark tables (ratios to the machine's limits and to the alternatives)
+## make bench: the benchmark tables (ratios to the machine's limits and to the alternatives),
+# every one of the run written into docs/bench/latest.md (docs/contributing/benchmarks.md)
 bench: $(STAMP)
 	$(BIN)/python benchmarks/run_all.py
 
+## make bench-quick: the same at small sizes, for development (its page: results/bench.md)
 bench-quick: $(STAMP)
 	$(BIN)/python benchmarks/run_all.py --quick
 

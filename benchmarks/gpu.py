@@ -405,11 +405,11 @@ class Sampler:
             name = f"{Path(path).stem}.{f.f_code.co_name}"
             if name in STAGES:
                 return STAGES[name] + suffix
-            if fallback is None and ("saev_shards" in path or path.endswith("bench_gpu.py")):
-                fallback = name
+            if fallback is None and ("saev_shards" in path or path == __file__):
+                fallback = "loop" if path == __file__ else name  # this script's frames: the benchmark's loop
             f = f.f_back
         if fallback is not None:
-            return ("loop" if fallback.startswith("bench_gpu.") else fallback) + suffix
+            return fallback + suffix
         return "idle [wait]" if waiting else f"{Path(frame.f_code.co_filename).stem}.{frame.f_code.co_name}"
 
     def profile(self, top: int = 4) -> dict[str, list[tuple[str, float]]]:
