@@ -257,7 +257,7 @@ CORE_TESTS = [
 FLOAT8_BYTES = """
 import sys
 import numpy as np
-from saev_shards import float8
+from saev_shards.codecs import float8
 
 expected = np.load(sys.argv[1])
 q, s = float8.quantize_numpy(expected["x"])

@@ -631,11 +631,12 @@ def test_two_processes_share_one_block_cache(
     assert not list((folder / "tmp").glob("*")) if (folder / "tmp").exists() else True
 
 
-def test_the_readme_commands_run_as_written(s3: S3, local: tuple[ss.Shards, Any], tmp_path: Path) -> None:
-    """README.md's "Caches in object stores" block, run by bash against the test server (the
-    install line is what built this environment; the AWS variables point at the server)."""
-    readme = (Path(__file__).resolve().parents[2] / "README.md").read_text()
-    block = readme.split("## Caches in object stores\n", 1)[1].split("```bash\n", 1)[1].split("```", 1)[0]
+def test_the_push_pull_commands_run_as_written(s3: S3, local: tuple[ss.Shards, Any], tmp_path: Path) -> None:
+    """docs/remote.md's "From a local cache to a bucket and back" block, run by bash against the
+    test server (the install line is what built this environment; the AWS variables point at
+    the server)."""
+    page = (Path(__file__).resolve().parents[2] / "docs" / "remote.md").read_text()
+    block = page.split("## From a local cache to a bucket and back\n", 1)[1].split("```bash\n", 1)[1].split("```", 1)[0]
     lines = [line for line in block.splitlines() if not line.startswith(("pip install", "#"))]
     create_bucket(s3.server, "my-bucket")
     env = {

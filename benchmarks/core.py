@@ -1,7 +1,8 @@
-"""Core benchmark (issue 2): writer vs O_DIRECT sequential write, random (example, layer) reads
-vs memcpy, and seed 000's k=10,000 query latency. Every figure is a same-run ratio.
+"""Core benchmark: writer vs O_DIRECT sequential write, random (example, layer) reads vs
+memcpy, and the latency of k=10,000 such queries (the zarr activation logs' validation
+benchmark). Every figure is a same-run ratio.
 
-    .venv/bin/python scripts/bench_core.py [--quick]
+    .venv/bin/python benchmarks/core.py [--quick]
 """
 
 from __future__ import annotations
@@ -17,7 +18,8 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import saev_shards as ss
-from scripts import benchlib as bl
+from benchmarks import benchlib as bl
+from benchmarks import tables
 
 # A ViT-B/16-like cache: 2 layers x (CLS + 196 patches) x 768 dims, float16: 605 KB per
 # example, one (example, layer) slice = 197 x 768 x 2 = 302,592 bytes.
@@ -55,7 +57,7 @@ def write_cache(root: Path, md: ss.Metadata, batch: np.ndarray) -> float:
 def bench_writer(quick: bool) -> None:
     n_examples = 400 if quick else 3300  # 0.24 GB / 2.0 GB
     rounds = 1 if quick else 3
-    work = bl.bench_dir() / "core-writer"
+    work = tables.bench_dir() / "core-writer"
     shutil.rmtree(work, ignore_errors=True)
     work.mkdir(parents=True)
     rng = np.random.default_rng(0)
@@ -76,7 +78,7 @@ def bench_writer(quick: bool) -> None:
 
     rates = bl.interleaved({"O_DIRECT sequential write (limit)": direct, "ShardWriter": ours}, rounds=rounds)
     limit = rates["O_DIRECT sequential write (limit)"]
-    table = bl.Table(
+    table = tables.Table(
         "core_writer",
         "Writer throughput vs the disk (checksums on, fsync included)",
         ["writer", "GB/s", "ratio to O_DIRECT write"],
@@ -103,7 +105,7 @@ def _force(func: object, path: str, exc: object) -> None:
 def bench_reads(quick: bool) -> None:
     n_examples = 800 if quick else 3300
     k = 2_000 if quick else 10_000
-    work = bl.bench_dir() / "core-reads"
+    work = tables.bench_dir() / "core-reads"
     if work.exists():
         shutil.rmtree(work, onerror=_force)
     md = make_metadata(n_examples, "reads")
@@ -144,7 +146,7 @@ def bench_reads(quick: bool) -> None:
     )
     big_memcpy = bl.memcpy_gbps()
     limit = rates["memcpy of slice-sized pieces (limit)"]
-    table = bl.Table(
+    table = tables.Table(
         "core_reads", f"Random (example, layer) reads, page-cached (k={k:,} slices of {slice_bytes:,} bytes)",
         ["reader", "GB/s", "ratio to slice memcpy", "ratio to large memcpy"],
     )  # fmt: skip
@@ -158,13 +160,13 @@ def bench_reads(quick: bool) -> None:
     )
     table.emit()
 
-    # Seed 000's validation benchmark: per-query latency.
+    # The zarr activation logs' validation benchmark: per-query latency.
     lat = bl.latencies(lambda i: shards.read_example(int(examples[i]), int(layer_idx[i]), out), k)
     layers = [md.layers[i] for i in layer_idx.tolist()]
     lat_view = bl.latencies(lambda i: np.copyto(out, shards.example(int(examples[i]), layers[i])), k)
-    table = bl.Table(
+    table = tables.Table(
         "core_latency",
-        f"Seed 000 query latency: k={k:,} random (example, layer) reads, page-cached",
+        f"Query latency: k={k:,} random (example, layer) reads, page-cached",
         ["reader", "mean µs", "median µs", "p95 µs", "GB/s"],
     )
     for name, sample in (("read_example (pread copy)", lat), ("example() view + copy", lat_view)):
@@ -182,7 +184,7 @@ def bench_reads(quick: bool) -> None:
 
 
 def main(quick: bool = False) -> None:
-    print(f"Machine: {bl.machine()}\n")
+    print(f"Machine: {tables.machine()}\n")
     bench_writer(quick)
     bench_reads(quick)
 

@@ -1,9 +1,12 @@
-"""Shared benchmark tools: the machine's own limits, measured in the same run, and tables.
+"""The machine's limits, measured in the same run as the figures compared with them.
 
-Every speed figure the benchmarks print is a ratio against a limit measured here in the
-same run (memcpy, O_DIRECT sequential and random disk I/O), because absolute numbers on
-a shared virtual machine drift by 2x from minute to minute. Limits and measurements are
-interleaved (`interleaved`) and summarised by their medians.
+Every speed figure the benchmarks print is a ratio against a limit measured here, in the
+same run (memcpy, O_DIRECT sequential and random disk I/O, buffered and random preads,
+the random-row gather, host-to-device copies), because absolute numbers on a shared
+virtual machine drift by 2x from minute to minute. Limits and measurements are interleaved
+(`interleaved`) and summarised by their medians. The suites set up what a limit runs on (a
+cache's own files, a loader's own rows); how it is measured lives here and nowhere else.
+Where the figures go (`Table`, the folders, the machine's description) is `tables.py`.
 """
 
 from __future__ import annotations
@@ -11,7 +14,6 @@ from __future__ import annotations
 import contextlib
 import mmap
 import os
-import platform
 import statistics
 import threading
 import time
@@ -21,24 +23,9 @@ from typing import Any
 
 import numpy as np
 
-REPO = Path(__file__).resolve().parent.parent
 #: Large O_DIRECT requests: the disk's best sequential rate, not Python's per-call cost.
 DIRECT_BLOCK = 8 << 20
 ALIGN = 4096  # O_DIRECT needs offsets, lengths and buffers aligned to the logical block size
-
-
-def bench_dir() -> Path:
-    """Where benchmark data files go: $SAEV_BENCH_DIR, else ./bench_out (same disk as the repo)."""
-    path = Path(os.environ.get("SAEV_BENCH_DIR", REPO / "bench_out"))
-    path.mkdir(parents=True, exist_ok=True)
-    return path
-
-
-def results_dir() -> Path:
-    """Where tables (markdown) and plots (PNG) are saved: ./results."""
-    path = Path(os.environ.get("SAEV_RESULTS_DIR", REPO / "results"))
-    path.mkdir(parents=True, exist_ok=True)
-    return path
 
 
 # --------------------------------------------------------------------------------------
@@ -116,6 +103,41 @@ def odirect_read_gbps(path: Path, block: int = DIRECT_BLOCK, limit: int | None =
         return size / (time.perf_counter() - t) / 1e9
     finally:
         os.close(fd)
+
+
+def odirect_files_gbps(paths: Sequence[Path], limit: int | None = None) -> float:
+    """Sequential O_DIRECT reads of ``paths`` in turn (a cache's shard files), up to ``limit``
+    bytes in all: the disk's sequential rate for these very bytes, GB/s. Files shorter than one
+    request are skipped."""
+    done, elapsed = 0, 0.0
+    for path in paths:
+        left = None if limit is None else limit - done
+        if left is not None and left < DIRECT_BLOCK:
+            break
+        size = os.stat(path).st_size if left is None else min(os.stat(path).st_size, left)
+        if size < DIRECT_BLOCK:
+            continue
+        gbps = odirect_read_gbps(path, limit=size)
+        read = size - size % DIRECT_BLOCK
+        elapsed += read / gbps / 1e9
+        done += read
+    return done / max(elapsed, 1e-9) / 1e9
+
+
+def odirect_spread_read_gbps(files: Sequence[Path], seed: int, picks: int = 6, nbytes: int = 64 << 20) -> float:
+    """Sequential O_DIRECT reads of ``nbytes`` from each of ``picks`` files spread over a cache:
+    the disk's sequential rate over the same stretch of disk as a full pass, without one."""
+    rng = np.random.default_rng(seed)
+    chosen = rng.choice(len(files), min(picks, len(files)), replace=False)
+    seconds = 0.0
+    total = 0
+    for i in chosen.tolist():
+        size = os.stat(files[i]).st_size
+        n = min(nbytes, size - size % DIRECT_BLOCK)
+        if n:
+            seconds += n / (odirect_read_gbps(files[i], limit=nbytes) * 1e9)
+            total += n
+    return total / seconds / 1e9 if seconds else float("nan")
 
 
 def odirect_random_read(path: Path, block: int, n: int, threads: int = 1, seed: int = 0) -> tuple[float, float]:
@@ -266,6 +288,109 @@ def gather_gbps(
     return float(passes * per_pass / dt / 1e9)
 
 
+def memcpy_threads_gbps(threads: int, nbytes: int = 256 << 20) -> float:
+    """``threads`` threads each copying their own ``nbytes`` buffer (numpy releases the GIL):
+    the memory bandwidth of several cores, GB/s of bytes copied."""
+    pairs = [(np.ones(nbytes, np.uint8), np.empty(nbytes, np.uint8)) for _ in range(threads)]
+    for src, dst in pairs:
+        np.copyto(dst, src)
+
+    def work(i: int) -> None:
+        src, dst = pairs[i]
+        for _ in range(3):
+            np.copyto(dst, src)
+
+    return 3 * threads * nbytes / in_threads(threads, work) / 1e9
+
+
+def _host_buffer(nbytes: int, pinned: bool) -> np.ndarray[Any, Any]:
+    import torch
+
+    if pinned:
+        return torch.empty(nbytes, dtype=torch.uint8, pin_memory=True).numpy()
+    return np.ones(nbytes, np.uint8)  # touched, as a loader's reused buffers are
+
+
+def _random_preads(paths: Sequence[Path], block: int, n: int, seed: int = 0) -> tuple[list[int], list[tuple[int, int]]]:
+    """``n`` random ``(fd, offset)`` reads of ``block`` bytes over ``paths`` (fds to close)."""
+    sizes = [os.stat(p).st_size for p in paths]
+    rng = np.random.default_rng(seed)
+    picks = rng.integers(0, len(paths), n)
+    fds = [os.open(p, os.O_RDONLY) for p in paths]
+    return fds, [(fds[k], int(rng.integers(0, max(1, sizes[k] - block)))) for k in picks.tolist()]
+
+
+def pread_threads_gbps(paths: Sequence[Path], threads: int, total: int, pinned: bool, block: int = 4 << 20) -> float:
+    """Random ``block``-byte preads of page-cached ``paths``, ``total`` bytes in all, into one
+    buffer per thread (page-locked when ``pinned``: needs torch): what a loader's read threads
+    can do at best, GB/s."""
+    fds, jobs = _random_preads(paths, block, max(threads, total // block))
+    buffers = [_host_buffer(block, pinned) for _ in range(threads)]
+
+    def work(i: int) -> None:
+        view = buffers[i].data
+        for fd, off in jobs[i::threads]:
+            os.preadv(fd, [view], off)
+
+    try:
+        return len(jobs) * block / in_threads(threads, work) / 1e9
+    finally:
+        for fd in fds:
+            os.close(fd)
+
+
+def read_upload_gbps(paths: Sequence[Path], threads: int, total: int, block: int = 4 << 20) -> float:
+    """Random ``block``-byte preads into pinned memory, each block then copied to the GPU on the
+    thread's own stream (two pinned buffers per thread, one filling while the other uploads):
+    the device-side shuffle's work without anything else, GB/s. Needs CUDA."""
+    import torch
+
+    fds, jobs = _random_preads(paths, block, max(threads, total // block), seed=1)
+    pinned = [[torch.empty(block, dtype=torch.uint8, pin_memory=True) for _ in range(2)] for _ in range(threads)]
+    dev = torch.empty((threads, 2, block), dtype=torch.uint8, device="cuda")
+    streams = [torch.cuda.Stream() for _ in range(threads)]
+
+    def work(i: int) -> None:
+        events: list[Any] = [None, None]
+        with torch.cuda.stream(streams[i]):
+            for j, (fd, off) in enumerate(jobs[i::threads]):
+                k = j % 2
+                if events[k] is not None:
+                    events[k].synchronize()
+                os.preadv(fd, [pinned[i][k].numpy().data], off)
+                dev[i, k].copy_(pinned[i][k], non_blocking=True)
+                events[k] = torch.cuda.Event()
+                events[k].record()
+            streams[i].synchronize()
+
+    try:
+        return len(jobs) * block / in_threads(threads, work) / 1e9
+    finally:
+        for fd in fds:
+            os.close(fd)
+
+
+def copy_gbps(kind: str, nbytes: int = 512 << 20, repeats: int = 8) -> float:
+    """GPU copies of ``nbytes``, ``repeats`` times after one untimed: ``h2d`` (host to device,
+    from pinned memory: the limit of every batch a loader moves to the GPU), ``h2d_pageable``,
+    ``d2h`` (to pinned memory) or ``d2d`` (counting bytes read + written), GB/s. Needs CUDA."""
+    import torch
+
+    pinned = kind != "h2d_pageable"
+    host = torch.ones(nbytes, dtype=torch.uint8).pin_memory() if pinned else torch.ones(nbytes, dtype=torch.uint8)
+    dev = torch.ones(nbytes, dtype=torch.uint8, device="cuda")
+    dev2 = torch.empty_like(dev)
+    src, dst = {"h2d": (host, dev), "h2d_pageable": (host, dev), "d2h": (dev, host), "d2d": (dev, dev2)}[kind]
+    dst.copy_(src, non_blocking=pinned)
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    for _ in range(repeats):
+        dst.copy_(src, non_blocking=pinned)
+    torch.cuda.synchronize()
+    moved = repeats * nbytes * (2 if kind == "d2d" else 1)
+    return moved / (time.perf_counter() - start) / 1e9
+
+
 def fill_file(path: Path, nbytes: int) -> None:
     """Write ``nbytes`` of incompressible data (sequentially, then fsync)."""
     block = DIRECT_BLOCK
@@ -367,75 +492,3 @@ def stopwatch() -> Iterator[list[float]]:
         yield box
     finally:
         box.append(time.perf_counter() - start)
-
-
-# --------------------------------------------------------------------------------------
-# reporting
-
-
-def machine() -> str:
-    """One line naming the machine the figures came from."""
-    cpu = platform.processor() or platform.machine()
-    with contextlib.suppress(OSError), open("/proc/cpuinfo") as f:
-        for line in f:
-            if line.startswith("model name"):
-                cpu = line.split(":", 1)[1].strip()
-                break
-    mem = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30
-    return (
-        f"{cpu}, {os.cpu_count()} cores, {mem:.0f} GiB RAM, Python {platform.python_version()}, numpy {np.__version__}"
-    )
-
-
-class Table:
-    """A markdown table that prints itself and is saved to results/<name>.md."""
-
-    def __init__(self, name: str, title: str, columns: Sequence[str]) -> None:
-        self.name = name
-        self.title = title
-        self.columns = list(columns)
-        self.rows: list[list[str]] = []
-        self.notes: list[str] = []
-        #: The figures behind the rows, by label, for notes computed from them.
-        self.values: dict[str, float] = {}
-
-    def add(self, *cells: object) -> None:
-        self.rows.append([_cell(c) for c in cells])
-
-    def note(self, text: str) -> None:
-        self.notes.append(text)
-
-    def render(self) -> str:
-        widths = [
-            max(len(c), *(len(r[i]) for r in self.rows)) if self.rows else len(c) for i, c in enumerate(self.columns)
-        ]
-        lines = [f"### {self.title}", ""]
-        lines.append("| " + " | ".join(c.ljust(w) for c, w in zip(self.columns, widths, strict=True)) + " |")
-        lines.append("| " + " | ".join("-" * w for w in widths) + " |")
-        lines.extend("| " + " | ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)) + " |" for r in self.rows)
-        if self.notes:
-            lines.append("")
-            lines.extend(self.notes)
-        return "\n".join(lines) + "\n"
-
-    def emit(self) -> str:
-        text = self.render()
-        print(text, flush=True)
-        (results_dir() / f"{self.name}.md").write_text(text)
-        return text
-
-
-def _cell(c: object) -> str:
-    if isinstance(c, float):
-        if c != c:  # NaN
-            return "n/a"
-        if abs(c) >= 100:
-            return f"{c:,.0f}"
-        if abs(c) >= 10:
-            return f"{c:.1f}"
-        return f"{c:.2f}"
-    return str(c)
-
-
-def gb(nbytes: float) -> str:
-    return f"{nbytes / 1e9:.2f} GB"

@@ -1,4 +1,4 @@
-"""Remote caches benchmark (issue 24): against a local S3-compatible server (moto, in a process
+"""Remote caches benchmark: against a local S3-compatible server (moto, in a process
 of its own on 127.0.0.1), every figure a same-run ratio.
 
 1. The clients on this job: obstore (the ``[remote]`` extra) and fsspec + s3fs, on parallel
@@ -13,7 +13,7 @@ of its own on 127.0.0.1), every figure a same-run ratio.
 3. The shuffle with 1 and 2 processes (``--rank``/``--world-size``, real processes),
    byte-identical, on local disk.
 
-    .venv/bin/python scripts/bench_remote.py [--quick]
+    .venv/bin/python benchmarks/remote.py [--quick]
 
 moto keeps objects in Python and reads a whole object for every ranged request, so its
 absolute figures are far below a real object store's; the ratios compare the library with
@@ -42,11 +42,12 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import saev_shards as ss
+from benchmarks import benchlib as bl
+from benchmarks import tables
+from benchmarks.core import make_metadata
 from saev_shards import store
 from saev_shards.remote.client import Client, requests_in_flight
 from saev_shards.store.remote import PUSH_FILES
-from scripts import benchlib as bl
-from scripts.bench_core import make_metadata
 from tests.support.caches import tree_bytes
 from tests.support.remote_servers import create_bucket, moto_process, s3_environment
 
@@ -117,7 +118,7 @@ def clients_table(bucket: str, endpoint: str, quick: bool) -> None:
             rate(size, lambda: fs.cat_file(f"{bucket}/clients/f.bin")),
         ),
     }
-    table = bl.Table(
+    table = tables.Table(
         "remote_clients",
         "The clients on this job (same server, same run)",
         ["", "obstore", "fsspec + s3fs", "obstore / s3fs"],
@@ -335,7 +336,7 @@ def library_table(bucket: str, local: ss.Shards, work: Path, meter: Meter, quick
         {"local": lambda: bl.warm_cache(local.path), "warm": lambda: bl.warm_cache(cache_dir / "blocks")},
     )
 
-    table = bl.Table(
+    table = tables.Table(
         "remote",
         "Remote caches against the client's own limits (moto on 127.0.0.1; medians, range over rounds)",
         ["", "figure", "limit (the same run)", "ratio", "target"],
@@ -448,7 +449,7 @@ def bounds_table(
 ) -> None:
     """CPU seconds per GB of each run, here and in the server: on a machine whose cores the
     server shares, what one run spends is taken from the other."""
-    table = bl.Table(
+    table = tables.Table(
         "remote_bounds",
         "What bounds them: CPU seconds per GB, this process and the server (medians)",
         ["run", "MB/s", "client CPU s/GB", "server CPU s/GB", "cores busy"],
@@ -565,7 +566,7 @@ def shuffle_table(local: ss.Shards, work: Path) -> None:
     seconds[2] = time.perf_counter() - t
     [name] = [p.name for p in out[1].iterdir() if not p.name.startswith(".")]
     same = tree_bytes(out[1] / name) == tree_bytes(out[2] / name)
-    table = bl.Table(
+    table = tables.Table(
         "remote_shuffle",
         "The shuffle with 1 and 2 processes (--rank/--world-size, local disk)",
         ["processes", "seconds", "speed-up", "bytes identical"],
@@ -587,7 +588,7 @@ def server(work: Path) -> Iterator[tuple[str, str, Meter]]:
 
 
 def main(quick: bool = False) -> None:
-    work = bl.bench_dir() / "remote"
+    work = tables.bench_dir() / "remote"
     work.mkdir(parents=True, exist_ok=True)
     local = build(work / "shards", 256 if quick else 1536, "remote")
     with server(work) as (bucket, endpoint, meter):

@@ -1,4 +1,4 @@
-"""GPU-node benchmark (issues 15 and 34): the loaders beside the node's own limits, measured in one run.
+"""GPU-node benchmark: the loaders beside the node's own limits, measured in one run.
 
 Parts, in this order (``--parts`` picks some; each ends in one or two tables):
 
@@ -20,28 +20,27 @@ Parts, in this order (``--parts`` picks some; each ends in one or two tables):
 * ``cold``: the page cache dropped before each sample: the loader against sequential and
   parallel O_DIRECT reads and parallel buffered reads of the same files. Target: >= 0.9 of
   the disk.
-* ``threads``: the host gather by gather threads (issue 15).
+* ``threads``: the host gather by gather threads.
 
 Every loader sample also records where the loader's threads and the training loop spend
 their time (their Python stacks sampled every 5 ms): docs/bench/gpu.md says from it what
 limits each row.
 
 Every table lands in the results file (``--results``, default results/gpu_results.json) the
-moment it is done, so a part stopped at its time limit (scripts/gpu_session.sh gives each
-one) loses only itself. ``--render FILE`` prints docs/bench/gpu.md made from such a file:
-the machine, the tables, what limits each row, what would close each gap. Without CUDA the
-host parts run, the device modes run on the CPU (``device="cpu"``: their host side only)
-and the SAE step runs small on the CPU; the tables say so.
+moment it is done, so a part stopped at its time limit (benchmarks/gpu_session.sh gives each
+one) loses only itself. ``--render FILE`` prints docs/bench/gpu.md made from such a file
+(`gpu_results.py`): the machine, the tables, what limits each row, what would close each
+gap. Without CUDA the host parts run, the device modes run on the CPU (``device="cpu"``:
+their host side only) and the SAE step runs small on the CPU; the tables say so.
 
-    .venv/bin/python scripts/bench_gpu.py [--quick] [--gb N] [--seconds S] [--parts a,b] [--keep]
-    .venv/bin/python scripts/bench_gpu.py --render results/gpu_results.json > docs/bench/gpu.md
+    .venv/bin/python benchmarks/gpu.py [--quick] [--gb N] [--seconds S] [--parts a,b] [--keep]
+    .venv/bin/python benchmarks/gpu.py --render results/gpu_results.json > docs/bench/gpu.md
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
-import datetime
 import json
 import multiprocessing
 import os
@@ -62,10 +61,12 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import saev_shards as ss
+from benchmarks import benchlib as bl
+from benchmarks import tables
+from benchmarks.core import D_MODEL, LAYERS, PATCHES
+from benchmarks.gpu_results import F8, F16, PARTS, Results, render
 from saev_shards.codecs import float8
 from saev_shards.loaders.token_loader import default_read_threads, usable_cores
-from scripts import benchlib as bl
-from scripts.bench_core import D_MODEL, LAYERS, PATCHES
 
 # torch (and with it saev_shards.loaders) is imported inside the parts that use it: the
 # build part forks its writers from a process that never imported it.
@@ -75,14 +76,6 @@ BLOCK = 4 << 20
 LAYER = 11
 #: Shards per cache: one writer process each, up to the cores.
 SHARDS = 16
-PARTS = ("build", "limits", "modes", "float8", "sae", "cold", "threads")
-TARGETS = {"page_cached": 0.8, "cold": 0.9, "sae": 0.98}
-#: Test runs scripts/gpu_session.sh records in the results (``--mark``), in words.
-TEST_RUNS = {
-    "cuda_tests": "The tests that need CUDA (test_cuda.py, the pinned-batch test, the docs' GPU block)",
-    "suite": "The loader, recorder and float8 tests under this node's Python, numpy and torch",
-}
-F16, F8 = "float16", "float8_e4m3"
 
 
 def thread_counts(limit: int) -> list[int]:
@@ -96,77 +89,18 @@ def thread_counts(limit: int) -> list[int]:
 
 
 # --------------------------------------------------------------------------------------
-# the results file
-
-
-class Results:
-    """The results JSON: read at the start of each part, written after each table."""
-
-    def __init__(self, path: Path) -> None:
-        self.path = path
-        if path.exists():
-            self.data: dict[str, Any] = json.loads(path.read_text())
-        else:
-            self.data = {
-                "schema": 1,
-                "started": now(),
-                "machine": {},
-                "caches": {},
-                "limits": {},
-                "cold": {},
-                "tables": {},
-                "parts": {},
-            }
-
-    def save(self) -> None:
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = self.path.with_name(self.path.name + ".tmp")
-        tmp.write_text(json.dumps(self.data, indent=1, default=_jsonable))
-        os.replace(tmp, self.path)
-
-    def table(self, part: str, table: bl.Table, rows: list[dict[str, Any]]) -> None:
-        """Print ``table`` and keep it, with the figures behind each row (``rows``)."""
-        table.emit()
-        self.data["tables"][part] = {
-            "name": table.name,
-            "title": table.title,
-            "columns": table.columns,
-            "rows": table.rows,
-            "notes": table.notes,
-            "data": rows,
-        }
-        self.save()
-
-    def part(self, name: str, status: str, seconds: float | None = None) -> None:
-        self.data["parts"][name] = {"status": status, "seconds": seconds}
-        self.save()
-
-
-def _jsonable(value: Any) -> Any:
-    if isinstance(value, np.generic):
-        return value.item()
-    if isinstance(value, Path):
-        return str(value)
-    raise TypeError(f"not JSON: {type(value).__name__}")
-
-
-def now() -> str:
-    return datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
-
-
-# --------------------------------------------------------------------------------------
 # the machine
 
 
 def machine_info(cuda: bool | None) -> dict[str, Any]:
     """The node, its disk, and (``cuda`` not None) torch and the GPU."""
-    info: dict[str, Any] = {"summary": bl.machine(), "usable_cores": usable_cores(), "kernel": platform.release()}
+    info: dict[str, Any] = {"summary": tables.machine(), "usable_cores": usable_cores(), "kernel": platform.release()}
     with contextlib.suppress(ImportError):
         import numba
 
         info["numba"] = numba.__version__
     info["float8_kernels"] = float8.kernels_in_use()
-    work = bl.bench_dir()
+    work = tables.bench_dir()
     info["bench_dir"] = str(work)
     info["filesystem"] = filesystem_of(work)
     info["readahead_kb"] = bl.readahead_nbytes(work) // 1024
@@ -281,7 +215,7 @@ def cache_nbytes(shards: ss.Shards) -> int:
 def open_caches(res: Results, gb: float) -> dict[str, ss.Shards]:
     """The float16 and float8 caches of ``gb`` GB (float16), writing any that is missing."""
     n = max(64, int(gb * 1e9 / gpu_metadata(1, F16).example_nbytes))
-    root = bl.bench_dir() / "gpu"
+    root = tables.bench_dir() / "gpu"
     root.mkdir(parents=True, exist_ok=True)
     caches = {}
     for dtype in (F16, F8):
@@ -404,11 +338,11 @@ class Sampler:
             name = f"{Path(path).stem}.{f.f_code.co_name}"
             if name in STAGES:
                 return STAGES[name] + suffix
-            if fallback is None and ("saev_shards" in path or path.endswith("bench_gpu.py")):
-                fallback = name
+            if fallback is None and ("saev_shards" in path or path == __file__):
+                fallback = "loop" if path == __file__ else name  # this script's frames: the benchmark's loop
             f = f.f_back
         if fallback is not None:
-            return ("loop" if fallback.startswith("bench_gpu.") else fallback) + suffix
+            return fallback + suffix
         return "idle [wait]" if waiting else f"{Path(frame.f_code.co_filename).stem}.{frame.f_code.co_name}"
 
     def profile(self, top: int = 4) -> dict[str, list[tuple[str, float]]]:
@@ -423,104 +357,6 @@ class Sampler:
 # the node's limits
 
 
-def memcpy_threads_gbps(threads: int, nbytes: int = 256 << 20) -> float:
-    """``threads`` threads each copying their own ``nbytes`` buffer (numpy releases the GIL)."""
-    pairs = [(np.ones(nbytes, np.uint8), np.empty(nbytes, np.uint8)) for _ in range(threads)]
-    for src, dst in pairs:
-        np.copyto(dst, src)
-
-    def work(i: int) -> None:
-        src, dst = pairs[i]
-        for _ in range(3):
-            np.copyto(dst, src)
-
-    return 3 * threads * nbytes / bl.in_threads(threads, work) / 1e9
-
-
-def host_buffer(nbytes: int, pinned: bool) -> np.ndarray[Any, Any]:
-    import torch
-
-    if pinned:
-        return torch.empty(nbytes, dtype=torch.uint8, pin_memory=True).numpy()
-    return np.ones(nbytes, np.uint8)  # touched, as a loader's reused buffers are
-
-
-def random_jobs(paths: list[Path], block: int, n: int, seed: int = 0) -> tuple[list[int], list[tuple[int, int]]]:
-    """``n`` random ``(fd, offset)`` reads of ``block`` bytes over ``paths`` (fds to close)."""
-    sizes = [os.stat(p).st_size for p in paths]
-    rng = np.random.default_rng(seed)
-    picks = rng.integers(0, len(paths), n)
-    fds = [os.open(p, os.O_RDONLY) for p in paths]
-    return fds, [(fds[k], int(rng.integers(0, max(1, sizes[k] - block)))) for k in picks.tolist()]
-
-
-def pread_threads_gbps(paths: list[Path], threads: int, total: int, pinned: bool, block: int = BLOCK) -> float:
-    """Random ``block``-byte preads of page-cached ``paths`` into one (pinned) buffer per thread."""
-    fds, jobs = random_jobs(paths, block, max(threads, total // block))
-    buffers = [host_buffer(block, pinned) for _ in range(threads)]
-
-    def work(i: int) -> None:
-        view = buffers[i].data
-        for fd, off in jobs[i::threads]:
-            os.preadv(fd, [view], off)
-
-    try:
-        return len(jobs) * block / bl.in_threads(threads, work) / 1e9
-    finally:
-        for fd in fds:
-            os.close(fd)
-
-
-def read_upload_gbps(paths: list[Path], threads: int, total: int) -> float:
-    """Random 4 MiB preads into pinned memory, each block then copied to the GPU on the
-    thread's own stream (two pinned buffers per thread, one filling while the other uploads):
-    the device-side shuffle's work without anything else."""
-    import torch
-
-    fds, jobs = random_jobs(paths, BLOCK, max(threads, total // BLOCK), seed=1)
-    pinned = [[torch.empty(BLOCK, dtype=torch.uint8, pin_memory=True) for _ in range(2)] for _ in range(threads)]
-    dev = torch.empty((threads, 2, BLOCK), dtype=torch.uint8, device="cuda")
-    streams = [torch.cuda.Stream() for _ in range(threads)]
-
-    def work(i: int) -> None:
-        events: list[Any] = [None, None]
-        with torch.cuda.stream(streams[i]):
-            for j, (fd, off) in enumerate(jobs[i::threads]):
-                k = j % 2
-                if events[k] is not None:
-                    events[k].synchronize()
-                os.preadv(fd, [pinned[i][k].numpy().data], off)
-                dev[i, k].copy_(pinned[i][k], non_blocking=True)
-                events[k] = torch.cuda.Event()
-                events[k].record()
-            streams[i].synchronize()
-
-    try:
-        return len(jobs) * BLOCK / bl.in_threads(threads, work) / 1e9
-    finally:
-        for fd in fds:
-            os.close(fd)
-
-
-def copy_gbps(kind: str, nbytes: int = 512 << 20, repeats: int = 8) -> float:
-    """``h2d`` (pinned), ``h2d_pageable``, ``d2h`` (pinned) or ``d2d`` (bytes read + written) copies."""
-    import torch
-
-    pinned = kind != "h2d_pageable"
-    host = torch.ones(nbytes, dtype=torch.uint8).pin_memory() if pinned else torch.ones(nbytes, dtype=torch.uint8)
-    dev = torch.ones(nbytes, dtype=torch.uint8, device="cuda")
-    dev2 = torch.empty_like(dev)
-    src, dst = {"h2d": (host, dev), "h2d_pageable": (host, dev), "d2h": (dev, host), "d2d": (dev, dev2)}[kind]
-    dst.copy_(src, non_blocking=pinned)
-    torch.cuda.synchronize()
-    start = time.perf_counter()
-    for _ in range(repeats):
-        dst.copy_(src, non_blocking=pinned)
-    torch.cuda.synchronize()
-    moved = repeats * nbytes * (2 if kind == "d2d" else 1)
-    return moved / (time.perf_counter() - start) / 1e9
-
-
 def part_limits(res: Results, caches: dict[str, ss.Shards], cuda: bool, quick: bool) -> None:
     shards = caches[F16]
     warm(shards)
@@ -529,7 +365,7 @@ def part_limits(res: Results, caches: dict[str, ss.Shards], cuda: bool, quick: b
     files = shard_files(shards)
     md = shards.metadata
     slice_bytes = md.tokens_per_ex * md.d_model * md.itemsize
-    table = bl.Table(
+    table = tables.Table(
         "gpu_limits",
         f"The node's limits ({cores} usable cores; float16 cache page-cached; CUDA: {cuda})",
         ["what", "threads", "GB/s"],
@@ -544,33 +380,33 @@ def part_limits(res: Results, caches: dict[str, ss.Shards], cuda: bool, quick: b
             limits[key] = max(limits.get(key, 0.0), gbps)
 
     for threads in thread_counts(min(cores, 16)):
-        add("memcpy", "memcpy, 256 MiB buffers per thread", threads, memcpy_threads_gbps(threads))
+        add("memcpy", "memcpy, 256 MiB buffers per thread", threads, bl.memcpy_threads_gbps(threads))
     where = "pinned" if cuda else "pageable"
     for threads in thread_counts(min(2 * cores, 32)):
         add(
             "pread",
             f"pread of random 4 MiB blocks into {where} memory",
             threads,
-            pread_threads_gbps(files, threads, total, cuda),
+            bl.pread_threads_gbps(files, threads, total, cuda),
         )
     for threads in sorted({4, default_read_threads(device_side=True), min(2 * cores, 32)}):
         add(
             "pread_slices",
             f"pread of random layer slices ({slice_bytes:,} B) into {where} memory",
             threads,
-            pread_threads_gbps(files, threads, total // 2, cuda, block=slice_bytes),
+            bl.pread_threads_gbps(files, threads, total // 2, cuda, block=slice_bytes),
         )
     if cuda:
-        add("h2d", "host-to-device copy, pinned, 512 MiB", 1, copy_gbps("h2d"))
-        add("h2d_pageable", "host-to-device copy, pageable, 512 MiB", 1, copy_gbps("h2d_pageable"))
-        add("d2h", "device-to-host copy, pinned, 512 MiB", 1, copy_gbps("d2h"))
-        add("d2d", "device-to-device copy (bytes read + written)", 1, copy_gbps("d2d"))
+        add("h2d", "host-to-device copy, pinned, 512 MiB", 1, bl.copy_gbps("h2d"))
+        add("h2d_pageable", "host-to-device copy, pageable, 512 MiB", 1, bl.copy_gbps("h2d_pageable"))
+        add("d2h", "device-to-host copy, pinned, 512 MiB", 1, bl.copy_gbps("d2h"))
+        add("d2d", "device-to-device copy (bytes read + written)", 1, bl.copy_gbps("d2d"))
         for threads in sorted({4, default_read_threads(device_side=True)}):
             add(
                 "read_upload",
                 "pread of random 4 MiB blocks into pinned memory + upload, one stream per thread",
                 threads,
-                read_upload_gbps(files, threads, total),
+                bl.read_upload_gbps(files, threads, total, BLOCK),
             )
     table.note(
         "Each figure from this run, once. The pread limit the loader tables use is the best over thread counts "
@@ -691,7 +527,7 @@ def part_modes(res: Results, caches: dict[str, ss.Shards], cuda: bool, seconds: 
         ),
         f"stacked layers (B, 2, D), device ({dev})": ("device", shuffled(shards, stack_layers=True, device=dev), False),
     }
-    table = bl.Table(
+    table = tables.Table(
         "gpu_loader_modes",
         "ShuffledLoader by mode, float16 cache page-cached, batches of 4,096 delivered "
         + ("on the GPU" if cuda else "on the host (no CUDA)")
@@ -747,7 +583,7 @@ def part_float8(res: Results, caches: dict[str, ss.Shards], cuda: bool, seconds:
         warm(shards)
     dev = device_name(cuda)
     d = D_MODEL
-    table = bl.Table(
+    table = tables.Table(
         "gpu_float8",
         "float8_e4m3 against float16, page-cached, batches of 4,096 on the "
         + ("GPU" if cuda else "host (no CUDA)")
@@ -859,7 +695,7 @@ def part_sae(res: Results, caches: dict[str, ss.Shards], cuda: bool, seconds: fl
     rounds = 2
     medians = bl.interleaved(feeds, rounds=rounds)
     base = medians["already on the device"]
-    table = bl.Table(
+    table = tables.Table(
         "gpu_sae_step",
         f"Top-k SAE {D_MODEL} -> {n_latents:,}, k={k}, Adam, bf16 autocast, batches of 4,096, on {device.type}: "
         "fed by the loader against data already there",
@@ -901,9 +737,9 @@ def disk_limits(
     total = sum(os.stat(p).st_size for p in paths)
     method = drop(paths, drop_all)
     probe_bytes = min(total, 256 << 20)
-    probe = odirect_files_gbps(paths, probe_bytes)
+    probe = bl.odirect_files_gbps(paths, probe_bytes)
     budget = int(min(total, max(probe_bytes, probe * 1e9 * seconds)))
-    out = [("sequential O_DIRECT reads, 8 MiB requests", 1, odirect_files_gbps(paths, budget))]
+    out = [("sequential O_DIRECT reads, 8 MiB requests", 1, bl.odirect_files_gbps(paths, budget))]
     drop(paths, drop_all)
     block = min(BLOCK, max(os.stat(p).st_size for p in paths) // bl.ALIGN * bl.ALIGN)  # small caches' shards
     gbps, _ = bl.odirect_random_read_files(paths, block, max(threads, budget // block), threads)
@@ -911,20 +747,6 @@ def disk_limits(
     drop(paths, drop_all)
     out.append(("buffered 4 MiB preads in file order", threads, bl.buffered_read_gbps(paths, threads, limit=budget)))
     return out, method
-
-
-def odirect_files_gbps(paths: list[Path], limit: int) -> float:
-    """Sequential O_DIRECT reads of ``paths`` in turn, up to ``limit`` bytes in all."""
-    done, elapsed = 0, 0.0
-    for path in paths:
-        size = min(os.stat(path).st_size, limit - done)
-        if size < bl.DIRECT_BLOCK:
-            break
-        gbps = bl.odirect_read_gbps(path, limit=size)
-        read = size - size % bl.DIRECT_BLOCK
-        elapsed += read / gbps / 1e9
-        done += read
-    return done / max(elapsed, 1e-9) / 1e9
 
 
 def part_cold(res: Results, caches: dict[str, ss.Shards], cuda: bool, seconds: float, drop_all: bool) -> None:
@@ -948,7 +770,7 @@ def part_cold(res: Results, caches: dict[str, ss.Shards], cuda: bool, seconds: f
     res.data["limits"]["disk"] = disk
     res.save()
     dev = "cuda" if cuda else None
-    table = bl.Table(
+    table = tables.Table(
         "gpu_cold",
         "From disk, the page cache dropped before each sample: ratio to the disk's best reader",
         ["reader", "threads", "GB/s", "tokens/s", "ratio to disk", "first batch (s)"],
@@ -982,7 +804,7 @@ def part_threads(res: Results, caches: dict[str, ss.Shards], cuda: bool, seconds
     shards = caches[F16]
     warm(shards)
     limits = res.data["limits"]
-    table = bl.Table(
+    table = tables.Table(
         "gpu_loader_threads",
         f"ShuffledLoader host gather by threads, layer {LAYER}, page-cached, pin_memory: ratio to the pread limit",
         ["gather threads", "GB/s", "ratio to pread limit", "CPU cores busy"],
@@ -997,341 +819,10 @@ def part_threads(res: Results, caches: dict[str, ss.Shards], cuda: bool, seconds
 
 
 # --------------------------------------------------------------------------------------
-# docs/bench/gpu.md
-
-
-def render(data: dict[str, Any]) -> str:
-    """docs/bench/gpu.md from a results file: the machine, the tables, what limits each row,
-    what would close each gap (every sentence computed from the file's own figures)."""
-    m, tables, limits = data.get("machine", {}), data.get("tables", {}), data.get("limits", {})
-    out = ["# GPU node benchmark", ""]
-    out += [
-        f"`make bench-gpu` (`scripts/bench_gpu.py`), run {data.get('started', '?')} "
-        + (
-            "by `scripts/gpu_session.sh`, which also ran the tests that need a GPU (below). "
-            if "cuda_tests" in data.get("parts", {})
-            else "as `" + data.get("command", "scripts/bench_gpu.py") + "`. "
-        )
-        + "Every ratio is to a limit of the same node measured in the same run. This page is written by "
-        "`scripts/bench_gpu.py --render` from that run's results file; edit the script, not the page.",
-        "",
-        "## The machine",
-        "",
-    ]
-    out += _machine_lines(m, data)
-    missing = [p for p in PARTS if p not in data.get("parts", {}) or data["parts"][p]["status"] != "ok"]
-    if missing:
-        out += ["", "Parts that did not finish: " + "; ".join(_part_status(data, p) for p in missing) + "."]
-    tests = {k: v for k, v in data.get("parts", {}).items() if k in TEST_RUNS}
-    if tests:
-        out += ["", "## The tests on this GPU", ""]
-        out += [f"- {TEST_RUNS[k]}: {v['status']}" for k, v in tests.items()]
-    out += ["", "## The tables", ""]
-    for t in tables.values():
-        out += [f"### {t['title']}", "", *_md_table(t["columns"], t["rows"]), ""]
-        out += [*t["notes"], ""] if t["notes"] else []
-    out += ["## What limits each row", ""]
-    out += _limits_section(tables, limits, data)
-    out += ["", "## Targets, and what would close each gap", ""]
-    out += _targets_section(tables, limits, data)
-    return "\n".join(out).rstrip() + "\n"
-
-
-def _part_status(data: dict[str, Any], part: str) -> str:
-    got = data.get("parts", {}).get(part)
-    if got is None:
-        return f"`{part}` (not run)"
-    return f"`{part}` ({got['status']})"
-
-
-def _machine_lines(m: dict[str, Any], data: dict[str, Any]) -> list[str]:
-    lines = [
-        f"- CPU: {m.get('summary', '?')}; {m.get('usable_cores', '?')} usable cores; kernel {m.get('kernel', '?')}"
-    ]
-    if m.get("gpu"):
-        lines.append(
-            f"- GPU: {m['gpu']}, {m.get('gpu_memory_gib', '?')} GiB, {m.get('gpu_sms', '?')} SMs; driver "
-            f"{m.get('driver', '?')}, CUDA runtime {m.get('cuda_runtime', '?')}; PCIe {m.get('pcie', '?')}"
-        )
-    elif "cuda" in m:
-        lines.append("- GPU: none (CUDA not available): host parts only, device modes on the CPU")
-    lines.append(
-        f"- torch {m.get('torch', '?')}; numba {m.get('numba', 'absent')} (float8 kernels in use: "
-        f"{m.get('float8_kernels', '?')})"
-    )
-    lines.append(f"- Benchmark files on {m.get('filesystem', '?')}, readahead {m.get('readahead_kb', '?')} KiB")
-    for dtype, c in data.get("caches", {}).items():
-        lines.append(
-            f"- {dtype} cache: {c['examples']:,} examples x 2 layers x 197 tokens x 768, {c['nbytes'] / 1e9:.2f} GB "
-            f"in {c['shards']} shards, written by {c['writers']} processes in {c['write_seconds']} s"
-        )
-    cold = data.get("cold", {})
-    if cold:
-        lines.append(
-            f"- Cold samples: {cold['method']}; page cache {cold['cached_gb_before_drop']:.1f} GB before the "
-            f"first drop, {cold['cached_gb_after_drop']:.1f} GB after it"
-        )
-    return lines
-
-
-def _md_table(columns: list[str], rows: list[list[str]]) -> list[str]:
-    lines = ["| " + " | ".join(columns) + " |", "| " + " | ".join("---" for _ in columns) + " |"]
-    lines += ["| " + " | ".join(r) + " |" for r in rows]
-    return lines
-
-
-#: The stack sampler's stages (`STAGES`), in words.
-PLACES = {
-    "read": "reading (pread)",
-    "upload wait": "waiting for an upload before refilling a staging slot",
-    "index": "computing window indexes",
-    "upload": "queueing uploads",
-    "gather": "gathering rows",
-    "batch": "issuing batches",
-    "batch [wait]": "waiting for a window or a batch",
-    "idle [wait]": "idle",
-    "loop": "the benchmark's loop (moving batches to the GPU, synchronising)",
-}
-
-
-def _words(place: str) -> str:
-    return PLACES.get(place, f"`{place}`")
-
-
-def _profile_text(profile: dict[str, list[list[Any]]]) -> str:
-    parts = []
-    names = {"main": "training loop", "read": "read threads", "gather": "gather threads"}
-    for role in ("main", "read", "gather"):
-        top = profile.get(role)
-        if top:
-            parts.append(f"{names[role]}: " + ", ".join(f"{_words(p)} {s:.0%}" for p, s in top[:3]))
-    return "; ".join(parts)
-
-
-def _share(profile: dict[str, list[list[Any]]], role: str, *keys: str) -> float:
-    return float(sum(s for p, s in profile.get(role, []) if any(p.startswith(k) for k in keys)))
-
-
-def _bottleneck(row: dict[str, Any], limits: dict[str, float]) -> str:
-    """A sentence saying what limits a loader row, from its figures and its threads' profile."""
-    prof = row.get("profile", {})
-    reading = _share(prof, "read", "read")
-    upload_wait = _share(prof, "read", "upload wait")
-    idle_read = _share(prof, "read", "idle")
-    main_wait = _share(prof, "main", "batch [wait]")
-    main_busy = _share(prof, "main", "batch") - main_wait
-    main_loop = _share(prof, "main", "loop") - _share(prof, "main", "loop [wait]")
-    gather = _share(prof, "gather", "gather")
-    indexing = _share(prof, "read", "index")
-    if upload_wait >= 0.3:
-        return (
-            f"the read threads spend {upload_wait:.0%} of their time waiting for uploads: the host-to-device "
-            "copies (or the slots they free) set the pace"
-        )
-    if indexing >= 0.3:
-        return (
-            f"the read threads spend {indexing:.0%} of their time computing window indexes (numpy, on the host): "
-            "each window waits for its index"
-        )
-    if reading >= 0.5:
-        return f"the read threads are reading {reading:.0%} of the time: reading (pread) sets the pace"
-    if main_loop >= 0.5:
-        return (
-            f"the loop's own work, copying each batch to the GPU, takes {main_loop:.0%} of its thread: that copy "
-            "sets the pace"
-        )
-    if main_busy >= 0.6 and idle_read >= 0.3:
-        return (
-            f"the training loop's thread is busy {main_busy:.0%} of the time and the read threads idle "
-            f"{idle_read:.0%}: the per-batch work on the loop's thread sets the pace"
-        )
-    if gather >= 0.5:
-        return f"the gather threads are gathering {gather:.0%} of the time: the host gather (CPU) sets the pace"
-    if main_wait >= 0.5 and idle_read >= 0.3:
-        return (
-            f"the loop waits for windows {main_wait:.0%} of the time while the read threads idle {idle_read:.0%}: "
-            "too few windows in flight (two slots) for the read threads to stay busy"
-        )
-    return "no single stage dominates the sampled stacks"
-
-
-def _limits_section(tables: dict[str, Any], limits: dict[str, float], data: dict[str, Any]) -> list[str]:
-    lines: list[str] = []
-    pread, h2d, ru = limits.get("pread"), limits.get("h2d"), limits.get("read_upload")
-    if "limits" in tables:
-        text = (
-            f"- **The node.** Parallel pread into pinned memory peaks at {pread:.1f} GB/s"
-            if pread
-            else "- **The node.**"
-        )
-        if h2d:
-            text += f"; one pinned host-to-device copy stream moves {h2d:.1f} GB/s"
-            if limits.get("h2d_pageable"):
-                text += f" ({limits['h2d_pageable']:.1f} from pageable memory)"
-        if ru:
-            text += f"; reading and uploading together reach {ru:.1f} GB/s, " + (
-                "the upload being the narrower of the two."
-                if h2d and h2d < (pread or 0)
-                else "so reads and uploads overlap."
-                if pread and ru >= 0.9 * min(pread, h2d or pread)
-                else "less than either alone: reads and uploads contend (memory bandwidth, or the copy engine)."
-            )
-        lines.append(text if text.endswith(".") else text + ".")
-    for key, label in (("modes", "Loader modes"), ("float8", "float8"), ("cold", "Cold"), ("threads", "Threads")):
-        t = tables.get(key)
-        if t is None:
-            continue
-        lines.append(f"- **{label}.**")
-        for row in t["data"]:
-            if row.get("limit") or "profile" not in row:
-                continue
-            name = row.get("mode") or row.get("reader") or f"gather threads {row.get('gather_threads')}"
-            if key == "float8":
-                name = f"{name}, {row['cache']}"
-            restart = (
-                f" A new epoch's first batch came {row['restart_s']:.2f} s after the last one's end (the first "
-                "window read and, on the device, uploaded before anything else); left out of the rate."
-                if row.get("epoch_restarts")
-                else ""
-            )
-            lines.append(
-                f"  - {name}: {row['gbps']:.2f} GB/s, {row['cores_busy']:.1f} cores busy; "
-                f"{_bottleneck(row, limits)} ({_profile_text(row['profile'])}).{restart}"
-            )
-    sae = tables.get("sae")
-    if sae is not None:
-        lines.append("- **SAE step.**")
-        lines += _sae_lines(sae, tables)
-    return lines
-
-
-def _sae_lines(sae: dict[str, Any], tables: dict[str, Any]) -> list[str]:
-    alone = _loader_alone(tables)
-    lines = []
-    for row in sae["data"]:
-        if row["data"] == "already on the device":
-            lines.append(f"  - on the device: {row['tokens_per_s']:,.0f} tokens/s, the GPU's own rate for this step.")
-            continue
-        need = row["loader_gbps_needed"]
-        have = alone.get(row["data"])
-        text = f"  - {row['data']}: {row['ratio']:.3f} of on-device, the loader delivering {need:.2f} GB/s"
-        if row["ratio"] >= TARGETS["sae"]:
-            text += ": the loader keeps up with the step"
-        elif have is not None:
-            text += f"; alone, page-cached, it delivers {have:.2f} GB/s"
-            text += (
-                ": it has room, so the gap is interference (its threads' CPU and GIL time, its uploads and "
-                "gathers on the GPU) rather than its rate"
-                if have >= 1.2 * need
-                else ": the loader itself is the limit"
-            )
-        lines.append(text + ".")
-    return lines
-
-
-def _loader_alone(tables: dict[str, Any]) -> dict[str, float]:
-    """The page-cached rate of the loader that feeds each SAE row, from the modes and float8 tables."""
-    out = {}
-    for row in tables.get("modes", {}).get("data", []):
-        if row["mode"].startswith("device-side shuffle") and "every layer" not in row["mode"]:
-            out["float16, device-side shuffle"] = row["gbps"]
-        if row["mode"] == "host gather, pin_memory":
-            out["float16, host gather, pin_memory"] = row["gbps"]
-    for row in tables.get("float8", {}).get("data", []):
-        if row["cache"] == F8 and row["mode"].startswith("device-side shuffle"):
-            out["float8_e4m3, device-side shuffle"] = row["gbps"]
-    return out
-
-
-def _targets_section(tables: dict[str, Any], limits: dict[str, float], data: dict[str, Any]) -> list[str]:
-    rows: list[list[str]] = []
-    advice: list[str] = []
-    pread = limits.get("pread")
-    for row in tables.get("modes", {}).get("data", []):
-        if row["kind"] == "device" and pread:
-            r = row["gbps"] / pread
-            rows.append([f"page-cached, {row['mode']}", ">= 0.8 of pread", f"{r:.2f}", "yes" if r >= 0.8 else "no"])
-            if r < TARGETS["page_cached"]:
-                advice.append(f"- {row['mode']} ({r:.2f} of the pread limit): {_advice(row, limits)}")
-    for row in tables.get("cold", {}).get("data", []):
-        if not row.get("limit"):
-            r = row["gbps"] / data.get("cold", {}).get("disk", float("nan"))
-            rows.append([f"cold, {row['reader']}", ">= 0.9 of the disk", f"{r:.2f}", "yes" if r >= 0.9 else "no"])
-            if r < TARGETS["cold"]:
-                advice.append(f"- cold, {row['reader']} ({r:.2f} of the disk): {_advice(row, limits)}")
-    for row in tables.get("sae", {}).get("data", []):
-        if row["data"] != "already on the device":
-            r = row["ratio"]
-            rows.append([f"SAE step, {row['data']}", ">= 0.98 of on-device", f"{r:.3f}", "yes" if r >= 0.98 else "no"])
-            if r < TARGETS["sae"]:
-                have = _loader_alone(tables).get(row["data"])
-                advice.append(
-                    f"- SAE step fed by {row['data']} ({r:.3f}): "
-                    + (
-                        "the loader alone is too slow for this step: close its own gap first (above)."
-                        if have is not None and have < 1.2 * row["loader_gbps_needed"]
-                        else "the loader has the rate but slows the step: keep its Python off the loop's thread "
-                        "(fewer, larger calls per batch), give its read threads fewer cores than the node has, and "
-                        "check the uploads do not share a copy engine with the step's own traffic."
-                    )
-                )
-    f8 = tables.get("float8", {}).get("data", [])
-    for mode in dict.fromkeys(r["mode"] for r in f8):
-        by = {r["cache"]: r for r in f8 if r["mode"] == mode}
-        if F16 in by and F8 in by:
-            r = by[F8]["vectors_per_s"] / by[F16]["vectors_per_s"]
-            rows.append(
-                [f"float8 / float16 tokens/s, {mode}", "> 1 (half the bytes)", f"{r:.2f}", "yes" if r > 1 else "no"]
-            )
-            if r <= 1:
-                advice.append(f"- float8, {mode} ({r:.2f} x float16): {_advice(by[F8], limits)}")
-    if not rows:
-        return ["No target could be judged: the parts that measure them did not finish."]
-    out = _md_table(["target", "wanted", "measured", "met"], rows)
-    out += ["", *(advice or ["Every target measured here is met."])]
-    return out
-
-
-def _advice(row: dict[str, Any], limits: dict[str, float]) -> str:
-    """What would close a loader row's gap, by what limits it (`_bottleneck`)."""
-    why = _bottleneck(row, limits)
-    if "waiting for uploads" in why:
-        return (
-            why + "; more bytes per copy (larger blocks), or uploads from more than one stream so that both "
-            "copy engines work, would raise it up to the read + upload limit."
-        )
-    if "reading (pread)" in why:
-        return (
-            why + "; the reads are already the work: bigger requests (block_bytes) or more read threads, up "
-            "to the pread limit's best thread count, would close the rest."
-        )
-    if "per-batch work" in why:
-        return (
-            why + "; fewer Python calls per batch on that thread (larger batches per call, the index of "
-            "several batches prepared at once) would close it."
-        )
-    if "too few windows" in why:
-        return (
-            why + "; a third slot (reading the window after next while one uploads and one is gathered) "
-            "would keep them busy."
-        )
-    if "copying each batch" in why:
-        return why + "; pin_memory=True (asynchronous copies) or the device-side shuffle would take it off the loop."
-    if "window indexes" in why:
-        return (
-            why + "; computing the index of the window after next earlier, or its permutation on the device, "
-            "would take it off the path."
-        )
-    if "host gather" in why:
-        return why + "; only the device-side shuffle takes that work off the CPU."
-    return why + "; a profile of this row (ncu and a longer stack sample) is the next step."
-
-
-# --------------------------------------------------------------------------------------
 
 
 def main(args: argparse.Namespace) -> None:
-    results = Path(args.results) if args.results else bl.results_dir() / "gpu_results.json"
+    results = Path(args.results) if args.results else tables.results_dir() / "gpu_results.json"
     res = Results(results)
     parts = [p for p in PARTS if p in args.parts.split(",")] if args.parts else list(PARTS)
     unknown = set(args.parts.split(",")) - set(PARTS) if args.parts else set()
@@ -1340,8 +831,8 @@ def main(args: argparse.Namespace) -> None:
     gb = args.gb if args.gb is not None else (0.4 if args.quick else 8.0)
     seconds = args.seconds if args.seconds is not None else (1.0 if args.quick else 3.0)
     res.data["machine"].update(machine_info(None))
-    res.data.setdefault("command", " ".join(["scripts/bench_gpu.py", *sys.argv[1:]]))
-    print(f"Machine: {bl.machine()}\n", flush=True)
+    res.data.setdefault("command", " ".join(["benchmarks/gpu.py", *sys.argv[1:]]))
+    print(f"Machine: {tables.machine()}\n", flush=True)
     caches: dict[str, ss.Shards] = {}
     try:
         for part in parts:
@@ -1379,7 +870,7 @@ def main(args: argparse.Namespace) -> None:
         for shards in caches.values():
             shards.close()
         if not args.keep:
-            shutil.rmtree(bl.bench_dir() / "gpu", ignore_errors=True)
+            shutil.rmtree(tables.bench_dir() / "gpu", ignore_errors=True)
 
 
 if __name__ == "__main__":
@@ -1406,6 +897,6 @@ if __name__ == "__main__":
     if args.render:
         sys.stdout.write(render(json.loads(Path(args.render).read_text())))
     elif args.mark:
-        Results(Path(args.results) if args.results else bl.results_dir() / "gpu_results.json").part(*args.mark)
+        Results(Path(args.results) if args.results else tables.results_dir() / "gpu_results.json").part(*args.mark)
     else:
         main(args)

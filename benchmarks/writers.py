@@ -8,7 +8,7 @@ closed; publishing (`finalize`, which joins the small column parts and writes th
 manifest) is timed apart. The limit is a sequential O_DIRECT write of the same number of
 bytes with one fsync, measured in the same run, interleaved with the writers.
 
-    .venv/bin/python scripts/bench_writers.py [--quick]
+    .venv/bin/python benchmarks/writers.py [--quick]
 """
 
 from __future__ import annotations
@@ -26,7 +26,8 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import saev_shards as ss
-from scripts import benchlib as bl
+from benchmarks import benchlib as bl
+from benchmarks import tables
 
 #: A text-model-sized example: 2 layers x (CLS + 127 tokens) x 768, float16 (393 KB).
 LAYERS, TOKENS, D_MODEL = (4, 8), 128, 768
@@ -108,7 +109,7 @@ def main(quick: bool = False) -> None:
     rounds = 1 if quick else 3
     md = _metadata(total // (len(LAYERS) * TOKENS * D_MODEL * 2))
     nbytes = md.nbytes
-    base = bl.bench_dir() / "writers"
+    base = tables.bench_dir() / "writers"
     base.mkdir(parents=True, exist_ok=True)
     finals: dict[str, list[float]] = {}
 
@@ -135,9 +136,9 @@ def main(quick: bool = False) -> None:
     limit = rates["odirect"]
     one = rates["1-1"]
 
-    table = bl.Table(
+    table = tables.Table(
         "writers",
-        f"Writer scaling: one cache of {bl.gb(nbytes)} ({md.n_shards} shards of {bl.gb(md.shard_nbytes(0))}), "
+        f"Writer scaling: one cache of {tables.gb(nbytes)} ({md.n_shards} shards of {tables.gb(md.shard_nbytes(0))}), "
         f"durable writes, median of {rounds} interleaved round(s)",
         ["writers", "statistics", "GB/s to published", "x O_DIRECT write", "x 1 writer (stats)", "finalize s"],
     )
@@ -153,7 +154,7 @@ def main(quick: bool = False) -> None:
             r / one if stats else "-",
             float(np.median(finals[key])) if world > 1 else "in close",
         )
-    table.note(f"Machine: {bl.machine()}.")
+    table.note(f"Machine: {tables.machine()}.")
     table.note(
         "Each process runs a ShardWriter for its block of shards (what `saev-shards dump --rank r "
         "--world-size W` does after the forward pass), writing 32-example batches with a lengths column; "

@@ -1,4 +1,4 @@
-"""Loader benchmark (issue 3): the training loaders against the machine's own limits.
+"""Loader benchmark: the training loaders against the machine's own limits.
 
 Every speed is printed as a ratio to a limit measured in the same run: the shuffled and
 ordered loaders on a page-cached cache against large-buffer memcpy, on a cold cache (and,
@@ -7,7 +7,7 @@ files; the map-style datasets under DataLoader workers 0, 4, 8 beside Gemma Scop
 target; the shuffle quality against a perfect shuffle; host-to-GPU with pinned memory
 when a CUDA GPU is present.
 
-    .venv/bin/python scripts/bench_loaders.py [--quick] [--big] [--keep]
+    .venv/bin/python benchmarks/loaders.py [--quick] [--big] [--keep]
 """
 
 from __future__ import annotations
@@ -29,12 +29,13 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import saev_shards as ss
+from benchmarks import benchlib as bl
+from benchmarks import tables
+from benchmarks.core import make_metadata
 from saev_shards import loaders
 from saev_shards.loaders.mapped import CacheMap
 from saev_shards.loaders.plan import index_window
 from saev_shards.protocol.manifest import Manifest, ShardEntry, ShardList
-from scripts import benchlib as bl
-from scripts.bench_core import make_metadata
 
 # A ViT-B/16-like cache: 2 layers x (CLS + 196 patches) x 768 dims, float16: 605 KB per
 # example, one token vector 1,536 bytes.
@@ -105,21 +106,6 @@ def epoch_rate(
     return gbps, tps, t - start, cpu / max(nbytes / 1e9, 1e-9), startups / max(dt, 1e-9)
 
 
-def odirect_files_gbps(shards: ss.Shards, limit: int) -> float:
-    """Sequential O_DIRECT read of the cache's own shard files (up to ``limit`` bytes)."""
-    done, elapsed = 0, 0.0
-    for k in range(shards.n_shards):
-        path = shards.shard_path(k)
-        size = min(os.stat(path).st_size, limit - done)
-        if size < bl.DIRECT_BLOCK:
-            break
-        gbps = bl.odirect_read_gbps(path, limit=size)
-        read = size - size % bl.DIRECT_BLOCK
-        elapsed += read / gbps / 1e9
-        done += read
-    return done / elapsed / 1e9
-
-
 # --------------------------------------------------------------------------------------
 # shuffled and ordered loaders
 
@@ -140,7 +126,7 @@ def loader_table(
     max_bytes: float = float("inf"),
     min_bytes: float = 0,
     limit_cpu: dict[str, float] | None = None,
-) -> bl.Table:
+) -> tables.Table:
     """Interleave ``rounds`` epochs of each loader with every limit; a table of medians and ratios.
 
     Every row, limits included, gets a ratio to each limit column (the best row of that
@@ -170,7 +156,7 @@ def loader_table(
     medians = bl.interleaved(fns, rounds=rounds)
     columns = list(dict.fromkeys(column for column, _ in limits.values() if column))
     tops = {c: max(medians[label] for label, (column, _) in limits.items() if column == c) for c in columns}
-    table = bl.Table(
+    table = tables.Table(
         name,
         title,
         [
@@ -367,7 +353,7 @@ def disk_limits(shards: ss.Shards, limit: int) -> dict[str, Limit]:
     4 threads (what this disk gives any buffered reader; the best row sets the column)."""
     files = shard_files(shards)
     limits: dict[str, Limit] = {
-        "O_DIRECT sequential read, 8 MiB requests (limit)": ("O_DIRECT", lambda: odirect_files_gbps(shards, limit))
+        "O_DIRECT sequential read, 8 MiB requests (limit)": ("O_DIRECT", lambda: bl.odirect_files_gbps(files, limit))
     }
     for threads in (1, 2, 4):
         limits[f"buffered read of the shards, 4 MiB preads, {threads} thread{'s' if threads > 1 else ''} (limit)"] = (
@@ -447,7 +433,7 @@ def bench_quality(quick: bool) -> None:
     n_batches = 20 if quick else 100
     rng = np.random.default_rng(0)
     per_layer = md.patches_per_ex
-    table = bl.Table(
+    table = tables.Table(
         "loaders_shuffle_quality",
         f"Shuffle quality: ImageNet-1k-sized cache ({n_examples:,} examples, {md.n_shards} shards of {eps:,}), "
         f"layer 11 content tokens, batches of {BATCH}",
@@ -499,7 +485,7 @@ def bench_datasets(shards: ss.Shards, quick: bool) -> None:
     }
     bl.warm_cache(shards.path)
     limit = bl.memcpy_gbps()
-    table = bl.Table(
+    table = tables.Table(
         "loaders_datasets",
         f"Map-style datasets under torch DataLoader, page-cached, k={k:,} random items",
         ["dataset", "workers", "items/s", "GB/s", "ratio to memcpy", "ratio to Gemma Scope 1 GB/s"],
@@ -540,17 +526,8 @@ def bench_cuda(shards: ss.Shards, quick: bool) -> None:
         print("Host-to-GPU with pin_memory: no CUDA GPU on this machine.\n", flush=True)
         return
     bl.warm_cache(shards.path)
-    nbytes = 256 << 20
-    host = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
-    dev = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
-    dev.copy_(host, non_blocking=True)
-    torch.cuda.synchronize()
-    t = time.perf_counter()
-    for _ in range(10):
-        dev.copy_(host, non_blocking=True)
-    torch.cuda.synchronize()
-    limit = 10 * nbytes / (time.perf_counter() - t) / 1e9
-    table = bl.Table(
+    limit = bl.copy_gbps("h2d", 256 << 20, repeats=10)
+    table = tables.Table(
         "loaders_cuda",
         f"Host to GPU ({torch.cuda.get_device_name()}): ShuffledLoader batches moved with non_blocking copies",
         ["path", "GB/s", "ratio to pinned H2D copy"],
@@ -577,8 +554,8 @@ def bench_cuda(shards: ss.Shards, quick: bool) -> None:
 
 def main(quick: bool = False, scale: bool = False, keep: bool = False) -> None:
     """Run every loader table; ``scale`` also builds a cache larger than RAM (minutes, ~30 GB of disk)."""
-    print(f"Machine: {bl.machine()}\n", flush=True)
-    work = bl.bench_dir() / "loaders"
+    print(f"Machine: {tables.machine()}\n", flush=True)
+    work = tables.bench_dir() / "loaders"
     work.mkdir(parents=True, exist_ok=True)
     n_examples = 600 if quick else 6_000  # 0.36 GB / 3.6 GB, both well inside RAM
     md = make_metadata(n_examples, "loaders", patches_per_shard=200_000)  # 507 examples (307 MB) per shard
