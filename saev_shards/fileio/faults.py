@@ -1,6 +1,6 @@
 """The named points where tests stop or pause a process (`fault_point`), at shard granularity
 or coarser: the crash and race suites set ``saev_shards.fileio.fault_hook`` to kill or pause
-a process at one of them (docs/reliability.md). Nothing happens in normal use.
+a process at one of them (docs/contributing/reliability.md). Nothing happens in normal use.
 """
 
 from __future__ import annotations
