@@ -13,7 +13,7 @@ import sys
 from ..convert import SOURCES, TARGETS, Options, prepare, run
 from ..progress import Progress
 from ..protocol.common import DTYPES_BY_PROTOCOL, PROTOCOL, PROTOCOL_30
-from ._common import EXIT_OK, add_progress, command, human_bytes, parse_size, plural, warn
+from ._common import EXIT_OK, add_progress, command, human_bytes, int_list, parse_size, plural, warn
 
 EXAMPLES = """\
   saev-shards convert ./activations                 # seed 001 pickle shards (metadata.json + shard_0001.pkl.gz)
@@ -36,13 +36,6 @@ The last line of standard output is the published cache's path.
 
 source kinds:
 """ + "\n".join(f"  {k.name:<8} {k.summary}" for k in SOURCES.values())
-
-
-def _layers(text: str) -> tuple[int, ...]:
-    try:
-        return tuple(int(v) for v in text.replace(" ", "").split(",") if v)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected comma-separated integers like 6,11, found {text!r}") from None
 
 
 def _positive(text: str) -> int:
@@ -94,7 +87,7 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser], invoked: 
     )
     p.add_argument(
         "--layers",
-        type=_layers,
+        type=int_list,
         metavar="L1,L2",
         help="layer numbers of the stored layers, in order (npy, zarr, SAELens)",
     )

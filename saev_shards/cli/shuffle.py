@@ -9,9 +9,9 @@ import time
 from .. import store, world
 from ..errors import CommandError, DiskFullError, ShuffleError
 from ..format import DTYPES
+from ..selection import TOKEN_CHOICES
 from ..shuffle import DEFAULT_MEMORY, plan_shuffle, run_plan, run_rank
 from ..shuffle.meeting import DEFAULT_WAIT, torch_group_from_env
-from ..shuffle.source import TOKEN_CHOICES
 from ._common import (
     EXIT_OK,
     EXIT_SYSTEM,
@@ -21,26 +21,11 @@ from ._common import (
     add_roots,
     command,
     human_bytes,
+    int_list,
     parse_size,
     progress_arg,
     roots_arg,
 )
-
-
-def parse_layers(text: str) -> list[int]:
-    """``"11"`` or ``"6,11"`` -> layer values."""
-    try:
-        return [int(part) for part in text.split(",") if part.strip()]
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected layer values like 11 or 6,11, found {text!r}") from None
-
-
-def parse_token_ids(text: str) -> list[int]:
-    """``"101"`` or ``"101,0"`` -> token ids."""
-    try:
-        return [int(part) for part in text.split(",") if part.strip()]
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected token ids like 101 or 101,0, found {text!r}") from None
 
 
 def parse_seconds(text: str) -> float:
@@ -148,7 +133,7 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser], invoked: 
     p.add_argument("ref", metavar="SRC", help=REF_HELP)
     p.add_argument(
         "--layers",
-        type=parse_layers,
+        type=int_list,
         action="append",
         metavar="L[,L...]",
         help="layer values to keep (default: every recorded layer; repeatable)",
@@ -156,7 +141,7 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser], invoked: 
     p.add_argument("--tokens", choices=TOKEN_CHOICES, default="content", help="which tokens (default: content)")
     p.add_argument(
         "--exclude-token-ids",
-        type=parse_token_ids,
+        type=int_list,
         action="append",
         metavar="ID[,ID...]",
         help="leave out positions whose token_ids value is listed, e.g. BOS and padding (repeatable)",

@@ -19,7 +19,7 @@ import saev_shards as ss
 from saev_shards.loaders import OrderedLoader, ShuffledLoader
 from saev_shards.shuffle import bucket_of, plan_shuffle, run_plan, shuffle_cache, shuffle_order, sort_keys
 from saev_shards.shuffle.order import GOLDEN
-from saev_shards.shuffle.runs import run_file
+from saev_shards.shuffle.scratch import run_file
 
 from ..support import strategies
 from ..support.caches import labels_for, small_metadata, tree_bytes, write_cache
@@ -303,7 +303,7 @@ def test_bad_arguments(root: Path, kwargs: dict[str, Any], message: str) -> None
 
 def test_cls_tokens_need_a_cls_source(root: Path) -> None:
     src, _, _ = source(root, cls_token=False)
-    with pytest.raises(ss.ShuffleError, match="tokens='cls': expected a source with a CLS token"):
+    with pytest.raises(ss.ShuffleError, match="tokens='cls': expected a cache with a CLS token"):
         plan_shuffle(src, tokens="cls")
 
 

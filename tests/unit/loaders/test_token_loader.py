@@ -429,7 +429,7 @@ def test_mixed_layers_are_refused(make_cache: Any) -> None:
 
 def test_configuration_errors(make_cache: Any) -> None:
     shards, _ = make_cache(small_metadata(cls_token=False))
-    with pytest.raises(LoaderError, match=r"expected recorded layer values \[6, 11\], found 7"):
+    with pytest.raises(LoaderError, match=r"layers: expected values among the recorded layers \[6, 11\], found 7"):
         ShuffledLoader(shards, layers=7)
     with pytest.raises(LoaderError, match="found cls_token=false"):
         ShuffledLoader(shards, tokens="cls")
