@@ -1,6 +1,6 @@
 """The device-side shuffle: whole windows go to the device, the permutation and gather run there.
 
-The CPU only reads blocks into reusable page-locked *staging* slots (no per-row work) and
+The CPU only reads spans into reusable page-locked *staging* slots (no per-row work) and
 computes each window's index, exactly as the host path does; then, on a side stream, the
 window and its index are copied into device slots in a few large transfers. Each batch is
 one ``index_select`` (plus two small copies of its metadata) issued on the consumer's
@@ -67,7 +67,7 @@ class Slots:
         cuda = device.type == "cuda"
         dtype = torch.uint8 if cfg.float8 else torch_dtype(cfg.stored)  # float8_e4m3 as its bytes
         vectors = rows * cfg.tokens  # every vector of a window; no window has more units
-        per_unit = cfg.blocks.layers_per_unit
+        per_unit = cfg.spans.layers_per_unit
 
         def host(shape: tuple[int, ...], dt: torch.dtype) -> torch.Tensor:
             return pinned_empty(shape, dt) if cuda else torch.empty(shape, dtype=dt)
@@ -198,7 +198,7 @@ class DeviceRun:
         """Copy window ``w`` and its index into device slot ``slot`` (runs on a read thread)."""
         s, cfg = self.slots, self.cfg
         window = self.plan.windows[w]
-        vectors = int(cfg.blocks.rows[window.blocks].sum()) * cfg.tokens
+        vectors = int(cfg.spans.rows[window.spans].sum()) * cfg.tokens
         n = len(index)
         flat = index.flat.reshape(-1)
         # The index into pinned staging first (host copies of a few MB), then every copy at once.
@@ -266,7 +266,7 @@ class DeviceRun:
         import torch
 
         cfg, s, loads = self.cfg, self.slots, self.loads
-        per_unit = cfg.blocks.layers_per_unit
+        per_unit = cfg.spans.layers_per_unit
         acts, scales, meta, labels = [], [], [], []
         for w, a, b in self.plan.segments(lo, hi):
             loaded = loads[w].result()

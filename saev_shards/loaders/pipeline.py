@@ -3,13 +3,13 @@
 Work is cut so that every thread spends its time in large numpy calls that release the
 GIL, and the consumer's thread (the training loop) does almost nothing:
 
-* **Reads.** A window's blocks are read by ``read_threads`` threads, a few blocks per task,
+* **Reads.** A window's spans are read by ``read_threads`` threads, a few spans per task,
   into one of a few *slot* buffers (two, unless one batch spans more windows). The
   window's index (its permutation and the batches' metadata) is computed beside them. A
   window the page cache already holds, of a local cache, is not copied: the gathers read it
   in place through one mapping of the whole cache (`mapped`), and its "read" only checks and
   maps its pages. From a remote cache the whole window is announced first
-  (`Shards.prefetch`), so its blocks are fetched with many requests in flight while the
+  (`Shards.prefetch`), so its spans are fetched with many requests in flight while the
   read threads copy what has arrived.
 * **Gathers.** A *chunk* (one batch, or several small ones: at least `CHUNK_BYTES`) is one
   task of the gather pool: one ``numpy.take`` per window it touches, straight into the
@@ -51,7 +51,7 @@ from ..reader import Shards
 from .batch import Batch
 from .mapped import CacheMap
 from .outputs import Recycler, cast_into
-from .plan import Blocks, EpochPlan, WindowIndex, index_window
+from .plan import ReadSpans, EpochPlan, WindowIndex, index_window
 from .selection import TokenSelection
 from .tensors import as_numpy, pinned_empty, to_tensor, torch_dtype
 
@@ -67,7 +67,7 @@ class Config:
         self,
         shards: Shards,
         selection: TokenSelection,
-        blocks: Blocks,
+        spans: ReadSpans,
         batch_size: int,
         out_dtype: str,
         pin_memory: bool,
@@ -77,7 +77,7 @@ class Config:
     ) -> None:
         self.shards = shards
         self.selection = selection
-        self.blocks = blocks
+        self.spans = spans
         self.batch_size = batch_size
         self.out_dtype = out_dtype
         self.pin_memory = pin_memory
@@ -95,12 +95,12 @@ class Config:
         #: float8_e4m3: windows hold the stored bytes and a float32 scale per vector beside them,
         #: and batches are dequantized when they are assembled.
         self.float8 = md.dtype == FLOAT8
-        self.stack = blocks.stack_layers
+        self.stack = spans.stack_layers
         #: Layer values of a stacked row, in the order of its ``L`` axis.
         self.layer_values = np.array(selection.layer_values, dtype=np.int64)
         #: Shape of one output row: ``(D,)``, or ``(L, D)`` stacked.
         self.row_shape: tuple[int, ...] = (selection.n_layers, md.d_model) if self.stack else (md.d_model,)
-        row_bytes = md.d_model * md.itemsize * blocks.layers_per_unit
+        row_bytes = md.d_model * md.itemsize * spans.layers_per_unit
         #: Batches gathered by one task.
         self.chunk_batches = max(1, -(-CHUNK_BYTES // max(1, batch_size * row_bytes)))
 
@@ -291,29 +291,29 @@ class WindowLoader:
         cfg = self.cfg
         window = self.plan.windows[w]
         slot = self.slot(w)
-        rows = cfg.blocks.rows[window.blocks]
-        # A remote cache starts fetching the whole window's blocks now, a float8_e4m3 one its scales.
+        rows = cfg.spans.rows[window.spans]
+        # A remote cache starts fetching the whole window's spans now, a float8_e4m3 one its scales.
         if cfg.shards.files.copies or cfg.float8:
-            for b in window.blocks.tolist():
-                cfg.shards.prefetch(int(cfg.blocks.start[b]), int(cfg.blocks.stop[b]))
+            for b in window.spans.tolist():
+                cfg.shards.prefetch(int(cfg.spans.start[b]), int(cfg.spans.stop[b]))
         offsets = np.zeros(len(rows), dtype=np.int64)
         np.cumsum(rows[:-1], out=offsets[1:])
-        # Read in place when the page cache holds the window (its blocks' first pages say so),
+        # Read in place when the page cache holds the window (its spans' first pages say so),
         # else into the slot's buffer: from disk, the copy into the buffer is the read itself.
-        mapped, blocks = cfg.mapped, cfg.blocks
-        position = None if blocks.whole else int(blocks.read_positions[0])
+        mapped, spans = cfg.mapped, cfg.spans
+        position = None if spans.whole else int(spans.read_positions[0])
         self.in_place[w] = mapped is not None and all(
-            mapped.probably_resident(int(blocks.start[b]), position) for b in window.blocks.tolist()
+            mapped.probably_resident(int(spans.start[b]), position) for b in window.spans.tolist()
         )
         # The index first: it needs no data, so it is ready by the time the reads are.
         index = self.pool.submit(self._index, w)
         parts: list[Future[Any]] = [index]
         # One task per read thread, each taking the next block in window order until none is
         # left: as balanced as a task per block (no thread idles while others read the last
-        # blocks of a window), with a handful of futures per window instead of one per block.
+        # spans of a window), with a handful of futures per window instead of one per block.
         next_block = itertools.count()
         parts += [
-            self.pool.submit(self._read_blocks, slot, window.blocks, offsets, next_block, self.in_place[w])
+            self.pool.submit(self._read_blocks, slot, window.spans, offsets, next_block, self.in_place[w])
             for _ in range(min(len(rows), cfg.read_threads))
         ]
         load = _Countdown(functools.partial(self.finish, w, slot))
@@ -327,12 +327,12 @@ class WindowLoader:
         window, rng = self.plan.windows[w], self.window_rng(self.epoch, w)
         before = w - len(self.buffers)  # the window whose slot this one takes: done with
         if cfg.mapped is not None and cfg.mapped.bounded and self.in_place.pop(before, False):
-            for b in self.plan.windows[before].blocks.tolist():
-                cfg.mapped.unmap_pages(int(cfg.blocks.start[b]), int(cfg.blocks.stop[b]))
+            for b in self.plan.windows[before].spans.tolist():
+                cfg.mapped.unmap_pages(int(cfg.spans.start[b]), int(cfg.spans.stop[b]))
         if not self.in_place[w]:
-            return index_window(cfg.selection, cfg.blocks, window, rng)
+            return index_window(cfg.selection, cfg.spans, window, rng)
         assert cfg.mapped is not None
-        return index_window(cfg.selection, cfg.blocks, window, rng, cfg.mapped.source)
+        return index_window(cfg.selection, cfg.spans, window, rng, cfg.mapped.source)
 
     def source(self, w: int) -> tuple[npt.NDArray[Any], npt.NDArray[np.float32] | None]:
         """The arrays window ``w``'s index points into: the cache read in place, or its slot's
@@ -355,7 +355,7 @@ class WindowLoader:
             self.ready_to_write(slot)
         buffer = self.buffers[slot]
         scales = self.scale_buffers[slot] if self.scale_buffers else None
-        blocks = self.cfg.blocks
+        spans = self.cfg.spans
         for i in next_block:  # itertools.count: its next() is atomic, each block goes to one thread
             if i >= len(ids):
                 return
@@ -363,9 +363,9 @@ class WindowLoader:
                 raise CancelledError
             if in_place:
                 assert self.cfg.mapped is not None
-                start, stop = int(blocks.start[ids[i]]), int(blocks.stop[ids[i]])
-                self.cfg.mapped.make_resident(start, stop, blocks, self.stop)
-                self.cfg.mapped.check_scales(start, stop, blocks)  # read from the files, they are checked there
+                start, stop = int(spans.start[ids[i]]), int(spans.stop[ids[i]])
+                self.cfg.mapped.make_resident(start, stop, spans, self.stop)
+                self.cfg.mapped.check_scales(start, stop, spans)  # read from the files, they are checked there
             else:
                 self._read_block(int(ids[i]), buffer, int(offsets[i]), scales)
 
@@ -373,14 +373,14 @@ class WindowLoader:
         self, block: int, buffer: npt.NDArray[Any], row_offset: int, scales: npt.NDArray[np.float32] | None
     ) -> None:
         cfg = self.cfg
-        blocks = cfg.blocks
-        start, stop = int(blocks.start[block]), int(blocks.stop[block])
+        spans = cfg.spans
+        start, stop = int(spans.start[block]), int(spans.stop[block])
         count = stop - start
-        rows_per_ex = blocks.rows_per_ex
+        rows_per_ex = spans.rows_per_ex
         first, last = row_offset * cfg.tokens, (row_offset + count * rows_per_ex) * cfg.tokens
         slices = buffer[first:last].reshape(count, rows_per_ex, cfg.tokens, cfg.d_model)
         scale_slices = None if scales is None else scales[first:last].reshape(count, rows_per_ex, cfg.tokens)
-        if blocks.whole:
+        if spans.whole:
             cfg.shards.read_range_raw(start, stop, slices)
             if scale_slices is not None:
                 cfg.shards.read_range_scales(start, stop, scale_slices)
@@ -388,7 +388,7 @@ class WindowLoader:
         for e in range(count):
             if self.stop.is_set():
                 raise CancelledError
-            for s, position in enumerate(blocks.read_positions.tolist()):
+            for s, position in enumerate(spans.read_positions.tolist()):
                 cfg.shards.read_example_raw(start + e, position, slices[e, s])
                 if scale_slices is not None:
                     cfg.shards.read_example_scales(start + e, position, scale_slices[e, s])

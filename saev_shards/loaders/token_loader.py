@@ -33,7 +33,7 @@ from .device import DeviceRun, Slots
 from .mapped import CacheMap
 from .order import Order, parse_order
 from .pipeline import Config, HostRun, Pools, Schedule
-from .plan import BLOCK_BYTES, Blocks, EpochPlan, index_window, plan_epoch
+from .plan import BLOCK_BYTES, ReadSpans, EpochPlan, index_window, plan_epoch
 from .selection import TokenSelection, as_shards, check_layers_not_mixed, choose_sites, parse_out_dtype
 from .tensors import require_torch
 
@@ -70,12 +70,12 @@ def default_gather_threads() -> int:
 
 
 def default_read_threads(device_side: bool = False, sequential: bool = False) -> int:
-    """Threads reading blocks: at least 4 requests in flight for a disk, half the cores when
+    """Threads reading spans: at least 4 requests in flight for a disk, half the cores when
     they also gather on the host, every core when the device gathers (at most 16).
 
-    ``sequential`` (the ordered walk, whose blocks follow each other in each file) on the
+    ``sequential`` (the ordered walk, whose spans follow each other in each file) on the
     host: 2. The kernel's readahead keeps such a stream's next requests in flight by itself,
-    and more threads reading one file's consecutive blocks break the stream up: on the
+    and more threads reading one file's consecutive spans break the stream up: on the
     development machine's disk 4 threads read a cold file at about half the rate of 1 or 2
     (docs/loaders.md, "Read-ahead"). The device mode's read threads also copy every window,
     so they stay one per core."""
@@ -195,7 +195,7 @@ class TokenLoader:
         self.pin_memory = bool(pin_memory) and torch.cuda.is_available() and self.device is None
         self.buffer_bytes = int(buffer_bytes)
         self.block_bytes = int(block_bytes)
-        self._blocks = Blocks(self.shards, self.selection, self.block_bytes, self.stack_layers)
+        self._spans = ReadSpans(self.shards, self.selection, self.block_bytes, self.stack_layers)
         md = self.shards.metadata
         slice_bytes = md.tokens_per_ex * md.d_model * md.itemsize
         self._window_rows = max(1, self.buffer_bytes // max(1, slice_bytes))
@@ -203,7 +203,7 @@ class TokenLoader:
         self._config = Config(
             self.shards,
             self.selection,
-            self._blocks,
+            self._spans,
             self.batch_size,
             self.out_dtype,
             self.pin_memory,
@@ -215,7 +215,7 @@ class TokenLoader:
             int(prefetch),
             default_gather_threads() if gather_threads is None else int(gather_threads),
         )
-        total = self._blocks.total
+        total = self._spans.total
         mine = self.world.share(total)
         self.n_tokens = len(mine)  # rows this rank yields per epoch (before drop_last)
         if self.drop_last:
@@ -400,9 +400,9 @@ class TokenLoader:
 
     def plan(self, epoch: int) -> EpochPlan:
         """The windows of epoch ``epoch`` on this rank (cheap: no data is read)."""
-        order = self.order.block_order(len(self._blocks), self.seed, epoch)
+        order = self.order.block_order(len(self._spans), self.seed, epoch)
         return plan_epoch(
-            self._blocks, order, self.rank, self.world_size, self._window_rows, self.batch_size, self.drop_last
+            self._spans, order, self.rank, self.world_size, self._window_rows, self.batch_size, self.drop_last
         )
 
     def epoch_examples(self, epoch: int, limit: int | None = None) -> npt.NDArray[np.int64]:
@@ -417,7 +417,7 @@ class TokenLoader:
         for window in plan.windows:
             if got >= need:
                 break
-            index = index_window(self.selection, self._blocks, window, self._window_rng(epoch, window.index))
+            index = index_window(self.selection, self._spans, window, self._window_rng(epoch, window.index))
             pieces.append(index.examples)
             got += len(index)
         return np.concatenate(pieces)[:need] if pieces else np.zeros(0, dtype=np.int64)
@@ -482,7 +482,7 @@ class TokenLoader:
 
     def _buffer_rows(self) -> int:
         """``(T, D)`` slices one window buffer holds: a window and one more block."""
-        return min(self._window_rows + self._blocks.max_rows, int(self._blocks.rows.sum()))
+        return min(self._window_rows + self._spans.max_rows, int(self._spans.rows.sum()))
 
     def _take_buffers(self, n: int, rows: int) -> list[_WindowBuffer]:
         """``n`` window buffers of ``rows`` ``(T, D)`` slices (stored values, and a float8_e4m3
@@ -588,7 +588,7 @@ def _parse_device(device: Any) -> Any:
 class ShuffledLoader(TokenLoader):
     """Shuffled batches ``(B, D)`` of single token vectors: `TokenLoader` with ``order="shuffled"``.
 
-    Each epoch has a new order drawn from ``(seed, epoch)``: blocks of ``block_bytes`` permuted
+    Each epoch has a new order drawn from ``(seed, epoch)``: spans of ``block_bytes`` permuted
     over the whole cache, loaded into windows of ``buffer_bytes``, every vector of a window
     permuted (docs/loaders.md: shuffle quality). Same arguments as `TokenLoader`.
     """
@@ -609,7 +609,7 @@ class OrderedLoader(TokenLoader):
     """Batches ``(B, D)`` in strict ``(example, layer, token)`` order, identical every epoch.
 
     `TokenLoader` with ``order="ordered"``: the same arguments, less ``seed``, with
-    ``buffer_bytes=64 << 20``. Reads are sequential blocks prefetched by background threads;
+    ``buffer_bytes=64 << 20``. Reads are sequential spans prefetched by background threads;
     batches run across shard boundaries. With ``rank`` and ``world_size`` each rank walks one
     contiguous part of the order.
     """

@@ -63,7 +63,7 @@ CASES: dict[str, dict[str, Any]] = {
     "one layer": dict(layers=11),
     "stacked layers": dict(stack_layers=True),
     "all tokens, rank 1 of 2": dict(tokens="all", rank=1, world_size=2, mix_layers=True),
-    "small windows and blocks": dict(mix_layers=True, buffer_bytes=700, block_bytes=300),
+    "small windows and spans": dict(mix_layers=True, buffer_bytes=700, block_bytes=300),
     "out float32": dict(out_dtype="float32", layers=6),
 }
 
@@ -116,8 +116,8 @@ def test_a_cache_larger_than_memory_unmaps_finished_windows(
     same(batches(shards, True, monkeypatch, **kwargs), want)
     loader = loaders.TokenLoader(shards, **kwargs)
     windows = loader.plan(0).windows
-    blocks = loader._blocks
-    done = [(int(blocks.start[b]), int(blocks.stop[b])) for w in windows[:-2] for b in w.blocks.tolist()]
+    spans = loader._spans
+    done = [(int(spans.start[b]), int(spans.stop[b])) for w in windows[:-2] for b in w.spans.tolist()]
     assert sorted(unmapped) == sorted(done)  # every window but the last two (two slots)
     loader.close()
 
@@ -221,10 +221,10 @@ def test_the_map_places_every_vector(make_cache: Any, monkeypatch: pytest.Monkey
     monkeypatch.setattr(plan, "MIN_SLICE_READ", 0)
     cache_map = CacheMap(shards)
     selection = TokenSelection(shards, layers=layers, tokens="all")
-    blocks = plan.Blocks(shards, selection, 500)
-    order = np.arange(len(blocks))
-    for window in plan.plan_epoch(blocks, order, 0, 1, 12, 5, False).windows:
-        index = plan.index_window(selection, blocks, window, np.random.default_rng(0), cache_map.source)
+    spans = plan.ReadSpans(shards, selection, 500)
+    order = np.arange(len(spans))
+    for window in plan.plan_epoch(spans, order, 0, 1, 12, 5, False).windows:
+        index = plan.index_window(selection, spans, window, np.random.default_rng(0), cache_map.source)
         positions = [md.layers.index(v) for v in index.layers.tolist()]  # type: ignore[union-attr]
         np.testing.assert_array_equal(cache_map.values[index.flat], logical[index.examples, positions, index.tokens])
 

@@ -19,7 +19,7 @@ from ...support.caches import expected_vectors, small_metadata
 from ...support.loaders import check_batch
 
 # 23 examples of 2 layers x 4 content tokens (80-byte slices): windows of 5 examples (40
-# rows), blocks of 2 examples, batches of 7 rows: several batches span two windows.
+# rows), spans of 2 examples, batches of 7 rows: several batches span two windows.
 WINDOWED: dict[str, Any] = dict(batch_size=7, buffer_bytes=800, block_bytes=320, mix_layers=True)
 
 
@@ -46,7 +46,7 @@ def test_the_window_after_next_loads_before_the_next_is_read(
         return future
 
     def read_blocks(self: pipeline.WindowLoader, slot: int, ids: Any, *args: Any) -> None:
-        if ids is self.plan.windows[1].blocks and not waited:
+        if ids is self.plan.windows[1].spans and not waited:
             waited.append(submitted.wait(timeout=10))
         real_read(self, slot, ids, *args)
 
