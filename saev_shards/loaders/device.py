@@ -35,7 +35,7 @@ from __future__ import annotations
 
 import contextlib
 import threading
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from concurrent.futures import Future
 from typing import TYPE_CHECKING, Any
 
@@ -43,9 +43,10 @@ import numpy as np
 
 from ..float8 import check_range
 from .batch import Batch
-from .pipeline import Config, Schedule, WindowLoader
-from .plan import EpochPlan, WindowIndex
+from .plan import WindowIndex
+from .schedule import Config, Epoch
 from .tensors import as_numpy, pinned_empty, torch_dtype
+from .windows import WindowLoader
 
 if TYPE_CHECKING:
     import torch
@@ -160,31 +161,21 @@ class _Loaded:
 class DeviceRun:
     """One epoch with the shuffle on ``slots.device``. Iterate it; `close` stops and joins everything."""
 
-    def __init__(
-        self,
-        cfg: Config,
-        plan: EpochPlan,
-        schedule: Schedule,
-        epoch: int,
-        window_rng: Callable[[int, int], np.random.Generator | None],
-        slots: Slots,
-    ) -> None:
+    def __init__(self, cfg: Config, epoch: Epoch, slots: Slots) -> None:
         import torch
 
         self.cfg = cfg
-        self.plan = plan
-        self.schedule = schedule
+        self.plan = epoch.plan
+        self.schedule = epoch.schedule
         self.slots = slots
         self.sync = _Sync(slots.device)
         self.stop = threading.Event()
-        self.n_slots = schedule.n_slots
+        self.n_slots = self.schedule.n_slots
         self.uploaded: list[Any] = [None] * self.n_slots  # last upload out of each staging slot
         self.consumed: list[Any] = [None] * self.n_slots  # last gather from each device slot
         self.windows = WindowLoader(
             cfg,
-            plan,
             epoch,
-            window_rng,
             slots.staging_np[: self.n_slots],
             self.stop,
             ready_to_write=lambda slot: self.sync.host_waits(self.uploaded[slot]),

@@ -2,8 +2,9 @@
 
 The loader orchestrates; the work lives beside it: the selection (`selection`), the plan
 of an epoch (`plan`, pure numpy), the order as a strategy (`order`), the world (`..world`),
-the host pipeline (`pipeline`) and the device-side shuffle (`device`). `ShuffledLoader`
-and `OrderedLoader` are the token loader with the shuffled and the ordered strategy.
+the host run (`host_run`, with `windows` and `pools`) and the device-side shuffle
+(`device`). `ShuffledLoader` and `OrderedLoader` are the token loader with the shuffled and
+the ordered strategy.
 """
 
 from __future__ import annotations
@@ -30,10 +31,12 @@ from ..units import html_table
 from . import mapped
 from .batch import Batch
 from .device import DeviceRun, Slots
+from .host_run import HostRun
 from .mapped import CacheMap
 from .order import Order, parse_order
-from .pipeline import Config, HostRun, Pools, Schedule
-from .plan import BLOCK_BYTES, ReadSpans, EpochPlan, index_window, plan_epoch
+from .plan import BLOCK_BYTES, EpochPlan, ReadSpans, index_window, plan_epoch
+from .pools import Pools
+from .schedule import Config, Epoch, Schedule
 from .selection import TokenSelection, as_shards, check_layers_not_mixed, choose_sites, parse_out_dtype
 from .tensors import require_torch
 
@@ -436,12 +439,13 @@ class TokenLoader:
         plan = self.plan(epoch)
         cfg = self._config
         schedule = Schedule(plan, start, 1 if self.device is not None else cfg.chunk_batches)
+        run_epoch = Epoch(schedule, epoch, self._window_rng)
         rows = self._buffer_rows()
         run: HostRun | DeviceRun
         release: Callable[[], None]
         if self.device is not None:
             slots = self._take_slots(schedule.n_slots, rows)
-            run = DeviceRun(cfg, plan, schedule, epoch, self._window_rng, slots)
+            run = DeviceRun(cfg, run_epoch, slots)
             release = lambda: self._give_slots(slots)  # noqa: E731
         else:
             # Windows in the page cache are read in place; the others into these buffers, which
@@ -450,7 +454,7 @@ class TokenLoader:
             buffers = self._take_buffers(schedule.n_slots, rows) if len(schedule) else []
             values, scales = [b for b, _ in buffers], [s for _, s in buffers if s is not None]
             pools = self._take_pools()
-            run = HostRun(cfg, plan, schedule, epoch, self._window_rng, values, scales, pools)
+            run = HostRun(cfg, run_epoch, values, scales, pools)
 
             def release() -> None:
                 self._give_buffers(buffers)
@@ -503,7 +507,7 @@ class TokenLoader:
 
     def _take_pools(self) -> Pools:
         """The threads and output arrays of a host epoch: the last epoch's, where this process made
-        them, else new ones (`pipeline.Pools`: making them for every epoch cost milliseconds)."""
+        them, else new ones (`pools.Pools`: making them for every epoch cost milliseconds)."""
         cfg = self._config
         with self._spare_lock:
             pools, self._pools = self._pools, None

@@ -17,7 +17,7 @@ import torch
 import saev_shards as ss
 from saev_shards import loaders
 from saev_shards.errors import FileSizeError
-from saev_shards.loaders import mapped, pipeline, plan
+from saev_shards.loaders import mapped, plan, schedule, windows
 from saev_shards.loaders.mapped import CacheMap
 from saev_shards.loaders.selection import TokenSelection
 
@@ -102,7 +102,7 @@ def test_a_cache_larger_than_memory_unmaps_finished_windows(
     md = small_metadata(n_examples=37, patches_per_shard=60)
     shards, _ = make_cache(md)
     kwargs: dict[str, Any] = dict(batch_size=7, order=order, mix_layers=True, buffer_bytes=800, block_bytes=320)
-    monkeypatch.setattr(pipeline, "CHUNK_BYTES", 1)  # a batch per gather (two window slots), as with real rows
+    monkeypatch.setattr(schedule, "CHUNK_BYTES", 1)  # a batch per gather (two window slots), as with real rows
     want = batches(shards, False, monkeypatch, **kwargs)
     monkeypatch.setattr(mapped, "memory_bytes", lambda: 1)
     unmapped: list[tuple[int, int]] = []
@@ -172,7 +172,7 @@ def test_the_map_is_released_with_the_loader(make_cache: Any, monkeypatch: pytes
     shards, _ = make_cache(md)
     monkeypatch.setattr(mapped, "MIN_SHARD_BYTES", 0)
     copied: list[int] = []
-    monkeypatch.setattr(pipeline.WindowLoader, "_read_block", lambda self, block, *args: copied.append(block))
+    monkeypatch.setattr(windows.WindowLoader, "_read_block", lambda self, block, *args: copied.append(block))
     gc.collect()
     gc.disable()
     try:
@@ -196,13 +196,13 @@ def test_a_window_read_from_disk_goes_into_its_buffer(make_cache: Any, monkeypat
     kwargs: dict[str, Any] = dict(batch_size=7, mix_layers=True, buffer_bytes=800, block_bytes=320)
     want = batches(shards, False, monkeypatch, **kwargs)
     modes: list[bool] = []
-    real = pipeline.WindowLoader._index
+    real = windows.WindowLoader._index
 
-    def index(self: pipeline.WindowLoader, w: int) -> Any:
+    def index(self: windows.WindowLoader, w: int) -> Any:
         modes.append(self.in_place[w])
         return real(self, w)
 
-    monkeypatch.setattr(pipeline.WindowLoader, "_index", index)
+    monkeypatch.setattr(windows.WindowLoader, "_index", index)
     evict(shards)
     same(batches(shards, True, monkeypatch, **kwargs), want)
     cold = list(modes)

@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 from saev_shards import loaders
-from saev_shards.loaders import mapped, outputs, pipeline
+from saev_shards.loaders import mapped, outputs, schedule, windows
 
 from ...support.caches import expected_vectors, small_metadata
 from ...support.loaders import check_batch
@@ -36,23 +36,23 @@ def test_the_window_after_next_loads_before_the_next_is_read(
     shards, logical = make_cache(md)
     submitted = threading.Event()
     waited: list[bool] = []
-    real_submit = pipeline.WindowLoader.submit
-    real_read = pipeline.WindowLoader._read_blocks
+    real_submit = windows.WindowLoader.submit
+    real_read = windows.WindowLoader._read_blocks
 
-    def submit(self: pipeline.WindowLoader, w: int) -> Any:
+    def submit(self: windows.WindowLoader, w: int) -> Any:
         future = real_submit(self, w)
         if w == 2:
             submitted.set()
         return future
 
-    def read_blocks(self: pipeline.WindowLoader, slot: int, ids: Any, *args: Any) -> None:
+    def read_blocks(self: windows.WindowLoader, slot: int, ids: Any, *args: Any) -> None:
         if ids is self.plan.windows[1].spans and not waited:
             waited.append(submitted.wait(timeout=10))
         real_read(self, slot, ids, *args)
 
-    monkeypatch.setattr(pipeline.WindowLoader, "submit", submit)
-    monkeypatch.setattr(pipeline.WindowLoader, "_read_blocks", read_blocks)
-    monkeypatch.setattr(pipeline, "CHUNK_BYTES", 1)  # one batch per gather, as with real-sized rows
+    monkeypatch.setattr(windows.WindowLoader, "submit", submit)
+    monkeypatch.setattr(windows.WindowLoader, "_read_blocks", read_blocks)
+    monkeypatch.setattr(schedule, "CHUNK_BYTES", 1)  # one batch per gather, as with real-sized rows
     if device == "in place":  # the host path, windows read in place (`loaders.mapped`)
         monkeypatch.setattr(mapped, "MIN_SHARD_BYTES", 0)
         device = None

@@ -601,7 +601,7 @@ def test_pin_memory_is_taken_only_with_cuda(make_cache: Any, monkeypatch: pytest
     """``pin_memory=True`` allocates every chunk from the pinned allocator when CUDA is there,
     and is ignored without it (as documented): the allocator is never called, batches come
     out whole. CUDA's presence is declared here; the real allocator runs in the GPU test below."""
-    from saev_shards.loaders import pipeline
+    from saev_shards.loaders import host_run
 
     md = small_metadata()
     shards, logical = make_cache(md)
@@ -612,7 +612,7 @@ def test_pin_memory_is_taken_only_with_cuda(make_cache: Any, monkeypatch: pytest
         return torch.empty(shape, dtype=dtype)
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: cuda)
-    monkeypatch.setattr(pipeline, "pinned_empty", recording_pinned)
+    monkeypatch.setattr(host_run, "pinned_empty", recording_pinned)
     for asked in (False, True):
         calls.clear()
         loader = ShuffledLoader(shards, batch_size=16, pin_memory=asked)
