@@ -34,13 +34,8 @@ from .datasets import ExampleDataset, LayerPairDataset, TokenDataset
 from .order import Order, Sequential, ShuffledWindows
 from .plan import BLOCK_BYTES, MIN_SLICE_READ
 from .selection import CLS_LABEL, TokenSelection
-from .token_loader import (
-    OrderedLoader,
-    ShuffledLoader,
-    TokenLoader,
-    default_gather_threads,
-    default_read_threads,
-)
+from .threads import default_gather_threads, default_read_threads
+from .token_loader import OrderedLoader, ShuffledLoader, TokenLoader
 
 __all__ = [
     "BLOCK_BYTES",

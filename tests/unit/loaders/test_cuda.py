@@ -28,7 +28,7 @@ from hypothesis.extra import numpy as hnp
 
 import saev_shards as ss
 from saev_shards import float8, loaders
-from saev_shards.loaders import Batch, device, token_loader
+from saev_shards.loaders import Batch, device, spares
 from saev_shards.loaders.tensors import pinned_empty
 from saev_shards.recorder import AsyncWriter
 
@@ -87,7 +87,7 @@ def capture_slots(monkeypatch: pytest.MonkeyPatch) -> list[device.Slots]:
         made.append(real(*args))
         return made[-1]
 
-    monkeypatch.setattr(token_loader, "Slots", keeping)
+    monkeypatch.setattr(spares, "Slots", keeping)
     return made
 
 

@@ -43,9 +43,9 @@ def batches(shards: ss.Shards, in_place: bool, monkeypatch: pytest.MonkeyPatch, 
     monkeypatch.setattr(mapped, "MIN_SHARD_BYTES", 0 if in_place else 1 << 62)
     loader = loaders.TokenLoader(shards, **kwargs)
     out = [(b.acts.clone(), b.examples, b.tokens, b.layers, b.labels) for b in loader]
-    assert (loader._map is not None) == in_place
-    if loader._map is not None:
-        assert (loader._map.scales is not None) == (shards.metadata.dtype == "float8_e4m3")
+    assert (loader._spares.map is not None) == in_place
+    if loader._spares.map is not None:
+        assert (loader._spares.map.scales is not None) == (shards.metadata.dtype == "float8_e4m3")
     loader.close()
     return out
 
@@ -178,8 +178,8 @@ def test_the_map_is_released_with_the_loader(make_cache: Any, monkeypatch: pytes
     try:
         loader = loaders.ShuffledLoader(shards, batch_size=9, mix_layers=True)
         assert sum(len(b) for b in loader) == len(expected_vectors(md))
-        assert loader._map is not None
-        regions = [weakref.ref(r) for r in loader._map.regions]
+        assert loader._spares.map is not None
+        regions = [weakref.ref(r) for r in loader._spares.map.regions]
         loader.close()  # the loader itself still referenced: close alone unmaps
         alive = [r for r in regions if r() is not None]
         del loader

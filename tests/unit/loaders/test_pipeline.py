@@ -121,7 +121,7 @@ def test_threads_and_outputs_are_kept_from_one_epoch_to_the_next(
         for b in loader:
             seen += check_batch(b, md, logical)
         assert sorted(seen) == sorted(expected_vectors(md))
-        pools = loader._pools
+        pools = loader._spares.pools
         assert pools is not None
         epochs.append((pools, set(pools.read._threads | pools.gather._threads), {id(a) for a in pools.outputs.arrays}))
     (first, threads, outputs), (second, threads2, outputs2) = epochs
@@ -133,7 +133,7 @@ def test_threads_and_outputs_are_kept_from_one_epoch_to_the_next(
     # A forked child has none of its parent's threads: it makes its own.
     monkeypatch.setattr(os, "getpid", lambda: -1)
     assert len(list(loader)) == len(loader)
-    assert loader._pools is not first and first.closed
+    assert loader._spares.pools is not first and first.closed
     monkeypatch.undo()
     loader.close()
     assert first.read._shutdown and first.gather._shutdown

@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 from saev_shards import loaders
-from saev_shards.loaders import mapped, outputs, schedule, windows
+from saev_shards.loaders import mapped, outputs, schedule, spares, windows
 
 from ...support.caches import expected_vectors, small_metadata
 from ...support.loaders import check_batch
@@ -84,20 +84,20 @@ def test_an_epoch_frees_its_buffers_when_it_ends(
     shards, _ = make_cache(md)
     arrays: list[weakref.ref[np.ndarray[Any, Any]]] = []
     real_get = outputs.Recycler.get
-    real_take = loaders.TokenLoader._take_buffers
+    real_take = spares.Spares.take_buffers
 
     def get(self: outputs.Recycler, *args: Any) -> Any:
         arr = real_get(self, *args)
         arrays.append(weakref.ref(arr))
         return arr
 
-    def take(self: loaders.TokenLoader, *args: Any) -> Any:
+    def take(self: spares.Spares, *args: Any) -> Any:
         buffers = real_take(self, *args)
         arrays.extend(weakref.ref(a) for buffer in buffers for a in buffer if a is not None)
         return buffers
 
     monkeypatch.setattr(outputs.Recycler, "get", get)
-    monkeypatch.setattr(loaders.TokenLoader, "_take_buffers", take)
+    monkeypatch.setattr(spares.Spares, "take_buffers", take)
     if in_place:
         monkeypatch.setattr(mapped, "MIN_SHARD_BYTES", 0)
     gc.collect()

@@ -466,7 +466,7 @@ def test_early_break_and_gc_stop_threads(make_cache: Any) -> None:
     for _ in loader:
         break
     # The epoch has stopped and given its threads back: the loader keeps them, idle, for the next.
-    spare = loader._pools
+    spare = loader._spares.pools
     assert spare is not None
     kept = spare.read._threads | spare.gather._threads
     assert collected_until(lambda: set(live_loader_threads()) <= kept)
@@ -482,7 +482,7 @@ def test_early_break_and_gc_stop_threads(make_cache: Any) -> None:
     next(it)
     assert live_loader_threads()  # running, blocked on a full queue
     del it
-    spare = loader._pools
+    spare = loader._spares.pools
     assert spare is not None
     kept = spare.read._threads | spare.gather._threads
     assert collected_until(lambda: set(live_loader_threads()) <= kept)
