@@ -16,8 +16,8 @@ from ..protocol.common import DTYPES_BY_PROTOCOL, PROTOCOL, PROTOCOL_30
 from ._common import EXIT_OK, add_progress, command, human_bytes, int_list, parse_size, plural, warn
 
 EXAMPLES = """\
-  saev-shards convert ./activations                 # seed 001 pickle shards (metadata.json + shard_0001.pkl.gz)
-  saev-shards convert run/activations.zarr          # seed 000 zarr log (or a run folder with shards/)
+  saev-shards convert ./activations                 # pickle shards (metadata.json + shard_0001.pkl.gz)
+  saev-shards convert run/activations.zarr          # a zarr activation log (or a run folder with shards/)
   saev-shards convert ./saelens_cache --max-tokens 64   # a SAELens cache_activations folder
   saev-shards convert acts.npy --layers 6,11 --family clip --ckpt ViT-B-16/openai
   saev-shards convert ./activations --dry-run       # what would be written, and its hash

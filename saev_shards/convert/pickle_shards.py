@@ -1,4 +1,4 @@
-"""Pickle shards (seed 001): ``metadata.json`` + ``shard_NNNN.pkl.gz`` (or ``.pkl``).
+"""Pickle shards (the pickle.gz activation shard format): ``metadata.json`` + ``shard_NNNN.pkl.gz`` (or ``.pkl``).
 
 Each shard is a dict ``layer_<idx>`` -> list of records ``{sample_idx, activation (seq_len,
 hidden) float32, shape, text_preview, metadata{token_count, dataset_idx, machine_id, ...}}``,
@@ -37,8 +37,8 @@ from .base import (
     MEMORY_HINT,
     Chunk,
     Options,
-    Plan,
     Report,
+    SourcePlan,
     field_name,
     parse_checksum,
     plain,
@@ -100,9 +100,9 @@ class Fields:
 def _parse_index(path: Path) -> tuple[dict[str, Any], list[ShardInfo]]:
     where = path / INDEX
     try:
-        index = files.read_json(where, "seed 001's index of the shards")
+        index = files.read_json(where, "the pickle shards' index of the shards")
     except SourceNotFoundError:
-        raise SourceNotFoundError(f"{where}: missing (seed 001's index of the shards)") from None
+        raise SourceNotFoundError(f"{where}: missing (the pickle shards' index of the shards)") from None
     if not isinstance(index, dict) or not isinstance(index.get("shards"), list):
         raise ConvertError(f"{where}: expected an object with a 'shards' list, found {type_name(index)}")
     shards = []
@@ -282,7 +282,7 @@ def _fields(shard: Mapping[int, list[Any]], report: Report, where: Path) -> Fiel
         del text["text_preview"]
     extra = sorted({short_repr(k) for r in records for k in r if k not in _KNOWN_KEYS})
     for k in extra:
-        report.note(f"record key {k} not carried over (seed 001 does not define it)")
+        report.note(f"record key {k} not carried over (the pickle-shards format does not define it)")
     return Fields(numeric, text, preview)
 
 
@@ -307,7 +307,7 @@ def _column_value(value: Any, dt: np.dtype[Any], key: str, where: str) -> Any:
 
 @dataclasses.dataclass
 class PickleSource:
-    plan: Plan
+    plan: SourcePlan
     shards: list[ShardInfo]
     fields: Fields
     #: The most a shard may expand to (`Options.shard_bytes`).
@@ -392,7 +392,7 @@ class PickleSource:
                 acts[j - a, li, :keep] = act[:keep]
                 for k in rec:
                     if k not in _KNOWN_KEYS:
-                        report.count(f"values under record key {short_repr(k)} not carried over (not in seed 001)")
+                        report.count(f"values under record key {short_repr(k)} not carried over (not in the format)")
             true_lengths[j - a] = seq_len
             sample_idx[j - a] = sid
             meta = _metadata(head, where)
@@ -489,7 +489,7 @@ def open_source(path: Path, options: Options, scan: Callable[[int, int], None] |
         **{name: (dt, ()) for name, (_, dt) in fields.numeric.items()},
     }
     model = config.get("model_name")
-    plan = Plan(
+    plan = SourcePlan(
         kind=KIND,
         path=path,
         family=options.family or str(config.get("model_architecture") or "unknown"),

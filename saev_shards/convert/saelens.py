@@ -28,7 +28,7 @@ from ..errors import ConvertError, ConvertOptionError
 from ..optional import require
 from ..protocol.jsonfile import is_int, short_repr
 from . import files
-from .base import Chunk, Options, Plan, Report, column_dtype, field_name, plain, stat_identity
+from .base import Chunk, Options, Report, SourcePlan, column_dtype, field_name, plain, stat_identity
 
 KIND = "saelens"
 _INFO = "dataset_info.json"
@@ -98,7 +98,7 @@ def _numpy(column: Any, rows: int, tail: tuple[int, ...]) -> npt.NDArray[Any]:
 
 @dataclasses.dataclass
 class SaelensSource:
-    plan: Plan
+    plan: SourcePlan
     table: Any  # pyarrow Table (memory-mapped)
     hooks: list[str]
     context_size: int
@@ -267,7 +267,7 @@ def open_source(path: Path, options: Options, scan: Callable[[int, int], None] |
     if text_columns:
         layout.append("text: " + ", ".join(text_columns))
     model = cfg.get("model_name") if isinstance(cfg, dict) else None
-    plan = Plan(
+    plan = SourcePlan(
         kind=KIND,
         path=path,
         family=options.family or "unknown",

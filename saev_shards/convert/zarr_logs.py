@@ -1,4 +1,4 @@
-"""Zarr activation logs (seed 000), read with the ``zarr`` library (zarr v2 or v3 stores).
+"""Zarr activation logs (the zarr activation logger's format), read with the ``zarr`` library (zarr v2 or v3 stores).
 
 Layouts: one store ``activations.zarr/`` (or the folder holding it), or a run folder with
 ``shards/shard-XXXX.zarr`` (+ ``manifest.json``), read shard after shard in number order,
@@ -42,8 +42,8 @@ from .base import (
     MEMORY_HINT,
     Chunk,
     Options,
-    Plan,
     Report,
+    SourcePlan,
     column_dtype,
     field_name,
     pick_layers,
@@ -208,7 +208,7 @@ def _json_line(line: bytes, path: Path, number: int) -> Any:
 
 @dataclasses.dataclass
 class ZarrSource:
-    plan: Plan
+    plan: SourcePlan
     stores: list[Store]
     parts: list[Part]
     columns: dict[str, str]  # column name -> array name
@@ -621,7 +621,7 @@ def _open(zarr: Any, path: Path, options: Options) -> ZarrSource:
         layout_lines.append("columns: " + ", ".join(cols_shown))
     if text_names:
         layout_lines.append("text: " + ", ".join(text_names))
-    plan = Plan(
+    plan = SourcePlan(
         kind=KIND,
         path=path,
         family=options.family or str(attrs.get("model_family") or attrs.get("family") or "unknown"),

@@ -21,7 +21,7 @@ warnings.filterwarnings("ignore", message="Consolidated metadata")
 
 
 def _convert(src: Path, root: Path, **kwargs: object) -> tuple[ss.Shards, object]:
-    result = convert(src, root=root, durable=False, **kwargs)  # type: ignore[arg-type]
+    result = convert(src, root=root, durable=False, **kwargs)
     return ss.open(result.path), result
 
 
