@@ -203,50 +203,9 @@ def open_source(path: Path, options: Options, scan: Callable[[int, int], None] |
     for h in hooks:
         dtype = _float_dtype(path, h, features[h])
         _check_held(path, ds.data, h, len(ds) * context_size * d_model * dtype.itemsize)
-    if options.layers is not None:
-        if len(options.layers) != len(hooks):
-            raise ConvertOptionError(
-                f"--layers: expected {len(hooks)} layer numbers (one per hook: {hooks}), found {list(options.layers)}"
-            )
-        layers = options.layers
-    else:
-        parsed = [layer_of(h) for h in hooks]
-        if any(v is None for v in parsed) or len(set(parsed)) != len(parsed):
-            raise ConvertOptionError(
-                f"{path}: cannot number the layers from the hook names {hooks} (found {parsed}); "
-                "give them with --layers"
-            )
-        layers = tuple(int(v) for v in parsed if v is not None)
+    layers = _layers(path, hooks, options)
     tokens = min(context_size, options.max_tokens) if options.max_tokens is not None else context_size
-    columns: dict[str, tuple[str, tuple[int, ...]]] = {}
-    col_types: dict[str, tuple[np.dtype[Any], tuple[int, ...]]] = {}
-    text_columns: dict[str, str] = {}
-    notes = []
-    for col, feature in features.items():
-        if col in hooks:
-            continue
-        name = field_name(col)
-        shape = _shape_of(feature)
-        if name is not None and shape is not None and shape[0] in ("string", "large_string") and not shape[1]:
-            text_columns[name] = col
-            continue
-        dt = None
-        if shape is not None:
-            try:
-                dt = column_dtype(np.dtype(shape[0]))
-            except (TypeError, ValueError):
-                dt = None
-        if name is None or shape is None or dt is None or name in col_types:
-            notes.append(
-                f"column {col!r} ({feature.get('_type') if isinstance(feature, dict) else feature}) not carried over"
-            )
-            continue
-        _check_held(path, ds.data, col, len(ds) * math.prod(shape[1]) * np.dtype(shape[0]).itemsize)
-        tail = shape[1]
-        if name == "token_ids" and tail == (context_size,):
-            tail = (tokens,)
-        columns[name] = (col, shape[1])
-        col_types[name] = (dt, tail)
+    columns, col_types, text_columns, notes = _columns(path, ds, features, hooks, (context_size, tokens))
     cfg_file = path / "cache_activations_runner_cfg.json"
     has_cfg = os.path.lexists(cfg_file)
     cfg = plain(files.read_json(cfg_file, "the cache runner's configuration")) if has_cfg else None
@@ -293,3 +252,60 @@ def open_source(path: Path, options: Options, scan: Callable[[int, int], None] |
         notes=tuple(notes),
     )
     return SaelensSource(plan, ds.data, hooks, context_size, columns, text_columns)
+
+
+def _layers(path: Path, hooks: list[str], options: Options) -> tuple[int, ...]:
+    """The layer number of each hook: ``--layers``, else from the hook names."""
+    if options.layers is not None:
+        if len(options.layers) != len(hooks):
+            raise ConvertOptionError(
+                f"--layers: expected {len(hooks)} layer numbers (one per hook: {hooks}), found {list(options.layers)}"
+            )
+        return options.layers
+    parsed = [layer_of(h) for h in hooks]
+    if any(v is None for v in parsed) or len(set(parsed)) != len(parsed):
+        raise ConvertOptionError(
+            f"{path}: cannot number the layers from the hook names {hooks} (found {parsed}); give them with --layers"
+        )
+    return tuple(int(v) for v in parsed if v is not None)
+
+
+def _columns(
+    path: Path, ds: Any, features: dict[str, Any], hooks: list[str], sizes: tuple[int, int]
+) -> tuple[
+    dict[str, tuple[str, tuple[int, ...]]], dict[str, tuple[np.dtype[Any], tuple[int, ...]]], dict[str, str], list[str]
+]:
+    """The features other than the hooks: numeric ones as columns (name -> feature and shape, and
+    the cache's column types), strings as text, and notes on the rest. ``sizes``: the context
+    size and the tokens kept (a ``token_ids`` column of one id per position is cut as they are)."""
+    context_size, tokens = sizes
+    columns: dict[str, tuple[str, tuple[int, ...]]] = {}
+    col_types: dict[str, tuple[np.dtype[Any], tuple[int, ...]]] = {}
+    text_columns: dict[str, str] = {}
+    notes = []
+    for col, feature in features.items():
+        if col in hooks:
+            continue
+        name = field_name(col)
+        shape = _shape_of(feature)
+        if name is not None and shape is not None and shape[0] in ("string", "large_string") and not shape[1]:
+            text_columns[name] = col
+            continue
+        dt = None
+        if shape is not None:
+            try:
+                dt = column_dtype(np.dtype(shape[0]))
+            except (TypeError, ValueError):
+                dt = None
+        if name is None or shape is None or dt is None or name in col_types:
+            notes.append(
+                f"column {col!r} ({feature.get('_type') if isinstance(feature, dict) else feature}) not carried over"
+            )
+            continue
+        _check_held(path, ds.data, col, len(ds) * math.prod(shape[1]) * np.dtype(shape[0]).itemsize)
+        tail = shape[1]
+        if name == "token_ids" and tail == (context_size,):
+            tail = (tokens,)
+        columns[name] = (col, shape[1])
+        col_types[name] = (dt, tail)
+    return columns, col_types, text_columns, notes
