@@ -42,7 +42,7 @@ from ..errors import (
     UnknownCacheError,
     WriterBusyError,
 )
-from . import caches, cleanup, convert, dump, remote, runs, shuffle
+from . import caches, cleanup, convert, dump, info, ls, remote, runs, shuffle
 from ._common import (
     EXIT_BROKEN_PIPE,
     EXIT_CODES_HELP,
@@ -77,7 +77,7 @@ __all__ = [
 ]
 
 #: The modules whose commands make up the command line, in --help order.
-COMMANDS = (caches, remote, cleanup, shuffle, convert, runs, dump)
+COMMANDS = (info, ls, caches, remote, cleanup, shuffle, convert, runs, dump)
 
 
 def build_parser(invoked: str | None = None) -> argparse.ArgumentParser:

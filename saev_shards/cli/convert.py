@@ -9,8 +9,9 @@ from __future__ import annotations
 
 import argparse
 import sys
+from typing import TextIO
 
-from ..convert import SOURCES, TARGETS, Options, prepare, run
+from ..convert import SOURCES, TARGETS, Options, Prepared, Result, prepare, run
 from ..progress import Progress
 from ..protocol.common import DTYPES_BY_PROTOCOL, PROTOCOL, PROTOCOL_30
 from ._common import EXIT_OK, add_progress, command, human_bytes, int_list, parse_size, plural, warn
@@ -124,56 +125,9 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser], invoked: 
 
 def cmd_convert(args: argparse.Namespace) -> int:
     out = sys.stdout
-    options = Options(
-        max_tokens=args.max_tokens,
-        layers=args.layers,
-        cls_token=args.cls_token,
-        family=args.family,
-        ckpt=args.ckpt,
-        memory_bytes=args.max_memory,
-    )
-    bar: list[Progress] = []
-
-    def scan(k: int, total: int) -> None:
-        if not bar:
-            bar.append(
-                Progress(
-                    total - 1, "scan (longest sequence; --max-tokens skips this)", unit="shards", enabled=args.progress
-                )
-            )
-        bar[0].update(1)
-
-    try:
-        prepared = prepare(
-            args.src,
-            kind=args.kind,
-            to=args.to,
-            root=args.root,
-            dtype=args.dtype,
-            patches_per_shard=args.patches_per_shard,
-            options=options,
-            scan=scan,
-        )
-    finally:
-        if bar:
-            bar[0].close()
-    plan, md = prepared.plan, prepared.metadata
-    n, n_layers, tokens, d_model = md.shape
-    lines = [
-        ("source", f"{prepared.kind.name}: {plan.path} ({human_bytes(plan.source_nbytes)})"),
-        ("model", f"{md.family} {md.ckpt}"),
-        *(("mapping", line) for line in plan.layout),
-        ("checksums", plan.checksums),
-        (
-            "cache",
-            f"{md.hash[:12]} ({n:,}, {n_layers}, {tokens}, {d_model}) {md.dtype}, {plural(md.n_shards, 'shard')}, "
-            f"{human_bytes(md.nbytes + md.scales_nbytes)} of activations, protocol {md.protocol}",
-        ),
-    ]
-    width = max(len(k) for k, _ in lines)
-    for key, value in lines:
-        out.write(f"{key:<{width}}  {value}\n")
-    out.flush()
+    prepared = _prepare(args)
+    plan = prepared.plan
+    _describe(prepared, out)
     if args.dry_run:
         for note in plan.notes:
             warn(note)  # each says what was dropped or changed
@@ -194,6 +148,71 @@ def cmd_convert(args: argparse.Namespace) -> int:
         log=say,
         check_space=not args.no_space_check,
     )
+    _summary(result, out)
+    return EXIT_OK
+
+
+def _prepare(args: argparse.Namespace) -> Prepared:
+    """The conversion planned from the command line (a progress bar while a source is scanned)."""
+    options = Options(
+        max_tokens=args.max_tokens,
+        layers=args.layers,
+        cls_token=args.cls_token,
+        family=args.family,
+        ckpt=args.ckpt,
+        memory_bytes=args.max_memory,
+    )
+    bar: list[Progress] = []
+
+    def scan(k: int, total: int) -> None:
+        if not bar:
+            bar.append(
+                Progress(
+                    total - 1, "scan (longest sequence; --max-tokens skips this)", unit="shards", enabled=args.progress
+                )
+            )
+        bar[0].update(1)
+
+    try:
+        return prepare(
+            args.src,
+            kind=args.kind,
+            to=args.to,
+            root=args.root,
+            dtype=args.dtype,
+            patches_per_shard=args.patches_per_shard,
+            options=options,
+            scan=scan,
+        )
+    finally:
+        if bar:
+            bar[0].close()
+
+
+def _describe(prepared: Prepared, out: TextIO) -> None:
+    """What the source is and how it is mapped, one ``key  value`` line each."""
+    plan, md = prepared.plan, prepared.metadata
+    n, n_layers, tokens, d_model = md.shape
+    lines = [
+        ("source", f"{prepared.kind.name}: {plan.path} ({human_bytes(plan.source_nbytes)})"),
+        ("model", f"{md.family} {md.ckpt}"),
+        *(("mapping", line) for line in plan.layout),
+        ("checksums", plan.checksums),
+        (
+            "cache",
+            f"{md.hash[:12]} ({n:,}, {n_layers}, {tokens}, {d_model}) {md.dtype}, {plural(md.n_shards, 'shard')}, "
+            f"{human_bytes(md.nbytes + md.scales_nbytes)} of activations, protocol {md.protocol}",
+        ),
+    ]
+    width = max(len(k) for k, _ in lines)
+    for key, value in lines:
+        out.write(f"{key:<{width}}  {value}\n")
+    out.flush()
+
+
+def _summary(result: Result, out: TextIO) -> None:
+    """What was not carried over (stderr), how long it took, and the cache's path as the last line."""
+    md = result.metadata
     for line in result.report.lines():
         warn(line)
     if result.already_published:
@@ -205,4 +224,3 @@ def cmd_convert(args: argparse.Namespace) -> int:
             f"({human_bytes(rate)}/s of activations written)\n"
         )
     out.write(f"{result.path}\n")
-    return EXIT_OK

@@ -131,6 +131,31 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser], invoked: 
     )
     p.set_defaults(interrupted_hint="the runs written so far are kept: run the same command again to resume")
     p.add_argument("ref", metavar="SRC", help=REF_HELP)
+    _add_selection(p)
+    p.add_argument("--seed", type=int, default=0, help="decides the order (default: 0)")
+    p.add_argument("--dtype", choices=list(DTYPES), help="stored dtype of the output (default: the source's)")
+    p.add_argument("--to", metavar="DIR", help="shards root to publish the output in (default: the source's folder)")
+    p.add_argument(
+        "--memory",
+        type=parse_size,
+        default=DEFAULT_MEMORY,
+        metavar="SIZE",
+        help=f"memory budget of all processes together, e.g. 2G, 512M (default: {DEFAULT_MEMORY >> 30}G)",
+    )
+    p.add_argument("--workers", type=int, default=1, metavar="N", help="processes sharing the work (default: 1)")
+    p.add_argument("--work-dir", metavar="DIR", help="where the scratch runs go (default: the output's root)")
+    p.add_argument(
+        "--patches-per-shard", type=int, metavar="N", help="shard budget of the output (default: the source's)"
+    )
+    p.add_argument("--allow-nonfinite", action="store_true", help="store inf/NaN values instead of stopping")
+    _add_ranks(p)
+    p.add_argument("--dry-run", action="store_true", help="print the plan and exit")
+    add_roots(p)
+    add_progress(p)
+
+
+def _add_selection(p: argparse.ArgumentParser) -> None:
+    """The token selection (`saev_shards.selection.SelectionSpec`): layers, tokens, the token masks."""
     p.add_argument(
         "--layers",
         type=int_list,
@@ -152,22 +177,10 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser], invoked: 
         metavar="K",
         help="leave out positions whose vector at a chosen layer has a norm above K times its layer's median norm",
     )
-    p.add_argument("--seed", type=int, default=0, help="decides the order (default: 0)")
-    p.add_argument("--dtype", choices=list(DTYPES), help="stored dtype of the output (default: the source's)")
-    p.add_argument("--to", metavar="DIR", help="shards root to publish the output in (default: the source's folder)")
-    p.add_argument(
-        "--memory",
-        type=parse_size,
-        default=DEFAULT_MEMORY,
-        metavar="SIZE",
-        help=f"memory budget of all processes together, e.g. 2G, 512M (default: {DEFAULT_MEMORY >> 30}G)",
-    )
-    p.add_argument("--workers", type=int, default=1, metavar="N", help="processes sharing the work (default: 1)")
-    p.add_argument("--work-dir", metavar="DIR", help="where the scratch runs go (default: the output's root)")
-    p.add_argument(
-        "--patches-per-shard", type=int, metavar="N", help="shard budget of the output (default: the source's)"
-    )
-    p.add_argument("--allow-nonfinite", action="store_true", help="store inf/NaN values instead of stopping")
+
+
+def _add_ranks(p: argparse.ArgumentParser) -> None:
+    """Several processes or machines sharing one shuffle."""
     p.add_argument(
         "--rank",
         type=int,
@@ -187,6 +200,3 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser], invoked: 
         help=f"with several ranks: how long a rank waits for the others without progress before it gives up, naming "
         f"the missing ranks (default: {DEFAULT_WAIT:g}; under torchrun, at each meeting point)",
     )
-    p.add_argument("--dry-run", action="store_true", help="print the plan and exit")
-    add_roots(p)
-    add_progress(p)
