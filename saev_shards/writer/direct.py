@@ -145,7 +145,7 @@ def _give_buffer(buffer: mmap.mmap) -> None:
         buffer.close()
 
 
-def _release_buffers() -> None:
+def release_buffers() -> None:
     """Return the kept buffers' memory to the system."""
     for buffer in _FREE_BUFFERS.pop(os.getpid(), []):
         buffer.close()
