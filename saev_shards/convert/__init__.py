@@ -4,7 +4,7 @@ One command converts a source into an ordinary cache, streaming with bounded mem
 verifying the checksums the source carries, publishing atomically and resuming after a
 kill (docs/convert.md). Source kinds, detected or named with ``--from``:
 
-* ``pickle``: pickle shards (saev's earliest format), loaded only with a restricted unpickler;
+* ``pickle``: pickle shards (the pickle.gz activation shard format), loaded only with a restricted unpickler;
 * ``zarr``: zarr activation logs, single store or sharded;
 * ``saelens``: SAELens' cached activations (a Hugging Face ``datasets`` folder);
 * ``npy``: a plain ``.npy`` of shape (N, L, T, D), memory-mapped.
