@@ -22,7 +22,7 @@ DIRECT_BLOCK = 16 << 20
 DIRECT_IN_FLIGHT = 2
 
 
-class _SequentialFile:
+class SequentialFile:
     """A file written front to back, through O_DIRECT where the filesystem allows it.
 
     Whole aligned blocks go to the disk with O_DIRECT from aligned staging buffers: on

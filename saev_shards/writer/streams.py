@@ -83,7 +83,7 @@ class _Cursor:
         is_shard = path.name.startswith("acts")
         # O_DIRECT only pays for files of at least one block; small files stay buffered.
         with naming_disk_full(path, expected_nbytes, _RESUME_NOTE):
-            self.file = direct._SequentialFile(path, direct=is_shard and (expected_nbytes or 0) >= direct.DIRECT_BLOCK)
+            self.file = direct.SequentialFile(path, direct=is_shard and (expected_nbytes or 0) >= direct.DIRECT_BLOCK)
         if is_shard and not try_flock(self.file.fileno()):
             self.file.abandon()
             raise WriterBusyError(f"{path} is being written by another process")
