@@ -158,8 +158,7 @@ class TokenLoader:
         self._site_order = choice.order(self.layers) if choice is not None and self.stack_layers else None
         self.device = None if device is None else _parse_device(device)
         self.pin_memory = bool(pin_memory) and torch.cuda.is_available() and self.device is None
-        self.buffer_bytes = int(buffer_bytes)
-        self.block_bytes = int(block_bytes)
+        self.buffer_bytes, self.block_bytes = int(buffer_bytes), int(block_bytes)
         self._spans = ReadSpans(self.shards, self.selection, self.block_bytes, self.stack_layers)
         md = self.shards.metadata
         slice_bytes = md.tokens_per_ex * md.d_model * md.itemsize
@@ -174,8 +173,7 @@ class TokenLoader:
         # Batches per epoch: with drop_last the same on every rank.
         full = (total // self.world_size) // self.batch_size
         self._len = full if self.drop_last else -(-self.n_tokens // self.batch_size)
-        self._next_epoch = 0
-        self._resume_batch = 0
+        self._next_epoch, self._resume_batch = 0, 0
         self._position: tuple[int, int] | None = None  # (epoch, batches yielded) of the live iteration
         self._runs: weakref.WeakSet[HostRun | DeviceRun] = weakref.WeakSet()
         #: What epochs borrow and give back: buffers, threads, device slots, the cache mapped in place.
