@@ -1,5 +1,5 @@
-"""Commands over one cache: ``verify``, ``report``, ``stats``, ``resolve``, ``stage`` (``info`` and
-``ls`` are modules of their own)."""
+"""Commands over one cache: ``verify``, ``report``, ``stats``, ``resolve`` (``info`` and ``ls`` are
+modules of their own, ``stage`` is `transfer`'s)."""
 
 from __future__ import annotations
 
@@ -87,40 +87,14 @@ def cmd_stats(args: argparse.Namespace) -> int:
 
 
 def cmd_resolve(args: argparse.Namespace) -> int:
-    sys.stdout.write(f"{store.locate(args.ref, roots_arg(args))}\n")
-    return EXIT_OK
-
-
-def cmd_stage(args: argparse.Namespace) -> int:
-    report = store.copy_cache(
-        args.ref, args.to, roots=roots_arg(args), progress=progress_arg(args), check_space=not args.no_space_check
-    )
-    err = sys.stderr
-    name = report.path.name[:12]
-    if report.already_staged:
-        err.write(f"{name}: already staged, nothing copied\n")
-    else:
-        done = [f"copied {report.copied_files} files ({human_bytes(report.copied_bytes)})"]
-        if report.kept_files or report.resumed_files:
-            done.append(
-                f"resumed: kept {report.kept_files} complete and {report.resumed_files} half-written files "
-                f"({human_bytes(report.kept_bytes)}) after re-verifying them"
-            )
-        if report.recopied:
-            done.append(f"re-copied {len(report.recopied)} that failed verification ({', '.join(report.recopied)})")
-        if report.repaired:
-            done.append("repaired a damaged local copy")
-        checked = "checksums verified" if not report.unverified else f"{len(report.unverified)} files had no checksum"
-        err.write(f"{name}: " + "; ".join(done) + f"; {checked}\n")
-    store.open_quietly(report.path)  # what the caller gets is a cache that opens
-    sys.stdout.write(f"{report.path}\n")
+    sys.stdout.write(f"{store.find_cache(args.ref, roots_arg(args))}\n")
     return EXIT_OK
 
 
 def register(sub: argparse._SubParsersAction[argparse.ArgumentParser], invoked: str | None) -> None:
-    """Add this module's commands to the ``saev-shards`` parser: ``verify``, ``report``, ``stats``,
-    ``resolve`` and ``stage`` (``info`` and ``ls`` have modules of their own)."""
-    for add in (_add_verify, _add_report, _add_stats, _add_resolve, _add_stage):
+    """Add this module's commands to the ``saev-shards`` parser: ``verify``, ``report``, ``stats`` and
+    ``resolve`` (``info`` and ``ls`` have modules of their own, ``stage`` is `transfer`'s)."""
+    for add in (_add_verify, _add_report, _add_stats, _add_resolve):
         add(sub)
 
 
@@ -186,32 +160,3 @@ def _add_resolve(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> No
     )
     p.add_argument("ref", help=REF_HELP)
     add_roots(p)
-
-
-def _add_stage(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
-    p = command(
-        sub,
-        "stage",
-        "copy a cache to local disk with checksums verified, atomically and resumably; print the copy's path",
-        "  saev-shards stage 3f2a                      # to $SAEV_STAGE_ROOT or $TMPDIR/saev/shards\n"
-        "  saev-shards stage 3f2a --to /local/ssd/saev/shards\n"
-        "  SHARDS=$(saev-shards stage 3f2a)           # stdout is only the local path\n",
-        cmd_stage,
-        description=(
-            "Copy a cache to local disk: files go to <dest>/.copying-<hash>/ and are hashed while written; "
-            "only when every size and xxh3_128 checksum matches the source manifest is the copy made read-only "
-            "and renamed to <dest>/<hash>. Interrupted? Run the same command again: complete files are "
-            "re-verified and kept, a half-written one is completed. A local copy damaged since (a scratch "
-            "purge) is repaired. Prints the local path on stdout, a summary on stderr."
-        ),
-    )
-    p.add_argument("ref", help=REF_HELP)
-    p.add_argument("--to", metavar="DIR", help="destination root (default: $SAEV_STAGE_ROOT, else $TMPDIR/saev/shards)")
-    p.add_argument(
-        "--no-space-check",
-        action="store_true",
-        help="copy even if the free space at the destination looks too small (also SAEV_SHARDS_NO_SPACE_CHECK=1)",
-    )
-    p.set_defaults(interrupted_hint="what was copied is kept: run the same command again to resume")
-    add_roots(p)
-    add_progress(p)

@@ -16,7 +16,7 @@ from pathlib import Path
 from .. import store
 from ..errors import CommandError, RootNotSetError
 from ..protocol import is_cache_name
-from ..remote.url import is_url, split_url
+from ..storage.url import is_url, split_url
 from ._common import (
     EXIT_OK,
     EXIT_PROBLEM,

@@ -20,9 +20,9 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import numpy.typing as npt
-import xxhash
 
 from ..errors import ConfigError, RecorderError
+from ..fileio import IO_CHUNK, BlockHasher, stream
 from ..format import is_int
 from ..protocol.common import FLOAT8
 from ..protocol.sites import Site
@@ -75,9 +75,8 @@ def folder_ckpt(folder: Path) -> str:
 
 def files_digest(folder: Path) -> str:
     """xxh3_128 of the names, sizes and bytes of a model folder's top-level files (README etc. skipped)."""
-    h = xxhash.xxh3_128()
-    buf = bytearray(8 << 20)
-    view = memoryview(buf)
+    h = BlockHasher()
+    view = memoryview(bytearray(IO_CHUNK))
     files = sorted(
         p
         for p in folder.iterdir()
@@ -88,8 +87,7 @@ def files_digest(folder: Path) -> str:
     for p in files:
         h.update(f"{p.name}\0{p.stat().st_size}\0".encode())
         with p.open("rb", buffering=0) as f:
-            while n := f.readinto(view):
-                h.update(view[:n])
+            stream(f, hasher=h, buffer=view)
     return h.hexdigest()
 
 

@@ -134,7 +134,7 @@ def available(shards: Shards) -> bool:
     `MIN_SHARD_BYTES` on average, whose mappings (two per file: the file and the gap after
     it) take at most a quarter of the process's allowance (``vm.max_map_count``, 65,530 by
     default: numpy and torch map memory too)."""
-    if not sys.platform.startswith("linux") or shards.files.copies or shards.n_shards == 0:
+    if not sys.platform.startswith("linux") or not shards.files.mappable or shards.n_shards == 0:
         return False
     files = shards.n_shards * (2 if shards.metadata.dtype == FLOAT8 else 1)
     if 2 * files > max_map_count() // 4:

@@ -52,12 +52,12 @@ from ..protocol.common import (
     stats_max_bytes,
 )
 from ..protocol.jsonfile import load_json, short_repr
-from ..remote.url import is_url
+from ..storage.url import is_url
 from .shards import Shards
 from .sidecars import SIDECAR_DIR
 
 if TYPE_CHECKING:
-    from ..remote.blockcache import BlockCache
+    from ..storage.blockcache import BlockCache
 
 PathLike = str | os.PathLike[str]
 
@@ -105,18 +105,18 @@ def open(path: PathLike, *, check_hash: bool = True) -> Shards:
 def open_remote(url: str, *, check_hash: bool = True) -> Shards:
     """Open the remote cache at ``url`` by reading its JSON files only (protocol.md 7).
 
-    The URL's segments are checked first (no ``..``: `remote.url.check_url`). metadata.json
+    The URL's segments are checked first (no ``..``: `storage.url.check_url`). metadata.json
     and shards.json are fetched (and blocks.json where the manifest lists it, and the
     statistics sidecar of the root where there is one) into a local folder of the block cache
-    (`remote.files.local_folder`), then checked exactly as for a local cache, less what needs
-    the data files: they are checked as they are read, every block against its digest
-    (`remote.files.RemoteFiles`), and by `Shards.verify`. Messages name URLs. Where the block
+    (`storage.remote_json.local_folder`), then checked exactly as for a local cache, less what
+    needs the data files: they are checked as they are read, every block against its digest
+    (`storage.remote.RemoteFiles`), and by `Shards.verify`. Messages name URLs. Where the block
     cache cannot be written (a full disk) the JSON files go to a folder in memory, with one
     warning, and so do the blocks read; so they do when the block cache is disabled
     (``SAEV_SHARDS_BLOCK_CACHE_BYTES=0``).
     """
-    from ..remote.blockcache import BlockCache, _Unwritable
-    from ..remote.url import check_url, strip
+    from ..storage.blockcache import BlockCache, _Unwritable
+    from ..storage.url import check_url, strip
 
     url = strip(check_url(url))
     cache = BlockCache()
@@ -132,9 +132,10 @@ def open_remote(url: str, *, check_hash: bool = True) -> Shards:
 
 def _open_remote_in(url: str, cache: BlockCache, memory: bool, check_hash: bool) -> Shards:
     """`open_remote` with the JSON files kept in the block cache, or in memory."""
-    from ..remote.client import Client
-    from ..remote.files import RemoteFiles, fetch_json, forget_json, local_folder
-    from ..remote.url import join_url, split_url
+    from ..storage.client import Client
+    from ..storage.remote import RemoteFiles
+    from ..storage.remote_json import fetch_json, forget_json, local_folder
+    from ..storage.url import join_url, split_url
 
     folder = local_folder(cache, url, memory)
     mode = 0o600 if memory or cache.disabled else cache.file_mode
@@ -180,7 +181,7 @@ def _open_remote_in(url: str, cache: BlockCache, memory: bool, check_hash: bool)
         fetch(manifest.blocks.name, manifest.blocks.nbytes, ManifestError)
     else:
         forget_json(folder, BLOCKS_FILE)  # left by another cache of this name
-    files = RemoteFiles(url, {name: (nbytes, digest) for name, nbytes, digest in manifest.files()}, cache)
+    files = RemoteFiles(url, {name: (nbytes, digest) for name, nbytes, digest in manifest.files()}, cache, folder)
     shards = Shards(folder, md, manifest, files=files)
     block_size = shards.block_size
     if block_size:  # every read verified per block; without blocks.json, per whole file

@@ -32,15 +32,16 @@ from ..errors import (
     ScaleError,
     raise_problems,
 )
-from ..fileio import IO_CHUNK, BlockHasher, hash_file, open_regular
+from ..fileio import IO_CHUNK, open_regular
 from ..manifest import Blocks, Manifest
 from ..metadata import Metadata, parse_metadata
 from ..progress import Progress
 from ..protocol.common import CHECKSUMS_FILE, FLOAT8, MAX_METADATA_BYTES, METADATA_FILE, SCALES_DTYPE, STATS_FILE
-from ..protocol.jsonfile import is_int, load_json, short_repr
+from ..protocol.jsonfile import is_int, short_repr
 from ..protocol.v31 import load_blocks
+from ..storage.base import Files
+from ..storage.local import LocalFiles
 from ..units import html_table, human_bytes
-from .handles import Files, LocalFiles
 from .reads import ReadPaths, check_read_dtype
 from .sidecars import Sidecars
 
@@ -215,13 +216,13 @@ class Shards(ReadPaths, Sidecars):
     @property
     def url(self) -> str | None:
         """The URL of a remote cache (``s3://bucket/root/<hash>``), None for a local one. A
-        remote cache's `path` is the local folder that keeps its JSON files (`remote.files`)."""
+        remote cache's `path` is the local folder that keeps its JSON files (`storage.remote_json`)."""
         return self.files.url
 
     @property
     def location(self) -> str:
         """Where the cache is, for messages: its URL, or its path."""
-        return self.files.url or str(self.path)
+        return self.files.location
 
     def prefetch(self, start: int, stop: int) -> None:
         """Hint that examples ``[start, stop)`` are about to be read (the loaders call it for
@@ -229,12 +230,11 @@ class Shards(ReadPaths, Sidecars):
         float8_e4m3 cache has the kernel start reading their scales (POSIX_FADV_WILLNEED), as
         its readahead does not foresee a loader's small scattered scale reads, which would
         otherwise wait for the disk one after another; a local cache's values are left to the
-        kernel's readahead."""
-        remote = getattr(self.files, "prefetch", None)
-        scales = remote is None and self.metadata.dtype == FLOAT8 and hasattr(os, "posix_fadvise")
-        if (remote is None and not scales) or stop <= start:
-            return
+        kernel's readahead (`Files.prefetch`: the storage decides what a hint is worth)."""
         md = self.metadata
+        values, scales = self.files.prefetches, md.dtype == FLOAT8
+        if not (values or scales) or stop <= start:
+            return
         eps, example_nbytes = self.examples_per_shard, md.example_nbytes
         scale_nbytes = md.n_layers * md.tokens_per_ex * SCALES_DTYPE.itemsize
         e = max(0, start)
@@ -242,10 +242,11 @@ class Shards(ReadPaths, Sidecars):
         while e < stop:
             k, local = layout.shard_of(e, eps)
             count = min(stop, (k + 1) * eps) - e
-            if remote is not None:
-                remote(self.manifest.shards[k].name, local * example_nbytes, (local + count) * example_nbytes)
-            else:
-                os.posix_fadvise(self._scale_fd(k), local * scale_nbytes, count * scale_nbytes, os.POSIX_FADV_WILLNEED)
+            if values:
+                self.files.prefetch(self._fd(k), local * example_nbytes, (local + count) * example_nbytes)
+            if scales:
+                first, last = local * scale_nbytes, (local + count) * scale_nbytes
+                self.files.prefetch(self._scale_fd(k), first, last, scattered=True)
             e += count
 
     def layer_index(self, layer: int) -> int:
@@ -521,13 +522,7 @@ class Shards(ReadPaths, Sidecars):
     def _metadata_problems(self) -> list[Problem]:
         """metadata.json read again (from the server for a remote cache): the same configuration and hash?"""
         where = self.files.where(METADATA_FILE)
-        if self.url is not None:
-            from ..remote.files import refetch_json
-
-            remote: Any = self.files
-            obj, problems = refetch_json(remote, METADATA_FILE, MAX_METADATA_BYTES, MetadataFileError)
-        else:
-            obj, problems = load_json(self.path / METADATA_FILE, MAX_METADATA_BYTES, MetadataFileError)
+        obj, problems = self.files.read_json(METADATA_FILE, MAX_METADATA_BYTES, MetadataFileError)
         if problems:
             return problems
         try:
@@ -546,7 +541,7 @@ class Shards(ReadPaths, Sidecars):
         after a shard filled exactly, are zeros, as its writer's memmaps left them. The one check
         of content a cache without checksums allows."""
         md, manifest = self.metadata, self.manifest
-        if not md.format.padded_last or self.url is not None:
+        if not md.format.padded_last:  # protocol 2.1 and earlier: local only (`open_remote` refuses them)
             return []
         regions: list[tuple[str, int, int, str]] = []
         if len(manifest.shards):
@@ -582,32 +577,21 @@ class Shards(ReadPaths, Sidecars):
         def block_size(name: str) -> int | None:
             return blocks.block_size if blocks is not None and name in blocks.files else None
 
-        remote = getattr(self.files, "verify_file", None)
-        if remote is not None:  # several files in flight: each is one stream from the server
-            from ..remote.client import requests_in_flight
-
-            def one(name: str) -> tuple[int, str, list[str]] | Problem:
-                try:
-                    return remote(name, block_size(name), tick)  # type: ignore[no-any-return]
-                except FileNotFoundError:
-                    return Problem(CacheNotFoundError, f"{self.files.where(name)}: missing")
-
-            with ThreadPoolExecutor(max(1, min(len(files), requests_in_flight() // 2))) as pool:
-                yield from pool.map(one, [name for name, _, _ in files])
-            return
-        buffer = memoryview(bytearray(IO_CHUNK))
-        for name, _, _ in files:
-            path = self.path / name
-            hasher = BlockHasher(block_size(name))
+        def one(name: str) -> tuple[int, str, list[str]] | Problem:
             try:
-                size, found = hash_file(path, tick, regular_only=True, buffer=buffer, hasher=hasher)
+                return self.files.verify_file(name, block_size(name), tick)
             except NotRegularFileError as err:
-                yield Problem(ManifestError, str(err))
-                continue
-            except OSError as err:
-                yield Problem(CacheNotFoundError, f"{path}: {err.strerror}")
-                continue
-            yield size, found, hasher.block_hexdigests()
+                return Problem(ManifestError, str(err))
+            except CacheNotFoundError as err:
+                return Problem(CacheNotFoundError, str(err))
+
+        names = [name for name, _, _ in files]
+        workers = max(1, min(len(names), self.files.streams // 2))  # each a stream: from a server, several
+        if workers == 1:
+            yield from map(one, names)
+            return
+        with ThreadPoolExecutor(workers) as pool:
+            yield from pool.map(one, names)
 
     def _verify_blocks(self) -> Blocks | None:
         """blocks.json for `verify` to name damaged blocks with, fresh from disk; None if there

@@ -374,7 +374,7 @@ def unfinalize(staging: Path, md: Metadata) -> None:
 def _write_empty_shard(staging: Path, md: Metadata, name: str, durable: bool) -> ShardEntry:
     """An all-zero, full-size shard file listed with ``n_examples`` 0, as saev's writer leaves one."""
     nbytes = md.examples_per_shard * md.example_nbytes
-    h = xxhash.xxh3_128()
+    h = BlockHasher()
     zeros = memoryview(bytes(min(nbytes, IO_CHUNK)))
     path = staging / name
     with naming_disk_full(path, nbytes, _FINALIZE_NOTE), open(path, "wb", buffering=0) as out:

@@ -25,7 +25,7 @@ ENTRY = "<entry points>"
 LAYERS: tuple[tuple[str, ...], ...] = (
     ("errors",),
     ("units", "layout", "optional", "world", "fileio", "progress", "float8", "float8_kernels"),
-    ("protocol", "manifest", "metadata", "format", "dtypes", "_indexing", "statistics", "norms", "remote"),
+    ("protocol", "manifest", "metadata", "format", "dtypes", "_indexing", "statistics", "norms", "storage", "remote"),
     ("selection", "token_masks", "_layers"),  # the last two: re-exports of selection's modules, kept for imports
     ("reader", "views", "writer", "report"),
     ("store",),

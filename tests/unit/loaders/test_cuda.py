@@ -10,7 +10,7 @@ GPU runs) equal to the host rule; a loader's state resumed on the device (and ac
 and host); device memory allocated once per loader and freed by ``close``; the recorder's
 side-stream copies to pinned memory, and a dump on the GPU.
 
-`scripts/gpu_session.sh` runs this file on a lent GPU machine (docs/bench/gpu.md).
+`benchmarks/gpu_session.sh` runs this file on a lent GPU machine (docs/bench/gpu.md).
 """
 
 from __future__ import annotations
