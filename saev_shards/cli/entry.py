@@ -37,7 +37,7 @@ from ..errors import (
     UnknownCacheError,
     WriterBusyError,
 )
-from . import caches, cleanup, convert, dump, info, ls, remote, runs, shuffle
+from . import caches, cleanup, convert, dump, info, ls, runs, shuffle, transfer
 from ._common import (
     EXIT_BROKEN_PIPE,
     EXIT_CODES_HELP,
@@ -72,7 +72,7 @@ __all__ = [
 ]
 
 #: The modules whose commands make up the command line, in --help order.
-COMMANDS = (info, ls, caches, remote, cleanup, shuffle, convert, runs, dump)
+COMMANDS = (info, ls, caches, transfer, cleanup, shuffle, convert, runs, dump)
 
 
 def build_parser(invoked: str | None = None) -> argparse.ArgumentParser:

@@ -65,7 +65,7 @@ class WindowLoader:
         slot = self.slot(w)
         rows = cfg.spans.rows[window.spans]
         # A remote cache starts fetching the whole window's spans now, a float8_e4m3 one its scales.
-        if cfg.shards.files.copies or cfg.float8:
+        if cfg.shards.files.prefetches or cfg.float8:
             for b in window.spans.tolist():
                 cfg.shards.prefetch(int(cfg.spans.start[b]), int(cfg.spans.stop[b]))
         offsets = np.zeros(len(rows), dtype=np.int64)

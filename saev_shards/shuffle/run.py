@@ -83,7 +83,7 @@ def _plan(
 ) -> ShufflePlan:
     shards = source if isinstance(source, Shards) else open_cache(source)
     if root is None:  # beside the source; a remote source's output goes to the local shards root
-        root = shards.path.parent if shards.url is None else shards_roots()[0].path
+        root = shards.files.local_root or shards_roots()[0].path
     return make_plan(shards, Path(root), spec, options, progress=progress)
 
 
