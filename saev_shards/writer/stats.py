@@ -19,7 +19,7 @@ from ..statistics import StatsAccumulator
 _STATS_BACKLOG = 2
 
 
-class _StatsPass:
+class StatsPass:
     """The writer's statistics: one `StatsAccumulator` per shard, updated in a thread of their own.
 
     numpy releases the GIL, so the sums overlap the disk writes; they run in submission

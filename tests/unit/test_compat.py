@@ -64,6 +64,8 @@ EARLIER_NAMES: dict[str, list[str]] = {
         "CLS_LABEL", "ExampleDataset", "LayerPairDataset", "OUT_DTYPES", "TOKEN_CHOICES", "TokenDataset",
         "TokenSelection", "as_shards", "parse_layers", "parse_out_dtype", "to_tensor", "torch_dtype",
     ],
+    "_layers": ["string_layers_problem"],
+    "token_masks": ["COLUMN", "parse_exclude_token_ids", "token_ids_of", "token_ids_problem"],
 }  # fmt: skip
 #: Modules that moved into a package of the same name, or were split within one: their names too.
 SAME_PATH: dict[str, list[str]] = {
