@@ -11,6 +11,7 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
+from ..storage.base import NotInPlace
 from . import mapped
 from .device import Slots
 from .mapped import CacheMap
@@ -38,12 +39,14 @@ class Spares:
 
     def cache_map(self) -> CacheMap | None:
         """The cache mapped in place for the host path (made once), or None where windows are
-        read into buffers: a remote cache, another system than Linux, or a map that could not
-        be made (`mapped`)."""
+        read into buffers: another system than Linux, a remote cache whose blocks are not all
+        in the block cache (yet), or a map that could not be made (`mapped`)."""
         with self.lock:
             if self.map is None and self.map_possible:
                 try:
                     self.map = CacheMap(self.cfg.shards, scales=self.cfg.float8)
+                except NotInPlace:
+                    pass  # a remote cache not all in the block cache yet: tried again next epoch
                 except (OSError, AttributeError, ValueError):
                     self.map_possible = False
             return self.map
