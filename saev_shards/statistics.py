@@ -9,6 +9,7 @@ sidecar holds exactly what the writer would have written.
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -19,6 +20,23 @@ from . import dtypes
 
 #: Examples per step of the statistics pass (bounds its float32 scratch memory).
 STATS_CHUNK = 8
+
+
+def _fresh_float32(raw: npt.NDArray[Any], dtype: str, scales: npt.NDArray[Any] | None) -> npt.NDArray[np.float32]:
+    """`dtypes.to_float32` of finite stored values, always into a fresh C-contiguous array.
+
+    float16 widens with torch's vectorised cast when torch is imported (about 3x numpy's
+    here); widening float16 is exact, so both give the same values for every finite input
+    (they differ only in the payload bits of a signalling NaN, never summed: chunks holding
+    inf or NaN take `StatsAccumulator._update_one_by_one`).
+    """
+    torch = sys.modules.get("torch")
+    if dtype == "float16" and torch is not None:
+        return np.asarray(torch.from_numpy(np.ascontiguousarray(raw)).to(torch.float32).numpy())
+    x = dtypes.to_float32(raw, dtype, scales)
+    if np.may_share_memory(x, raw) or not x.flags.c_contiguous:
+        x = np.array(x, np.float32, order="C")
+    return x
 
 
 class StatsAccumulator:
@@ -44,36 +62,70 @@ class StatsAccumulator:
         scales: npt.NDArray[Any] | None = None,
     ) -> None:
         """Add the tokens of ``acts`` (stored dtype, shape (B, L, T, D); float8_e4m3 with its
-        ``scales`` (B, L, T), dequantized to float32); padding excluded by ``lengths``."""
-        n_tokens = acts.shape[2]
-        positions = np.arange(n_tokens)
+        ``scales`` (B, L, T), dequantized to float32); padding excluded by ``lengths``.
+
+        Each step takes `STATS_CHUNK` examples at once, but adds exactly as one example at a
+        time would (`_update_one_by_one`, which chunks holding inf or NaN still go through):
+        each example's float32 sums over its tokens are reduced along the same axes in the
+        same order (numpy's sum along an axis does not depend on the other axes), then added
+        to the float64 totals example by example. So the sums are the same bits as before,
+        and the same for any batching.
+        """
         for start in range(0, acts.shape[0], STATS_CHUNK):
             block = acts[start : start + STATS_CHUNK]
             block_scales = None if scales is None else scales[start : start + STATS_CHUNK]
-            has_nonfinite = dtypes.nonfinite_mask_any(block, dtype)
+            block_lengths = None if lengths is None else lengths[start : start + STATS_CHUNK]
+            if dtypes.nonfinite_mask_any(block, dtype):
+                self._update_one_by_one(block, dtype, block_lengths, block_scales)
+                continue
+            n_tokens = block.shape[2]
+            kept = None if block_lengths is None else np.minimum(np.asarray(block_lengths), n_tokens).tolist()
             for li in range(block.shape[1]):
-                # (b, T, D) float32
-                x = dtypes.to_float32(block[:, li], dtype, None if block_scales is None else block_scales[:, li])
-                for b in range(block.shape[0]):  # one example at a time: fixed shapes, fixed order
-                    xb = x[b]  # (T, D)
-                    valid = None
-                    if lengths is not None:
-                        valid = positions < lengths[start + b]
-                    if has_nonfinite:
-                        finite = np.isfinite(xb).all(axis=1)
-                        self.nonfinite[li] += int(np.count_nonzero(~finite if valid is None else valid & ~finite))
-                        valid = finite if valid is None else valid & finite
-                    if valid is not None:
-                        xb = np.where(valid[:, None], xb, np.float32(0))
-                        self.count[li] += int(np.count_nonzero(valid))
-                    else:
-                        self.count[li] += n_tokens
-                    sq = xb * xb
-                    norms_sq = sq.sum(axis=1)  # (T,)
-                    self.sum[li] += xb.sum(axis=0)
-                    self.sum_sq[li] += sq.sum(axis=0)
-                    self.norm_sum[li] += float(np.sqrt(norms_sq).sum(dtype=np.float64))
-                    self.norm_sq_sum[li] += float(norms_sq.sum(dtype=np.float64))
+                # (b, T, D) float32, a fresh array: padding is zeroed in place
+                x = _fresh_float32(block[:, li], dtype, None if block_scales is None else block_scales[:, li])
+                if kept is not None:
+                    for b, n in enumerate(kept):
+                        x[b, max(n, 0) :] = 0
+                    self.count[li] += sum(max(n, 0) for n in kept)
+                else:
+                    self.count[li] += block.shape[0] * n_tokens
+                sq = x * x
+                norms_sq = sq.sum(axis=2)  # (b, T): each token's, as (T, D).sum(axis=1) gives it
+                sums, sums_sq = x.sum(axis=1), sq.sum(axis=1)  # (b, D) float32, each example's
+                norm_sums = np.sqrt(norms_sq).sum(axis=1, dtype=np.float64).tolist()
+                norm_sq_sums = norms_sq.sum(axis=1, dtype=np.float64).tolist()
+                for b in range(block.shape[0]):  # into the float64 totals in example order
+                    self.sum[li] += sums[b]
+                    self.sum_sq[li] += sums_sq[b]
+                    self.norm_sum[li] += norm_sums[b]
+                    self.norm_sq_sum[li] += norm_sq_sums[b]
+
+    def _update_one_by_one(
+        self,
+        block: npt.NDArray[Any],
+        dtype: str,
+        lengths: npt.NDArray[Any] | None,
+        scales: npt.NDArray[Any] | None,
+    ) -> None:
+        """`update` of one chunk, one example at a time, counting non-finite tokens (excluded)."""
+        n_tokens = block.shape[2]
+        positions = np.arange(n_tokens)
+        for li in range(block.shape[1]):
+            x = dtypes.to_float32(block[:, li], dtype, None if scales is None else scales[:, li])  # (b, T, D)
+            for b in range(block.shape[0]):  # one example at a time: fixed shapes, fixed order
+                xb = x[b]  # (T, D)
+                finite = np.isfinite(xb).all(axis=1)
+                valid = None if lengths is None else positions < lengths[b]
+                self.nonfinite[li] += int(np.count_nonzero(~finite if valid is None else valid & ~finite))
+                valid = finite if valid is None else valid & finite
+                xb = np.where(valid[:, None], xb, np.float32(0))
+                self.count[li] += int(np.count_nonzero(valid))
+                sq = xb * xb
+                norms_sq = sq.sum(axis=1)  # (T,)
+                self.sum[li] += xb.sum(axis=0)
+                self.sum_sq[li] += sq.sum(axis=0)
+                self.norm_sum[li] += float(np.sqrt(norms_sq).sum(dtype=np.float64))
+                self.norm_sq_sum[li] += float(norms_sq.sum(dtype=np.float64))
 
     def to_json(self) -> dict[str, Any]:
         return {

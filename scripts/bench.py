@@ -2,7 +2,7 @@
 
     .venv/bin/python scripts/bench.py [--quick] [--scale] [--only core,loaders,...]
 
-Suites: core, loaders, writers, shuffle, peers, convert, float8, remote.
+Suites: core, loaders, writers, dump, shuffle, peers, convert, float8, remote.
 
 Tables print to stdout and are saved, with plots, under results/.
 """
@@ -25,6 +25,7 @@ SUITES = [
     ("core", "scripts.bench_core"),
     ("loaders", "scripts.bench_loaders"),
     ("writers", "scripts.bench_writers"),
+    ("dump", "scripts.bench_dump"),
     ("shuffle", "scripts.bench_shuffle"),
     ("peers", "scripts.bench_peers"),
     ("convert", "scripts.bench_convert"),
