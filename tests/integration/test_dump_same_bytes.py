@@ -28,6 +28,8 @@ from saev_shards.dump import TextEncoder
 from saev_shards.errors import ConfigError, NameNotFoundError
 from saev_shards.recorder import Recorder
 from saev_shards.statistics import StatsAccumulator
+from saev_shards.writer import stats as writer_stats
+from saev_shards.writer.stats import _StatsPass
 
 from ..support.caches import small_metadata, tree_bytes
 from ..support.dumps import make_config
@@ -106,8 +108,16 @@ def reference_encode(self: TextEncoder, texts: list[str]) -> Any:
 ORIGINAL_ENCODE = TextEncoder.encode
 
 
+def reference_submit(self: _StatsPass, k: int, acts: Any, lengths: Any, scales: Any = None) -> None:
+    """The writer's statistics as they were: each batch summed by `reference_update`."""
+    reference_update(
+        self.shards.setdefault(k, StatsAccumulator(self.n_layers, self.d_model)), acts, self.dtype, lengths, scales
+    )
+
+
 def use_reference_paths(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(StatsAccumulator, "update", reference_update)
+    monkeypatch.setattr(_StatsPass, "submit", reference_submit)
     monkeypatch.setattr(sys.modules[Recorder.__module__], "_zero_padding", reference_zero_padding)
     monkeypatch.setattr(TextEncoder, "encode", reference_encode)
 
@@ -206,6 +216,31 @@ def test_minilm_tokenization_is_the_two_full_passes_it_replaced(monkeypatch: pyt
         assert (encoder.encode(texts).true_lengths > T).any() or T == 512
 
 
+@pytest.mark.parametrize("dtype", ["float16", "float8_e4m3"])
+def test_statistics_summed_in_several_threads_are_the_bits_of_one(
+    dtype: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Batches split between 3 threads (as on a GPU node), some holding non-finite values."""
+    md = small_metadata(n_examples=130, patches_per_shard=50 * 5 * 2, dtype=dtype, d_model=129)
+    rng = np.random.default_rng(5)
+    acts = rng.standard_normal((md.n_examples, *md.shape[1:]), dtype=np.float32)
+    acts *= (10.0 ** rng.uniform(-4, 4, (md.n_examples, 1, 1, 1))).astype(np.float32)
+    acts[17, 1, 2, 3] = np.inf
+    lengths = rng.integers(0, md.tokens_per_ex + 1, md.n_examples).astype(np.int32)
+    trees = []
+    for threads, submit in ((3, _StatsPass.submit), (1, reference_submit)):
+        monkeypatch.setattr(writer_stats, "_STATS_THREADS", threads)
+        monkeypatch.setattr(_StatsPass, "submit", submit)
+        root = tmp_path / str(threads)
+        with ss.ShardWriter(root, md, stats=True, allow_nonfinite=True, durable=False) as writer:
+            for a in range(0, md.n_examples, 37):
+                writer.write(acts[a : a + 37], columns={"lengths": lengths[a : a + 37]})
+        trees.append(tree_bytes(root / md.hash))
+    assert trees[0] == trees[1]
+    stats = ss.open(tmp_path / "3" / md.hash).stats
+    assert stats is not None and list(stats["nonfinite"]) == [0, 1 if lengths[17] > 2 else 0]
+
+
 # -- whole dumps, both ways ----------------------------------------------------------------
 
 
@@ -213,7 +248,9 @@ def _dump_both_ways(cfg: dict[str, Any], tmp_path: Path, world: int, monkeypatch
     md = dump_mod.plan(cfg, weights=False).metadata
     roots = {}
     for name in ("faster", "reference"):
-        if name == "reference":
+        if name == "faster":
+            monkeypatch.setattr(writer_stats, "_STATS_THREADS", 3)  # a GPU node's: each batch split
+        else:
             use_reference_paths(monkeypatch)
         root = roots[name] = tmp_path / name
         paths = [
