@@ -10,6 +10,7 @@ sidecar holds exactly what the writer would have written.
 from __future__ import annotations
 
 import dataclasses
+import math
 import sys
 from collections.abc import Mapping, Sequence
 from typing import Any
@@ -21,6 +22,9 @@ from . import dtypes
 
 #: Examples per step of the statistics pass (bounds its float32 scratch memory).
 STATS_CHUNK = 8
+#: Examples summed at once inside `example_sums`: few, so the float32 scratch stays in the
+#: CPU's cache (measured here: 2 examples of 64 x 384 beat 8 by a third).
+_STEP = 2
 
 
 #: Elements per torch cast in `_fresh_float32`: below torch's parallel grain size (32,768), so
@@ -74,17 +78,18 @@ def example_sums(
     scales: npt.NDArray[Any] | None = None,
 ) -> list[ExampleSums]:
     """The sums of every example of ``acts`` (as `StatsAccumulator.update` takes them), one
-    `ExampleSums` per `STATS_CHUNK` examples.
+    `ExampleSums` per step of a few examples.
 
     Each example's float32 sums are reduced along the same axes in the same order whatever
     else is in the array (numpy's sum along an axis does not depend on the other axes), so
     they are the same bits for any batching, and any split of a batch between threads.
     """
     out = []
-    for start in range(0, acts.shape[0], STATS_CHUNK):
-        block = acts[start : start + STATS_CHUNK]
-        block_scales = None if scales is None else scales[start : start + STATS_CHUNK]
-        block_lengths = None if lengths is None else lengths[start : start + STATS_CHUNK]
+    step = max(1, min(_STEP, (1 << 16) // max(1, math.prod(acts.shape[2:]))))
+    for start in range(0, acts.shape[0], step):
+        block = acts[start : start + step]
+        block_scales = None if scales is None else scales[start : start + step]
+        block_lengths = None if lengths is None else lengths[start : start + step]
         if dtypes.nonfinite_mask_any(block, dtype):
             out.append(_sums_one_by_one(block, dtype, block_lengths, block_scales))
         else:
