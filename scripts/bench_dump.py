@@ -395,7 +395,7 @@ def speed_table(rows: Sequence[Row], rounds: int) -> bl.Table:
                 cpu,
                 cpu / fwd_cpu,
                 rate / 1e6,
-                rate / (disk * 1e9),
+                f"{rate / (disk * 1e9):.2g}",
             )
         table.values[f"{row.device}-{row.world}-disk"] = disk
     table.note(f"Machine: {bl.machine()}.")
@@ -448,11 +448,10 @@ def stage_table(device: str) -> bl.Table:
     def hashed(raw: Any) -> Callable[[], None]:
         return lambda: BlockHasher(16 << 20).update(raw.reshape(-1).view(np.uint8))
 
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
+    with _one_thread(torch):
         stages: list[tuple[str, Callable[[], Any]]] = [
             ("forward alone (one tokenizer call, the model to the last block)", lambda: forward.run(0, BATCH)),
+            ("tokenize, one plain call (as forward alone does)", lambda: forward.tokenize(texts)),
             ("tokenize as the dump does (TextEncoder.encode)", lambda: encoder.encode(texts)),
             ("forward, model only (tokenized before)", lambda: forward.once(inputs)),
             (
@@ -467,22 +466,23 @@ def stage_table(device: str) -> bl.Table:
             ("hash, float8_e4m3", hashed(raw8)),
         ]
         per_token = {name: _cpu_per_call(fn) / tokens for name, fn in stages}
-    finally:
-        torch.set_num_threads(threads)
     base = per_token[stages[0][0]]
-    model_alone = per_token[stages[2][0]]
     table = bl.Table(
         "dump_stages",
         f"Where the dump's CPU time goes: each stage alone on one batch of {len(texts)} examples x T = {TOKENS} "
         f"({device}, one torch thread)",
         ["stage", "CPU ns / token", "x forward alone"],
     )
+    with _one_thread(torch):
+        hooks = {
+            kind: _paired_difference(stages[3][1], stages[index][1]) / tokens
+            for kind, index in (("float16", 4), ("float32", 5))
+        }
     for name, _ in stages:
         table.add(name, per_token[name] * 1e9, per_token[name] / base)
         if name.startswith("record, float32"):
-            for kind, rec in (("float16", stages[3][0]), ("float32", stages[4][0])):
-                extra = per_token[rec] - model_alone
-                table.add(f"  the hooks alone, {kind} (record - model only)", extra * 1e9, extra / base)
+            for kind, extra in hooks.items():
+                table.add(f"  the hooks alone, {kind} (record - model only, paired)", extra * 1e9, extra / base)
     table.note(
         "CPU time of one thread on this machine, median of repeated calls. The writer's threads compute the "
         "statistics, hash and write while the next batch's forward pass runs: on cores the model keeps busy "
@@ -504,6 +504,35 @@ def _cpu_per_call(fn: Callable[[], Any], min_seconds: float = 0.3) -> float:
         times.append(dt)
         spent += max(dt, 1e-4)
     return statistics.median(times)
+
+
+def _paired_difference(first: Callable[[], Any], second: Callable[[], Any], min_seconds: float = 1.0) -> float:
+    """Median CPU seconds of ``second`` minus ``first``, called in turn (the machine's drift
+    cancels in each pair), over at least ``min_seconds`` of calls."""
+    first()
+    second()
+    diffs: list[float] = []
+    spent = 0.0
+    while spent < min_seconds or len(diffs) < 5:
+        c = cpu_seconds()
+        first()
+        a = cpu_seconds() - c
+        c = cpu_seconds()
+        second()
+        b = cpu_seconds() - c
+        diffs.append(b - a)
+        spent += max(a + b, 1e-4)
+    return statistics.median(diffs)
+
+
+@contextlib.contextmanager
+def _one_thread(torch: Any) -> Iterator[None]:
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(threads)
 
 
 @contextlib.contextmanager
