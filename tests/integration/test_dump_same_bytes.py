@@ -9,6 +9,7 @@ every file. Also: a corpus of no examples is a `ConfigError` before anything is 
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 from pathlib import Path
@@ -25,7 +26,7 @@ import saev_shards as ss
 from saev_shards import dtypes, float8
 from saev_shards import dump as dump_mod
 from saev_shards.dump import TextEncoder
-from saev_shards.errors import ConfigError, NameNotFoundError
+from saev_shards.errors import ConfigError, DumpError, NameNotFoundError
 from saev_shards.recorder import Recorder
 from saev_shards.statistics import StatsAccumulator
 from saev_shards.writer import stats as writer_stats
@@ -354,3 +355,33 @@ def test_truncation_of_a_cache_not_written_by_dump_names_its_columns(tmp_path: P
     with pytest.raises(NameNotFoundError, match="no true_lengths and lengths columns") as err:
         dump_mod.truncation(ss.open(tmp_path / md.hash))
     assert isinstance(err.value, KeyError)
+
+
+# -- the tokenizer's thread ------------------------------------------------------------------
+
+
+def test_a_tokenizer_failure_in_its_thread_names_the_batch_and_the_rerun_resumes(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The next batch is tokenized in a thread of its own: its failure reaches the caller as a
+    `DumpError` naming the batch, after the batches before it were handed to the writer."""
+    cfg = make_config(tmp_path, n=23)  # shards of 5 examples, batches of 3 cut at shard ends
+    md = dump_mod.plan(cfg, weights=False).metadata
+    bad = json.loads((tmp_path / "data.jsonl").read_text().splitlines()[12])["text"]
+
+    def failing(self: TextEncoder, texts: list[str]) -> Any:
+        if bad in texts:
+            raise RuntimeError("no such token")
+        return ORIGINAL_ENCODE(self, texts)
+
+    monkeypatch.setattr(TextEncoder, "encode", failing)
+    failed = r"the tokenizer failed on examples \[10, 13\) of 23 \(RuntimeError: no such token\)"
+    with pytest.raises(DumpError, match=failed):
+        dump_mod.dump(cfg, durable=False, log=quiet)
+    assert dump_mod.sealed_shards(Path(cfg["root"]), md) == [0, 1]
+    monkeypatch.undo()
+    lines: list[str] = []
+    path = dump_mod.dump(cfg, durable=False, log=lines.append)
+    assert path is not None and any("resuming at example 10" in line for line in lines), lines
+    clean = dump_mod.dump(cfg, root=tmp_path / "clean", durable=False, log=quiet)
+    assert clean is not None and tree_bytes(path) == tree_bytes(clean)
