@@ -3,12 +3,13 @@
 `saev-shards dump` tokenizes a batch (the next one in a thread of its own), runs the model
 up to the last recorded block, and records: the hooks copy and cast each block's output,
 padding is zeroed, float8_e4m3 caches are quantized, and the writer's threads compute the
-statistics, hash and write the shards while the next batch runs. This suite times the whole `dump` call (from the loaded model to
-the published cache: the trial pass, the writer, finalize and the truncation report
-included) against the plain forward pass over the same batches of the same texts, in the
-same run: one tokenizer call per batch (truncation and padding to T), the model run to the
-last recorded block and stopped there as the dump stops it, nothing recorded. Both in
-turn, in interleaved rounds; medians. ``dump / forward`` is the share of the model's own
+statistics, hash and write the shards while the next batch runs. This suite times the
+whole `dump` call (from the loaded model to the published cache: the trial pass, the
+writer, finalize and the truncation report included) against the plain forward pass over
+the same batches of the same texts, in the same run: one tokenizer call per batch
+(truncation and padding to T), the model run to the last recorded block and stopped there
+as the dump stops it, nothing recorded. Both in turn, in interleaved rounds; medians.
+``dump / forward`` is the share of the model's own
 speed the dump keeps (target >= 0.9).
 
 Rows: this machine's CPU, and a CUDA GPU where torch sees one (the same code with
