@@ -80,16 +80,18 @@ test-trainers: $(TRAINERS_STAMP)
 demo: $(DEMO_STAMP)
 	HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 $(BIN)/python -m saev_shards.demo
 
-## make bench: the benchmark tables (ratios to the machine's limits and to the alternatives)
+## make bench: the benchmark tables (ratios to the machine's limits and to the alternatives),
+# every one of the run written into docs/bench/latest.md (docs/contributing/benchmarks.md)
 bench: $(STAMP)
-	$(BIN)/python scripts/bench.py
+	$(BIN)/python benchmarks/run_all.py
 
+## make bench-quick: the same at small sizes, for development (its page: results/bench.md)
 bench-quick: $(STAMP)
-	$(BIN)/python scripts/bench.py --quick
+	$(BIN)/python benchmarks/run_all.py --quick
 
 ## make bench-gpu: the loaders against a GPU node's own limits (host parts only without CUDA)
 bench-gpu: $(STAMP)
-	$(BIN)/python scripts/bench_gpu.py
+	$(BIN)/python benchmarks/gpu.py
 
 ## make dist: the sdist and the wheel (pip install 'dist/saev_shards-<version>-py3-none-any.whl[torch]')
 dist: $(STAMP)

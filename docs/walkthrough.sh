@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Prints the terminal walk-through of docs/cli.md: every command is run for real, here.
+# Prints the terminal walk-through of docs/store.md: every command is run for real, here.
 # Usage: bash docs/walkthrough.sh [BASE]   (BASE defaults to /tmp/demo and is recreated)
 set -u
 BASE=${1:-/tmp/demo}

@@ -12,10 +12,19 @@
 
 The core needs numpy, orjson and xxhash only; torch is imported lazily by the loaders
 and the recorder. protocol.md is the normative description of the bytes on disk.
+
+The package, bottom up: `errors`; `protocol` (every byte rule, the parsed `Metadata` and
+`Manifest`, the offsets); `codecs` (float8_e4m3 and bfloat16 at speed); `fileio`; `remote`;
+`reader` (`Shards`) and `writer` (`ShardWriter`); `store` (roots and the catalogue of
+caches); `loaders`, `shuffle`, `convert`, `dump`; `cli`; `demo`. Modules that moved into
+these packages keep their earlier import paths (`_compat`).
 """
 
-from . import errors, layout, store
-from .dtypes import bf16_to_float32, to_float32
+from types import ModuleType
+
+from . import _compat, errors, store
+from .codecs.bfloat16 import bf16_to_float32
+from .codecs.dtypes import to_float32
 from .errors import (
     AlreadyPublishedError,
     AmbiguousPrefixError,
@@ -42,6 +51,7 @@ from .errors import (
     NonFiniteError,
     NotRegularFileError,
     ProtocolVersionError,
+    ProtocolWarning,
     RecorderError,
     RootNotSetError,
     RunError,
@@ -59,15 +69,22 @@ from .errors import (
     WriterBusyError,
     WriterError,
 )
-from .format import LEGACY_PROTOCOL, PROTOCOL, SUPPORTED_PROTOCOLS, ProtocolWarning, content_hash
-from .manifest import Manifest
-from .metadata import Metadata, Site
+from .protocol import layout
+from .protocol.common import LEGACY_PROTOCOL, PROTOCOL, SUPPORTED_PROTOCOLS
+from .protocol.manifest import Manifest
+from .protocol.metadata import Metadata, Site
+from .protocol.v3 import content_hash
 from .reader import Shards, TextColumn
 from .shuffle import shuffle_cache
 from .store import open_cache as open
 from .writer import ShardWriter, finalize
 
 __version__ = "0.1.0"
+
+
+def __getattr__(name: str) -> ModuleType:
+    return _compat.attribute(name)  # a module's earlier name (`saev_shards.float8`), imported on first use
+
 
 __all__ = [
     "LEGACY_PROTOCOL",

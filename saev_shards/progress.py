@@ -6,7 +6,7 @@ import sys
 import time
 from typing import TextIO
 
-from .units import human_bytes
+from .humanize import human_bytes
 
 
 def _human(n: float, unit: str) -> str:

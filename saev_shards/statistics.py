@@ -18,7 +18,7 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
-from . import dtypes
+from .codecs import dtypes
 
 #: Examples per step of the statistics pass (bounds its float32 scratch memory).
 STATS_CHUNK = 8

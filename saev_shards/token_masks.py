@@ -1,6 +1,6 @@
 """The ``exclude_token_ids`` token mask, checked once for the loaders and the shuffle: the ids
 given, and the cache's ``token_ids`` column they are compared with (the other mask,
-``max_norm_multiple``, is `saev_shards.norms`).
+``max_norm_multiple``, is `saev_shards.reader.norms`).
 
 * The ids are integers in ``[-2**63, 2**63)``: the column holds integers of at most 64 bits,
   and numpy compares them as int64.

@@ -42,7 +42,8 @@ from ..errors import (
     UnknownCacheError,
     WriterBusyError,
 )
-from . import caches, cleanup, convert, dump, remote, runs, shuffle
+from ..humanize import human_bytes
+from . import caches, cleanup, convert, dump, runs, shuffle, transfer
 from ._common import (
     EXIT_BROKEN_PIPE,
     EXIT_CODES_HELP,
@@ -56,7 +57,6 @@ from ._common import (
     PROG,
     ROOTS_HELP,
     EscapingWriter,
-    human_bytes,
     warn,
 )
 
@@ -77,7 +77,7 @@ __all__ = [
 ]
 
 #: The modules whose commands make up the command line, in --help order.
-COMMANDS = (caches, remote, cleanup, shuffle, convert, runs, dump)
+COMMANDS = (caches, transfer, cleanup, shuffle, convert, runs, dump)
 
 
 def build_parser(invoked: str | None = None) -> argparse.ArgumentParser:

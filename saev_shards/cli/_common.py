@@ -12,13 +12,7 @@ from typing import Any, TextIO
 
 import orjson
 
-from .. import units
-
 PROG = "saev-shards"
-
-#: Sizes and ages print one way in every command, and in the library's own reports.
-human_bytes = units.human_bytes
-human_age = units.human_age
 
 # Exit codes: documented in --help (EXIT_CODES_HELP) and docs/cli.md.
 EXIT_OK = 0

@@ -1,4 +1,4 @@
-"""Commands over caches: ``info``, ``ls``, ``verify``, ``resolve``, ``stage``."""
+"""Commands over caches: ``info``, ``ls``, ``verify``, ``report``, ``stats``, ``resolve``."""
 
 from __future__ import annotations
 
@@ -13,6 +13,7 @@ import orjson
 
 from .. import store
 from ..errors import CommandError
+from ..humanize import human_age, human_bytes
 from ..protocol.common import UNVERSIONED
 from ._common import (
     EXIT_NOT_FOUND,
@@ -23,8 +24,6 @@ from ._common import (
     add_progress,
     add_roots,
     command,
-    human_age,
-    human_bytes,
     plural,
     print_json,
     progress_arg,
@@ -411,33 +410,7 @@ def cmd_stats(args: argparse.Namespace) -> int:
 
 
 def cmd_resolve(args: argparse.Namespace) -> int:
-    sys.stdout.write(f"{store.locate(args.ref, roots_arg(args))}\n")
-    return EXIT_OK
-
-
-def cmd_stage(args: argparse.Namespace) -> int:
-    report = store.copy_cache(
-        args.ref, args.to, roots=roots_arg(args), progress=progress_arg(args), check_space=not args.no_space_check
-    )
-    err = sys.stderr
-    name = report.path.name[:12]
-    if report.already_staged:
-        err.write(f"{name}: already staged, nothing copied\n")
-    else:
-        done = [f"copied {report.copied_files} files ({human_bytes(report.copied_bytes)})"]
-        if report.kept_files or report.resumed_files:
-            done.append(
-                f"resumed: kept {report.kept_files} complete and {report.resumed_files} half-written files "
-                f"({human_bytes(report.kept_bytes)}) after re-verifying them"
-            )
-        if report.recopied:
-            done.append(f"re-copied {len(report.recopied)} that failed verification ({', '.join(report.recopied)})")
-        if report.repaired:
-            done.append("repaired a damaged local copy")
-        checked = "checksums verified" if not report.unverified else f"{len(report.unverified)} files had no checksum"
-        err.write(f"{name}: " + "; ".join(done) + f"; {checked}\n")
-    store.open_quietly(report.path)  # what the caller gets is a cache that opens
-    sys.stdout.write(f"{report.path}\n")
+    sys.stdout.write(f"{store.find_cache(args.ref, roots_arg(args))}\n")
     return EXIT_OK
 
 
@@ -481,7 +454,11 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser], invoked: 
     p.add_argument("ref", help=REF_HELP)
     add_roots(p)
     add_progress(p)
+    _register_derived(sub)
 
+
+def _register_derived(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    """``report``, ``stats`` and ``resolve``: what is drawn, computed or found for a cache."""
     p = command(
         sub,
         "report",
@@ -526,30 +503,3 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser], invoked: 
     )
     p.add_argument("ref", help=REF_HELP)
     add_roots(p)
-
-    p = command(
-        sub,
-        "stage",
-        "copy a cache to local disk with checksums verified, atomically and resumably; print the copy's path",
-        "  saev-shards stage 3f2a                      # to $SAEV_STAGE_ROOT or $TMPDIR/saev/shards\n"
-        "  saev-shards stage 3f2a --to /local/ssd/saev/shards\n"
-        "  SHARDS=$(saev-shards stage 3f2a)           # stdout is only the local path\n",
-        cmd_stage,
-        description=(
-            "Copy a cache to local disk: files go to <dest>/.copying-<hash>/ and are hashed while written; "
-            "only when every size and xxh3_128 checksum matches the source manifest is the copy made read-only "
-            "and renamed to <dest>/<hash>. Interrupted? Run the same command again: complete files are "
-            "re-verified and kept, a half-written one is completed. A local copy damaged since (a scratch "
-            "purge) is repaired. Prints the local path on stdout, a summary on stderr."
-        ),
-    )
-    p.add_argument("ref", help=REF_HELP)
-    p.add_argument("--to", metavar="DIR", help="destination root (default: $SAEV_STAGE_ROOT, else $TMPDIR/saev/shards)")
-    p.add_argument(
-        "--no-space-check",
-        action="store_true",
-        help="copy even if the free space at the destination looks too small (also SAEV_SHARDS_NO_SPACE_CHECK=1)",
-    )
-    p.set_defaults(interrupted_hint="what was copied is kept: run the same command again to resume")
-    add_roots(p)
-    add_progress(p)

@@ -15,22 +15,10 @@ from pathlib import Path
 
 from .. import store
 from ..errors import CommandError, RootNotSetError
+from ..humanize import human_age, human_bytes
 from ..protocol import is_cache_name
-from ..remote.url import is_url, split_url
-from ._common import (
-    EXIT_OK,
-    EXIT_PROBLEM,
-    EXIT_USAGE,
-    REF_HELP,
-    add_roots,
-    command,
-    human_age,
-    human_bytes,
-    plural,
-    roots_arg,
-    table,
-    warn,
-)
+from ..storage.url import is_url, split_url
+from ._common import EXIT_OK, EXIT_PROBLEM, EXIT_USAGE, REF_HELP, add_roots, command, plural, roots_arg, table, warn
 
 
 def _confirm(question: str, args: argparse.Namespace) -> None:

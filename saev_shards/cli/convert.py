@@ -11,9 +11,10 @@ import argparse
 import sys
 
 from ..convert import SOURCES, TARGETS, Options, prepare, run
+from ..humanize import human_bytes
 from ..progress import Progress
 from ..protocol.common import DTYPES_BY_PROTOCOL, PROTOCOL, PROTOCOL_30
-from ._common import EXIT_OK, add_progress, command, human_bytes, parse_size, plural, warn
+from ._common import EXIT_OK, add_progress, command, parse_size, plural, warn
 
 EXAMPLES = """\
   saev-shards convert ./activations                 # seed 001 pickle shards (metadata.json + shard_0001.pkl.gz)

@@ -8,7 +8,8 @@ import time
 
 from .. import store, world
 from ..errors import CommandError, DiskFullError, ShuffleError
-from ..format import DTYPES
+from ..humanize import human_bytes
+from ..protocol.common import DTYPES
 from ..shuffle import DEFAULT_MEMORY, plan_shuffle, run_plan, run_rank
 from ..shuffle.meeting import DEFAULT_WAIT, torch_group_from_env
 from ..shuffle.source import TOKEN_CHOICES
@@ -20,7 +21,6 @@ from ._common import (
     add_progress,
     add_roots,
     command,
-    human_bytes,
     parse_size,
     progress_arg,
     roots_arg,

@@ -27,9 +27,9 @@ import numpy as np
 import numpy.typing as npt
 
 from ..errors import ConvertError, ConvertOptionError, SourceChecksumError, SourceNotFoundError
-from ..format import COLUMN_DTYPES, FIELD_NAME_RE
-from ..metadata import Metadata
+from ..protocol.common import COLUMN_DTYPES, FIELD_NAME_RE
 from ..protocol.jsonfile import is_int, short_repr
+from ..protocol.metadata import Metadata
 from . import files
 
 #: Version of the mapping from sources to caches; part of every converted cache's `data`, so a

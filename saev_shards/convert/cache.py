@@ -42,10 +42,9 @@ from typing import Any
 
 import numpy as np
 
-from ..dtypes import to_float32
+from ..codecs.dtypes import to_float32
 from ..errors import ConvertError, ConvertOptionError, ProtocolWarning, ShardsError, SourceChecksumError
 from ..fileio import hash_file
-from ..metadata import Metadata
 from ..protocol import is_cache_name
 from ..protocol.common import (
     FLOAT8,
@@ -57,6 +56,7 @@ from ..protocol.common import (
     V3_PROTOCOLS,
     shard_name,
 )
+from ..protocol.metadata import Metadata
 from ..protocol.saev_code import DEFAULT_PIXEL_AGG, SAEV_FAMILIES
 from ..protocol.v3 import canonical_json
 from ..reader import Shards
@@ -141,8 +141,8 @@ def open_source(path: Path, options: Options, scan: Callable[[int, int], None] |
     manifest = shards.manifest
     digests = all(d is not None for _, _, d in manifest.files())
     unchecked = (
-        f"none recorded ({md.format.summary}): sizes and the name checked, values copied as they are"
-        if md.format.history
+        f"none recorded ({md.rules.summary}): sizes and the name checked, values copied as they are"
+        if md.rules.history
         else "none recorded (protocol 2.1 without checksums.json): sizes checked"
     )
     plan = Plan(
@@ -161,7 +161,7 @@ def open_source(path: Path, options: Options, scan: Callable[[int, int], None] |
         text=tuple(manifest.text),
         source_nbytes=sum(n for _, n, _ in manifest.files()),
         checksums="xxh3_128 of every file, verified before its data is used" if digests else unchecked,
-        layout=(f"{md.format.summary}, {md.dtype}, shape {md.shape}, layers {list(md.layers)}",),
+        layout=(f"{md.rules.summary}, {md.dtype}, shape {md.shape}, layers {list(md.layers)}",),
         labels=manifest.labels is not None,
         cache=md,
     )
@@ -269,9 +269,9 @@ def target_metadata(plan: Plan, src: Metadata, to_protocol: str, dtype: str | No
         )
     if to_protocol in V3_PROTOCOLS:
         data = src.data
-        if src.format.history:
+        if src.rules.history:
             data = {SAEV_KEY: history_fields(src)}
-        elif src.format.legacy:
+        elif src.rules.legacy:
             data = {
                 SAEV_KEY: {
                     "data": src.data,
@@ -284,10 +284,10 @@ def target_metadata(plan: Plan, src: Metadata, to_protocol: str, dtype: str | No
             **common, data=data, dataset=src.dataset, dtype=target_dtype, protocol=to_protocol, sites=src.sites
         )
     check_saev_family(plan.family, src.cls_token)
-    kept = _kept_fields(src.data) if not src.format.legacy else None
-    if src.format.history:
+    kept = _kept_fields(src.data) if not src.rules.legacy else None
+    if src.rules.history:
         kept = _history_kept(src.dialect, src.to_dict())
-    elif src.format.legacy:
+    elif src.rules.legacy:
         kept = {"data": src.data, "pixel_agg": src.pixel_agg, "protocol": src.protocol, "dialect": src.dialect}
     data = saev_data(kept["data"] if kept is not None else src.data)
     pixel_agg = (kept or {}).get("pixel_agg") or DEFAULT_PIXEL_AGG
@@ -311,15 +311,15 @@ def target_notes(src: Metadata, md: Metadata, has_stats: bool) -> list[str]:
         notes.append(f"{src.dtype} activations quantized to float8_e4m3 (a float32 scale per vector)")
     if src.dtype == FLOAT8 and md.dtype != FLOAT8:
         notes.append(f"float8_e4m3 activations dequantized to {md.dtype} (data records the source cache)")
-    elif md.format.legacy and src.dtype != "float32":
+    elif md.rules.legacy and src.dtype != "float32":
         notes.append(f"{src.dtype} activations widened to float32 (saev reads float32 only)")
-    if md.format.legacy and not isinstance(src.data, str) and _kept_fields(src.data) is None:
+    if md.rules.legacy and not isinstance(src.data, str) and _kept_fields(src.data) is None:
         notes.append("data (an object) stored as base64 of its pickle, as saev stores its dataset config")
-    if src.format.history and not md.format.legacy:
-        notes.append(f"{src.format.summary}: its metadata.json kept as it was in data['{SAEV_KEY}']")
-    if src.format.history and md.format.legacy and src.seed is not None:
+    if src.rules.history and not md.rules.legacy:
+        notes.append(f"{src.rules.summary}: its metadata.json kept as it was in data['{SAEV_KEY}']")
+    if src.rules.history and md.rules.legacy and src.seed is not None:
         notes.append(f"seed {src.seed} not carried over (saev's metadata has no seed since 1.0.0)")
-    if md.format.legacy and has_stats:
+    if md.rules.legacy and has_stats:
         notes.append("stats.json not carried over (saev has no room for statistics)")
     if md.dataset != src.dataset:
         notes.append(f"dataset {src.dataset!r} stored in its normal path form {md.dataset!r}")

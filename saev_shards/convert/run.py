@@ -17,12 +17,12 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from .. import dtypes
+from ..codecs import dtypes
 from ..errors import ConvertError, ConvertOptionError, NonFiniteError, ShardsError, SourceNotFoundError
 from ..fileio import check_free_space
-from ..metadata import Metadata
 from ..progress import Progress
 from ..protocol.common import FLOAT8, PROTOCOL, V3_PROTOCOLS
+from ..protocol.metadata import Metadata
 from ..store import check_reference, resolve, shards_root
 from ..writer import ShardWriter, space_needed
 from . import cache

@@ -25,7 +25,8 @@ import tomllib
 
 from .._layers import string_layers_problem
 from ..errors import ConfigError, Problems
-from ..format import COLUMN_DTYPES, DTYPES_BY_PROTOCOL, FIELD_NAME_RE, PROTOCOL, is_int
+from ..protocol.common import COLUMN_DTYPES, DTYPES_BY_PROTOCOL, FIELD_NAME_RE, PROTOCOL
+from ..protocol.jsonfile import is_int
 from ..protocol.sites import Site, as_site, site_problem
 
 #: The protocol's default shard budget (protocol.md section 3).

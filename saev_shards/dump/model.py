@@ -20,11 +20,11 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import numpy.typing as npt
-import xxhash
 
 from ..errors import ConfigError, RecorderError
-from ..format import is_int
+from ..fileio import IO_CHUNK, BlockHasher, stream
 from ..protocol.common import FLOAT8
+from ..protocol.jsonfile import is_int
 from ..protocol.sites import Site
 from .config import DumpConfig, ModelConfig
 
@@ -75,9 +75,8 @@ def folder_ckpt(folder: Path) -> str:
 
 def files_digest(folder: Path) -> str:
     """xxh3_128 of the names, sizes and bytes of a model folder's top-level files (README etc. skipped)."""
-    h = xxhash.xxh3_128()
-    buf = bytearray(8 << 20)
-    view = memoryview(buf)
+    h = BlockHasher()
+    view = memoryview(bytearray(IO_CHUNK))
     files = sorted(
         p
         for p in folder.iterdir()
@@ -88,8 +87,7 @@ def files_digest(folder: Path) -> str:
     for p in files:
         h.update(f"{p.name}\0{p.stat().st_size}\0".encode())
         with p.open("rb", buffering=0) as f:
-            while n := f.readinto(view):
-                h.update(view[:n])
+            stream(f, hasher=h, buffer=view)
     return h.hexdigest()
 
 
@@ -202,7 +200,7 @@ def module_limits(model: Any, blocks: str | None) -> ModelLimits:
     when ``blocks`` is not given) and the rows of a position-embedding table."""
     import torch
 
-    from ..recorder import find_blocks
+    from .recorder import find_blocks
 
     config = getattr(model, "config", None)
     to_dict = getattr(config, "to_dict", None)
@@ -395,7 +393,7 @@ def check_model(
     in, or blocks whose width is not ``d_model`` fail here, not after shards were written.
     ``recording``: what the recorder records (`Plan.recording`; default ``cfg.layers``).
     """
-    from .. import recorder
+    from . import recorder
 
     what = cfg.layers if recording is None else recording
     problems = check_limits(cfg, loaded.limits)

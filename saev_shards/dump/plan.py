@@ -13,15 +13,15 @@ from typing import Any
 
 import numpy as np
 
-from .. import corpus as corpus_mod
 from ..errors import ConfigError, RecorderError, RootNotSetError, ShardsError
-from ..metadata import Metadata
+from ..humanize import human_bytes
+from ..protocol.metadata import Metadata
 from ..protocol.sites import Site
 from ..protocol.staging import staging_dir
 from ..store import Root, shards_root
-from ..units import human_bytes
 from ..writer import rank_shards, sealed_shards
 from ..writer import space_needed as writer_space_needed
+from . import corpus as corpus_mod
 from .config import RESERVED_TEXT, DumpConfig, as_config, expand_sites
 from .model import Loaded, check_limits, load_model, what_failed
 
@@ -133,7 +133,7 @@ def plan(config: DumpConfig | Mapping[str, Any] | str | os.PathLike[str], *, wei
     d_model = loaded.d_model
     sites: tuple[Site, ...] | None = None
     if loaded.model is not None:
-        from ..recorder import find_blocks, resolve_sites
+        from .recorder import find_blocks, resolve_sites
 
         field = "sites" if cfg.sites else "layers"
         try:
@@ -220,7 +220,7 @@ def recording(cfg: DumpConfig, md: Metadata) -> tuple[int, ...] | dict[int, Site
 def _probe_d_model(cfg: DumpConfig, loaded: Loaded, what: Sequence[int] | dict[int, Site]) -> int:
     """Run one short example to see the recorded width (factory models declare nothing; the
     sites of a dump of sites need not have the model's width)."""
-    from ..recorder import Recorder
+    from .recorder import Recorder
 
     try:
         enc = loaded.encoder.encode(["probe"])

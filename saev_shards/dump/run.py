@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from .. import float8
+from ..codecs import float8
 from ..errors import (
     AlreadyPublishedError,
     DumpError,
@@ -22,12 +22,12 @@ from ..errors import (
     WriterError,
 )
 from ..fileio import check_free_space
-from ..metadata import Metadata
+from ..humanize import human_bytes
 from ..progress import Progress
 from ..protocol.common import FLOAT8
+from ..protocol.metadata import Metadata
 from ..reader import Shards
 from ..reader import open as open_shards
-from ..units import human_bytes
 from ..writer import ShardWriter, finalize, rank_shards, sealed_shards, world_from_env
 from .config import DumpConfig
 from .model import Encoded, check_model, device_of, load_model, record_dtype
@@ -36,7 +36,7 @@ from .plan import Plan, batches, output_root, plan, space_needed
 if TYPE_CHECKING:
     import torch
 
-    from ..recorder import Recorder
+    from .recorder import Recorder
 
 
 def dump(
@@ -130,7 +130,7 @@ def _start(
     if the_plan.loaded.model is None:
         the_plan = dataclasses.replace(the_plan, loaded=load_model(cfg))
     check_model(cfg, the_plan.loaded, device, md.d_model, the_plan.recording)
-    from ..recorder import Recorder
+    from .recorder import Recorder
 
     model = the_plan.loaded.model.to(device)
     recorder = Recorder(model, the_plan.recording, blocks=cfg.model.blocks, dtype=record_dtype(cfg.dtype))
@@ -168,7 +168,7 @@ def _record_all(run: _Run, progress: bool | None) -> int:
     the next run, and the caller reports the reason once (the command line: one line, with
     the resume hint).
     """
-    from ..recorder import AsyncWriter
+    from .recorder import AsyncWriter
 
     md, cfg = run.plan.metadata, run.plan.config
     writer = run.writer

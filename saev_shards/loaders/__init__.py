@@ -30,7 +30,8 @@ from .batch import Batch
 from .datasets import ExampleDataset, LayerPairDataset, TokenDataset
 from .order import Order, Sequential, ShuffledWindows
 from .plan import BLOCK_BYTES, MIN_SLICE_READ
-from .selection import CLS_LABEL, TokenSelection
+from .selection import CLS_LABEL, OUT_DTYPES, TOKEN_CHOICES, TokenSelection, as_shards, parse_layers, parse_out_dtype
+from .tensors import to_tensor, torch_dtype
 from .token_loader import (
     OrderedLoader,
     ShuffledLoader,
@@ -43,6 +44,8 @@ __all__ = [
     "BLOCK_BYTES",
     "CLS_LABEL",
     "MIN_SLICE_READ",
+    "OUT_DTYPES",
+    "TOKEN_CHOICES",
     "Batch",
     "ExampleDataset",
     "LayerPairDataset",
@@ -55,6 +58,11 @@ __all__ = [
     "TokenDataset",
     "TokenLoader",
     "TokenSelection",
+    "as_shards",
     "default_gather_threads",
     "default_read_threads",
+    "parse_layers",
+    "parse_out_dtype",
+    "to_tensor",
+    "torch_dtype",
 ]

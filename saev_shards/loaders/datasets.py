@@ -19,10 +19,10 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import numpy.typing as npt
 
-from .._indexing import wrap_index
 from ..errors import LoaderError
 from ..protocol.jsonfile import is_int, short_repr
 from ..reader import Shards
+from ..reader.indexing import wrap_index
 from .selection import (
     CLS_LABEL,
     TokenSelection,

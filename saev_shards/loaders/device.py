@@ -41,7 +41,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from ..float8 import check_range
+from ..protocol.float8 import check_range
 from .batch import Batch
 from .pipeline import Config, Schedule, WindowLoader
 from .plan import EpochPlan, WindowIndex

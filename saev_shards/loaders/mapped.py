@@ -49,9 +49,9 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
-from .. import float8
 from ..errors import FileSizeError
 from ..protocol.common import FLOAT8
+from ..protocol.float8 import scales_plain
 from ..reader import Shards
 from .plan import Blocks
 
@@ -134,7 +134,7 @@ def available(shards: Shards) -> bool:
     `MIN_SHARD_BYTES` on average, whose mappings (two per file: the file and the gap after
     it) take at most a quarter of the process's allowance (``vm.max_map_count``, 65,530 by
     default: numpy and torch map memory too)."""
-    if not sys.platform.startswith("linux") or shards.files.copies or shards.n_shards == 0:
+    if not sys.platform.startswith("linux") or not shards.files.mappable or shards.n_shards == 0:
         return False
     files = shards.n_shards * (2 if shards.metadata.dtype == FLOAT8 else 1)
     if 2 * files > max_map_count() // 4:
@@ -288,7 +288,7 @@ class CacheMap:
         found = self.scales[first : first + n * self.vectors_per_example].reshape(n, self.layers, self.tokens)
         positions = slice(None) if blocks.whole else blocks.read_positions
         found = found[:, positions]
-        if float8.scales_plain(found):
+        if scales_plain(found):
             return
         numbers = np.arange(start * self.vectors_per_example, stop * self.vectors_per_example, dtype=np.int64)
         self.shards.check_scales(found, lambda: numbers.reshape(n, self.layers, self.tokens)[:, positions])

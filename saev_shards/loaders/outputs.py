@@ -12,7 +12,7 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
-from ..dtypes import float32_to_bf16
+from ..codecs.bfloat16 import float32_to_bf16
 
 
 class Recycler:

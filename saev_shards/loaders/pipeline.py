@@ -45,7 +45,7 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
-from .. import float8
+from ..codecs import float8
 from ..protocol.common import FLOAT8
 from ..reader import Shards
 from .batch import Batch
@@ -293,7 +293,7 @@ class WindowLoader:
         slot = self.slot(w)
         rows = cfg.blocks.rows[window.blocks]
         # A remote cache starts fetching the whole window's blocks now, a float8_e4m3 one its scales.
-        if cfg.shards.files.copies or cfg.float8:
+        if cfg.shards.files.prefetches or cfg.float8:
             for b in window.blocks.tolist():
                 cfg.shards.prefetch(int(cfg.blocks.start[b]), int(cfg.blocks.stop[b]))
         offsets = np.zeros(len(rows), dtype=np.int64)

@@ -13,12 +13,12 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
-from .. import norms, token_masks
+from .. import token_masks
 from .._layers import string_layers_problem
 from ..errors import LoaderError, NameNotFoundError
 from ..protocol.jsonfile import is_int, short_repr
 from ..protocol.sites import Site
-from ..reader import Shards
+from ..reader import Shards, norms
 from ..store import open_cache
 
 #: Label reported for a [CLS] token: labels.bin has no CLS column, and 255 is the one
@@ -154,7 +154,7 @@ class TokenSelection:
     The token masks: ``exclude_token_ids`` drops positions whose ``token_ids`` column value
     is listed (BOS, padding ids: a dump records the column); ``max_norm_multiple=k`` drops
     positions whose vector at any chosen layer has a norm above ``k`` times its layer's
-    median norm (`saev_shards.norms` defines both exactly; computed once, with ``progress``).
+    median norm (`saev_shards.reader.norms` defines both exactly; computed once, with ``progress``).
     Within an example the selected vectors are ordered by layer (metadata order), then token.
     """
 

@@ -10,10 +10,10 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import numpy.typing as npt
 
-from .. import dtypes
-from ..float8 import FLOAT8_DTYPE
+from ..codecs import dtypes
 from ..optional import require
 from ..protocol.common import FLOAT8
+from ..protocol.float8 import FLOAT8_DTYPE
 
 if TYPE_CHECKING:
     import torch

@@ -24,9 +24,9 @@ import numpy.typing as npt
 
 from .. import world
 from ..errors import LoaderError, Problems
+from ..humanize import html_table
 from ..protocol.jsonfile import is_int, short_repr, type_name
 from ..reader import Shards
-from ..units import html_table
 from . import mapped
 from .batch import Batch
 from .device import DeviceRun, Slots
@@ -110,7 +110,7 @@ class TokenLoader:
 
     Token masks: ``exclude_token_ids`` drops the positions whose ``token_ids`` column value is
     listed (BOS, padding); ``max_norm_multiple=k`` drops the positions whose vector at any
-    chosen layer has a norm above ``k`` times its layer's median norm (`saev_shards.norms`:
+    chosen layer has a norm above ``k`` times its layer's median norm (`saev_shards.reader.norms`:
     exact, computed once per process with a progress bar when ``progress``). Both are
     deterministic; every remaining token is still yielded once per epoch and resumes
     exactly; `dropped` counts what they took.

@@ -1,4 +1,4 @@
-"""The on-disk protocol (protocol.md, normative): every byte rule, one module per version.
+"""The on-disk protocol (protocol.md, normative): every byte rule, parsed type and offset formula.
 
 * `v3`: protocol 3.0, this library's own; `v31`: protocol 3.1 (float8_e4m3 with scale
   files, blocks.json), the version it writes by default; `v32`: protocol 3.2 (metadata's
@@ -9,119 +9,119 @@
 * `saev_history`: the eight formats saev wrote before 2.1, November 2024 to October 2025
   (saev 0.1.0, protocols 1.0.0, 1.1 and 2.0, ...: read in place, never written);
 * `v21`: the files both 2.1 dialects share; `common`: names, dtypes and limits;
-  `jsonfile`: the one strict JSON loader every JSON file of a cache goes through.
+  `jsonfile`: the one strict JSON loader every JSON file of a cache goes through;
+* `versions`: every dialect by name and the one a metadata.json is written in (`detect`);
+* the parsed types: `metadata` (`Metadata`, the configuration a cache is a pure function
+  of), `manifest` (`Manifest`, the data files and their digests); the offsets: `layout`
+  (protocol.md 3 and 4); float8_e4m3's scale rule and a numpy reference of it: `float8`
+  (protocol.md 5; the fast engines are `saev_shards.codecs`); the writer's staging folder
+  names: `staging`; the checks of a JSON object's keys: `checks`.
 
-Each version is a `Dialect`; the reader, the writer and the store ask it (`dialect`,
-`detect`) rather than compare version strings.
+Each version is a `Dialect`; the reader, the writer and the store ask it (`Metadata.rules`,
+`detect`) rather than compare version strings. This package is also what
+``saev_shards.format`` (the old name of its constants and helpers) imports as.
 """
 
 from __future__ import annotations
 
-from ..errors import MetadataError, ProtocolVersionError
-from . import saev_code, saev_history, saev_spec, v3, v31, v32
+from ..errors import ProtocolWarning
 from .common import (
     CACHE_NAME_RE,
+    CHECKSUMS_FILE,
+    COLUMN_DTYPES,
+    DEFAULT_DTYPE,
+    DTYPES,
+    DTYPES_BY_PROTOCOL,
+    FIELD_NAME_RE,
+    HASH_RE,
+    JSON_SLACK_BYTES,
+    LABELS_DTYPE,
+    LABELS_FILE,
+    LEGACY_PROTOCOL,
+    MANIFEST_BYTES_PER_SHARD,
+    MANIFEST_FILE,
+    MAX_METADATA_BYTES,
+    METADATA_FILE,
     PROTOCOL,
-    PROTOCOL_30,
-    PROTOCOL_32,
-    SAEV_20_PROTOCOL,
-    SAEV_CODE_PROTOCOLS,
+    SHARD_NAME_RE,
+    STATS_BYTES_PER_NUMBER,
+    STATS_FILE,
     SUPPORTED_PROTOCOLS,
+    XXH3_RE,
+    column_file,
+    manifest_max_bytes,
+    shard_name,
+    stats_max_bytes,
+    text_file,
 )
 from .dialect import Dialect
-from .jsonfile import short_repr, type_name
-
-#: Every dialect by name (`Metadata.dialect`).
-DIALECTS: dict[str, Dialect] = {
-    d.name: d
-    for d in (
-        v31.DIALECT,
-        v32.DIALECT,
-        v3.DIALECT,
-        saev_code.DIALECT,
-        saev_code.DIALECT_64,
-        saev_spec.DIALECT,
-        *saev_history.DIALECTS,
-    )
-}
-#: What ``protocol=`` alone means: the dialect a cache of that version is written in.
-DEFAULT_DIALECTS = {
-    PROTOCOL: v31.DIALECT.name,
-    PROTOCOL_32: v32.DIALECT.name,
-    PROTOCOL_30: v3.DIALECT.name,
-    **{p: saev_code.DIALECT.name for p in SAEV_CODE_PROTOCOLS},
-    SAEV_20_PROTOCOL: saev_history.Protocol20Orjson.name,
-}
-
-
-def dialect(name: str) -> Dialect:
-    """The dialect called ``name``; `MetadataError` naming the choices otherwise."""
-    try:
-        return DIALECTS[name]
-    except (KeyError, TypeError):
-        raise MetadataError(f"dialect: expected one of {list(DIALECTS)}, found {short_repr(name)}") from None
-
-
-def check_version(version: object) -> str:
-    """Return ``version`` if this library reads it; raise `ProtocolVersionError` otherwise."""
-    if not isinstance(version, str) or version not in SUPPORTED_PROTOCOLS:
-        raise ProtocolVersionError(
-            f"unsupported protocol version {short_repr(version)}; this library reads "
-            f"{', '.join(repr(v) for v in SUPPORTED_PROTOCOLS)}"
-        )
-    return version
-
-
-def detect(obj: object, dirname: str | None = None) -> Dialect:
-    """The dialect a parsed metadata.json is written in.
-
-    By its ``protocol`` (`ProtocolVersionError` for one this library does not read); a 2.1
-    cache is saev's document's when it has the document's keys (``patches_per_ex`` or
-    ``patches_per_shard``), else saev's code's, whose 64-digit directory names (``dirname``)
-    mark the older ``"saev-64"``. saev's earlier formats (`saev_history`) are told by their
-    keys: without a ``protocol`` key those before 1.0.0 (``seed``, ``n_imgs``, ...), with
-    "1.0.0" or "1.1" those of the vision-transformer keys (``vit_family``, ...), with "2.0"
-    saev 2.0's two, whose hash rules ``dirname`` tells apart. Keys of two formats mixed, or
-    keys two formats fit equally, are a `MetadataError`.
-    """
-    if not isinstance(obj, dict):
-        raise MetadataError(f"expected a JSON object, found {type_name(obj)}")
-    everyone = tuple(DIALECTS.values())
-    if "protocol" not in obj:
-        if saev_history.UNVERSIONED_KEYS.intersection(obj):
-            return saev_history.pick(obj, (*saev_history.UNVERSIONED_DIALECTS, v3.DIALECT), everyone)
-        return v3.DIALECT  # reported as a missing key
-    version = check_version(obj["protocol"])
-    if version == PROTOCOL:
-        return v31.DIALECT
-    if version == PROTOCOL_32:
-        return v32.DIALECT
-    if version == PROTOCOL_30:
-        return v3.DIALECT
-    if version == SAEV_20_PROTOCOL or (version in ("1.0.0", "1.1") and saev_history.V1_KEYS.intersection(obj)):
-        candidates = [d for d in everyone if version in d.protocols and d is not saev_code.DIALECT_64]
-        found = saev_history.pick(obj, candidates, everyone)
-        return saev_history.by_name(found, obj, dirname, DIALECTS)
-    if version in saev_spec.DIALECT.protocols and ("patches_per_ex" in obj or "patches_per_shard" in obj):
-        return saev_spec.DIALECT
-    if dirname is not None and len(dirname) == 64:
-        return saev_code.DIALECT_64
-    return saev_code.DIALECT
-
-
-def is_cache_name(name: str) -> bool:
-    """Whether ``name`` can be a cache's directory name (64 hex digits, or saev's 8)."""
-    return CACHE_NAME_RE.fullmatch(name) is not None
-
+from .jsonfile import (
+    JSON_INT_MAX,
+    JSON_INT_MIN,
+    MAX_JSON_DEPTH,
+    is_int,
+    json_value_problem,
+    read_json_file,
+    short_list,
+    short_repr,
+    strict_json_loads,
+    type_name,
+)
+from .manifest import Manifest
+from .metadata import Metadata, Site
+from .v3 import canonical_json, content_hash, pretty_json
+from .versions import DEFAULT_DIALECTS, DIALECTS, check_version, detect, dialect, is_cache_name
 
 __all__ = [
+    "CACHE_NAME_RE",
+    "CHECKSUMS_FILE",
+    "COLUMN_DTYPES",
     "DEFAULT_DIALECTS",
+    "DEFAULT_DTYPE",
     "DIALECTS",
+    "DTYPES",
+    "DTYPES_BY_PROTOCOL",
+    "FIELD_NAME_RE",
+    "HASH_RE",
+    "JSON_INT_MAX",
+    "JSON_INT_MIN",
+    "JSON_SLACK_BYTES",
+    "LABELS_DTYPE",
+    "LABELS_FILE",
+    "LEGACY_PROTOCOL",
+    "MANIFEST_BYTES_PER_SHARD",
+    "MANIFEST_FILE",
+    "MAX_JSON_DEPTH",
+    "MAX_METADATA_BYTES",
+    "METADATA_FILE",
     "PROTOCOL",
+    "SHARD_NAME_RE",
+    "STATS_BYTES_PER_NUMBER",
+    "STATS_FILE",
     "SUPPORTED_PROTOCOLS",
+    "XXH3_RE",
     "Dialect",
+    "Manifest",
+    "Metadata",
+    "ProtocolWarning",
+    "Site",
+    "canonical_json",
     "check_version",
+    "column_file",
+    "content_hash",
     "detect",
     "dialect",
     "is_cache_name",
+    "is_int",
+    "json_value_problem",
+    "manifest_max_bytes",
+    "pretty_json",
+    "read_json_file",
+    "shard_name",
+    "short_list",
+    "short_repr",
+    "stats_max_bytes",
+    "strict_json_loads",
+    "text_file",
+    "type_name",
 ]

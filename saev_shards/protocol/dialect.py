@@ -20,8 +20,8 @@ from .common import DTYPES_BY_PROTOCOL, FLOAT8, MANIFEST_FILE, PROTOCOL, PROTOCO
 from .jsonfile import short_repr, type_name
 
 if TYPE_CHECKING:
-    from ..manifest import Manifest
-    from ..metadata import Metadata
+    from .manifest import Manifest
+    from .metadata import Metadata
 
 
 class Dialect:

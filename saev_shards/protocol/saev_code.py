@@ -38,7 +38,7 @@ from .jsonfile import short_repr
 from .v21 import V21Files
 
 if TYPE_CHECKING:
-    from ..metadata import Metadata
+    from .metadata import Metadata
 
 #: metadata.json's keys, in the order saev's Metadata dataclass declares (and writes) them.
 KEYS = (

@@ -34,7 +34,6 @@ from typing import TYPE_CHECKING, Any, ClassVar
 import orjson
 
 from ..errors import ManifestError, MetadataError, Problem, Problems, UnexpectedFileError
-from ..manifest import ArrayEntry, Manifest, ShardEntry, ShardList
 from .checks import JSONChecks
 from .common import (
     LABELS_DTYPE,
@@ -46,12 +45,13 @@ from .common import (
 )
 from .dialect import Dialect
 from .jsonfile import load_json, short_list, short_repr
+from .manifest import ArrayEntry, Manifest, ShardEntry, ShardList
 from .saev_code import KEYS as SAEV_CODE_KEYS
 from .saev_code import PIXEL_AGGS
 from .v21 import V21Files, parse_shard_list
 
 if TYPE_CHECKING:
-    from ..metadata import Metadata
+    from .metadata import Metadata
 
 
 def _json_sorted(obj: object) -> bytes:

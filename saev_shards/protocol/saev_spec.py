@@ -1,4 +1,4 @@
-"""Protocol 2.1 as saev's protocol document describes it (seed 002; protocol.md section 9): read only.
+"""Protocol 2.1 as saev's protocol document describes it (protocol.md section 9): read only.
 
 The document's metadata.json has 3.0's twelve keys (``patches_per_ex``,
 ``patches_per_shard``, no ``pixel_agg``), and its directory name is all 64 digits of the
@@ -18,7 +18,7 @@ from .v21 import V21Files
 
 if TYPE_CHECKING:
     from ..errors import Problems
-    from ..metadata import Metadata
+    from .metadata import Metadata
 
 
 class SaevSpec(V21Files):

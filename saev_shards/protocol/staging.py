@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING
 from .common import scales_name, shard_name
 
 if TYPE_CHECKING:
-    from ..metadata import Metadata
+    from .metadata import Metadata
 
 STAGING_PREFIX = ".staging-"
 #: The activations' stream, and that of a float8_e4m3 cache's scales (cut at shard boundaries

@@ -23,7 +23,6 @@ from typing import TYPE_CHECKING, Any
 import orjson
 
 from ..errors import ManifestError, Problem
-from ..manifest import ArrayEntry, Manifest, ShardEntry, ShardList
 from .checks import JSONChecks
 from .common import (
     CHECKSUMS_FILE,
@@ -35,10 +34,11 @@ from .common import (
 )
 from .dialect import Dialect
 from .jsonfile import load_json, short_repr, type_name
+from .manifest import ArrayEntry, Manifest, ShardEntry, ShardList
 from .v3 import pretty_json
 
 if TYPE_CHECKING:
-    from ..metadata import Metadata
+    from .metadata import Metadata
 
 
 class V21Files(Dialect):

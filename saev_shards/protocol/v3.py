@@ -23,7 +23,6 @@ import numpy as np
 import numpy.typing as npt
 
 from ..errors import ManifestError, Problem, Problems, StatsFileError
-from ..manifest import ArrayEntry, FileEntry, Manifest, ShardEntry, ShardList, TextEntry
 from .checks import JSONChecks, check_keys
 from .common import (
     COLUMN_DTYPES,
@@ -40,11 +39,12 @@ from .common import (
 )
 from .dialect import Dialect
 from .jsonfile import is_int, load_json, short_repr, type_name
+from .manifest import ArrayEntry, FileEntry, Manifest, ShardEntry, ShardList, TextEntry
 
 if TYPE_CHECKING:
     from collections.abc import Sequence
 
-    from ..metadata import Metadata
+    from .metadata import Metadata
 
 #: metadata.json's keys (protocol.md 2.1), in the seed's order.
 KEYS = (

@@ -21,7 +21,6 @@ from typing import TYPE_CHECKING, Any
 import xxhash
 
 from ..errors import JSONFileError, ManifestError, NotRegularFileError, Problem
-from ..manifest import Blocks, FileEntry, Manifest, ShardList
 from . import v3
 from .checks import JSONChecks
 from .common import (
@@ -37,9 +36,10 @@ from .common import (
     n_blocks,
 )
 from .jsonfile import is_int, load_json, read_capped, short_repr, strict_json_loads, type_name
+from .manifest import BlockDigests, FileEntry, Manifest, ShardList
 
 if TYPE_CHECKING:
-    from ..metadata import Metadata
+    from .metadata import Metadata
 
 #: shards.json's top-level keys beyond 3.0's.
 TOP_KEYS = ("scales", "blocks")
@@ -189,7 +189,7 @@ def blocks_entry(data: bytes) -> FileEntry:
     return FileEntry(BLOCKS_FILE, len(data), xxhash.xxh3_128_hexdigest(data))
 
 
-def load_blocks(folder: Path, manifest: Manifest) -> Blocks:
+def load_blocks(folder: Path, manifest: Manifest) -> BlockDigests:
     """Read blocks.json of the cache in ``folder`` and check it: its size and xxh3_128 against
     ``manifest.blocks``, strict JSON (protocol.md 2), then its schema (2.10): `ManifestError`
     listing every problem."""
@@ -216,7 +216,7 @@ def load_blocks(folder: Path, manifest: Manifest) -> Blocks:
     return parse_blocks(obj, manifest, str(path))
 
 
-def parse_blocks(obj: object, manifest: Manifest, path: str) -> Blocks:
+def parse_blocks(obj: object, manifest: Manifest, path: str) -> BlockDigests:
     """Check parsed blocks.json against ``manifest`` (exactly one list per file of
     `Manifest.blocked_files`, as many digests as the file has blocks) and return it."""
     c = JSONChecks(path)
@@ -257,4 +257,4 @@ def parse_blocks(obj: object, manifest: Manifest, path: str) -> Blocks:
         ):
             c.expected(f"files.{name}", f"{want} digests of 32 lower-case hex digits", short_repr(digests))
     c.raise_if_any()
-    return Blocks(block_size, files)
+    return BlockDigests(block_size, files)

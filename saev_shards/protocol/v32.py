@@ -20,7 +20,7 @@ from .sites import parse_sites_json
 from .v3 import KEYS
 
 if TYPE_CHECKING:
-    from ..metadata import Metadata
+    from .metadata import Metadata
 
 #: The optional key 3.2 adds to metadata.json.
 SITES_KEY = "sites"

@@ -15,11 +15,12 @@ is next read) or when the object goes away. A forked copy shares its parent's lo
 unpickled copy takes its own. ``saev-shards rm`` and `store.remove` refuse a folder that
 anyone holds so.
 
-The storage seam: every data file is reached through ``files``, which opens it, reads it
-(``preadv``) and closes it. A local cache has `LocalFiles` (descriptors and ``os.preadv``,
-the same calls as always, and memory maps); a remote one `remote.files.RemoteFiles`, whose
-reads are ranged requests checked against the manifest, and whose shards (and scale
-files) are `RemoteShard` array-likes returning copies.
+The storage seam: every data file is reached through ``files`` (`storage.base.Files`),
+which opens it, reads it (``preadv``), maps it and closes it. A local cache has
+`storage.local.LocalFiles` (descriptors and ``os.preadv``, the same calls as always, and
+memory maps); a remote one `storage.remote.RemoteFiles`, whose reads are ranged requests
+checked against the manifest, and whose shards (and scale files), which it cannot map, are
+`RemoteShard` array-likes returning copies.
 """
 
 from __future__ import annotations
@@ -27,103 +28,25 @@ from __future__ import annotations
 import contextlib
 import os
 import threading
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any
 
 import numpy as np
 import numpy.typing as npt
 
-from ..errors import CacheNotFoundError
-from ..fileio import hold_folder
-from ..manifest import Manifest
-from ..metadata import Metadata
 from ..protocol.common import SCALES_DTYPE
+from ..protocol.manifest import Manifest
+from ..protocol.metadata import Metadata
+from ..storage.base import Files
+from ..storage.local import FolderLock, LocalFiles, naming_removal, removed_while_open
+
+__all__ = ["Files", "FolderLock", "LocalFiles", "RemoteShard", "ShardHandles", "naming_removal", "removed_while_open"]
 
 #: Attributes that belong to one process: never pickled, rebuilt after fork or unpickling.
 _PER_PROCESS = (
     "_maps", "_fds", "_scale_maps", "_scale_fds", "_aux", "_pid", "_out_cache", "_lock", "_preadv", "_folder_lock"
 )  # fmt: skip
-
-
-class FolderLock:
-    """A shared ``flock`` on a cache folder, held until `release` or until the object goes away
-    (`fileio.hold_folder`; ``fd`` None where it could not be taken: the filesystem does not
-    lock, or another process holds the folder exclusively while it publishes or removes it)."""
-
-    def __init__(self, path: Path) -> None:
-        self.fd = hold_folder(path, shared=True)
-
-    def release(self) -> None:
-        fd, self.fd = self.fd, None
-        if fd is not None:
-            os.close(fd)  # a forked child closes its copy only: the parent's lock stays
-
-    def __del__(self) -> None:
-        with contextlib.suppress(Exception):
-            self.release()
-
-
-class Files(Protocol):
-    """The storage of a cache's data files, as the reader uses it (`LocalFiles`, `RemoteFiles`)."""
-
-    #: Whether reads return copies (remote) or views of memory maps may be returned (local).
-    copies: bool
-
-    @property
-    def url(self) -> str | None:
-        """The cache's URL, None for a local cache."""
-
-    def open(self, name: str) -> int: ...
-    def preadv(self, fd: int, views: list[memoryview], offset: int, /) -> int: ...
-    def close(self, fd: int) -> None: ...
-    def where(self, name: str) -> str: ...
-
-
-def removed_while_open(folder: Path, name: str) -> CacheNotFoundError:
-    """The error for data file ``name`` of the open cache ``folder`` gone when it is first read:
-    the whole cache removed under its readers (``saev-shards rm --force``), or that one file."""
-    if not os.path.isdir(folder):
-        return CacheNotFoundError(
-            f"{folder}: the cache was removed while open (`saev-shards rm --force`, or another process), so "
-            f"{name} cannot be read: open it again once it is back (stage or pull it again)"
-        )
-    return CacheNotFoundError(
-        f"{folder / name}: missing: removed while the cache was open; the cache is damaged "
-        f"(check it with `saev-shards verify {folder}`)"
-    )
-
-
-@contextlib.contextmanager
-def naming_removal(folder: Path, name: str) -> Iterator[None]:
-    """Turn `FileNotFoundError` from opening data file ``name`` into `removed_while_open`'s error."""
-    try:
-        yield
-    except CacheNotFoundError:
-        raise
-    except FileNotFoundError:
-        raise removed_while_open(folder, name) from None
-
-
-class LocalFiles:
-    """A local cache's data files: descriptors and ``os.preadv``, as the reader always read them."""
-
-    copies = False
-    url: str | None = None
-    preadv = staticmethod(os.preadv)
-    close = staticmethod(os.close)
-
-    def __init__(self, path: Path) -> None:
-        self.path = path
-
-    def open(self, name: str) -> int:
-        """A descriptor of data file ``name``; `CacheNotFoundError` saying so when the cache (or
-        the file) was removed while open."""
-        with naming_removal(self.path, name):
-            return os.open(self.path / name, os.O_RDONLY | os.O_CLOEXEC)
-
-    def where(self, name: str) -> str:
-        return str(self.path / name)
 
 
 class ShardHandles:
@@ -135,6 +58,8 @@ class ShardHandles:
     numpy_dtype: np.dtype[Any]
     #: Where the data files are read from (`LocalFiles`, or `RemoteFiles` for a remote cache).
     files: Files
+    #: The shared lock on the cache's folder (`_hold_folder`), None until taken or where there is none.
+    _folder_lock: FolderLock | None = None
 
     def _reset(self) -> None:
         self._pid = os.getpid()
@@ -164,10 +89,10 @@ class ShardHandles:
         self._hold_folder()
 
     def _hold_folder(self) -> None:
-        """Hold the shared lock on a local cache's folder (taken once; again after `close`).
-        A remote cache has no folder of its data to lock."""
-        if getattr(self, "_folder_lock", None) is None and self.files.url is None:
-            self._folder_lock: FolderLock | None = FolderLock(self.path)
+        """Hold the shared lock on the cache's folder (taken once; again after `close`), where
+        its storage has one (`Files.lock_folder`: a remote cache has no folder of its data)."""
+        if self._folder_lock is None:
+            self._folder_lock = self.files.lock_folder()
 
     def close(self, wait: bool = True) -> None:
         """Drop this process's memmaps and file descriptors and release the cache's lock
@@ -176,10 +101,8 @@ class ShardHandles:
         if self._pid == os.getpid():
             for fd in (*self._fds.values(), *self._scale_fds.values()):
                 self.files.close(fd)
-        close_all = getattr(self.files, "close_all", None)
-        if close_all is not None:
-            close_all(wait=wait)
-        lock = getattr(self, "_folder_lock", None)
+        self.files.close_all(wait=wait)
+        lock = self._folder_lock
         if lock is not None:
             lock.release()
             self._folder_lock = None
@@ -213,14 +136,12 @@ class ShardHandles:
     def _open_map(self, k: int) -> npt.NDArray[Any]:
         entry = self.manifest.shards[k]
         shape = (entry.n_examples, *self.metadata.shard_shape[1:])
-        if self.files.copies:
+        mapped = self.files.map(entry.name, self.numpy_dtype, shape)
+        if mapped is None:  # a storage without maps: an array-like over verified reads
             read: Any = getattr(self, "read_range_raw")  # noqa: B009 - `reads.ReadPaths` has it
             return RemoteShard(read, k * self.metadata.examples_per_shard, shape, self.numpy_dtype)  # type: ignore[return-value]
-        if entry.n_examples == 0 or self.metadata.example_nbytes == 0:
-            return np.zeros(shape, self.numpy_dtype)  # mmap cannot map 0 bytes
         # A plain ndarray over the map: np.memmap's Python-level __getitem__ costs ~1 us per index.
-        with naming_removal(self.path, entry.name):
-            return np.memmap(self.path / entry.name, dtype=self.numpy_dtype, mode="r", shape=shape).view(np.ndarray)
+        return mapped.view(np.ndarray)
 
     def _fd(self, k: int) -> int:
         self._check_pid()
@@ -255,16 +176,13 @@ class ShardHandles:
                     self._hold_folder()
                     n = self.manifest.shards.counts[k]
                     shape = (n, *self.metadata.shard_shape[1:3])
-                    made: Any
-                    if self.files.copies:
+                    made: Any = self.files.map(path.name, np.dtype(SCALES_DTYPE), shape)
+                    if made is None:
                         read: Any = getattr(self, "read_range_scales")  # noqa: B009 - `reads.ReadPaths` has it
                         first = k * self.metadata.examples_per_shard
                         made = RemoteShard(read, first, shape, np.dtype(SCALES_DTYPE))
-                    elif n == 0 or shape[1] * shape[2] == 0:
-                        made = np.zeros(shape, SCALES_DTYPE)
                     else:
-                        with naming_removal(self.path, path.name):
-                            made = np.memmap(path, dtype=SCALES_DTYPE, mode="r", shape=shape).view(np.ndarray)
+                        made = made.view(np.ndarray)
                     mm = self._scale_maps[k] = made
         return mm
 

@@ -24,19 +24,21 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
-from .. import dtypes, float8, layout
-from .._indexing import CACHE_RANGE, wrap_index
+from ..codecs import dtypes
 from ..errors import FileSizeError, ScaleError
 from ..fileio import pread_exact
+from ..protocol import layout
 from ..protocol.common import FLOAT8, SCALES_DTYPE
+from ..protocol.float8 import NAN_BYTE, SCALE_RULE, describe_scale, odd_scales, scales_plain
 from .handles import ShardHandles
+from .indexing import CACHE_RANGE, wrap_index
 
 #: Buffers one preadv call may take (Linux's IOV_MAX).
 _IOV_MAX = 1024
 
 
-class ReadPaths(ShardHandles):
-    """Fast copying reads (pread; used by loaders, the shuffle and benchmarks)."""
+class RawReads(ShardHandles):
+    """The stored values, copied with ``pread`` (the loaders' hot path, the shuffle, benchmarks)."""
 
     shape: tuple[int, int, int, int]
     n_examples: int
@@ -44,88 +46,6 @@ class ReadPaths(ShardHandles):
     dtype: str
     read_dtype: str
     _slice_nbytes: int
-
-    # -- values in the caller's dtype ------------------------------------------------------
-    def read_example(
-        self, example: int, layer_idx: int, out: npt.NDArray[Any] | None = None, *, dtype: str | None = None
-    ) -> npt.NDArray[Any]:
-        """Copy ``[example, layer_idx]`` ``(T, D)`` into ``out``, in ``out``'s dtype, else
-        ``dtype``, else `read_dtype` (float8_e4m3 dequantized: one ``pread`` of the values and
-        one of their ``T`` scales). ``layer_idx`` is a position in ``metadata.layers``."""
-        want = self._want(out, dtype)
-        if want == self.dtype:
-            return self.read_example_raw(example, layer_idx, out)
-        raw = self.read_example_raw(example, layer_idx, np.empty(self.shape[2:], self.numpy_dtype))
-        scales = self.read_example_scales(example, layer_idx) if self.dtype == FLOAT8 else None
-        return dtypes.convert(raw, self.dtype, want, scales, out)
-
-    def read_range(
-        self, start: int, stop: int, out: npt.NDArray[Any] | None = None, *, dtype: str | None = None
-    ) -> npt.NDArray[Any]:
-        """Copy examples ``[start, stop)`` ``(stop - start, L, T, D)`` into ``out``, in the dtype
-        chosen as for `read_example`."""
-        want = self._want(out, dtype)
-        if want == self.dtype:
-            return self.read_range_raw(start, stop, out)
-        raw = self.read_range_raw(start, stop)
-        scales = self.read_range_scales(start, stop) if self.dtype == FLOAT8 else None
-        return dtypes.convert(raw, self.dtype, want, scales, out)
-
-    def read_vectors(
-        self,
-        examples: npt.ArrayLike,
-        layer_idx: npt.ArrayLike,
-        tokens: npt.ArrayLike,
-        out: npt.NDArray[Any] | None = None,
-        *,
-        dtype: str | None = None,
-    ) -> npt.NDArray[Any]:
-        """Copy the ``(n, D)`` vectors ``[examples[j], layer_idx[j], tokens[j]]`` (positions,
-        broadcast) into ``out``, in the dtype chosen as for `read_example`; see `read_vectors_raw`."""
-        want = self._want(out, dtype)
-        if want == self.dtype:
-            return self.read_vectors_raw(examples, layer_idx, tokens, out)
-        raw = self.read_vectors_raw(examples, layer_idx, tokens)
-        scales = self.read_vectors_scales(examples, layer_idx, tokens) if self.dtype == FLOAT8 else None
-        return dtypes.convert(raw, self.dtype, want, scales, out)
-
-    def read_examples(
-        self,
-        examples: npt.ArrayLike,
-        layer_idx: npt.ArrayLike,
-        out: npt.NDArray[Any] | None = None,
-        *,
-        dtype: str | None = None,
-    ) -> npt.NDArray[Any]:
-        """Copy ``(n, T, D)`` slices for pairs ``(examples[j], layer_idx[j])`` (positions), in the
-        dtype chosen as for `read_example`."""
-        ex = np.asarray(examples, dtype=np.int64).reshape(-1)
-        li = np.broadcast_to(np.asarray(layer_idx, dtype=np.int64), ex.shape)
-        md = self.metadata
-        want = self._want(out, dtype)
-        if out is None:
-            out = np.empty(
-                (len(ex), *md.shard_shape[2:]), self.numpy_dtype if want == self.dtype else dtypes.READ_DTYPES[want]
-            )
-        for j in range(len(ex)):
-            self.read_example(int(ex[j]), int(li[j]), out[j], dtype=want)
-        return out
-
-    def _want(self, out: npt.NDArray[Any] | None, dtype: str | None) -> str:
-        """The dtype name a read returns: ``out``'s, else ``dtype``, else `read_dtype`."""
-        if out is not None:
-            if out.dtype == self.numpy_dtype:
-                return self.dtype
-            for name, np_dtype in dtypes.READ_DTYPES.items():
-                if out.dtype == np_dtype:
-                    return name
-            raise ValueError(
-                f"out: expected a {self.numpy_dtype} array (the stored values) or one of "
-                f"{[str(d) for d in dtypes.READ_DTYPES.values()]}, found {out.dtype}"
-            )
-        if dtype is None:
-            return self.read_dtype
-        return check_read_dtype(self.dtype, dtype)
 
     # -- the stored values -------------------------------------------------------------------
     def read_example_raw(self, example: int, layer_idx: int, out: npt.NDArray[Any] | None = None) -> npt.NDArray[Any]:
@@ -252,8 +172,8 @@ class ReadPaths(ShardHandles):
         if n == 0:
             return
         shard, offset = layout.locate_many(
-            ex, li, tok, eps=md.examples_per_shard, n_layers=md.n_layers, tokens=md.tokens_per_ex,
-            d_model=row_values, itemsize=itemsize,
+            ex, li, tok, examples_per_shard=md.examples_per_shard, n_layers=md.n_layers, tokens=md.tokens_per_ex,
+            vector_nbytes=row_values * itemsize,
         )  # fmt: skip
         vec = row_values * itemsize
         order = np.lexsort((offset, shard))
@@ -273,6 +193,10 @@ class ReadPaths(ShardHandles):
                 if got != len(part) * vec:
                     raise FileSizeError(f"{path_of(k)}: short read at byte {off} (file truncated after open?)")
 
+
+class ScaleReads(RawReads):
+    """A float8_e4m3 cache's float32 scales, copied with ``pread``, and what a scale file may hold."""
+
     # -- the scales of a float8_e4m3 cache -----------------------------------------------------
     def read_example_scales(
         self, example: int, layer_idx: int, out: npt.NDArray[np.float32] | None = None
@@ -286,7 +210,7 @@ class ReadPaths(ShardHandles):
         k, i = divmod(example, self.examples_per_shard)
         nbytes = tokens * SCALES_DTYPE.itemsize
         pread_exact(self._scale_fd(k), out.view(np.uint8).data, (i * n_layers + layer_idx) * nbytes, self._preadv)
-        if not float8.scales_plain(out):
+        if not scales_plain(out):
             self.check_scales(out, lambda: (example * n_layers + layer_idx) * tokens + np.arange(tokens))
         return out
 
@@ -300,7 +224,7 @@ class ReadPaths(ShardHandles):
         out = self._scales_out(out, (stop - start, md.n_layers, md.tokens_per_ex))
         per_example = md.n_layers * md.tokens_per_ex
         self._read_examples_into(start, stop, out, per_example * SCALES_DTYPE.itemsize, self._scale_fd)
-        if not float8.scales_plain(out):
+        if not scales_plain(out):
             self.check_scales(out, lambda: np.arange(start * per_example, stop * per_example).reshape(out.shape))
         return out
 
@@ -315,7 +239,7 @@ class ReadPaths(ShardHandles):
         ex, li, tok = self._vector_coordinates(examples, layer_idx, tokens)
         out = self._scales_out(out, (ex.size,))
         self._gather_rows(ex, li, tok, out, 1, SCALES_DTYPE.itemsize, self._scale_fd, self.scale_path)
-        if not float8.scales_plain(out):
+        if not scales_plain(out):
             self.check_scales(out, lambda: (ex * self.shape[1] + li) * self.shape[2] + tok)
         return out
 
@@ -326,7 +250,7 @@ class ReadPaths(ShardHandles):
         when all are valid. ``vectors()`` numbers each scale's vector, ``(example * L +
         layer_idx) * T + token`` (of ``scales``' shape, or broadcast to it). A NaN scale is
         valid only for a vector stored as NaN: the bytes of those vectors are read, and must
-        all be 0x7F. Every read of scales calls this, once `float8.scales_plain` (one maximum
+        all be 0x7F. Every read of scales calls this, once `scales_plain` (one maximum
         over their bits) has found something else than plain scales."""
         found = self.scale_problems(scales, vectors)
         if found:
@@ -336,20 +260,20 @@ class ReadPaths(ShardHandles):
     def scale_problems(self, scales: npt.NDArray[Any], vectors: Callable[[], npt.ArrayLike]) -> list[tuple[int, str]]:
         """``(vector number, message)`` of each vector among ``scales`` whose scale the rule
         cannot give (see `check_scales`), by vector number."""
-        if float8.scales_plain(scales):
+        if scales_plain(scales):
             return []
         flat = np.asarray(scales, np.float32).reshape(-1)
-        odd, nan = float8.odd_scales(flat)
+        odd, nan = odd_scales(flat)
         ids = np.broadcast_to(np.asarray(vectors(), np.int64), np.shape(scales)).reshape(-1)
         found: dict[int, str] = {}
         for j in odd[np.unique(ids[odd], return_index=True)[1]].tolist():
-            found[int(ids[j])] = f"scale {float8.describe_scale(flat[j])}: {float8.SCALE_RULE}"
+            found[int(ids[j])] = f"scale {describe_scale(flat[j])}: {SCALE_RULE}"
         if nan.size:  # stored as NaN? Then every byte of the vector is 0x7F (rule 2)
             numbers = np.unique(ids[nan])
             n_layers, tokens = self.shape[1], self.shape[2]
             ex, rest = np.divmod(numbers, n_layers * tokens)
             bytes_ = self.read_vectors_raw(ex, rest // tokens, rest % tokens).view(np.uint8)
-            for number in numbers[~(bytes_ == float8.NAN_BYTE).all(axis=1)].tolist():
+            for number in numbers[~(bytes_ == NAN_BYTE).all(axis=1)].tolist():
                 found.setdefault(
                     int(number),
                     "scale NaN 0x7fc00000, the scale of a vector stored as NaN, but the vector's bytes are not all "
@@ -382,6 +306,93 @@ class ReadPaths(ShardHandles):
                 f"out must be a C-contiguous float32 array of shape {shape}, found {out.dtype} {out.shape}"
             )
         return out
+
+
+class ReadPaths(ScaleReads):
+    """Fast copying reads (pread; used by loaders, the shuffle and benchmarks): the stored
+    values (`RawReads`), the scales (`ScaleReads`), and values in the caller's dtype (here)."""
+
+    # -- values in the caller's dtype ------------------------------------------------------
+    def read_example(
+        self, example: int, layer_idx: int, out: npt.NDArray[Any] | None = None, *, dtype: str | None = None
+    ) -> npt.NDArray[Any]:
+        """Copy ``[example, layer_idx]`` ``(T, D)`` into ``out``, in ``out``'s dtype, else
+        ``dtype``, else `read_dtype` (float8_e4m3 dequantized: one ``pread`` of the values and
+        one of their ``T`` scales). ``layer_idx`` is a position in ``metadata.layers``."""
+        want = self._want(out, dtype)
+        if want == self.dtype:
+            return self.read_example_raw(example, layer_idx, out)
+        raw = self.read_example_raw(example, layer_idx, np.empty(self.shape[2:], self.numpy_dtype))
+        scales = self.read_example_scales(example, layer_idx) if self.dtype == FLOAT8 else None
+        return dtypes.convert(raw, self.dtype, want, scales, out)
+
+    def read_range(
+        self, start: int, stop: int, out: npt.NDArray[Any] | None = None, *, dtype: str | None = None
+    ) -> npt.NDArray[Any]:
+        """Copy examples ``[start, stop)`` ``(stop - start, L, T, D)`` into ``out``, in the dtype
+        chosen as for `read_example`."""
+        want = self._want(out, dtype)
+        if want == self.dtype:
+            return self.read_range_raw(start, stop, out)
+        raw = self.read_range_raw(start, stop)
+        scales = self.read_range_scales(start, stop) if self.dtype == FLOAT8 else None
+        return dtypes.convert(raw, self.dtype, want, scales, out)
+
+    def read_vectors(
+        self,
+        examples: npt.ArrayLike,
+        layer_idx: npt.ArrayLike,
+        tokens: npt.ArrayLike,
+        out: npt.NDArray[Any] | None = None,
+        *,
+        dtype: str | None = None,
+    ) -> npt.NDArray[Any]:
+        """Copy the ``(n, D)`` vectors ``[examples[j], layer_idx[j], tokens[j]]`` (positions,
+        broadcast) into ``out``, in the dtype chosen as for `read_example`; see `read_vectors_raw`."""
+        want = self._want(out, dtype)
+        if want == self.dtype:
+            return self.read_vectors_raw(examples, layer_idx, tokens, out)
+        raw = self.read_vectors_raw(examples, layer_idx, tokens)
+        scales = self.read_vectors_scales(examples, layer_idx, tokens) if self.dtype == FLOAT8 else None
+        return dtypes.convert(raw, self.dtype, want, scales, out)
+
+    def read_examples(
+        self,
+        examples: npt.ArrayLike,
+        layer_idx: npt.ArrayLike,
+        out: npt.NDArray[Any] | None = None,
+        *,
+        dtype: str | None = None,
+    ) -> npt.NDArray[Any]:
+        """Copy ``(n, T, D)`` slices for pairs ``(examples[j], layer_idx[j])`` (positions), in the
+        dtype chosen as for `read_example`."""
+        ex = np.asarray(examples, dtype=np.int64).reshape(-1)
+        li = np.broadcast_to(np.asarray(layer_idx, dtype=np.int64), ex.shape)
+        md = self.metadata
+        want = self._want(out, dtype)
+        if out is None:
+            out = np.empty(
+                (len(ex), *md.shard_shape[2:]), self.numpy_dtype if want == self.dtype else dtypes.READ_DTYPES[want]
+            )
+        for j in range(len(ex)):
+            self.read_example(int(ex[j]), int(li[j]), out[j], dtype=want)
+        return out
+
+    def _want(self, out: npt.NDArray[Any] | None, dtype: str | None) -> str:
+        """The dtype name a read returns: ``out``'s, else ``dtype``, else `read_dtype`."""
+        if out is not None:
+            if out.dtype == self.numpy_dtype:
+                return self.dtype
+            for name, np_dtype in dtypes.READ_DTYPES.items():
+                if out.dtype == np_dtype:
+                    return name
+            raise ValueError(
+                f"out: expected a {self.numpy_dtype} array (the stored values) or one of "
+                f"{[str(d) for d in dtypes.READ_DTYPES.values()]}, found {out.dtype}"
+            )
+        if dtype is None:
+            return self.read_dtype
+        return check_read_dtype(self.dtype, dtype)
 
 
 def check_read_dtype(stored: str, dtype: object) -> str:

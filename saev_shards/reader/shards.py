@@ -2,47 +2,31 @@
 
 from __future__ import annotations
 
-import functools
-import os
-import warnings
-from collections.abc import Callable, Iterator, Sequence
-from concurrent.futures import ThreadPoolExecutor
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import numpy.typing as npt
 
-from .. import float8, layout
-from .._indexing import CACHE_RANGE, getitem, wrap_index
-from ..dtypes import convert, to_float32
+from ..codecs.dtypes import convert, to_float32
 from ..errors import (
-    CacheNotFoundError,
-    ChecksumMismatchError,
-    FileSizeError,
-    HashMismatchError,
-    InvalidCacheError,
     LayerIndexError,
-    ManifestError,
-    MetadataError,
-    MetadataFileError,
     NameNotFoundError,
-    NotRegularFileError,
-    Problem,
-    ScaleError,
-    raise_problems,
 )
-from ..fileio import IO_CHUNK, BlockHasher, hash_file, open_regular
-from ..manifest import Blocks, Manifest
-from ..metadata import Metadata, parse_metadata
-from ..progress import Progress
-from ..protocol.common import CHECKSUMS_FILE, FLOAT8, MAX_METADATA_BYTES, METADATA_FILE, SCALES_DTYPE, STATS_FILE
-from ..protocol.jsonfile import is_int, load_json, short_repr
+from ..protocol import layout
+from ..protocol.common import FLOAT8, SCALES_DTYPE
+from ..protocol.float8 import scales_plain
+from ..protocol.jsonfile import is_int, short_repr
+from ..protocol.manifest import BlockDigests, Manifest
+from ..protocol.metadata import Metadata
 from ..protocol.v31 import load_blocks
-from ..units import html_table, human_bytes
-from .handles import Files, LocalFiles
+from ..storage.base import Files
+from ..storage.local import LocalFiles
+from .indexing import CACHE_RANGE, getitem, wrap_index
 from .reads import ReadPaths, check_read_dtype
 from .sidecars import Sidecars
+from .summary import describe, summary_html, summary_rows
 
 
 class Shards(ReadPaths, Sidecars):
@@ -74,8 +58,9 @@ class Shards(ReadPaths, Sidecars):
     data and no handles, and a forked or unpickled copy opens its own.
 
     The class is a facade: handles and pickling are `handles.ShardHandles`, the ``pread``
-    paths `reads.ReadPaths`, labels, columns, text and statistics `sidecars.Sidecars`;
-    this module keeps the notebook API, the views and `verify`.
+    paths `reads.ReadPaths`, labels, columns, text and statistics `sidecars.Sidecars`,
+    `verify` is `verify.verify`, the repr and the notebook table `summary`, the views
+    `views` and the picture `report`; this module keeps the indexing of the logical tensor.
     """
 
     def __init__(
@@ -146,82 +131,32 @@ class Shards(ReadPaths, Sidecars):
         want = self.read_dtype if dtype is None else check_read_dtype(self.dtype, dtype)
         if self.dtype == FLOAT8:
             found = scales()
-            if vectors is not None and not float8.scales_plain(found):
+            if vectors is not None and not scales_plain(found):
                 self.check_scales(found, vectors)
             return convert(raw, self.dtype, want, found, elementwise=True)
         return convert(raw, self.dtype, want)
 
     def __repr__(self) -> str:
-        md = self.metadata
-        n, l_, t, d = md.shape
-        cls = "CLS + " if md.cls_token else ""
-        extras = []
-        if self.manifest.labels is not None:
-            extras.append("labels")
-        extras += [f"column {c}" for c in self.manifest.columns]
-        extras += [f"text {t_}" for t_ in self.manifest.text]
-        if self.manifest.stats is not None:
-            extras.append("stats")
-        read = f" (read as {self.read_dtype})" if self.read_dtype != md.dtype else ""
-        return (
-            f"<saev_shards.Shards {md.hash[:12]} {md.family}:{md.ckpt} shape=({n}, {l_}, {t}, {d}) "
-            f"{md.dtype}{read} layers={list(md.layers)}"
-            + (f" ({len(md.sites)} sites)" if md.sites is not None else "")
-            + f" tokens={cls}{md.patches_per_ex} "
-            f"shards={self.n_shards}x{md.examples_per_shard} {human_bytes(md.nbytes + md.scales_nbytes)} "
-            f"protocol={md.protocol}" + (f" [{', '.join(extras)}]" if extras else "") + f" at {self.location}>"
-        )
+        return describe(self)
 
     def summary_rows(self) -> list[tuple[str, str]]:
         """What a notebook shows of this cache (`_repr_html_`): one ``(name, value)`` per line."""
-        md = self.metadata
-        n, l_, t, d = md.shape
-        columns = ", ".join(
-            f"{name} {entry.dtype} {tuple(entry.shape)}" for name, entry in self.manifest.columns.items()
-        )
-        rows = [
-            ("cache", md.hash),
-            ("model", f"{md.family} {md.ckpt}"),
-            ("dataset", md.dataset or "-"),
-            ("shape", f"({n:,}, {l_}, {t}, {d})  examples x layers x tokens x d_model"),
-            ("dtype", md.dtype + (f" (read as {self.read_dtype})" if self.read_dtype != md.dtype else "")),
-        ]
-        if md.sites is None:
-            rows.append(("layers", ", ".join(map(str, md.layers)) + "  (block outputs)"))
-        else:
-            rows += [(f"layer {layer}", str(site)) for layer, site in zip(md.layers, md.sites, strict=True)]
-        rows += [
-            ("tokens", f"{t} per example" + (f" (CLS + {md.patches_per_ex})" if md.cls_token else "")),
-            ("shards", f"{self.n_shards:,} x {md.examples_per_shard:,} examples"),
-            ("bytes", human_bytes(md.nbytes + md.scales_nbytes)),
-            ("labels", "labels.bin" if self.manifest.labels is not None else "-"),
-            ("columns", columns or "-"),
-            ("text", ", ".join(self.manifest.text) or "-"),
-            ("stats", "stats.json" if self.manifest.stats is not None else "-"),
-            ("protocol", md.protocol),
-            ("location", self.location),
-        ]
-        return rows
+        return summary_rows(self)
 
     def _repr_html_(self) -> str:
         """A short table of the cache, for a notebook (``shards.report()`` draws its picture)."""
-        md = self.metadata
-        return html_table(
-            f"saev_shards.Shards {md.hash[:12]}",
-            self.summary_rows(),
-            "shards.report() draws its picture (one pass over the cache); shards[i] reads example i",
-        )
+        return summary_html(self)
 
     @property
     def url(self) -> str | None:
         """The URL of a remote cache (``s3://bucket/root/<hash>``), None for a local one. A
-        remote cache's `path` is the local folder that keeps its JSON files (`remote.files`)."""
+        remote cache's `path` is the local folder that keeps its JSON files (`storage.remote_json`)."""
         return self.files.url
 
     @property
     def location(self) -> str:
         """Where the cache is, for messages: its URL, or its path."""
-        return self.files.url or str(self.path)
+        return self.files.location
 
     def prefetch(self, start: int, stop: int) -> None:
         """Hint that examples ``[start, stop)`` are about to be read (the loaders call it for
@@ -229,12 +164,11 @@ class Shards(ReadPaths, Sidecars):
         float8_e4m3 cache has the kernel start reading their scales (POSIX_FADV_WILLNEED), as
         its readahead does not foresee a loader's small scattered scale reads, which would
         otherwise wait for the disk one after another; a local cache's values are left to the
-        kernel's readahead."""
-        remote = getattr(self.files, "prefetch", None)
-        scales = remote is None and self.metadata.dtype == FLOAT8 and hasattr(os, "posix_fadvise")
-        if (remote is None and not scales) or stop <= start:
-            return
+        kernel's readahead (`Files.prefetch`: the storage decides what a hint is worth)."""
         md = self.metadata
+        values, scales = self.files.prefetches, md.dtype == FLOAT8
+        if not (values or scales) or stop <= start:
+            return
         eps, example_nbytes = self.examples_per_shard, md.example_nbytes
         scale_nbytes = md.n_layers * md.tokens_per_ex * SCALES_DTYPE.itemsize
         e = max(0, start)
@@ -242,10 +176,11 @@ class Shards(ReadPaths, Sidecars):
         while e < stop:
             k, local = layout.shard_of(e, eps)
             count = min(stop, (k + 1) * eps) - e
-            if remote is not None:
-                remote(self.manifest.shards[k].name, local * example_nbytes, (local + count) * example_nbytes)
-            else:
-                os.posix_fadvise(self._scale_fd(k), local * scale_nbytes, count * scale_nbytes, os.POSIX_FADV_WILLNEED)
+            if values:
+                self.files.prefetch(self._fd(k), local * example_nbytes, (local + count) * example_nbytes)
+            if scales:
+                first, last = local * scale_nbytes, (local + count) * scale_nbytes
+                self.files.prefetch(self._scale_fd(k), first, last, scattered=True)
             e += count
 
     def layer_index(self, layer: int) -> int:
@@ -300,34 +235,20 @@ class Shards(ReadPaths, Sidecars):
 
     def locate(self, example: int, layer: int, token: int) -> tuple[int, int]:
         """``(shard_index, byte_offset)`` of a vector; pure arithmetic, no I/O."""
-        md = self.metadata
-        return layout.locate(
-            int(example),
-            self.layer_index(layer),
-            int(token),
-            n_examples=md.n_examples,
-            eps=md.examples_per_shard,
-            n_layers=md.n_layers,
-            tokens=md.tokens_per_ex,
-            d_model=md.d_model,
-            itemsize=md.itemsize,
-        )
+        return self._locate(example, layer, token, self.metadata.d_model * self.metadata.itemsize)
 
     def locate_scale(self, example: int, layer: int, token: int) -> tuple[int, int]:
         """``(shard_index, byte_offset)`` of a vector's scale in its shard's scale file
         (float8_e4m3): ``offset_in_vectors * 4``; pure arithmetic, no I/O."""
+        return self._locate(example, layer, token, SCALES_DTYPE.itemsize)
+
+    def _locate(self, example: int, layer: int, token: int, vector_nbytes: int) -> tuple[int, int]:
         md = self.metadata
         return layout.locate(
-            int(example),
-            self.layer_index(layer),
-            int(token),
-            n_examples=md.n_examples,
-            eps=md.examples_per_shard,
-            n_layers=md.n_layers,
-            tokens=md.tokens_per_ex,
-            d_model=1,
-            itemsize=SCALES_DTYPE.itemsize,
-        )
+            int(example), self.layer_index(layer), int(token), n_examples=md.n_examples,
+            examples_per_shard=md.examples_per_shard, n_layers=md.n_layers, tokens=md.tokens_per_ex,
+            vector_nbytes=vector_nbytes,
+        )  # fmt: skip
 
     def __getitem__(self, key: Any) -> npt.NDArray[Any]:
         """``logical[key]``: the layer axis takes positions ``0..L-1`` (class docstring), values
@@ -340,7 +261,7 @@ class Shards(ReadPaths, Sidecars):
                 raw, lambda: getitem(_BroadcastScales(self), key), vectors=lambda: getitem(_VectorNumbers(self), key)
             )
         except IndexError as err:
-            value = self._layer_value_given_as_position(key)
+            value = layer_value_given_as_position(key, self.shape[1], self._layer_idx)
             if value is None:
                 raise
             layers = list(self.metadata.layers)
@@ -351,48 +272,31 @@ class Shards(ReadPaths, Sidecars):
                 f"or shards.example(i, {value})"
             ) from err
 
-    def _layer_value_given_as_position(self, key: Any) -> int | None:
-        """The first recorded layer value that ``key``'s layer component (``key[1]``) holds out of
-        the position range, or None (only looked at once an index has failed)."""
-        if not isinstance(key, tuple) or len(key) < 2 or key[0] is Ellipsis or key[1] is Ellipsis:
-            return None
-        n_layers = self.shape[1]
-        try:
-            values = np.asarray(key[1]).reshape(-1)
-        except (TypeError, ValueError):
-            return None
-        if values.dtype.kind not in "iu":
-            return None
-        for v in values.tolist():
-            if not -n_layers <= v < n_layers and v in self._layer_idx:
-                return int(v)
-        return None
-
     def to_float32(self, values: npt.NDArray[Any]) -> npt.NDArray[np.float32]:
         """Values read from this cache (as `read_dtype`) as float32 (widens bfloat16 bits exactly)."""
         return to_float32(values, self.read_dtype)
 
-    # -- views for other tools (saev_shards.views; dask and xarray are optional) -------------
+    # -- views for other tools (`views`; dask and xarray are optional) -------------
     def to_dask(self, examples_per_chunk: int | None = None, *, dtype: str | None = None) -> Any:
         """A ``dask.array`` of the logical ``(N, L, T, D)`` tensor over the shard memmaps (no copy
         where no conversion is needed); one chunk per shard, or ``examples_per_chunk`` examples
         (never across shards). Values as `read_dtype`, or ``dtype`` (bfloat16 as float32)."""
-        from ..views import to_dask
+        from .views import to_dask
 
         return to_dask(self if dtype is None else self.with_dtype(dtype), examples_per_chunk)
 
     def to_xarray(self, examples_per_chunk: int | None = None, *, dtype: str | None = None) -> Any:
         """An ``xarray.DataArray`` (dims example, layer, token, dim) over `to_dask`, layer values and
         columns as coordinates."""
-        from ..views import to_xarray
+        from .views import to_xarray
 
         return to_xarray(self if dtype is None else self.with_dtype(dtype), examples_per_chunk)
 
     def report(self, out: str | Path | None = None, *, progress: bool | None = None) -> Any:
-        """One picture of this cache (`saev_shards.report`: norms by layer, dimensions with outliers
+        """One picture of this cache (`report`: norms by layer, dimensions with outliers
         marked, CLS and content tokens, lengths and truncation, shard sizes), from one streaming
         pass; saved to ``out`` (``.png`` or ``.html``) when given. Needs the ``plot`` extra."""
-        from ..report import report
+        from .report import report
 
         return report(self, out, progress=progress)
 
@@ -421,15 +325,6 @@ class Shards(ReadPaths, Sidecars):
             raise NameNotFoundError(f"{self.path}: no listed file {short_repr(name)} has block digests")
         return list(digests)
 
-    def _blocks(self) -> Blocks | None:
-        if self.manifest.blocks is None:
-            return None
-        self._check_pid()
-        blocks: Blocks | None = self._aux.get("blocks")
-        if blocks is None:
-            blocks = self._aux["blocks"] = load_blocks(self.path, self.manifest)
-        return blocks
-
     def verify(self, *, progress: bool | None = False, on_bytes: Callable[[int], None] | None = None) -> int:
         """Recompute every file's size and xxh3_128 digest, and the metadata hash; check
         stats.json and blocks.json against their schemas. Where blocks.json holds a damaged
@@ -440,192 +335,36 @@ class Shards(ReadPaths, Sidecars):
         Raises `ChecksumMismatchError` (or `InvalidCacheError` for several kinds) listing every
         problem.
         """
-        problems = self._metadata_problems()
-        files = self.manifest.files()
-        total = sum(n for _, n, _ in files)
-        unchecked = [name for name, _, digest in files if digest is None]
-        checked = 0
-        blocks = self._verify_blocks()
-        scale_files = {name: k for k, name in enumerate(self.manifest.scales.names)} if self.manifest.scales else {}
-        with Progress(total, f"verify {self.path.name[:12]}", enabled=progress) as bar:
+        from .verify import verify
 
-            def tick(n: int) -> None:
-                bar.update(n)
-                if on_bytes is not None:
-                    on_bytes(n)
+        return verify(self, progress=progress, on_bytes=on_bytes)
 
-            for (name, nbytes, digest), found in zip(files, self._hash_files(files, blocks, tick), strict=True):
-                where = self.files.where(name)
-                if isinstance(found, Problem):
-                    problems.append(found)
-                    continue
-                size, got, block_digests = found
-                checked += size
-                if size != nbytes:
-                    problems.append(Problem(FileSizeError, f"{where}: expected {nbytes} bytes, found {size}"))
-                    continue
-                if digest is not None and got != digest:
-                    listed = blocks.files.get(name) if blocks is not None else None
-                    damaged = _damaged_blocks(blocks, listed, block_digests, nbytes)
-                    problems.append(
-                        Problem(ChecksumMismatchError, f"{where}: xxh3_128 expected {digest}, found {got}{damaged}")
-                    )
-                    continue
-                if name == STATS_FILE:  # its bytes are intact: check what they say
-                    problems.extend(self._stats_problems())
-                if name in scale_files:  # a scale file: every scale one the rule gives?
-                    problems.extend(self._scale_file_problems(scale_files[name]))
-                if self.manifest.blocks is not None and name == self.manifest.blocks.name:
-                    problems.extend(self._blocks_problems())
-        reported = {p.message.split(": ")[0] for p in problems}  # a file reported once: its digest or size
-        problems.extend(p for p in self._padding_problems() if p.message.split(": ")[0] not in reported)
-        raise_problems(problems, self.location)
-        if unchecked and self.metadata.format.history:
-            warnings.warn(
-                f"{self.location}: {self.metadata.format.summary} records no checksums: the sizes of its "
-                f"{len(unchecked)} files, its name and the zero padding were checked, not the values",
-                stacklevel=2,
-            )
-        elif unchecked:
-            warnings.warn(
-                f"{self.location}: {len(unchecked)} files have no recorded checksum (protocol 2.1 without "
-                f"{CHECKSUMS_FILE}); only their sizes (and the zero padding) were checked",
-                stacklevel=2,
-            )
-        return checked
-
-    def _scale_file_problems(self, k: int) -> list[Problem]:
-        """Scale file ``k`` read again (intact: its digest matched), a bounded step at a time: the
-        vectors whose scale the rule cannot give (`scale_problems`), as one problem naming the
-        first few and counting the rest."""
-        md = self.metadata
-        per_example = md.n_layers * md.tokens_per_ex
-        n, first = self.manifest.shards.counts[k], k * self.examples_per_shard
-        step = max(1, _SCALES_STEP // max(1, per_example))
-        buffer = np.empty((min(step, n), md.n_layers, md.tokens_per_ex), SCALES_DTYPE)
-        found: list[str] = []
-        count = 0
-        for a in range(first, first + n, step):
-            b = min(first + n, a + step)
-            out = buffer[: b - a]
-            self._read_examples_into(a, b, out, per_example * SCALES_DTYPE.itemsize, self._scale_fd)
-            numbers = np.arange(a * per_example, b * per_example).reshape(out.shape)
-            bad = self.scale_problems(out, functools.partial(np.asarray, numbers))
-            count += len(bad)
-            found += [message for _, message in bad[: _LISTED_SCALES - len(found)]]
-        if not count:
-            return []
-        more = f"; and {count - len(found)} more vectors of this file" if count > len(found) else ""
-        return [Problem(ScaleError, "; ".join(found) + more)]
-
-    def _metadata_problems(self) -> list[Problem]:
-        """metadata.json read again (from the server for a remote cache): the same configuration and hash?"""
-        where = self.files.where(METADATA_FILE)
-        if self.url is not None:
-            from ..remote.files import refetch_json
-
-            remote: Any = self.files
-            obj, problems = refetch_json(remote, METADATA_FILE, MAX_METADATA_BYTES, MetadataFileError)
-        else:
-            obj, problems = load_json(self.path / METADATA_FILE, MAX_METADATA_BYTES, MetadataFileError)
-        if problems:
-            return problems
-        try:
-            current = parse_metadata(obj, self.path.name)
-        except MetadataError as err:
-            return [Problem(MetadataFileError, f"{where}: {err}")]
-        if current != self.metadata:
-            return [Problem(HashMismatchError, f"{where}: changed since the cache was opened")]
-        if self.path.name != current.hash:
-            return [Problem(HashMismatchError, f"{self.location}: directory name is not the hash {current.hash}")]
-        return []
-
-    def _padding_problems(self) -> list[Problem]:
-        """saev's caches (protocol 2.1 and its earlier formats, protocol.md 9): the bytes past the
-        last example of a last shard padded to a full shard, and every byte of the empty file
-        after a shard filled exactly, are zeros, as its writer's memmaps left them. The one check
-        of content a cache without checksums allows."""
-        md, manifest = self.metadata, self.manifest
-        if not md.format.padded_last or self.url is not None:
-            return []
-        regions: list[tuple[str, int, int, str]] = []
-        if len(manifest.shards):
-            last = manifest.shards[-1]
-            data = last.n_examples * md.example_nbytes
-            if last.nbytes > data:
-                regions.append((last.name, data, last.nbytes, "the padding past the last example"))
-        regions += [(e.name, 0, e.nbytes, "the all-zero file saev's writer left after the last shard") for e in
-                    manifest.empty_shards]  # fmt: skip
-        problems: list[Problem] = []
-        for name, start, end, what in regions:
-            path = self.path / name
-            try:
-                first = _first_nonzero(path, start, end)
-            except (OSError, NotRegularFileError):
-                continue  # reported by the size and digest checks
-            if first is not None:
-                problems.append(
-                    Problem(
-                        ChecksumMismatchError,
-                        f"{path}: byte {first:,} is not zero; bytes {start:,}-{end - 1:,} are {what}, which saev's "
-                        "writer leaves zero (the file changed after it was written)",
-                    )
-                )
-        return problems
-
-    def _hash_files(
-        self, files: list[tuple[str, int, str | None]], blocks: Blocks | None, tick: Callable[[int], None]
-    ) -> Iterator[tuple[int, str, list[str]] | Problem]:
-        """``(size, xxh3_128, digests of its blocks)`` of each file in order (block digests where
-        ``blocks`` lists the file), or the problem reading it."""
-
-        def block_size(name: str) -> int | None:
-            return blocks.block_size if blocks is not None and name in blocks.files else None
-
-        remote = getattr(self.files, "verify_file", None)
-        if remote is not None:  # several files in flight: each is one stream from the server
-            from ..remote.client import requests_in_flight
-
-            def one(name: str) -> tuple[int, str, list[str]] | Problem:
-                try:
-                    return remote(name, block_size(name), tick)  # type: ignore[no-any-return]
-                except FileNotFoundError:
-                    return Problem(CacheNotFoundError, f"{self.files.where(name)}: missing")
-
-            with ThreadPoolExecutor(max(1, min(len(files), requests_in_flight() // 2))) as pool:
-                yield from pool.map(one, [name for name, _, _ in files])
-            return
-        buffer = memoryview(bytearray(IO_CHUNK))
-        for name, _, _ in files:
-            path = self.path / name
-            hasher = BlockHasher(block_size(name))
-            try:
-                size, found = hash_file(path, tick, regular_only=True, buffer=buffer, hasher=hasher)
-            except NotRegularFileError as err:
-                yield Problem(ManifestError, str(err))
-                continue
-            except OSError as err:
-                yield Problem(CacheNotFoundError, f"{path}: {err.strerror}")
-                continue
-            yield size, found, hasher.block_hexdigests()
-
-    def _verify_blocks(self) -> Blocks | None:
-        """blocks.json for `verify` to name damaged blocks with, fresh from disk; None if there
-        is none or it does not check out (`verify` reports why with the rest)."""
+    def _blocks(self) -> BlockDigests | None:
         if self.manifest.blocks is None:
             return None
-        self._aux.pop("blocks", None)
-        try:
-            return self._blocks()
-        except (InvalidCacheError, OSError):
-            return None
+        self._check_pid()
+        blocks: BlockDigests | None = self._aux.get("blocks")
+        if blocks is None:
+            blocks = self._aux["blocks"] = load_blocks(self.path, self.manifest)
+        return blocks
 
-    def _blocks_problems(self) -> list[Problem]:
-        try:
-            self._blocks()
-        except InvalidCacheError as err:
-            return err.problems
-        return []
+
+def layer_value_given_as_position(key: Any, n_layers: int, layer_idx: Mapping[int, int]) -> int | None:
+    """The first recorded layer value (a key of ``layer_idx``) that ``key``'s layer component
+    (``key[1]``) holds out of the position range ``[-n_layers, n_layers)``, or None (only looked
+    at once an index has failed)."""
+    if not isinstance(key, tuple) or len(key) < 2 or key[0] is Ellipsis or key[1] is Ellipsis:
+        return None
+    try:
+        values = np.asarray(key[1]).reshape(-1)
+    except (TypeError, ValueError):
+        return None
+    if values.dtype.kind not in "iu":
+        return None
+    for v in values.tolist():
+        if not -n_layers <= v < n_layers and v in layer_idx:
+            return int(v)
+    return None
 
 
 def default_read_dtype(stored: str) -> str:
@@ -692,22 +431,6 @@ class _BroadcastScales:
         return np.broadcast_to(scales[..., None], (*scales.shape, self.shape[3]))
 
 
-def _first_nonzero(path: Path, start: int, end: int) -> int | None:
-    """Offset of the first byte of ``path`` in ``[start, end)`` that is not zero (None: all
-    zero, or the file ends first), read one chunk at a time."""
-    with open_regular(path) as f:
-        offset = start
-        while offset < end:
-            chunk = os.pread(f.fileno(), min(IO_CHUNK, end - offset), offset)
-            if not chunk:
-                return None
-            values = np.frombuffer(chunk, dtype=np.uint8)
-            if values.any():
-                return offset + int(np.argmax(values != 0))
-            offset += len(chunk)
-    return None
-
-
 class _VectorNumbers:
     """The number of each value's vector, ``(example * L + layer_idx) * T + token``, as a
     `ShardedArray` of the values' shape (shard ``k`` made when indexed, broadcast over D): the
@@ -725,23 +448,3 @@ class _VectorNumbers:
         first = k * self.examples_per_shard * n_layers * tokens
         numbers = np.arange(first, first + n * n_layers * tokens, dtype=np.int64).reshape(n, n_layers, tokens)
         return np.broadcast_to(numbers[..., None], (n, n_layers, tokens, d_model))
-
-
-#: Scales `verify` reads at a time (4 bytes each), and bad ones it names per scale file.
-_SCALES_STEP = 1 << 20
-_LISTED_SCALES = 3
-#: Damaged blocks named in one problem of `verify` (the rest are counted).
-_LISTED_BLOCKS = 5
-
-
-def _damaged_blocks(blocks: Blocks | None, listed: Sequence[str] | None, found: list[str], nbytes: int) -> str:
-    """``"; block 7 (bytes 117440512-134217727) differs"`` for the blocks of a file whose
-    digests ``found`` (read now) differ from those ``listed`` in blocks.json; "" without them."""
-    if blocks is None or listed is None or len(found) != len(listed):
-        return ""
-    bad = [i for i, (a, b) in enumerate(zip(listed, found, strict=True)) if a != b]
-    if not bad:
-        return ""
-    spans = [f"{i} (bytes {'-'.join(map(str, blocks.span(i, nbytes)))})" for i in bad[:_LISTED_BLOCKS]]
-    more = f" and {len(bad) - _LISTED_BLOCKS} more" if len(bad) > _LISTED_BLOCKS else ""
-    return f"; block{'s' if len(bad) > 1 else ''} {', '.join(spans)}{more} differ{'' if len(bad) > 1 else 's'}"

@@ -9,6 +9,7 @@ store's job (`store.sidecar`).
 
 from __future__ import annotations
 
+import functools
 import io
 import os
 from collections.abc import Callable, Iterator, Mapping, Sequence
@@ -20,10 +21,8 @@ import numpy.typing as npt
 import orjson
 import xxhash
 
-from .._indexing import wrap_index
 from ..errors import (
     InvalidCacheError,
-    JSONFileError,
     ManifestError,
     NameNotFoundError,
     Problem,
@@ -32,26 +31,39 @@ from ..errors import (
 )
 from ..fileio import hash_file
 from ..protocol.common import METADATA_FILE, stats_max_bytes
-from ..protocol.jsonfile import load_json, read_json_file, short_repr, strict_json_loads
+from ..protocol.jsonfile import read_json_file, short_repr
 from ..protocol.v3 import parse_stats, pretty_json
-from .handles import ShardHandles, naming_removal
+from ..storage.local import naming_removal
+from .handles import ShardHandles
+from .indexing import wrap_index
 
 
 class TextColumn(Sequence[Any]):
     """Per-example JSON values of one text field, read lazily from its JSON Lines file.
 
-    ``read``: where the file's bytes come from when it is not a local file (a remote cache's
-    storage, verified): read whole on first use; ``path`` then only names it in messages.
+    ``opener``: how the file is opened (a cache's storage: `Files.open_file`), and ``read``:
+    where its bytes come from, read whole on first use; ``path`` then only names it in
+    messages. With neither, ``path`` is a local file, opened in place.
     """
 
-    def __init__(self, path: Path | str, n_lines: int, read: Callable[[], bytes | bytearray] | None = None) -> None:
+    def __init__(
+        self,
+        path: Path | str,
+        n_lines: int,
+        read: Callable[[], bytes | bytearray] | None = None,
+        *,
+        opener: Callable[[], Any] | None = None,
+    ) -> None:
         self.path = path
         self.n_lines = n_lines
         self._read = read
+        self._opener = opener
         self._data: bytes | bytearray | None = None
         self._offsets: npt.NDArray[np.int64] | None = None
 
     def _open(self) -> Any:
+        if self._opener is not None:
+            return self._opener()
         if self._read is None:
             path = Path(self.path)
             with naming_removal(path.parent, path.name):
@@ -188,9 +200,8 @@ class Sidecars(ShardHandles):
 
             def load(name: str) -> TextColumn:
                 entry = entries[name]
-                if self.files.copies:  # remote: the whole file, verified, on first use
-                    return TextColumn(self.files.where(entry.name), entry.n_lines, lambda: self._read_all(entry.name))
-                return TextColumn(self.path / entry.name, entry.n_lines)
+                opener = functools.partial(self.files.open_file, entry.name)
+                return TextColumn(self.files.where(entry.name), entry.n_lines, opener=opener)
 
             self._aux["text"] = Fields("text field", self.path, list(entries), load)
         return self._aux["text"]  # type: ignore[no-any-return]
@@ -211,37 +222,16 @@ class Sidecars(ShardHandles):
             md = self.metadata
             # parse_stats type-checks every integer; a float is a float whatever its spelling.
             cap = stats_max_bytes(md.n_layers, md.d_model)
-            if self.files.copies:  # remote: its bytes are verified against the manifest first
-                raw, problems = self._remote_json(entry.name, cap)
-            else:
-                raw, problems = load_json(self.path / entry.name, cap, StatsFileError, every_number=False)
-            raise_problems(problems, self.files.url or str(self.path))
+            raw, problems = self.files.read_json(entry.name, cap, StatsFileError, every_number=False)
+            raise_problems(problems, self.files.location)
             tokens = md.n_examples * md.tokens_per_ex
             self._aux["stats"] = parse_stats(raw, md.layers, md.d_model, self.files.where(entry.name), tokens)
         return self._aux["stats"]  # type: ignore[no-any-return]
 
     def _array(self, name: str, dtype: np.dtype[Any], shape: tuple[int, ...]) -> npt.NDArray[Any]:
-        """A raw array file beside the shards: a read-only memmap, or of a remote cache a
-        read-only copy (read whole, verified)."""
-        if not self.files.copies:
-            return _map(self.path / name, dtype, shape)
-        out = np.frombuffer(self._read_all(name), dtype=dtype).reshape(shape)
-        out.flags.writeable = False
-        return out
-
-    def _read_all(self, name: str) -> bytearray:
-        read: Callable[[str], bytearray] = self.files.read  # type: ignore[attr-defined]  # RemoteFiles
-        return read(name)
-
-    def _remote_json(self, name: str, cap: int) -> tuple[Any, list[Problem]]:
-        where = self.files.where(name)
-        nbytes = next(n for f, n, _ in self.manifest.files() if f == name)
-        if nbytes > cap:
-            return None, [Problem(StatsFileError, f"{where}: expected at most {cap:,} bytes, found {nbytes:,}")]
-        try:
-            return strict_json_loads(bytes(self._read_all(name)), every_number=False), []
-        except JSONFileError as err:
-            return None, [Problem(StatsFileError, f"{where}: {err}")]
+        """A raw array file beside the shards: a read-only memmap, or of a storage that cannot map
+        (a remote cache) a read-only copy (read whole, verified)."""
+        return self.files.load(name, dtype, shape)
 
     def _stats_problems(self) -> list[Problem]:
         self._aux.pop("stats", None)
@@ -265,7 +255,7 @@ def sidecar_path(shards: Sidecars) -> Path:
 def manifest_file(shards: Sidecars) -> Path:
     """The file that lists the shards of ``shards``: shards.json, or metadata.json for saev's
     formats before 1.0.0, which have none (their shards follow from it, protocol.md 9.5)."""
-    return shards.path / (shards.metadata.format.manifest_file or METADATA_FILE)
+    return shards.path / (shards.metadata.rules.manifest_file or METADATA_FILE)
 
 
 def manifest_digest(shards: Sidecars) -> str:
@@ -303,10 +293,3 @@ def find_stats(shards: Sidecars) -> dict[str, Any] | None:
             f"{path}: stats_xxh3_128: expected {obj['stats_xxh3_128']!r}, found {found_digest}: damaged{again}"
         )
     return parse_stats(obj["stats"], md.layers, md.d_model, str(path), md.n_examples * md.tokens_per_ex)
-
-
-def _map(path: Path, dtype: np.dtype[Any], shape: tuple[int, ...]) -> np.memmap[Any, Any]:
-    if int(np.prod(shape, dtype=object)) * dtype.itemsize == 0:
-        return np.zeros(shape, dtype).view(np.memmap)
-    with naming_removal(path.parent, path.name):
-        return np.memmap(path, dtype=dtype, mode="r", shape=shape)

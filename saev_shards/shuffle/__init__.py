@@ -37,8 +37,8 @@ import orjson
 
 from ..errors import AlreadyPublishedError, DiskFullError, ShardsError, WriterBusyError
 from ..fileio import check_free_space, fault_point, naming_disk_full, remove_path, take_lock, write_file_atomic
-from ..format import strict_json_loads
 from ..progress import Progress
+from ..protocol.jsonfile import strict_json_loads
 from ..protocol.staging import staging_dir
 from ..reader import Shards
 from ..reader import open as open_path
@@ -103,7 +103,7 @@ def plan_shuffle(
     """
     shards = source if isinstance(source, Shards) else open_cache(source)
     if root is None:  # beside the source; a remote source's output goes to the local shards root
-        root = shards.path.parent if shards.url is None else shards_roots()[0].path
+        root = shards.files.local_root or shards_roots()[0].path
     return make_plan(
         shards,
         Path(root),
@@ -158,7 +158,7 @@ def shuffle_cache(
         work_dir: where the scratch runs go (default: ``root``); they need about the output's
             size in free space until the end, and are deleted then.
         allow_nonfinite: store inf/NaN (after the cast) instead of raising `NonFiniteError`.
-        exclude_token_ids, max_norm_multiple: the loaders' token masks (`saev_shards.norms`):
+        exclude_token_ids, max_norm_multiple: the loaders' token masks (`saev_shards.reader.norms`):
             positions whose ``token_ids`` value is listed, and positions whose vector at any
             chosen layer is above ``max_norm_multiple`` times its layer's median norm, are left
             out; the output's ``metadata.data["shuffle"]`` records both and how many each

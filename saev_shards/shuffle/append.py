@@ -22,10 +22,10 @@ from typing import Any
 
 import numpy as np
 import numpy.typing as npt
-import xxhash
 
-from ..dtypes import bf16_to_float32
+from ..codecs.bfloat16 import bf16_to_float32
 from ..errors import ShuffleError
+from ..fileio import BlockHasher
 from ..writer import ShardWriter
 from .plan import SOURCE_EXAMPLE, SOURCE_TOKEN, WRITE_QUEUE, ShufflePlan
 from .runs import REGION_ALIGN, RunRecord, load_record, run_file
@@ -141,7 +141,7 @@ def _load_piece(plan: ShufflePlan, index: RunIndex, bucket: int, arrays: _Bucket
         _preadv_exact(fd, views, int(index.offsets[c][bucket]), path)
     finally:
         os.close(fd)
-    h = xxhash.xxh3_128()
+    h = BlockHasher()
     for field, _, _ in plan.layout.regions(n):
         h.update(arrays[field.name][row : row + n].reshape(-1).view(np.uint8).data)
     if h.hexdigest() != record.digests[bucket]:

@@ -17,10 +17,9 @@ from typing import Any
 import numpy as np
 
 from ..errors import ShuffleError
-from ..format import DTYPES, LABELS_DTYPE, PROTOCOL
-from ..metadata import Metadata
-from ..protocol.common import FLOAT8, SCALES_DTYPE
+from ..protocol.common import DTYPES, FLOAT8, LABELS_DTYPE, PROTOCOL, SCALES_DTYPE
 from ..protocol.jsonfile import is_int
+from ..protocol.metadata import Metadata
 from ..reader import Shards
 from ..store.roots import SHUFFLE_PREFIX as WORK_PREFIX
 from ..writer import DIRECT_BLOCK, DIRECT_IN_FLIGHT

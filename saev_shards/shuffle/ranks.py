@@ -44,8 +44,8 @@ import orjson
 from .. import world
 from ..errors import AlreadyPublishedError, ShuffleError, WriterBusyError
 from ..fileio import fault_point, remove_path, take_lock, write_file_atomic
-from ..format import strict_json_loads
 from ..progress import Progress
+from ..protocol.jsonfile import strict_json_loads
 from ..protocol.staging import lock_path, part_record, staging_dir
 from ..reader import Shards
 from ..reader import open as open_path

@@ -36,7 +36,7 @@ from ..fileio import (
     pwrite_direct,
     write_file_atomic,
 )
-from ..format import strict_json_loads
+from ..protocol.jsonfile import strict_json_loads
 
 #: Every field region of a piece starts at a multiple of this (aligned numpy views).
 REGION_ALIGN = 64

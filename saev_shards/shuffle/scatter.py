@@ -19,12 +19,11 @@ from typing import Any
 
 import numpy as np
 import numpy.typing as npt
-import xxhash
 
-from .. import dtypes, float8
+from ..codecs import dtypes, float8
 from ..errors import NonFiniteError, ShuffleError
-from ..fileio import aligned_buffer
-from ..float8 import FLOAT8_DTYPE
+from ..fileio import BlockHasher, aligned_buffer
+from ..protocol.float8 import FLOAT8_DTYPE
 from .order import bucket_of, sort_keys
 from .plan import SOURCE_EXAMPLE, SOURCE_TOKEN, ShufflePlan
 from .runs import RunRecord, run_file, write_record, write_run
@@ -256,7 +255,7 @@ def _write(
     try:
         digests = []
         for k, n in enumerate(record.counts):
-            h = xxhash.xxh3_128()
+            h = BlockHasher()
             for _, offset, nbytes in plan.layout.regions(n):
                 start = int(offsets[k]) + offset
                 h.update(view[start : start + nbytes])

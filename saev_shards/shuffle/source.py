@@ -15,12 +15,12 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
-from .. import norms, token_masks
+from .. import token_masks
 from ..errors import ShuffleError
 from ..fileio import pread_exact
 from ..protocol.common import FLOAT8
 from ..protocol.jsonfile import is_int
-from ..reader import Shards
+from ..reader import Shards, norms
 
 #: Token choices: the patches (content tokens), the [CLS] token, or both.
 TOKEN_CHOICES = ("content", "cls", "all")
@@ -52,7 +52,7 @@ class Selection:
     has_lengths: bool
     #: Token masks (as the loaders'): positions whose ``token_ids`` value is listed are left out ...
     exclude_token_ids: tuple[int, ...] = ()
-    #: ... and those `saev_shards.norms` drops above ``max_norm_multiple`` times the median norm.
+    #: ... and those `saev_shards.reader.norms` drops above ``max_norm_multiple`` times the median norm.
     norm_filter: norms.NormFilter | None = dataclasses.field(default=None, compare=False)
     #: The source's recorded layers.
     recorded: tuple[int, ...] = ()
@@ -92,7 +92,7 @@ def parse_selection(
     progress: bool | None = False,
 ) -> Selection:
     """Check ``layers`` (None, a layer value or a sequence of values), ``tokens`` and the token
-    masks against the source (a norm filter is computed here: `saev_shards.norms`)."""
+    masks against the source (a norm filter is computed here: `saev_shards.reader.norms`)."""
     md = shards.metadata
     recorded = md.layers
     if layers is None:

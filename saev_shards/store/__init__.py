@@ -1,17 +1,20 @@
-"""The shard store: where caches and runs live, how a hash names a cache, local copies, runs.
+"""The shard store, a catalogue of roots: where caches and runs live, how a hash names a
+cache, copies of caches, run folders.
 
 * `roots`: the shards, runs and stage roots, and `resolve` (a path, a full hash or a
   unique prefix -> one cache); `open_cache` (`saev_shards.open`) resolves, then opens;
 * `caches`: what a root holds: `list_caches`, `unpublished` (staging and copying folders
-  with size, age and whether their writer is alive), `remove`, `remove_unpublished`, `summary`;
+  with size, age and whether their writer is alive), `remove`, `remove_unpublished`;
+* `info`: `summary`, what ``saev-shards info`` shows about a cache;
 * `sidecar`: statistics computed for an existing cache, kept in ``<root>/.stats/`` and
   found by `Shards.stats` (`compute_stats`, `write_sidecar`, `find_stats`);
-* `staging`: `stage` / `copy_cache`, a verified, atomic, resumable local copy;
-* `remote`: shards roots in object stores: `push`, `list_remote`, `resolve_remote`,
-  `locate` (a URL, a local reference, or a hash found in a remote root), `remove_remote`,
-  `nested_roots` (roots below a bucket's top); `staging.pull` copies a remote cache to
-  local disk like `stage`;
-* `runs`: run folders (`create_run`, `open_run`, `Run`);
+* `copies`: verified, atomic, resumable copies: `stage` / `copy_cache` / `pull` into a
+  local folder, `push` into a remote root (`CopyOptions`, `TransferReport`; the bytes move
+  through `storage.transfer`);
+* `remote_roots`: shards roots in object stores: `list_remote`, `resolve_remote`,
+  `find_cache` (a URL, a local reference, or a hash found in a remote root), `remove_remote`,
+  `nested_roots` (roots below a bucket's top);
+* `run_folders`: SAE training run folders (`create_run`, `open_run`, `Run`);
 * `doctor`: what is wrong with a run (`doctor`) or with the configured roots
   (`doctor_environment`).
 
@@ -23,6 +26,7 @@
 
 from __future__ import annotations
 
+from ..storage.transfer import TransferReport
 from .caches import (
     KIND_NAMES,
     CacheEntry,
@@ -36,18 +40,18 @@ from .caches import (
     open_quietly,
     remove,
     remove_unpublished,
-    summary,
     unpublished,
 )
+from .copies import CopyOptions, PushReport, StageReport, copy_cache, pull, push, stage
 from .doctor import Finding, doctor, doctor_environment
+from .info import summary
 from .inuse import Holder, users
-from .remote import (
-    PushReport,
+from .remote_roots import (
     RemoteEntry,
+    find_cache,
     list_remote,
     locate,
     nested_roots,
-    push,
     remote_objects,
     remove_remote,
     resolve_remote,
@@ -72,7 +76,7 @@ from .roots import (
     shards_roots,
     stage_root,
 )
-from .runs import (
+from .run_folders import (
     CHECKPOINT_FILES,
     LINK_ALIASES,
     LINK_NAMES,
@@ -86,7 +90,6 @@ from .runs import (
     runs_linking,
 )
 from .sidecar import SIDECAR_DIR, compute_stats, find_stats, sidecar_path, write_sidecar
-from .staging import StageReport, copy_cache, pull, stage
 
 __all__ = [
     "CHECKPOINT_FILES",
@@ -104,6 +107,7 @@ __all__ = [
     "SIDECAR_DIR",
     "STAGE_ROOT_ENV",
     "CacheEntry",
+    "CopyOptions",
     "Finding",
     "Holder",
     "PathLike",
@@ -113,6 +117,7 @@ __all__ = [
     "Roots",
     "Run",
     "StageReport",
+    "TransferReport",
     "Unpublished",
     "check_not_in_use",
     "check_reference",
@@ -123,6 +128,7 @@ __all__ = [
     "dataset_target",
     "doctor",
     "doctor_environment",
+    "find_cache",
     "find_stats",
     "folder_nbytes",
     "is_live",

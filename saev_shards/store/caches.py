@@ -10,9 +10,6 @@ import shutil
 import time
 import warnings
 from pathlib import Path
-from typing import Any
-
-import numpy as np
 
 from .. import reader
 from ..errors import (
@@ -28,13 +25,13 @@ from ..fileio import (
     take_lock,
     try_flock,
 )
-from ..metadata import Metadata, parse_metadata
+from ..humanize import human_bytes
 from ..protocol import is_cache_name
 from ..protocol.common import MANIFEST_FILE, MAX_METADATA_BYTES, METADATA_FILE
 from ..protocol.jsonfile import read_json_file
+from ..protocol.metadata import Metadata, parse_metadata
 from ..protocol.staging import LOCK_SUFFIX, OLD_LOCK_FILE, STAGING_PREFIX, part_record_shard
-from ..remote.url import is_url
-from ..units import human_bytes
+from ..storage.url import is_url
 from .inuse import users
 from .roots import (
     COPY_PREFIX,
@@ -46,7 +43,6 @@ from .roots import (
     _scan,
     check_reference,
 )
-from .sidecar import sidecar_path
 
 # --------------------------------------------------------------------------------------
 # listing and removing
@@ -404,13 +400,13 @@ def open_cache(ref: PathLike, *, check_hash: bool = True, roots: Roots = None) -
     opens the remote cache (`reader.open_remote`).
     """
     check_reference(ref)
-    from .remote import locate
+    from .remote_roots import find_cache
 
     if is_url(ref):
-        return reader.open(locate(ref, roots), check_hash=check_hash)
+        return reader.open(find_cache(ref, roots), check_hash=check_hash)
     found: Path | str = Path(ref).absolute()
-    if not Path(found).exists():  # a hash, a prefix, or a mistake: `locate` says which
-        found = locate(ref, roots)
+    if not Path(found).exists():  # a hash, a prefix, or a mistake: `find_cache` says which
+        found = find_cache(ref, roots)
     return reader.open(found, check_hash=check_hash)
 
 
@@ -419,119 +415,3 @@ def open_quietly(path: Path, check_hash: bool = True) -> reader.Shards:
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", ProtocolWarning)
         return reader.open(path, check_hash=check_hash)
-
-
-def _disk_bytes(path: Path) -> int:
-    """Bytes of the regular files in ``path`` (links are not followed: a cache holds none)."""
-    with os.scandir(path) as entries:
-        return sum(e.stat(follow_symlinks=False).st_size for e in entries if e.is_file(follow_symlinks=False))
-
-
-def summary(shards: reader.Shards) -> dict[str, Any]:
-    """Everything `saev-shards info` shows about a cache, as plain JSON values (no checksums read)."""
-    md, man = shards.metadata, shards.manifest
-    stats = shards.stats
-    per_layer = None
-    if stats is not None:
-        per_layer = [
-            {
-                "layer": int(layer),
-                "count": int(stats["count"][i]),
-                "nonfinite": int(stats["nonfinite"][i]),
-                "norm_mean": float(stats["norm_mean"][i]),
-                "norm_sq_mean": float(stats["norm_sq_mean"][i]),
-                "var_mean": float(np.mean(stats["var"][i])) if md.d_model else 0.0,
-            }
-            for i, layer in enumerate(stats["layers"])
-        ]
-    return {
-        "hash": md.hash,
-        "path": shards.location,
-        # A remote cache: its URL, and how its reads are verified (per block with blocks.json,
-        # else per whole file); None for a local cache.
-        "url": shards.url,
-        "remote_verification": _remote_verification(shards),
-        "protocol": md.protocol,
-        # How metadata.json is spelled: the protocol's own ("3.0") or one of saev's (protocol 2.1).
-        "dialect": md.dialect,
-        "dialect_summary": md.format.summary,
-        # One of saev's earlier formats (protocol.md 9.5): what it does not record, the rule its
-        # name is the hash by, and what `verify` checks; None for the other dialects.
-        "saev_format": _saev_format(md),
-        "pixel_agg": md.pixel_agg,
-        "family": md.family,
-        "ckpt": md.ckpt,
-        "dataset": md.dataset,
-        "data": md.data,
-        "shape": list(md.shape),
-        "dtype": md.dtype,
-        # float8_e4m3 values are read dequantized, as float16 unless another dtype is asked for.
-        "read_dtype": shards.read_dtype,
-        "layers": list(md.layers),
-        # Protocol 3.2: what each layer slot holds, "module:input" or "module:output" (None: block outputs).
-        "sites": None if md.sites is None else [str(site) for site in md.sites],
-        "patches_per_ex": md.patches_per_ex,
-        "cls_token": md.cls_token,
-        "tokens_per_ex": md.tokens_per_ex,
-        "d_model": md.d_model,
-        "n_examples": md.n_examples,
-        "patches_per_shard": md.patches_per_shard,
-        "examples_per_shard": md.examples_per_shard,
-        "n_shards": shards.n_shards,
-        "nbytes": md.nbytes,
-        "scales_nbytes": md.scales_nbytes,
-        "disk_nbytes": _disk_bytes(shards.path) if shards.url is None else _remote_bytes(shards),
-        "checksums": all(d is not None for _, _, d in man.files()),
-        # Protocol 3.1: the bytes each digest of blocks.json covers (None without blocks.json).
-        "block_size": shards.block_size,
-        "shards": [
-            {"name": s.name, "n_examples": s.n_examples, "nbytes": s.nbytes, "xxh3_128": s.xxh3_128} for s in man.shards
-        ],
-        "labels": None if man.labels is None else {"dtype": _dtype(man.labels.dtype), "shape": list(man.labels.shape)},
-        "columns": {k: {"dtype": _dtype(c.dtype), "shape": list(c.shape)} for k, c in sorted(man.columns.items())},
-        "text": {k: {"n_lines": t.n_lines} for k, t in sorted(man.text.items())},
-        "stats": per_layer,
-        # Where they come from: the cache's stats.json, or a sidecar written by `saev-shards stats`.
-        "stats_file": None if stats is None else _stats_file(shards),
-    }
-
-
-def _saev_format(md: Metadata) -> dict[str, Any] | None:
-    fmt = md.format
-    if not fmt.history:
-        return None
-    return {
-        "summary": fmt.summary,
-        "seed": md.seed,
-        "lacks": list(fmt.lacks),
-        "name_rule": fmt.name_rule(),
-        "verify_checks": f"the file sizes, the name ({fmt.name_rule()}), the zero padding",
-        "verify_cannot": "the values (saev recorded no checksums)",
-    }
-
-
-def _stats_file(shards: reader.Shards) -> str:
-    entry = shards.manifest.stats
-    if shards.url is not None:
-        root = shards.url.rsplit("/", 1)[0]
-        return shards.files.where(entry.name) if entry is not None else f"{root}/.stats/{shards.metadata.hash}.json"
-    return str(shards.path / entry.name if entry is not None else sidecar_path(shards))
-
-
-def _remote_verification(shards: reader.Shards) -> str | None:
-    """How reads of a remote cache are checked: ``"per block"`` or ``"per file"``; None locally."""
-    if shards.url is None:
-        return None
-    per_block = getattr(shards.files, "per_block", None)
-    names = [name for name, _, _ in shards.manifest.blocked_files()]
-    return "per block" if per_block is not None and names and all(per_block(n) for n in names) else "per file"
-
-
-def _remote_bytes(shards: reader.Shards) -> int:
-    """Bytes a remote cache's objects hold: its data files (from the manifest) and JSON files."""
-    data = sum(n for _, n, _ in shards.manifest.files())
-    return data + sum(p.stat().st_size for p in shards.path.iterdir() if p.is_file())
-
-
-def _dtype(spelling: str) -> str:
-    return np.dtype(spelling).name  # "|u1" -> "uint8": the manifest's spelling is for machines

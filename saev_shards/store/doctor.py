@@ -15,7 +15,7 @@ from ..errors import (
 )
 from .caches import list_unpublished, open_quietly
 from .roots import PathLike, Root, Roots, _scan, runs_root, shards_roots, stage_root
-from .runs import CHECKPOINT_FILES, LINK_NAMES, Run, compare_caches, dataset_target, open_run
+from .run_folders import CHECKPOINT_FILES, LINK_NAMES, Run, compare_caches, dataset_target, open_run
 
 
 def _one_line(err: Exception, cache: Path) -> str:
@@ -59,53 +59,9 @@ def doctor(
         add("error", "links/", "missing; expected a folder of symlinks " + ", ".join(LINK_NAMES))
     else:
         for name in LINK_NAMES:
-            link = r.link(name)
-            subject = f"links/{link.name}"
-            if not os.path.lexists(link):
-                cache_of = opened.get(name.replace("-dataset", "-shards"))
-                if name == "train-shards":
-                    add("error", subject, "missing")
-                elif name.endswith("-dataset") and cache_of is not None:
-                    target, why = dataset_target(cache_of.metadata)
-                    if target is None:
-                        add("note", subject, f"not linked: {why} (training needs only the shards)")
-                    else:
-                        add("warning", subject, f"missing, though the cache's dataset {target} exists here")
-                else:
-                    add("note", subject, "not linked (optional)")
-                continue
-            if link.is_symlink() and not link.exists():
-                add("error", subject, f"dangling: points to {os.readlink(link)}, which does not exist")
-                continue
-            shown = f"-> {os.readlink(link)}" if link.is_symlink() else "(a real folder, not a symlink)"
-            if not link.is_symlink():
-                add("warning", subject, "not a symlink; runs should link to the one shared copy")
-            if name.endswith("-dataset"):  # a folder of images, or the one file a text dump read
-                if link.is_dir() or link.is_file():
-                    add("ok", subject, shown)
-                else:
-                    add("error", subject, f"{shown}: not a folder or a regular file")
-                continue
-            target = link.resolve()
-            try:
-                cache = open_quietly(target)
-            except ShardsError as err:
-                add("error", subject, f"{shown}: not a valid cache: {_one_line(err, target)}")
-                continue
-            opened[name] = cache
-            if verify:
-                try:
-                    with warnings.catch_warnings():
-                        warnings.simplefilter("ignore")
-                        nbytes = cache.verify(progress=progress)
-                except ShardsError as err:
-                    add("error", subject, f"{shown}: verification failed: {_one_line(err, target)}")
-                    continue
-                verified = f", {nbytes:,} bytes verified"
-            else:
-                verified = ""
-            md = cache.metadata
-            add("ok", subject, f"{shown} ({md.n_examples:,} examples, {md.dtype}, layers {list(md.layers)}{verified})")
+            cache = _check_link(r, name, opened, add, verify, progress)
+            if cache is not None:
+                opened[name] = cache
         checked = {r.link(name).name for name in LINK_NAMES}
         for e in sorted(_scan(r.links_dir), key=lambda e: e.name):
             p = Path(e.path)
@@ -115,30 +71,91 @@ def doctor(
                 add("error", f"links/{e.name}", f"dangling: points to {os.readlink(p)}, which does not exist")
     if not r.inference_root.is_dir():
         add("warning", "inference/", f"missing; saev's own Run refuses a run without it (mkdir {r.inference_root})")
-    if not r.checkpoint_dir.is_dir():
-        add("error", "checkpoint/", "missing; expected the folder training writes into")
-    else:
-        for fname in CHECKPOINT_FILES:
-            p = r.checkpoint_dir / fname
-            subject = f"checkpoint/{fname}"
-            if not p.exists():
-                if p.is_symlink():
-                    add("error", subject, f"dangling: points to {os.readlink(p)}, which does not exist")
-                elif require_checkpoint:
-                    add("error", subject, "missing")
-                else:
-                    add("note", subject, "not written yet (the run has not been trained)")
-            elif not p.is_file():
-                add("error", subject, "not a regular file")
-            elif p.stat().st_size == 0:
-                add("error", subject, "empty file")
-            else:
-                add("ok", subject, f"{p.stat().st_size:,} bytes")
+    _check_checkpoint(r, add, require_checkpoint)
     train, val = opened.get("train-shards"), opened.get("val-shards")
     if train is not None and val is not None:
         for problem in compare_caches(train.metadata, val.metadata):
             add("warning", "links/val-shards", problem)
     return findings
+
+
+#: How `doctor`'s checks report a finding: ``add(level, subject, message)``.
+_Add = Callable[[str, str, str], None]
+
+
+def _check_link(
+    r: Run, name: str, opened: dict[str, reader.Shards], add: _Add, verify: bool, progress: bool | None
+) -> reader.Shards | None:
+    """Check the link ``name`` of the run ``r``; the cache it leads to, opened, if it does."""
+    link = r.link(name)
+    subject = f"links/{link.name}"
+    if not os.path.lexists(link):
+        cache_of = opened.get(name.replace("-dataset", "-shards"))
+        if name == "train-shards":
+            add("error", subject, "missing")
+        elif name.endswith("-dataset") and cache_of is not None:
+            target, why = dataset_target(cache_of.metadata)
+            if target is None:
+                add("note", subject, f"not linked: {why} (training needs only the shards)")
+            else:
+                add("warning", subject, f"missing, though the cache's dataset {target} exists here")
+        else:
+            add("note", subject, "not linked (optional)")
+        return None
+    if link.is_symlink() and not link.exists():
+        add("error", subject, f"dangling: points to {os.readlink(link)}, which does not exist")
+        return None
+    shown = f"-> {os.readlink(link)}" if link.is_symlink() else "(a real folder, not a symlink)"
+    if not link.is_symlink():
+        add("warning", subject, "not a symlink; runs should link to the one shared copy")
+    if name.endswith("-dataset"):  # a folder of images, or the one file a text dump read
+        if link.is_dir() or link.is_file():
+            add("ok", subject, shown)
+        else:
+            add("error", subject, f"{shown}: not a folder or a regular file")
+        return None
+    target = link.resolve()
+    try:
+        cache = open_quietly(target)
+    except ShardsError as err:
+        add("error", subject, f"{shown}: not a valid cache: {_one_line(err, target)}")
+        return None
+    verified = ""
+    if verify:
+        try:
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                nbytes = cache.verify(progress=progress)
+        except ShardsError as err:
+            add("error", subject, f"{shown}: verification failed: {_one_line(err, target)}")
+            return cache
+        verified = f", {nbytes:,} bytes verified"
+    md = cache.metadata
+    add("ok", subject, f"{shown} ({md.n_examples:,} examples, {md.dtype}, layers {list(md.layers)}{verified})")
+    return cache
+
+
+def _check_checkpoint(r: Run, add: _Add, require_checkpoint: bool) -> None:
+    """Check the checkpoint folder of the run ``r`` and the files training writes into it."""
+    if not r.checkpoint_dir.is_dir():
+        add("error", "checkpoint/", "missing; expected the folder training writes into")
+        return
+    for fname in CHECKPOINT_FILES:
+        p = r.checkpoint_dir / fname
+        subject = f"checkpoint/{fname}"
+        if not p.exists():
+            if p.is_symlink():
+                add("error", subject, f"dangling: points to {os.readlink(p)}, which does not exist")
+            elif require_checkpoint:
+                add("error", subject, "missing")
+            else:
+                add("note", subject, "not written yet (the run has not been trained)")
+        elif not p.is_file():
+            add("error", subject, "not a regular file")
+        elif p.stat().st_size == 0:
+            add("error", subject, "empty file")
+        else:
+            add("ok", subject, f"{p.stat().st_size:,} bytes")
 
 
 def doctor_environment(roots: Roots = None, runs_root_arg: PathLike | None = None) -> list[Finding]:

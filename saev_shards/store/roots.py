@@ -33,7 +33,7 @@ from ..errors import (
 from ..protocol import is_cache_name
 from ..protocol.jsonfile import short_repr
 from ..protocol.staging import STAGING_PREFIX
-from ..remote.url import is_url, split_roots
+from ..storage.url import is_url, split_roots
 
 PathLike = str | os.PathLike[str]
 Roots = PathLike | Sequence[PathLike] | None
@@ -88,7 +88,7 @@ def _given(roots: Roots) -> list[PathLike]:
 
 def remote_roots(roots: Roots = None) -> list[str]:
     """The remote shards roots (URLs such as ``s3://bucket/shards``) among ``roots``, else among
-    ``$SAEV_SHARDS_ROOT``; searched after the local ones (`store.remote.locate`)."""
+    ``$SAEV_SHARDS_ROOT``; searched after the local ones (`store.remote_roots.find_cache`)."""
     given = _given(roots)
     if given:
         return [str(p) for p in given if is_url(p)]

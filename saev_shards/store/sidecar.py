@@ -33,9 +33,8 @@ import xxhash
 from .. import reader
 from ..errors import StatsFileError
 from ..fileio import file_kind, naming_disk_full, write_file_atomic
-from ..format import pretty_json
 from ..progress import Progress
-from ..protocol.v3 import parse_stats
+from ..protocol.v3 import parse_stats, pretty_json
 from ..reader.sidecars import SIDECAR_DIR, SIDECAR_KEYS, find_stats, manifest_digest, sidecar_path
 from ..statistics import STATS_CHUNK, StatsAccumulator
 
@@ -89,18 +88,19 @@ def write_sidecar(shards: reader.Shards, stats: dict[str, Any]) -> Path:
     }
     data = pretty_json(obj)
     _write_in_sidecar_folder(path, data)
-    if shards.url is not None:  # a remote cache: the sidecar goes beside it, in its root (protocol.md 6.1)
-        from ..remote.client import Client
-
-        Client(shards.url.rsplit("/", 1)[0]).put(f"{SIDECAR_DIR}/{shards.metadata.hash}.json", data)
+    # A remote cache's sidecar goes beside it, in its root (protocol.md 6.1), where other readers look.
+    shards.files.share_beside(_sidecar_name(shards), data)
     return path
 
 
 def sidecar_location(shards: reader.Shards) -> str:
     """Where the statistics sidecar of ``shards`` lives, for people: a path, or a URL in a remote root."""
-    if shards.url is not None:
-        return f"{shards.url.rsplit('/', 1)[0]}/{SIDECAR_DIR}/{shards.metadata.hash}.json"
-    return str(sidecar_path(shards))
+    return shards.files.beside(_sidecar_name(shards))
+
+
+def _sidecar_name(shards: reader.Shards) -> str:
+    """The sidecar's name in the root (``.stats/<hash>.json``: `sidecar_path` in the local root)."""
+    return f"{SIDECAR_DIR}/{shards.metadata.hash}.json"
 
 
 def _write_in_sidecar_folder(path: Path, data: bytes) -> None:

@@ -41,8 +41,6 @@ from ..fileio import (
     write_all,
     write_file_atomic,
 )
-from ..manifest import ArrayEntry, FileEntry, Manifest, ShardEntry, ShardList, TextEntry
-from ..metadata import Metadata
 from ..protocol.common import (
     BLOCKS_FILE,
     FLOAT8,
@@ -58,6 +56,8 @@ from ..protocol.common import (
     text_file,
 )
 from ..protocol.jsonfile import strict_json_loads
+from ..protocol.manifest import ArrayEntry, FileEntry, Manifest, ShardEntry, ShardList, TextEntry
+from ..protocol.metadata import Metadata
 from ..protocol.staging import ACTS, SCALES, is_staging_only, lock_path, part_file, part_record, staging_dir
 from ..protocol.v3 import pretty_json
 from ..protocol.v31 import blocks_bytes, blocks_entry
@@ -153,7 +153,7 @@ def _validate(md: Metadata, staging: Path, commit: _Commit | None, verify: bool)
     if len(stream_sets) > 1:
         raise WriterError(f"{staging}: shards were written with different streams: {sorted(stream_sets)}")
     files = Problems(WriterError, sep="\n  ")
-    block_size = md.format.block_size
+    block_size = md.rules.block_size
     for r in records:
         k = r["shard"]
         if md.dtype == FLOAT8 and r.get("scales") is None:
@@ -215,7 +215,7 @@ def _assemble(
         )
     # Protocol 3.1: the block digests of every file, from the records for the files published
     # as written, computed while joining for the others.
-    block_size = md.format.block_size
+    block_size = md.rules.block_size
     blocks: dict[str, list[str]] = {}
     if block_size is not None:
         for r in records:
@@ -269,13 +269,13 @@ def _assemble(
         (name, (nbytes, digest)) for name, nbytes, digest in manifest.files()
     )
     files[METADATA_FILE] = ((staging / METADATA_FILE).stat().st_size, None)
-    sidecars = md.format.sidecars(manifest, md)
+    sidecars = md.rules.sidecars(manifest, md)
     for name, data in sidecars.items():  # before shards.json: it commits what they say
         write_file_atomic(staging / name, data, durable, note=_FINALIZE_NOTE)
         files[name] = (len(data), None)
     if sidecars:
         fault_point("checksums-written")
-    manifest_bytes = md.format.manifest_bytes(manifest, md)
+    manifest_bytes = md.rules.manifest_bytes(manifest, md)
     write_file_atomic(staging / MANIFEST_FILE, manifest_bytes, durable, note=_FINALIZE_NOTE)  # the commit point
     files[MANIFEST_FILE] = (len(manifest_bytes), None)
     fault_point("manifest-written")
@@ -297,12 +297,12 @@ def _read_commit(staging: Path, md: Metadata) -> _Commit | None:
     written) and it lists exactly ``md``'s shards, each with its digest; else None (nothing
     committed)."""
     try:
-        manifest, problems = md.format.load_manifest(staging, md)
+        manifest, problems = md.rules.load_manifest(staging, md)
         if manifest is None or problems:
             return None
         files: dict[str, tuple[int, str | None]] = {
             name: (os.lstat(staging / name).st_size, None)
-            for name in (METADATA_FILE, MANIFEST_FILE, *md.format.sidecar_names)
+            for name in (METADATA_FILE, MANIFEST_FILE, *md.rules.sidecar_names)
         }
     except (OSError, ValueError):
         return None
@@ -333,14 +333,14 @@ def _read_commit(staging: Path, md: Metadata) -> _Commit | None:
 
 def _empty_shard_names(md: Metadata) -> list[str]:
     """The all-zero shard files the dialect's writer leaves after the last shard (protocol.md 9)."""
-    return [shard_name(md.n_shards + i) for i in range(md.format.empty_shards(md))]
+    return [shard_name(md.n_shards + i) for i in range(md.rules.empty_shards(md))]
 
 
 def _is_derived(name: str, md: Metadata) -> bool:
     """Files finalizing makes from the parts (and may make again): joins, stats, empty shards,
     the manifest and its sidecars."""
     return (
-        name in (LABELS_FILE, STATS_FILE, BLOCKS_FILE, MANIFEST_FILE, *md.format.sidecar_names, *_empty_shard_names(md))
+        name in (LABELS_FILE, STATS_FILE, BLOCKS_FILE, MANIFEST_FILE, *md.rules.sidecar_names, *_empty_shard_names(md))
         or (name.startswith("column.") and name.endswith(".bin"))
         or (name.startswith("text.") and name.endswith(".jsonl"))
     )
@@ -358,7 +358,7 @@ def _unfinalize(staging: Path, md: Metadata) -> None:
 def _write_empty_shard(staging: Path, md: Metadata, name: str, durable: bool) -> ShardEntry:
     """An all-zero, full-size shard file listed with ``n_examples`` 0, as saev's writer leaves one."""
     nbytes = md.examples_per_shard * md.example_nbytes
-    h = xxhash.xxh3_128()
+    h = BlockHasher()
     zeros = memoryview(bytes(min(nbytes, IO_CHUNK)))
     path = staging / name
     with naming_disk_full(path, nbytes, _FINALIZE_NOTE), open(path, "wb", buffering=0) as out:
@@ -396,7 +396,7 @@ def _join(
     """Concatenate stream ``key``'s per-shard parts, in shard order, into ``name``; ``(nbytes,
     digest)``. With a block size (protocol 3.1) the digests of its blocks go to ``blocks[name]``,
     computed as it is written."""
-    h = BlockHasher(md.format.block_size)
+    h = BlockHasher(md.rules.block_size)
     total = 0
     out_path = staging / name
     buffer = memoryview(bytearray(IO_CHUNK))
@@ -406,6 +406,6 @@ def _join(
                 total += stream(f, out, h, buffer=buffer)
         if durable:
             os.fsync(out.fileno())
-    if md.format.block_size is not None:
+    if md.rules.block_size is not None:
         blocks[name] = h.block_hexdigests()
     return total, h.hexdigest()

@@ -10,7 +10,6 @@ from typing import Any
 
 from ..errors import WriterBusyError, WriterError
 from ..fileio import BlockHasher, fault_point, hash_file, make_owner_writable, remove_path, take_lock, write_file_atomic
-from ..metadata import Metadata
 from ..protocol.common import (
     FLOAT8,
     LABELS_FILE,
@@ -22,6 +21,7 @@ from ..protocol.common import (
     text_file,
 )
 from ..protocol.jsonfile import strict_json_loads
+from ..protocol.metadata import Metadata
 from ..protocol.staging import ACTS, SCALES, part_file, part_record, range_lock, staging_dir
 from ..statistics import StatsAccumulator
 from .finalize import _read_commit, _unfinalize
@@ -154,7 +154,7 @@ def _load_record(staging: Path, md: Metadata, k: int) -> dict[str, Any] | None:
         for key, info in [*published, *record["streams"].items()]:
             # The files published as written get their block digests (protocol 3.1) from this
             # pass, whatever the record says: the same bytes, the same digests.
-            hasher = BlockHasher(md.format.block_size if key in (ACTS, SCALES) else None)
+            hasher = BlockHasher(md.rules.block_size if key in (ACTS, SCALES) else None)
             nbytes, digest = hash_file(staging / part_file(k, key), hasher=hasher)
             if nbytes != info["nbytes"] or digest != info["xxh3_128"]:
                 return None

@@ -15,11 +15,13 @@ import numpy as np
 import numpy.typing as npt
 import orjson
 
-from .. import dtypes, float8, world
+from .. import world
+from ..codecs import dtypes, float8
 from ..errors import MetadataError, NonFiniteError, Problems, ProtocolWarning, WriterError
-from ..metadata import Metadata
 from ..protocol.common import COLUMN_DTYPES, FIELD_NAME_RE, FLOAT8, LABELS_DTYPE
+from ..protocol.float8 import FLOAT8_DTYPE, NAN_BYTE, SCALE_RULE, describe_scale, odd_scales, scales_plain
 from ..protocol.jsonfile import is_int
+from ..protocol.metadata import Metadata
 from ..protocol.saev_code import SAEV_ROOT_PARTS
 from ..protocol.staging import SCALES, staging_dir
 from .direct import _release_buffers
@@ -449,13 +451,13 @@ def _nonfinite_error(md: Metadata, original: Any, arr: npt.NDArray[Any], first: 
 
 def _check_writable(root: Path, md: Metadata, extras: bool) -> None:
     """Raise if ``md``'s dialect cannot hold this cache; warn where saev would not find it."""
-    if not md.format.holds_extras and extras:
+    if not md.rules.holds_extras and extras:
         raise WriterError(
-            f"protocol {md.protocol} caches ({md.format.summary}) hold activations and labels only; use protocol 3.0"
+            f"protocol {md.protocol} caches ({md.rules.summary}) hold activations and labels only; use protocol 3.0"
         )
-    with Problems(MetadataError, head=f"cannot write a {md.format.summary} cache: ") as problems:
-        md.format.check_writable(md, problems)
-    if md.format.legacy and root.absolute().parts[-2:] != SAEV_ROOT_PARTS:
+    with Problems(MetadataError, head=f"cannot write a {md.rules.summary} cache: ") as problems:
+        md.rules.check_writable(md, problems)
+    if md.rules.legacy and root.absolute().parts[-2:] != SAEV_ROOT_PARTS:
         warnings.warn(
             f"{root.absolute()}: saev's readers look for caches in a folder ending in saev/shards/<name> "
             "(its writers want a root ending in saev/shards); this cache opens here with saev_shards only, "
@@ -491,9 +493,9 @@ def _quantized(md: Metadata, values: Any, scales: Any) -> tuple[npt.NDArray[Any]
         raise WriterError(f"scales: a {md.dtype} cache has no scales (only float8_e4m3 caches take quantized values)")
     arr = _to_numpy(values)
     if arr.dtype == np.uint8:
-        arr = arr.view(float8.FLOAT8_DTYPE)
+        arr = arr.view(FLOAT8_DTYPE)
     want = md.shard_shape[1:]
-    if arr.dtype != float8.FLOAT8_DTYPE or arr.ndim != 4 or arr.shape[1:] != want:
+    if arr.dtype != FLOAT8_DTYPE or arr.ndim != 4 or arr.shape[1:] != want:
         raise WriterError(
             f"acts: with scales, expected float8_e4m3fn values (or their uint8 bytes) of shape (B, {want[0]}, "
             f"{want[1]}, {want[2]}), found {arr.dtype} {tuple(arr.shape)}"
@@ -501,16 +503,16 @@ def _quantized(md: Metadata, values: Any, scales: Any) -> tuple[npt.NDArray[Any]
     s = _to_numpy(scales)
     if s.dtype != np.float32 or s.shape != arr.shape[:3]:
         raise WriterError(f"scales: expected float32 of shape {arr.shape[:3]}, found {s.dtype} {tuple(s.shape)}")
-    if not float8.scales_plain(s):  # the scale rule's (protocol.md 5), as every reader checks it
-        odd, nan = float8.odd_scales(s)
+    if not scales_plain(s):  # the scale rule's (protocol.md 5), as every reader checks it
+        odd, nan = odd_scales(s)
         if odd.size:
             at = tuple(int(i) for i in np.unravel_index(int(odd[0]), s.shape))
             raise WriterError(
-                f"scales: {float8.SCALE_RULE}, found {float8.describe_scale(s.reshape(-1)[odd[0]])} at (example, "
+                f"scales: {SCALE_RULE}, found {describe_scale(s.reshape(-1)[odd[0]])} at (example, "
                 f"layer, token) {at} of the batch ({odd.size} such scales)"
             )
         rows = arr.view(np.uint8).reshape(-1, arr.shape[-1])[nan]
-        if not (rows == float8.NAN_BYTE).all():
+        if not (rows == NAN_BYTE).all():
             raise WriterError("scales: a NaN scale is that of a vector stored as NaN, whose bytes are all 0x7f")
     # Fresh copies: the caller may reuse its buffers while the writer writes in the background.
     return np.array(arr, order="C"), True, np.array(s, order="C")

@@ -17,8 +17,8 @@ from typing import Any
 import numpy as np
 
 from ..fileio import bytes_on_disk
-from ..metadata import Metadata
 from ..protocol.common import MANIFEST_FILE
+from ..protocol.metadata import Metadata
 from ..protocol.staging import part_record, staging_dir
 from .shard_writer import rank_shards
 

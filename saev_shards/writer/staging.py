@@ -13,7 +13,7 @@ from pathlib import Path
 
 from ..errors import AlreadyPublishedError, WriterBusyError
 from ..fileio import fault_point, take_lock
-from ..metadata import Metadata
+from ..protocol.metadata import Metadata
 from ..protocol.staging import lock_path, staging_dir
 
 

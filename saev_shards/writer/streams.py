@@ -26,7 +26,7 @@ import orjson
 
 from ..errors import WriterBusyError
 from ..fileio import IO_CHUNK, BlockHasher, fault_point, naming_disk_full, try_flock, write_file_atomic
-from ..metadata import Metadata
+from ..protocol.metadata import Metadata
 from ..protocol.staging import SCALES, part_file, part_record
 from . import direct
 from .stats import _StatsPass
@@ -123,7 +123,7 @@ class _Parts:
         self.cursors: dict[str, _Cursor] = {}
         self.done: dict[int, dict[str, dict[str, Any]]] = {}  # shard -> stream -> part info
         #: Protocol 3.1: the files published as written are digested per block of this size.
-        self.block_size = md.format.block_size
+        self.block_size = md.rules.block_size
         #: A float8_e4m3 cache's scales: float32 ``(L, T)`` per example, sealed with the rest.
         self.scales_spec = _StreamSpec(SCALES, np.dtype("<f4"), md.shard_shape[1:3])
 

@@ -347,7 +347,7 @@ def _rewrite_sidecar(path: Path, change: Any) -> None:
     """Edit a sidecar's statistics and recompute its digest, as a careful vandal would."""
     import xxhash
 
-    from saev_shards.format import pretty_json
+    from saev_shards.protocol.v3 import pretty_json
 
     obj = json.loads(path.read_text())
     change(obj["stats"])

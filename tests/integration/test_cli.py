@@ -17,7 +17,7 @@ import pytest
 
 import saev_shards as ss
 from saev_shards import cli
-from saev_shards.units import human_bytes
+from saev_shards.humanize import human_bytes
 
 from ..support.caches import colliding_metadata, small_metadata, tree_bytes, writable_copy, write_cache
 from ..support.cli import cli_with_ctrl_c
@@ -606,7 +606,7 @@ def test_a_reader_that_goes_away_is_not_an_error(st: Store):
 
 @pytest.mark.slow
 def test_docs_walkthrough_is_the_real_output():
-    """docs/cli.md shows what docs/walkthrough.sh prints; rerun the script when this fails.
+    """docs/store.md shows what docs/walkthrough.sh prints; rerun the script when this fails.
 
     It runs in /tmp/demo, as documented: the caches' hashes depend on their dataset paths.
     """
@@ -620,10 +620,11 @@ def test_docs_walkthrough_is_the_real_output():
             check=False, capture_output=True, text=True, env=clean_env(), timeout=300,
         )  # fmt: skip
     assert proc.returncode == 0, proc.stderr
-    documented = (repo / "docs" / "cli.md").read_text().split("```console\n", 1)[1].rsplit("```", 1)[0]
+    walkthrough = (repo / "docs" / "store.md").read_text().split("## A terminal walk-through\n", 1)[1]
+    documented = walkthrough.split("```console\n", 1)[1].rsplit("```", 1)[0]
     assert proc.stdout.rstrip("\n") + "\n" == documented
-    # README.md shows an excerpt: every command it shows, with its output, is in the real run.
-    section = (repo / "README.md").read_text().split("## Command line\n", 1)[1]
+    # docs/cli.md shows an excerpt: every command it shows, with its output, is in the real run.
+    section = (repo / "docs" / "cli.md").read_text().split("## An example session\n", 1)[1]
     excerpt = section.split("```console\n", 1)[1].split("```", 1)[0]
     for step in excerpt.strip("\n").split("\n\n"):
         assert step + "\n" in proc.stdout, step

@@ -285,6 +285,6 @@ def test_convert_to_float8_and_back(tmp_path: Path) -> None:
     assert f16.dtype == "float16" and f16.path != f8.path
     assert "dequantized to float16" in back.err + back.out
     x = values.acts
-    _, scales = ss.float8.quantize_numpy(x)
-    bound = ss.float8.error_bound(x, scales) + np.abs(x) * 2.0**-11 + 2.0**-25  # and float16's rounding
+    _, scales = ss.codecs.float8.quantize_numpy(x)
+    bound = ss.codecs.float8.error_bound(x, scales) + np.abs(x) * 2.0**-11 + 2.0**-25  # and float16's rounding
     assert (np.abs(f16[:].astype(np.float64) - x) <= bound).all()

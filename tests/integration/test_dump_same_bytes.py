@@ -23,11 +23,11 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import saev_shards as ss
-from saev_shards import dtypes, float8
 from saev_shards import dump as dump_mod
+from saev_shards.codecs import dtypes, float8
 from saev_shards.dump import TextEncoder
+from saev_shards.dump.recorder import Recorder
 from saev_shards.errors import ConfigError, DumpError, NameNotFoundError
-from saev_shards.recorder import Recorder
 from saev_shards.statistics import StatsAccumulator
 from saev_shards.writer import stats as writer_stats
 from saev_shards.writer.stats import _StatsPass

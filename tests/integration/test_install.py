@@ -257,7 +257,7 @@ CORE_TESTS = [
 FLOAT8_BYTES = """
 import sys
 import numpy as np
-from saev_shards import float8
+from saev_shards.codecs import float8
 
 expected = np.load(sys.argv[1])
 q, s = float8.quantize_numpy(expected["x"])
@@ -277,7 +277,7 @@ def test_the_oldest_versions_the_metadata_allows_write_and_read_caches(wheel: Pa
     """numpy, orjson, xxhash and ml-dtypes at the lower bounds of the wheel's own metadata: the
     core's unit tests (writing, reading, verifying, golden bytes, float8_e4m3 included) pass,
     and float8 quantizes to the very bytes the pinned ml-dtypes gives."""
-    from saev_shards import float8
+    from saev_shards.codecs import float8
 
     bounds = lower_bounds(wheel)
     assert set(bounds) == {"numpy", "orjson", "xxhash", "ml-dtypes"}, bounds

@@ -298,7 +298,7 @@ def test_a_fault_that_persists_is_a_clear_error(
     remote_url = pushed(s3, local).location
     fresh_block_cache(tmp_path, monkeypatch)
     monkeypatch.setenv("SAEV_SHARDS_REMOTE_RETRIES", "1")
-    monkeypatch.setattr("saev_shards.remote.files.VERIFY_BACKOFF", 0.01)
+    monkeypatch.setattr("saev_shards.storage.units.VERIFY_BACKOFF", 0.01)
     remote = ss.open(remote_url)
     s3.faults.add(kind, "acts000002.bin", times=-1)
     expected: type[Exception] = ChecksumMismatchError if kind != "slowdown" else ss.errors.RemoteError
@@ -349,7 +349,7 @@ def test_reads_are_verified_per_block_where_the_manifest_has_block_digests(
 
     url = pushed(s3, local).location
     fresh_block_cache(tmp_path, monkeypatch)
-    monkeypatch.setattr("saev_shards.remote.files.VERIFY_BACKOFF", 0.01)
+    monkeypatch.setattr("saev_shards.storage.units.VERIFY_BACKOFF", 0.01)
     remote = ss.open(url)
     size = 64
     data = {name: (local[0].path / name).read_bytes() for name, _, _ in local[0].manifest.files()}
@@ -631,11 +631,12 @@ def test_two_processes_share_one_block_cache(
     assert not list((folder / "tmp").glob("*")) if (folder / "tmp").exists() else True
 
 
-def test_the_readme_commands_run_as_written(s3: S3, local: tuple[ss.Shards, Any], tmp_path: Path) -> None:
-    """README.md's "Caches in object stores" block, run by bash against the test server (the
-    install line is what built this environment; the AWS variables point at the server)."""
-    readme = (Path(__file__).resolve().parents[2] / "README.md").read_text()
-    block = readme.split("## Caches in object stores\n", 1)[1].split("```bash\n", 1)[1].split("```", 1)[0]
+def test_the_push_pull_commands_run_as_written(s3: S3, local: tuple[ss.Shards, Any], tmp_path: Path) -> None:
+    """docs/remote.md's "From a local cache to a bucket and back" block, run by bash against the
+    test server (the install line is what built this environment; the AWS variables point at
+    the server)."""
+    page = (Path(__file__).resolve().parents[2] / "docs" / "remote.md").read_text()
+    block = page.split("## From a local cache to a bucket and back\n", 1)[1].split("```bash\n", 1)[1].split("```", 1)[0]
     lines = [line for line in block.splitlines() if not line.startswith(("pip install", "#"))]
     create_bucket(s3.server, "my-bucket")
     env = {

@@ -74,7 +74,7 @@ def block_cache(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
     monkeypatch.setenv("SAEV_SHARDS_BLOCK_CACHE", str(folder))
     monkeypatch.delenv("SAEV_SHARDS_BLOCK_CACHE_BYTES", raising=False)
     monkeypatch.setenv("SAEV_SHARDS_REMOTE_RETRIES", "2")
-    monkeypatch.setattr("saev_shards.remote.files.VERIFY_BACKOFF", 0.01)
+    monkeypatch.setattr("saev_shards.storage.units.VERIFY_BACKOFF", 0.01)
     return folder
 
 
@@ -140,7 +140,7 @@ def test_links_inside_the_block_cache_are_never_followed(
     (block_cache / name).parent.mkdir(parents=True, exist_ok=True)
     os.chmod(block_cache, 0o700)
     (block_cache / name).symlink_to(outside, target_is_directory=True)
-    monkeypatch.setattr("saev_shards.remote.blockcache.STALE_SECONDS", 0)  # every old temporary file is stale
+    monkeypatch.setattr("saev_shards.storage.blockcache.STALE_SECONDS", 0)  # every old temporary file is stale
     cache = BlockCache(block_cache, limit=1)  # every trim removes every entry
     cache.trim(target=0.0)
     assert_intact(files)
@@ -219,7 +219,7 @@ def test_a_full_disk_serves_from_memory_with_one_warning(served: Served, tmp_pat
         assert remote.path.is_dir() and not remote.path.is_relative_to(disk)  # its JSON files: in memory
         assert BlockCache(folder).usage() == 0
         filler.unlink()  # space again: entries are kept again (by a new process, or after the pause)
-        monkeypatch.setattr("saev_shards.remote.blockcache.FULL_PAUSE", 0.0)
+        monkeypatch.setattr("saev_shards.storage.blockcache.FULL_PAUSE", 0.0)
         again = ss.open(served.url)
         np.testing.assert_array_equal(again[:], served.logical)
         again.files.flush()  # type: ignore[attr-defined]

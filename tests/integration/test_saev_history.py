@@ -152,9 +152,9 @@ def test_fixture_opens_reads_and_verifies_in_place(fmt: hist.Format, cache: Path
     with pytest.warns(ss.ProtocolWarning, match=r"read in place by protocol.md section 9.5"):
         shards = ss.open(cache)
     md = shards.metadata
-    assert md.dialect == fmt.dialect and md.format.history and md.hash == cache.name
+    assert md.dialect == fmt.dialect and md.rules.history and md.hash == cache.name
     assert md.to_bytes() == (cache / "metadata.json").read_bytes()  # the dialect knows every key, in order
-    assert md.format.summary.startswith("saev ") and md.format.lacks[-1] == "checksums"
+    assert md.rules.summary.startswith("saev ") and md.rules.lacks[-1] == "checksums"
     check_reads(shards, acts, labels)
     with pytest.warns(UserWarning, match="records no checksums: the sizes of its .* its name and the zero padding"):
         assert shards.verify() == sum(p.stat().st_size for p in cache.glob("*.bin"))
@@ -364,7 +364,7 @@ def test_cli_reads_every_fixture_in_a_read_only_root(open_folder: Path) -> None:
         )
         assert code == 0 and found.strip() == str(root / cache.name), err
         assert code_info == 0, err_info
-        summary = open_quietly(cache).metadata.format.summary
+        summary = open_quietly(cache).metadata.rules.summary
         assert f"format     {summary}: one of saev's earlier formats" in info
         assert "lacks" in info and "cannot check the values" in info
         assert code_verify == 0 and verify.startswith("ok "), err_verify

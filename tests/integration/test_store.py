@@ -416,9 +416,9 @@ def test_create_run_links_the_recorded_dataset_only_when_it_is_a_path_here(run_s
     assert levels(store.doctor(run))["error"] == [
         f"links/train-dataset: dangling: points to {absent}, which does not exist"
     ]
-    # docs/cli.md says these rules (it said the default link was made for an absent path, and a
+    # docs/store.md says these rules (it said the default link was made for an absent path, and a
     # missing train-dataset or a file link were errors).
-    docs = " ".join((Path(__file__).resolve().parents[2] / "docs" / "cli.md").read_text().split())
+    docs = " ".join((Path(__file__).resolve().parents[2] / "docs" / "store.md").read_text().split())
     assert "linked even when that path is absent here (`doctor` then reports the link dangling)" in docs
     assert "only when that is an absolute path that exists on this machine (a folder, or the one file" in docs
     assert "neither a folder nor a regular file" in docs and "a dataset link missing though the cache's dataset" in docs

@@ -12,9 +12,9 @@ import numpy as np
 import numpy.typing as npt
 
 import saev_shards as ss
-from saev_shards.dtypes import float32_to_bf16
-from saev_shards.float8 import FLOAT8_DTYPE
+from saev_shards.codecs.bfloat16 import float32_to_bf16
 from saev_shards.protocol.common import FLOAT8
+from saev_shards.protocol.float8 import FLOAT8_DTYPE
 
 
 def small_metadata(**changes: Any) -> ss.Metadata:

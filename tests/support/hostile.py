@@ -26,7 +26,7 @@ from typing import Any
 import numpy as np
 
 import saev_shards as ss
-from saev_shards.format import content_hash
+from saev_shards.protocol.v3 import content_hash
 
 from .caches import small_metadata, write_cache
 

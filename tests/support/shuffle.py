@@ -9,7 +9,7 @@ import numpy as np
 import numpy.typing as npt
 
 import saev_shards as ss
-from saev_shards import dtypes, float8
+from saev_shards.codecs import dtypes, float8
 from saev_shards.protocol.common import FLOAT8
 from saev_shards.shuffle import CLS_LABEL, shuffle_order
 

@@ -337,6 +337,7 @@ def npy_source(
 def assert_converted(shards: Any, expected: Expected, dtype: str = "float16") -> None:
     """Every value, layer, length, column and text of ``shards`` equals what the source held."""
     import saev_shards as ss
+    from saev_shards.codecs.bfloat16 import float32_to_bf16
 
     assert shards.metadata.layers == expected.layers
     assert shards.shape == expected.acts.shape
@@ -346,7 +347,7 @@ def assert_converted(shards: Any, expected: Expected, dtype: str = "float16") ->
     elif dtype == "float16":
         want = expected.acts.astype(np.float16).astype(np.float32)
     else:
-        want = ss.bf16_to_float32(ss.dtypes.float32_to_bf16(expected.acts))
+        want = ss.bf16_to_float32(float32_to_bf16(expected.acts))
     np.testing.assert_array_equal(stored, want)
     for name, column in expected.columns.items():
         np.testing.assert_array_equal(shards.columns[name], column, err_msg=name)

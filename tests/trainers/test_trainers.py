@@ -134,6 +134,10 @@ def test_every_trainer_block_is_run_here() -> None:
     """A new trainer's block on the page gets a test here (the others run in make test)."""
     markers = ["from sae_lens import", "from dictionary_learning", "from sparsify import", "from overcomplete.sae"]
     here = ["def activations(loader", "def train(steps, checkpoint", "class Crosscoder(", *markers]
+    here += [
+        "exclude_token_ids=[101, 102, 0],",
+        'ss.open(dump("transcoder.toml"))',
+    ]  # run by make test, test_transcoder
     sources = [source for where, source in blocks() if where.startswith(f"{DOC}:")]
     assert sorted(sum(m in s for m in here) for s in sources) == [1] * len(sources), "a block not planned"
     assert (REPO / DOC).is_file()

@@ -11,19 +11,20 @@ pytest.importorskip("zarr")
 pytest.importorskip("h5py")
 pytest.importorskip("safetensors")
 
-from scripts import formats as F
+from benchmarks.peers import adapters as F
+from benchmarks.peers.data import CacheSpec, Source, files, remove
 
 # 3 shards, the last one short: 7 examples x 3 layers x 5 tokens x 16 dims.
-SPEC = F.CacheSpec(n_examples=7, n_layers=3, tokens=5, d_model=16, examples_per_shard=3)
+SPEC = CacheSpec(n_examples=7, n_layers=3, tokens=5, d_model=16, examples_per_shard=3)
 
 
 @pytest.fixture(scope="module")
-def source() -> F.Source:
-    return F.Source(SPEC, seed=1, extra_nbytes=4096)
+def source() -> Source:
+    return Source(SPEC, seed=1, extra_nbytes=4096)
 
 
-def test_source_is_deterministic_and_examples_differ(source: F.Source) -> None:
-    again = F.Source(SPEC, seed=1, extra_nbytes=4096)
+def test_source_is_deterministic_and_examples_differ(source: Source) -> None:
+    again = Source(SPEC, seed=1, extra_nbytes=4096)
     logical = np.concatenate([b for _, b in source.batches()])
     assert logical.shape == SPEC.shape and logical.dtype == np.float16
     np.testing.assert_array_equal(logical, np.concatenate([b for _, b in again.batches()]))
@@ -33,13 +34,13 @@ def test_source_is_deterministic_and_examples_differ(source: F.Source) -> None:
 
 
 @pytest.mark.parametrize("key", sorted(F.FORMATS))
-def test_adapter_round_trips(key: str, source: F.Source, tmp_path: Path) -> None:
+def test_adapter_round_trips(key: str, source: Source, tmp_path: Path) -> None:
     fmt = F.FORMATS[key]
     logical = np.concatenate([b for _, b in source.batches()])
     root = tmp_path / key
     root.mkdir()
     path = fmt.write(root, SPEC, source, False)
-    assert F.files(path)
+    assert files(path)
     reader = fmt.open(path, SPEC)
     try:
         out = np.empty((SPEC.tokens, SPEC.d_model), np.float16)
@@ -56,5 +57,5 @@ def test_adapter_round_trips(key: str, source: F.Source, tmp_path: Path) -> None
         np.testing.assert_array_equal(got, logical[gex, glayer, gtok])
     finally:
         reader.close()
-    F.remove(path)
+    remove(path)
     assert not path.exists()

@@ -1,4 +1,4 @@
-"""`scripts/bench_gpu.py`: docs/bench/gpu.md rendered from a results file says what each figure
+"""`benchmarks/gpu.py`: docs/bench/gpu.md rendered from a results file says what each figure
 is limited by and what would close each gap, from the figures alone; a part that did not
 finish is named; the stack sampler files a thread under the stage it is in; and (slow) the
 benchmark runs end to end on a small cache here, CPU only, and its results render."""
@@ -15,7 +15,8 @@ from typing import Any
 
 import pytest
 
-from scripts import bench_gpu as bg
+from benchmarks import gpu as bg
+from benchmarks import gpu_results as gr
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -62,7 +63,7 @@ def gpu_results() -> dict[str, Any]:
         {"data": "float16, device-side shuffle", "tokens_per_s": 1.99e6, "ratio": 0.995, "loader_gbps_needed": 3.06},
         {"data": "float16, host gather, pin_memory", "tokens_per_s": 1.8e6, "ratio": 0.9, "loader_gbps_needed": 2.76},
     ]
-    parts = {p: {"status": "ok", "seconds": 10.0} for p in bg.PARTS}
+    parts = {p: {"status": "ok", "seconds": 10.0} for p in gr.PARTS}
     parts["cuda_tests"] = {"status": "exit 0: 40 passed in 31.2s", "seconds": None}
     return {
         "schema": 1, "started": "2026-11-28 10:00 UTC",
@@ -82,7 +83,7 @@ def gpu_results() -> dict[str, Any]:
 
 
 def test_the_page_has_every_section_and_judges_every_target() -> None:
-    page = bg.render(gpu_results())
+    page = gr.render(gpu_results())
     for heading in ("# GPU node benchmark", "## The machine", "## The tests on this GPU", "## The tables",
                     "## What limits each row", "## Targets, and what would close each gap"):  # fmt: skip
         assert f"\n{heading}\n" in f"\n{page}", heading
@@ -107,7 +108,7 @@ def test_the_page_has_every_section_and_judges_every_target() -> None:
 
 
 def test_each_gap_gets_the_advice_of_what_limits_it() -> None:
-    page = bg.render(gpu_results())
+    page = gr.render(gpu_results())
     advice = page.split("## Targets")[1]
     # the stacked device row: read threads waiting for uploads
     stacked = next(line for line in advice.splitlines() if line.startswith("- stacked layers"))
@@ -128,10 +129,10 @@ def test_parts_that_did_not_finish_are_named_and_nothing_is_invented() -> None:
     data = gpu_results()
     data["parts"]["cold"] = {"status": "stopped at its time limit (90s)", "seconds": None}
     del data["parts"]["threads"], data["tables"]["cold"], data["tables"]["sae"]
-    page = bg.render(data)
+    page = gr.render(data)
     assert "Parts that did not finish: `cold` (stopped at its time limit (90s)); `threads` (not run)." in page
     assert "cold, ShuffledLoader" not in page and "SAE step" not in page
-    empty = bg.render({"parts": {}})
+    empty = gr.render({"parts": {}})
     assert "No target could be judged" in empty and "`build` (not run)" in empty
 
 
@@ -162,12 +163,12 @@ def test_the_sampler_files_threads_under_their_stage() -> None:
 @pytest.mark.slow
 def test_the_benchmark_runs_on_a_cpu_and_renders(tmp_path: Path) -> None:
     """Every part on a 30 MB cache, without CUDA (device modes on the CPU), a second process
-    per part as scripts/gpu_session.sh runs them; the page renders from what they wrote."""
+    per part as benchmarks/gpu_session.sh runs them; the page renders from what they wrote."""
     results = tmp_path / "gpu_results.json"
     env = {**os.environ, "SAEV_BENCH_DIR": str(tmp_path / "bench"), "SAEV_RESULTS_DIR": str(tmp_path / "tables")}
     base = [
         sys.executable,
-        "scripts/bench_gpu.py",
+        "benchmarks/gpu.py",
         "--gb",
         "0.03",
         "--seconds",
@@ -182,11 +183,11 @@ def test_the_benchmark_runs_on_a_cpu_and_renders(tmp_path: Path) -> None:
         )
         assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-4000:]
     data = json.loads(results.read_text())
-    assert all(data["parts"][p]["status"] == "ok" for p in bg.PARTS), data["parts"]
-    assert set(data["tables"]) == set(bg.PARTS) - {"build"}
+    assert all(data["parts"][p]["status"] == "ok" for p in gr.PARTS), data["parts"]
+    assert set(data["tables"]) == set(gr.PARTS) - {"build"}
     page = subprocess.run([*base[:2], "--render", str(results)], cwd=REPO, capture_output=True, text=True, check=True)
     assert "## Targets, and what would close each gap" in page.stdout and "GPU: none" in page.stdout
     marked = subprocess.run([*base[:2], "--results", str(results), "--mark", "cold", "stopped at its time limit"],
                             cwd=REPO, capture_output=True, text=True, check=True)  # fmt: skip
     assert marked.returncode == 0
-    assert "`cold` (stopped at its time limit)" in bg.render(json.loads(results.read_text()))
+    assert "`cold` (stopped at its time limit)" in gr.render(json.loads(results.read_text()))

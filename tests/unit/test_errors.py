@@ -21,9 +21,9 @@ from saev_shards.errors import (
     Problems,
     StatsFileError,
 )
-from saev_shards.metadata import parse_metadata, validate
 from saev_shards.protocol import DIALECTS
 from saev_shards.protocol.checks import JSONChecks
+from saev_shards.protocol.metadata import parse_metadata, validate
 from saev_shards.protocol.v3 import parse_stats
 
 from ..support.caches import small_metadata

@@ -15,8 +15,9 @@ from hypothesis import strategies as st
 from hypothesis.extra import numpy as hnp
 
 import saev_shards as ss
-from saev_shards import float8
-from saev_shards.float8 import FLOAT8_DTYPE
+from saev_shards.codecs import _float8_passes, float8
+from saev_shards.codecs.bfloat16 import float32_to_bf16
+from saev_shards.protocol.float8 import FLOAT8_DTYPE, reference_dequantize, reference_quantize
 
 from ..support.caches import small_metadata
 
@@ -69,8 +70,8 @@ def test_round_trip_is_within_the_bound_per_element(x: np.ndarray[Any, Any]) -> 
     # float16 and bfloat16 are the float32 values rounded once more.
     if float(np.float32(448) * (s.max() if s.size else 0)) < 65520:
         np.testing.assert_array_equal(float8.dequantize(q, s, "float16"), back.astype(np.float16))
-    bf16 = ss.dtypes.convert(q, "float8_e4m3", "bfloat16", s)
-    np.testing.assert_array_equal(bf16, ss.dtypes.float32_to_bf16(back))
+    bf16 = ss.codecs.dtypes.convert(q, "float8_e4m3", "bfloat16", s)
+    np.testing.assert_array_equal(bf16, float32_to_bf16(back))
 
 
 @given(activations())
@@ -85,6 +86,52 @@ def test_torch_and_ml_dtypes_give_the_same_bytes(x: np.ndarray[Any, Any]) -> Non
     ref_q, ref_s = float8.quantize_numpy(half)
     np.testing.assert_array_equal(q_half.view(np.uint8), ref_q.view(np.uint8))
     np.testing.assert_array_equal(s_half, ref_s)  # NaN where NaN
+
+
+@given(activations(), st.sampled_from(["float32", "float16", "float64"]), st.booleans())
+def test_every_engine_gives_the_bytes_of_the_rule_written_out(x: np.ndarray[Any, Any], dtype: str, nan: bool) -> None:
+    """`protocol.float8.reference_quantize` (whole-array numpy, the rule as protocol.md 5 states
+    it) against the engines: torch's cast, ml_dtypes' in chunks on threads, numba's kernel."""
+    with np.errstate(over="ignore"):
+        x = x.astype(dtype)
+    if nan and x.size:
+        x.reshape(-1)[x.size // 2] = np.inf if x.size % 2 else np.nan  # a vector stored as NaN
+    want_q, want_s = reference_quantize(x)
+    engines = {"numpy": float8.quantize_numpy(x), "torch": float8.quantize(torch.from_numpy(x.copy()))}
+    engines["default"] = float8.quantize(x)  # numba's kernel where it is in use
+    for engine, (q, s) in engines.items():
+        np.testing.assert_array_equal(q.view(np.uint8), want_q.view(np.uint8), err_msg=engine)
+        np.testing.assert_array_equal(s.view(np.uint32), want_s.view(np.uint32), err_msg=engine)  # NaN bits too
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float16", "bfloat16"])
+def test_every_dequantizing_engine_gives_the_values_of_the_rule_written_out(dtype: str) -> None:
+    """Every byte times scales across float32's range (zero, subnormal, two multiplies, NaN), by
+    `protocol.float8.reference_dequantize` and by each engine, bit for bit."""
+    scales = np.array([0, 2.0**-140, 3e-39, 1.5e-30, 0.37, 1, 127.99, 128, 300, 1e30, 7e35, np.nan], np.float32)
+    codes = np.tile(np.arange(256, dtype=np.uint8), (len(scales), 1))
+    want = reference_dequantize(codes, scales, dtype)
+    with np.errstate(over="ignore"):
+        got = {"default": float8.dequantize(codes, scales, dtype, checked=True)}
+        with float8.numpy_only():
+            got["numpy"] = float8.dequantize(codes, scales, dtype, checked=True)
+        rows = np.arange(len(scales))[::-1]
+        taken = np.empty((len(rows), 256), got["numpy"].dtype)
+        float8.take_dequantize(codes, scales, rows, taken, dtype, checked=True)
+        got["take"] = taken[::-1]
+    for engine, values in got.items():
+        bits = values.view(np.uint16 if values.itemsize == 2 else np.uint32)
+        nan = np.isnan(want) if dtype != "bfloat16" else np.zeros(want.shape, bool)
+        expected = want.view(bits.dtype)
+        np.testing.assert_array_equal(bits[~nan], expected[~nan], err_msg=engine)
+        assert np.isnan(values[nan]).all(), engine  # NaN of either sign where the byte is a NaN code
+
+
+def test_the_reference_refuses_what_the_rule_does_not_define() -> None:
+    with pytest.raises(TypeError, match="floating-point"):
+        reference_quantize(np.arange(4))
+    with pytest.raises(ValueError, match="dtype: expected one of"):
+        reference_dequantize(np.zeros((1, 2), np.uint8), np.ones(1, np.float32), "float64")
 
 
 @given(activations())
@@ -106,7 +153,7 @@ def test_the_rule_in_torch_ops_gives_the_host_bytes(x: np.ndarray[Any, Any], dty
     specials = np.array([[0.0, -0.0], [1.0, np.nan], [np.inf, 1.0], [1e-44, 0.0], [3e-40, -2e-40]], np.float32)
     for values in (x, specials):
         t = torch.from_numpy(values.copy()).to(getattr(torch, dtype))
-        q, s = float8._quantize_torch(t)
+        q, s = _float8_passes.quantize_torch(t)
         ref_q, ref_s = float8.quantize_numpy(t.to(torch.float32).numpy())
         np.testing.assert_array_equal(q.numpy(), ref_q.view(np.uint8))
         np.testing.assert_array_equal(s.numpy().view(np.uint32), ref_s.view(np.uint32))
@@ -221,7 +268,7 @@ def test_every_read_path_dequantizes_and_refuses_float16_overflow(tmp_path: Path
     np.testing.assert_array_equal(shards.get(4, md.layers[1], 2, dtype="float32"), want[4, 1, 2])
     np.testing.assert_array_equal(shards.read_example(4, 1, dtype="float32"), want[4, 1])
     bf16 = shards.read_range(0, 6, dtype="bfloat16")
-    np.testing.assert_array_equal(bf16, ss.dtypes.float32_to_bf16(want))
+    np.testing.assert_array_equal(bf16, float32_to_bf16(want))
     np.testing.assert_array_equal(shards[:3], want[:3].astype(np.float16))  # the other examples fit
     assert shards.scales is not None
     np.testing.assert_array_equal(shards.scales[4, 1], s[4, 1])

@@ -18,8 +18,8 @@ from hypothesis import strategies as st
 from hypothesis.extra import numpy as hnp
 
 import saev_shards as ss
-from saev_shards import dtypes, float8
-from saev_shards.float8 import FLOAT8_DTYPE
+from saev_shards.codecs import _float8_passes, bfloat16, float8
+from saev_shards.protocol.float8 import FLOAT8_DTYPE
 
 from .test_float8 import FINITE, activations
 
@@ -63,7 +63,7 @@ def reference(codes: np.ndarray[Any, Any], scales: np.ndarray[Any, Any], dtype: 
             return wide
         if dtype == "float16":
             return wide.astype(np.float16)
-    return dtypes.float32_to_bf16(wide)
+    return bfloat16.float32_to_bf16(wide)
 
 
 def assert_bits_equal(got: np.ndarray[Any, Any], want: np.ndarray[Any, Any]) -> None:
@@ -156,7 +156,7 @@ def test_a_thread_that_flushes_subnormals_gets_the_same_values(engine: str) -> N
         if not torch.set_flush_denormal(True):
             return
         try:
-            assert not float8._subnormals_kept()
+            assert not _float8_passes.subnormals_kept()
             for dtype in float8.OUT_DTYPES:
                 got[dtype] = float8.dequantize(codes, scales, dtype)
         finally:

@@ -21,8 +21,8 @@ import pytest
 import xxhash
 
 import saev_shards as ss
-from saev_shards import float8
 from saev_shards.cli import main
+from saev_shards.codecs import float8
 from saev_shards.loaders import (
     ExampleDataset,
     LayerPairDataset,

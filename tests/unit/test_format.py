@@ -13,7 +13,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 import saev_shards as ss
-from saev_shards.format import (
+from saev_shards.protocol.jsonfile import (
     JSON_INT_MAX,
     JSON_INT_MIN,
     MAX_JSON_DEPTH,

@@ -15,8 +15,9 @@ import pytest
 import xxhash
 
 import saev_shards as ss
-from saev_shards import float8, protocol
+from saev_shards.codecs import float8
 from saev_shards.protocol import common as protocol_common
+from saev_shards.protocol import versions
 
 from ..data.make_golden import (
     GOLDEN_31,
@@ -258,7 +259,7 @@ def test_a_reader_of_3_0_alone_refuses_3_1_by_its_version(monkeypatch: pytest.Mo
     """This library with 3.1 taken out of its version table, as the releases before 3.1 were:
     the 3.1 caches are refused by their version, never read."""
     only_30 = ("3.0", *protocol_common.SAEV_CODE_PROTOCOLS)
-    monkeypatch.setattr(protocol, "SUPPORTED_PROTOCOLS", only_30)
+    monkeypatch.setattr(versions, "SUPPORTED_PROTOCOLS", only_30)
     with pytest.raises(
         ss.ProtocolVersionError, match=r"unsupported protocol version '3\.1'; this library reads '3\.0'"
     ):
@@ -308,7 +309,7 @@ def test_a_reader_of_3_1_alone_refuses_3_2_by_its_version(monkeypatch: pytest.Mo
     """This library with 3.2 taken out of its version table, as the releases before 3.2 were:
     the 3.2 cache is refused by its version, never read as block outputs."""
     older = ("3.1", "3.0", *protocol_common.SAEV_CODE_PROTOCOLS)
-    monkeypatch.setattr(protocol, "SUPPORTED_PROTOCOLS", older)
+    monkeypatch.setattr(versions, "SUPPORTED_PROTOCOLS", older)
     refused = r"unsupported protocol version '3\.2'; this library reads '3\.1'"
     with pytest.raises(ss.ProtocolVersionError, match=refused):
         ss.open(GOLDEN_32)

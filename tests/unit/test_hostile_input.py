@@ -240,7 +240,7 @@ def test_size_caps_are_checked_before_reading(cache3: Path) -> None:
     path = cache3 / "metadata.json"
     remove_any(path)
     with path.open("wb") as f:
-        f.truncate(ss.format.MAX_METADATA_BYTES + 1)  # sparse: nothing to read, only its size
+        f.truncate(ss.protocol.MAX_METADATA_BYTES + 1)  # sparse: nothing to read, only its size
     with pytest.raises(ss.MetadataFileError, match=r"expected at most 16,777,216 bytes, found 16,777,217"):
         ss.open(cache3)
 

@@ -15,8 +15,8 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 import saev_shards as ss
-from saev_shards import float8
-from saev_shards._indexing import CACHE_RANGE, wrap_index
+from saev_shards.codecs import float8
+from saev_shards.reader.indexing import CACHE_RANGE, wrap_index
 
 from ..support import strategies
 from ..support.caches import float_input, small_metadata, write_cache

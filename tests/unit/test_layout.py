@@ -8,7 +8,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 import saev_shards as ss
-from saev_shards import layout
+from saev_shards.protocol import layout
 
 from ..support import strategies
 
@@ -32,11 +32,10 @@ def test_locate_matches_numpy_ravel(md: ss.Metadata, data: st.DataObject) -> Non
         layer_idx,
         token,
         n_examples=md.n_examples,
-        eps=md.examples_per_shard,
+        examples_per_shard=md.examples_per_shard,
         n_layers=md.n_layers,
         tokens=md.tokens_per_ex,
-        d_model=md.d_model,
-        itemsize=md.itemsize,
+        vector_nbytes=md.d_model * md.itemsize,
     )
     assert got == flat_position(md, example, layer_idx, token)
 
@@ -79,11 +78,10 @@ def test_huge_caches_exact_without_allocating(
         layer_idx,
         token,
         n_examples=n_examples,
-        eps=examples_per_shard,
+        examples_per_shard=examples_per_shard,
         n_layers=n_layers,
         tokens=tokens,
-        d_model=d_model,
-        itemsize=itemsize,
+        vector_nbytes=d_model * itemsize,
     )
     global_vector = (example * n_layers + layer_idx) * tokens + token
     shard_start_vector = shard * examples_per_shard * n_layers * tokens
@@ -94,11 +92,10 @@ def test_huge_caches_exact_without_allocating(
         [example],
         [layer_idx],
         [token],
-        eps=examples_per_shard,
+        examples_per_shard=examples_per_shard,
         n_layers=n_layers,
         tokens=tokens,
-        d_model=d_model,
-        itemsize=itemsize,
+        vector_nbytes=d_model * itemsize,
     )
     assert (int(shards_v[0]), int(offsets_v[0])) == (shard, offset)
 
@@ -106,7 +103,7 @@ def test_huge_caches_exact_without_allocating(
 def test_offsets_beyond_2_to_the_32() -> None:
     # A float16 ViT-L cache: 1024 dims, 257 tokens, 24 layers; shard of 4096 examples.
     shard, offset = layout.locate(
-        4095, 23, 256, n_examples=10**6, eps=4096, n_layers=24, tokens=257, d_model=1024, itemsize=2
+        4095, 23, 256, n_examples=10**6, examples_per_shard=4096, n_layers=24, tokens=257, vector_nbytes=2048
     )
     assert shard == 0
     assert offset == (4096 * 24 * 257 - 1) * 1024 * 2
@@ -121,9 +118,29 @@ def test_examples_per_shard_zero_is_a_clear_error() -> None:
 @pytest.mark.parametrize(("example", "layer_idx", "token"), [(-1, 0, 0), (10, 0, 0), (0, 2, 0), (0, 0, 5)])
 def test_locate_rejects_out_of_range(example: int, layer_idx: int, token: int) -> None:
     with pytest.raises(IndexError):
-        layout.locate(example, layer_idx, token, n_examples=10, eps=3, n_layers=2, tokens=5, d_model=4, itemsize=2)
+        layout.locate(
+            example, layer_idx, token, n_examples=10, examples_per_shard=3, n_layers=2, tokens=5, vector_nbytes=8
+        )
 
 
 def test_shard_n_examples_out_of_range() -> None:
     with pytest.raises(IndexError, match="shard 4 out of range"):
         layout.shard_n_examples(4, 10, 3)
+
+
+def test_the_earlier_keywords_still_give_the_same_offsets() -> None:
+    """``eps`` (examples_per_shard) and ``d_model`` with ``itemsize`` (vector_nbytes): the
+    keywords of earlier releases."""
+    sizes = {"n_layers": 3, "tokens": 7}
+    new = layout.locate(41, 2, 5, n_examples=50, examples_per_shard=6, vector_nbytes=96, **sizes)
+    earlier = layout.locate(41, 2, 5, n_examples=50, eps=6, d_model=48, itemsize=2, **sizes)  # type: ignore[call-arg]
+    assert earlier == new == (6, 11904)  # (5 * 3 * 7 + 2 * 7 + 5) vectors of 96 bytes
+    many = layout.locate_many([41], [2], [5], eps=6, d_model=48, itemsize=2, **sizes)  # type: ignore[call-arg]
+    assert [int(many[0][0]), int(many[1][0])] == list(new)
+    assert layout.shard_of(41, eps=6) == layout.shard_of(41, examples_per_shard=6) == (6, 5)  # type: ignore[call-arg]
+    assert layout.n_shards(50, eps=6) == 9  # type: ignore[call-arg]
+    assert layout.shard_n_examples(8, 50, eps=6) == 2  # type: ignore[call-arg]
+    with pytest.raises(TypeError, match="both eps and examples_per_shard"):
+        layout.shard_of(41, eps=6, examples_per_shard=6)  # type: ignore[call-arg]
+    with pytest.raises(TypeError, match="d_model and itemsize together"):
+        layout.locate(41, 2, 5, n_examples=50, eps=6, d_model=48, **sizes)  # type: ignore[call-arg]

@@ -13,8 +13,8 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 import saev_shards as ss
-from saev_shards.format import pretty_json
-from saev_shards.metadata import KEYS, parse_metadata
+from saev_shards.protocol.metadata import KEYS, parse_metadata
+from saev_shards.protocol.v3 import pretty_json
 
 from ..support.caches import small_metadata, write_cache
 from ..support.strategies import metadata

@@ -11,8 +11,8 @@ import pytest
 import torch
 
 import saev_shards as ss
+from saev_shards.dump.recorder import AsyncWriter, Recorder, find_blocks, resolve_modules
 from saev_shards.errors import RecorderError
-from saev_shards.recorder import AsyncWriter, Recorder, find_blocks, resolve_modules
 
 from ..support.caches import small_metadata, tree_bytes
 from ..support.models import TinyTextModel, TinyViT
@@ -268,7 +268,7 @@ def test_import_saev_shards_dump_needs_no_torch() -> None:
     import subprocess
     import sys
 
-    code = "import sys, saev_shards, saev_shards.dump, saev_shards.corpus; print('torch' in sys.modules)"
+    code = "import sys, saev_shards, saev_shards.dump, saev_shards.dump.corpus; print('torch' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.strip() == "False"
 

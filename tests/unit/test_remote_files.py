@@ -86,7 +86,7 @@ def test_preadv_equals_slicing(
 def test_a_damaged_answer_is_fetched_again_and_a_damaged_file_named(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setattr("saev_shards.remote.files.VERIFY_BACKOFF", 0.0)
+    monkeypatch.setattr("saev_shards.storage.units.VERIFY_BACKOFF", 0.0)
     files, client = remote_file(tmp_path / "a", 64)
     client.damage = 1
     assert bytes(files.read("f.bin", 100, 110)) == DATA[100:110]
@@ -101,7 +101,7 @@ def test_a_damaged_answer_is_fetched_again_and_a_damaged_file_named(
 
 @pytest.mark.parametrize("cut", [5, -5])
 def test_a_short_or_long_answer_is_fetched_again(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, cut: int) -> None:
-    monkeypatch.setattr("saev_shards.remote.files.VERIFY_BACKOFF", 0.0)
+    monkeypatch.setattr("saev_shards.storage.units.VERIFY_BACKOFF", 0.0)
     files, client = remote_file(tmp_path, 4096)
     client.cut = cut
     assert bytes(files.read("f.bin", 100, 4000)) == DATA[100:4000]
@@ -122,13 +122,13 @@ def test_fetched_blocks_are_stored_best_effort(tmp_path: Path, monkeypatch: pyte
         os.close(fd)
     assert files.skipped == 0
 
-    monkeypatch.setattr("saev_shards.remote.files.MAX_PENDING_WRITES", 0)
+    monkeypatch.setattr("saev_shards.storage.units.MAX_PENDING_WRITES", 0)
     files, client = remote_file(tmp_path / "b", 4096)
     assert bytes(files.read("f.bin", 10, 4200)) == DATA[10:4200]
     files.close_all()
     assert (files.skipped, files.skipped_bytes) == (2, 5000)
     assert files.cache.open(digests[0], 4096, digests[0]) is None
-    monkeypatch.setattr("saev_shards.remote.files.MAX_PENDING_WRITES", 1 << 20)
+    monkeypatch.setattr("saev_shards.storage.units.MAX_PENDING_WRITES", 1 << 20)
     assert bytes(files.read("f.bin", 0, 100)) == DATA[:100]  # fetched again, stored this time
     files.close_all()
     fd = files.cache.open(digests[0], 4096, digests[0])
@@ -141,7 +141,7 @@ def test_a_stored_block_let_go_of_in_memory_is_read_through_its_entry(
 ) -> None:
     """A block this process fetched and stored keeps its entry's descriptor when its memory is
     let go of: read again from there, with no new request and no second check."""
-    monkeypatch.setattr("saev_shards.remote.files.MAX_MEMORY", 0)
+    monkeypatch.setattr("saev_shards.storage.units.MAX_MEMORY", 0)
     files, client = remote_file(tmp_path, 4096)
     assert bytes(files.read("f.bin", 0, 100)) == DATA[:100]
     files.flush()  # block 0 stored; its entry now has a descriptor too

@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 import saev_shards as ss
-from saev_shards import report as report_mod
+from saev_shards.reader import report as report_mod
 
 from ..support.caches import small_metadata
 
@@ -84,7 +84,9 @@ def test_the_panels_and_their_numbers(tmp_path: Path, stats: bool) -> None:
     lengths_panel = by_title["lengths and truncation, 3 of 12 truncated to T=5"]
     kept = [p.get_height() for p in lengths_panel.patches if type(p).__name__ == "Rectangle"]
     assert sum(kept) == 12 and kept[5] == (ref["lengths"] == 5).sum()
-    assert r.figure.get_suptitle().endswith(f"\n4 shards of {ss.units.human_bytes(shards.manifest.shards[0].nbytes)}")
+    assert r.figure.get_suptitle().endswith(
+        f"\n4 shards of {ss.humanize.human_bytes(shards.manifest.shards[0].nbytes)}"
+    )
     # Every layer one colour in every panel; legends beside the axes, off the data.
     colour = {s.get_label().split(", ")[0]: s.get_edgecolor() for s in steps}
     cls_steps = [p for p in by_title["CLS and content tokens"].patches if type(p).__name__ == "StepPatch"]

@@ -423,7 +423,7 @@ def test_float8_rows_are_the_source_vectors_quantized_or_copied(root: Path, tmp_
     logical = write_cache(root, md, lengths=np.array([i % 6 for i in range(md.n_examples)]))
     f8 = shuffle_cache(root / md.hash, root, dtype="float8_e4m3", seed=3, durable=False, progress=False)
     ex, tok = f8.columns["source_example"][:], f8.columns["source_token"][:]
-    values, scales = ss.float8.quantize_numpy(logical[ex, :, tok].astype(np.float32))  # (n, L, D)
+    values, scales = ss.codecs.float8.quantize_numpy(logical[ex, :, tok].astype(np.float32))  # (n, L, D)
     assert f8.scales is not None
     np.testing.assert_array_equal(f8.raw[:, :, 0].view(np.uint8), values.view(np.uint8))
     np.testing.assert_array_equal(f8.scales[:, :, 0], scales)

@@ -11,7 +11,7 @@ import pytest
 
 import saev_shards as ss
 from saev_shards.errors import MissingDependencyError, ShardsError
-from saev_shards.views import write_zarr_references, zarr_references
+from saev_shards.reader.views import write_zarr_references, zarr_references
 
 from ..support.caches import small_metadata, write_cache
 

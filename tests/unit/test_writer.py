@@ -23,7 +23,7 @@ from hypothesis import strategies as st
 
 import saev_shards as ss
 from saev_shards import fileio
-from saev_shards.dtypes import float32_to_bf16
+from saev_shards.codecs.bfloat16 import float32_to_bf16
 from saev_shards.protocol.staging import lock_path, staging_dir
 from saev_shards.writer import direct as direct_module
 

@@ -125,9 +125,9 @@ def test_float16_to_float8_to_float16_is_within_the_bound(tmp_path: Path) -> Non
     assert f16.metadata.data == {"dequantized_from": {"cache": f8.metadata.hash, "dtype": "float8_e4m3"},
                                  "source_data": md.data}  # fmt: skip
     x = logical.astype(np.float32)
-    q, scales = ss.float8.quantize_numpy(x)
-    np.testing.assert_array_equal(f16[:], ss.float8.dequantize(q, scales, "float16"))
-    bound = ss.float8.error_bound(x, scales) + np.abs(x) * 2.0**-11 + 2.0**-25
+    q, scales = ss.codecs.float8.quantize_numpy(x)
+    np.testing.assert_array_equal(f16[:], ss.codecs.float8.dequantize(q, scales, "float16"))
+    bound = ss.codecs.float8.error_bound(x, scales) + np.abs(x) * 2.0**-11 + 2.0**-25
     assert (np.abs(f16[:].astype(np.float64) - x) <= bound).all()
     np.testing.assert_array_equal(f16.columns["lengths"], lengths)
     # float8_e4m3 to float8_e4m3 (another shard budget): the bytes and scales copied exactly.
@@ -142,7 +142,7 @@ def test_float16_to_float8_to_float16_is_within_the_bound(tmp_path: Path) -> Non
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", ss.ProtocolWarning)
         saev = open_quiet(convert(f8.path, root=tmp_path / "saev" / "shards", to="saev", durable=False).path)
-    np.testing.assert_array_equal(saev[:], ss.float8.dequantize(q, scales, "float32"))
+    np.testing.assert_array_equal(saev[:], ss.codecs.float8.dequantize(q, scales, "float32"))
 
 
 @pytest.mark.parametrize("dtype", ["float32", "float8_e4m3"])

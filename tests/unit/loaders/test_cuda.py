@@ -10,7 +10,7 @@ GPU runs) equal to the host rule; a loader's state resumed on the device (and ac
 and host); device memory allocated once per loader and freed by ``close``; the recorder's
 side-stream copies to pinned memory, and a dump on the GPU.
 
-`scripts/gpu_session.sh` runs this file on a lent GPU machine (docs/bench/gpu.md).
+`benchmarks/gpu_session.sh` runs this file on a lent GPU machine (docs/bench/gpu.md).
 """
 
 from __future__ import annotations
@@ -27,10 +27,11 @@ from hypothesis import strategies as st
 from hypothesis.extra import numpy as hnp
 
 import saev_shards as ss
-from saev_shards import float8, loaders
+from saev_shards import loaders
+from saev_shards.codecs import float8
+from saev_shards.dump.recorder import AsyncWriter
 from saev_shards.loaders import Batch, device, token_loader
 from saev_shards.loaders.tensors import pinned_empty
-from saev_shards.recorder import AsyncWriter
 
 from ...support import strategies
 from ...support.caches import small_metadata, tree_bytes

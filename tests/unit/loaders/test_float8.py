@@ -12,7 +12,7 @@ import pytest
 import torch
 
 import saev_shards as ss
-from saev_shards import float8
+from saev_shards.codecs import float8
 from saev_shards.loaders import ExampleDataset, LayerPairDataset, OrderedLoader, ShuffledLoader, TokenDataset, device
 
 from ...support.caches import small_metadata, write_cache

@@ -13,8 +13,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import saev_shards as ss
-from saev_shards import loaders, norms
+from saev_shards import loaders
 from saev_shards.errors import LoaderError
+from saev_shards.reader import norms
 
 from ...support.caches import small_metadata
 
@@ -213,7 +214,7 @@ def test_medians_are_computed_once_per_process(tmp_path: Path, monkeypatch: pyte
         passes.append(args[1])
         return real(*args, **kwargs)
 
-    monkeypatch.setattr(importlib.import_module("saev_shards.norms"), "_blocks", counting)
+    monkeypatch.setattr(importlib.import_module("saev_shards.reader.norms"), "_blocks", counting)
     loaders.ShuffledLoader(shards, layers=11, max_norm_multiple=4)
     loaders.ShuffledLoader(shards, layers=6, max_norm_multiple=8)
     assert passes == ["median norms (1 of 2)", "median norms (2 of 2)", "norms above 4 x the median",

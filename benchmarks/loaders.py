@@ -1,0 +1,594 @@
+"""Loader benchmark: the training loaders against the machine's own limits.
+
+Every speed is printed as a ratio to a limit measured in the same run: the shuffled and
+ordered loaders on a page-cached cache against large-buffer memcpy, on a cold cache (and,
+with ``--big``, a cache larger than RAM) against sequential O_DIRECT reads of the same
+files; the map-style datasets under DataLoader workers 0, 4, 8 beside Gemma Scope's 1 GB/s
+target; the shuffle quality against a perfect shuffle; host-to-GPU with pinned memory
+when a CUDA GPU is present.
+
+    .venv/bin/python benchmarks/loaders.py [--quick] [--big] [--keep]
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import functools
+import os
+import shutil
+import sys
+import time
+import warnings
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+import saev_shards as ss
+from benchmarks import benchlib as bl
+from benchmarks import tables
+from benchmarks.core import make_metadata
+from saev_shards import loaders
+from saev_shards.loaders.mapped import CacheMap
+from saev_shards.loaders.plan import index_window
+from saev_shards.protocol.manifest import Manifest, ShardEntry, ShardList
+
+# A ViT-B/16-like cache: 2 layers x (CLS + 196 patches) x 768 dims, float16: 605 KB per
+# example, one token vector 1,536 bytes.
+#: The throughput Gemma Scope's training pipeline aimed for (Lieberum et al., 2024).
+GEMMA_SCOPE_GBPS = 1.0
+BATCH = 4096
+#: A page-cached sample runs a loader's epochs until this many bytes: steady state, whatever
+#: the cache's size (the first window, read before the first batch, is then a small part).
+PAGE_CACHED_BYTES = 2e9
+
+
+def build_cache(root: Path, md: ss.Metadata) -> ss.Shards:
+    """Write ``md`` (labels included) from a repeated random batch, unless it is already there."""
+    path = root / md.hash
+    if not path.exists():
+        rng = np.random.default_rng(0)
+        batch = rng.standard_normal((64, *md.shape[1:]), dtype=np.float32).astype(np.float16)
+        labels = rng.integers(0, 10, (64, md.patches_per_ex), dtype=np.uint8)
+        t = time.perf_counter()
+        with ss.ShardWriter(root, md, durable=False) as w:
+            for start in range(0, md.n_examples, len(batch)):
+                n = min(len(batch), md.n_examples - start)
+                w.write(batch[:n], labels=labels[:n])
+        print(f"(wrote {md.nbytes / 1e9:.1f} GB in {time.perf_counter() - t:.0f} s)", flush=True)
+    return ss.open(path)
+
+
+def epoch_rate(
+    make: Callable[[], Any], max_bytes: float = float("inf"), min_bytes: float = 0
+) -> tuple[float, float, float, float, float]:
+    """``(GB/s, tokens/s, seconds to the first batch, CPU seconds per GB, share of the time spent
+    in later epochs' start-ups)`` of one epoch (or its first ``max_bytes``), or of as many epochs
+    of the same loader as make ``min_bytes``.
+
+    The rates count from the first batch on: the first window's load, which nothing can
+    overlap, is reported apart as the start-up time; later epochs' start-ups (from ``iter`` to
+    their first batch) are counted, as a training loop meets them, and their share of the time
+    reported. CPU time is the process's (every loader thread and the consumer) over the same
+    stretch.
+    """
+    loader = make()
+    itemsize = loader.shards.metadata.itemsize  # count stored bytes, whatever the output dtype
+    nbytes = tokens = 0
+    start = time.perf_counter()
+    it = iter(loader)
+    first = next(it, None)
+    t, cpu = time.perf_counter(), time.process_time()
+    startups = 0.0
+    while True:
+        for batch in it:
+            tokens += len(batch)
+            nbytes += batch.acts.numel() * itemsize
+            if nbytes >= max_bytes:
+                break
+        if nbytes >= min_bytes or nbytes >= max_bytes or first is None:
+            break
+        t_iter = time.perf_counter()
+        it = iter(loader)
+        batch = next(it, None)  # counted like the others: the start-up is timed, not left out
+        startups += time.perf_counter() - t_iter
+        if batch is not None:
+            tokens += len(batch)
+            nbytes += batch.acts.numel() * itemsize
+    dt, cpu = time.perf_counter() - t, time.process_time() - cpu
+    del first, it
+    loader.close()
+    gbps, tps = nbytes / max(dt, 1e-9) / 1e9, tokens / max(dt, 1e-9)
+    return gbps, tps, t - start, cpu / max(nbytes / 1e9, 1e-9), startups / max(dt, 1e-9)
+
+
+# --------------------------------------------------------------------------------------
+# shuffled and ordered loaders
+
+
+#: A limit row of a loader table: ``(the ratio column it sets, the rate function)``. Rows of
+#: one column are alternatives (say numpy and torch, 1 or 2 threads): the best sets it. A
+#: row with no column ("") is a reference: measured and compared, setting no column.
+Limit = tuple[str, Callable[[], float]]
+
+
+def loader_table(
+    name: str,
+    title: str,
+    limits: dict[str, Limit],
+    contenders: dict[str, Callable[[], Any]],
+    rounds: int,
+    before_each: Callable[[], None] = lambda: None,
+    max_bytes: float = float("inf"),
+    min_bytes: float = 0,
+    limit_cpu: dict[str, float] | None = None,
+) -> tables.Table:
+    """Interleave ``rounds`` epochs of each loader with every limit; a table of medians and ratios.
+
+    Every row, limits included, gets a ratio to each limit column (the best row of that
+    column, measured in the same run), then to Gemma Scope's 1 GB/s. ``limit_cpu``: the CPU
+    seconds per GB of limit rows that measured it (filled while they run).
+    """
+    samples: dict[str, list[tuple[float, float, float, float, float]]] = {}
+
+    def timed(label: str, make: Callable[[], Any]) -> Callable[[], float]:
+        def fn() -> float:
+            before_each()
+            sample = epoch_rate(make, max_bytes, min_bytes)
+            samples.setdefault(label, []).append(sample)
+            return sample[0]
+
+        return fn
+
+    def limit(fn: Callable[[], float]) -> Callable[[], float]:
+        def run() -> float:
+            before_each()
+            return fn()
+
+        return run
+
+    fns: dict[str, Callable[[], float]] = {label: limit(fn) for label, (_, fn) in limits.items()}
+    fns.update({label: timed(label, make) for label, make in contenders.items()})
+    medians = bl.interleaved(fns, rounds=rounds)
+    columns = list(dict.fromkeys(column for column, _ in limits.values() if column))
+    tops = {c: max(medians[label] for label, (column, _) in limits.items() if column == c) for c in columns}
+    table = tables.Table(
+        name,
+        title,
+        [
+            "loader",
+            "GB/s",
+            "tokens/s",
+            *(f"ratio to {c}" for c in columns),
+            "ratio to Gemma Scope 1 GB/s",
+            "first batch (s)",
+            "later start-ups (share of time)",
+            "CPU s/GB",
+        ],
+    )
+    for label in limits:
+        gbps = medians[label]
+        cpu_row = limit_cpu.get(label, "") if limit_cpu is not None else ""
+        ratios = (gbps / tops[c] for c in columns)
+        table.add(label, gbps, float("nan"), *ratios, gbps / GEMMA_SCOPE_GBPS, "", "", cpu_row)
+    for label in contenders:
+        gbps = medians[label]
+        tokens, startup, cpu, later = (float(np.median([s[i] for s in samples[label]])) for i in (1, 2, 3, 4))
+        table.add(label, gbps, tokens, *(gbps / tops[c] for c in columns), gbps / GEMMA_SCOPE_GBPS, startup, later, cpu)
+        table.values[f"{label} (CPU s/GB)"] = cpu
+        table.values[f"{label} (start-ups)"] = later
+    table.values.update(medians)
+    return table
+
+
+def window_gather(
+    shards: ss.Shards, buffer: int, mapped: bool = False
+) -> tuple[np.ndarray[Any, Any], np.ndarray[Any, Any] | None, list[np.ndarray[Any, Any]], list[Any]]:
+    """What the shuffled loader's gathers do, without the loader: the rows of its first window in
+    its own order (its plan and permutation), cut into batches, from a buffer of its window's
+    size (anonymous memory, as windows read into buffers) or, with ``mapped``, from the cache
+    itself mapped in place (the page cache, as the loader reads a page-cached local cache), into
+    as many batch-sized outputs as it keeps in flight: ``(source, source scales or None,
+    index batches, outputs)``."""
+    loader = loaders.ShuffledLoader(shards, BATCH, buffer_bytes=buffer, mix_layers=True)
+    md, cfg = shards.metadata, loader._config
+    window = loader.plan(0).windows[0]
+    scales = None
+    if mapped:
+        cache = CacheMap(shards, scales=cfg.float8)
+        blocks = loader._blocks
+        for b in window.blocks.tolist():  # in the page cache and mapped, as the loader leaves it
+            for in_scales in (False, True) if cfg.float8 else (False,):
+                cache.populate(*cache.byte_range(int(blocks.start[b]), int(blocks.stop[b]), None, in_scales))
+        index = index_window(loader.selection, loader._blocks, window, loader._window_rng(0, 0), cache.source)
+        source, scales = cache.values, cache.scales
+    else:
+        index = index_window(loader.selection, loader._blocks, window, loader._window_rng(0, 0))
+        source = np.ones((loader._buffer_rows() * md.tokens_per_ex, md.d_model), shards.numpy_dtype)
+        if cfg.float8:
+            scales = np.ones(len(source), np.float32)
+    flat = index.flat
+    batches = [flat[i : i + BATCH] for i in range(0, len(flat) - BATCH + 1, BATCH)]
+    outs = [np.ones((BATCH, md.d_model), shards.numpy_dtype) for _ in range(cfg.gather_threads + cfg.prefetch + 4)]
+    loader.close()
+    return source, scales, batches, outs
+
+
+def gather_limits(
+    shards: ss.Shards,
+    buffer: int,
+    column: str = "gather limit",
+    libs: tuple[str, ...] = ("numpy", "torch"),
+    tag: str = "",
+    cpu: dict[str, float] | None = None,
+) -> dict[str, Limit]:
+    """The random-row gather alone, numpy (and torch), 1 and 2 threads: the same rows into the same
+    buffers (a float8_e4m3 cache's rows with their scales, as its loader gathers them), from an
+    anonymous buffer and (numpy) from the cache mapped in place, where the loader's page-cached
+    gathers read them. ``cpu``: filled with each row's process CPU seconds per GB delivered."""
+    limits: dict[str, Limit] = {}
+    for mapped in (False, True):
+        source, scales, batches, outs = window_gather(shards, buffer, mapped)
+        out_scales = None if scales is None else (scales, [np.ones(BATCH, np.float32) for _ in outs])
+        where = " from the cache mapped in place" if mapped else ""
+        for lib in ("numpy",) if mapped else libs:
+            name = "numpy take" if lib == "numpy" else "torch index_select"
+            for threads in (1, 2):
+                label = f"random-row gather{tag}{where}: {name}, {threads} thread{'s' if threads > 1 else ''} (limit)"
+                fn = functools.partial(bl.gather_gbps, source, batches, outs, threads, lib, scales=out_scales)
+                limits[label] = (column, fn if cpu is None else functools.partial(_cpu_of, fn, label, cpu))
+    return limits
+
+
+def _cpu_of(fn: Callable[[], float], label: str, cpu: dict[str, float]) -> float:
+    """``fn()`` (GB/s), recording the process CPU seconds per GB it spent in ``cpu[label]`` (the
+    last sample's: its set-up is a small part of the half-gigabyte it gathers)."""
+    c, t = time.process_time(), time.perf_counter()
+    gbps = fn()
+    cpu[label] = (time.process_time() - c) / max(gbps * (time.perf_counter() - t), 1e-9)
+    return gbps
+
+
+def gather_gap_note(values: dict[str, float], cpu: dict[str, float]) -> str:
+    """What remains between the shuffled loader and the gather alone, from this run's figures."""
+    rows = {k: v for k, v in values.items() if k.startswith("random-row gather")}
+    best = max(rows, key=lambda k: rows[k])
+    one = max((k for k in rows if "1 thread" in k), key=lambda k: rows[k])
+    mapped = max((k for k in rows if "mapped in place" in k), key=lambda k: rows[k])
+    anon = max((k for k in rows if "mapped in place" not in k), key=lambda k: rows[k])
+    loader = values["ShuffledLoader, all layers"]
+    loader_cpu = values["ShuffledLoader, all layers (CPU s/GB)"]
+    startups = values["ShuffledLoader, all layers (start-ups)"]
+    gather_cpu = cpu.get(one, float("nan"))
+    cores = os.cpu_count() or 1
+    return (
+        f"The gather limit is the best gather row ({best.split(' (', 1)[0]}: {rows[best]:.2f} GB/s); the target "
+        f"(>= 0.9) is measured against it. From the cache mapped in place (the loader's source) the gather ran at "
+        f"{rows[mapped]:.2f} GB/s, from an anonymous buffer at {rows[anon]:.2f} GB/s: the page cache's large "
+        f"folios are mapped with huge pages (2 MiB-aligned mapping), so reading in place costs no TLB misses "
+        f"beyond the buffer's. The loader ({loader:.2f} GB/s, {loader / rows[best]:.2f} of the gather limit, "
+        f"{loader / rows[one]:.2f} of the best 1-thread gather) spent {loader_cpu:.3f} CPU s/GB, the 1-thread "
+        f"gather {gather_cpu:.3f}: the rest is each window's index (its permutation, a Fisher-Yates shuffle that "
+        "fixes the order a saved state resumes, and the batches' metadata), the pages' residency checks, the "
+        "threads' hand-offs, the training loop's thread, and waits to take the GIL back after each numpy call "
+        f"(docs/loaders.md, 'Speed'). On {cores} cores that bounds the loader at {cores / loader_cpu:.1f} GB/s "
+        "with every core busy, while the 2-thread gather rows spend every core on the gather alone. Later "
+        f"epochs' start-ups (the first window's index and residency check before an epoch's first batch) took "
+        f"{startups:.0%} of the loader's time: this quick cache's epochs are short."
+    )
+
+
+def shard_files(shards: ss.Shards) -> list[Path]:
+    return [shards.shard_path(k) for k in range(shards.n_shards)]
+
+
+def bench_page_cached(shards: ss.Shards, quick: bool) -> None:
+    buffer = (64 if quick else 512) << 20
+    rounds = 1 if quick else 3
+    read_threads = loaders.default_read_threads()
+    contenders = {
+        "ShuffledLoader, all layers": lambda: loaders.ShuffledLoader(
+            shards, BATCH, buffer_bytes=buffer, mix_layers=True
+        ),
+        "ShuffledLoader, layer 11": lambda: loaders.ShuffledLoader(shards, BATCH, layers=11, buffer_bytes=buffer),
+        "ShuffledLoader, all layers, out float32": lambda: loaders.ShuffledLoader(
+            shards, BATCH, buffer_bytes=buffer, out_dtype="float32", mix_layers=True
+        ),
+        "ShuffledLoader, 1 gather thread": lambda: loaders.ShuffledLoader(
+            shards, BATCH, buffer_bytes=buffer, gather_threads=1, mix_layers=True
+        ),
+        "OrderedLoader, all layers": lambda: loaders.OrderedLoader(shards, BATCH, mix_layers=True),
+    }
+    files = shard_files(shards)
+    read_limit = min(shards.metadata.nbytes, 1 << 30)
+    limit_cpu: dict[str, float] = {}
+    limits: dict[str, Limit] = {
+        "memcpy, 256 MiB buffers (limit)": ("memcpy", bl.memcpy_gbps),
+        **gather_limits(shards, buffer, cpu=limit_cpu),
+        "page-cache read: pread of the shards, 4 MiB blocks, 1 thread": (
+            "",
+            lambda: bl.buffered_read_gbps(files, 1, limit=read_limit),
+        ),
+        f"page-cache read: pread of the shards, 4 MiB blocks, {read_threads} threads": (
+            "",
+            lambda: bl.buffered_read_gbps(files, read_threads, limit=read_limit),
+        ),
+    }
+    bl.warm_cache(shards.path)
+    table = loader_table(
+        "loaders_page_cached",
+        f"Training loaders, page-cached cache ({shards.metadata.nbytes / 1e9:.1f} GB): ratio to memcpy and to the "
+        "random-row gather alone",
+        limits,
+        contenders,
+        rounds,
+        min_bytes=PAGE_CACHED_BYTES,
+        limit_cpu=limit_cpu,
+    )
+    table.note(
+        f"Batches of {BATCH} token vectors (1,536 bytes each, float16 unless noted; GB/s counts the stored bytes "
+        f"delivered). Shuffle window {buffer >> 20} MiB, 4 MiB read blocks, read in place (no window buffers: "
+        f"docs/loaders.md), read threads: {read_threads} ({loaders.default_read_threads(sequential=True)} for the "
+        f"OrderedLoader), gather threads: {loaders.default_gather_threads()} unless noted. Each sample is a new "
+        f"loader's epochs until {PAGE_CACHED_BYTES / 1e9:.0f} GB, timed from its first batch (later epochs' "
+        f"start-ups counted, and their share of its time shown); median of {rounds} interleaved rounds. The gather "
+        "limit is the best of the six random-row gather rows: the rows of the shuffled loader's first window, in "
+        "its order, from a buffer of its window's size (numpy and torch) or from the cache mapped in place as the "
+        "loader reads it (numpy), into as many batch-sized outputs as it keeps in flight, nothing else (no reads, "
+        "no Python between gathers); their CPU s/GB is the process's while they ran. The page-cache read rows "
+        "(pread into a reused 4 MiB buffer) are what reading windows into buffers cost before. Target: the "
+        "shuffled loader at >= 0.9 of the gather limit."
+    )
+    table.note(gather_gap_note(table.values, limit_cpu))
+    table.emit()
+
+
+def disk_limits(shards: ss.Shards, limit: int) -> dict[str, Limit]:
+    """The cold loaders' limits on the cache's own files: sequential O_DIRECT reads (one 8 MiB
+    request at a time), and buffered preads in file order with the kernel's readahead, 1, 2 and
+    4 threads (what this disk gives any buffered reader; the best row sets the column)."""
+    files = shard_files(shards)
+    limits: dict[str, Limit] = {
+        "O_DIRECT sequential read, 8 MiB requests (limit)": ("O_DIRECT", lambda: bl.odirect_files_gbps(files, limit))
+    }
+    for threads in (1, 2, 4):
+        limits[f"buffered read of the shards, 4 MiB preads, {threads} thread{'s' if threads > 1 else ''} (limit)"] = (
+            "buffered read",
+            functools.partial(bl.buffered_read_gbps, files, threads, limit=limit),
+        )
+    return limits
+
+
+def bench_cold(shards: ss.Shards, quick: bool, big: bool) -> None:
+    """From disk: the page cache is dropped before every sample (or the cache exceeds RAM)."""
+    md = shards.metadata
+    rounds = 1 if big else 3
+    buffer = (64 if quick else 512) << 20
+    contenders = {
+        "ShuffledLoader, all layers": lambda: loaders.ShuffledLoader(
+            shards, BATCH, buffer_bytes=buffer, mix_layers=True
+        ),
+        "ShuffledLoader, layer 11": lambda: loaders.ShuffledLoader(shards, BATCH, layers=11, buffer_bytes=buffer),
+        "OrderedLoader, all layers": lambda: loaders.OrderedLoader(shards, BATCH, mix_layers=True),
+    }
+    where = f"cache larger than RAM ({md.nbytes / 2**30:.0f} GiB)" if big else f"cold cache ({md.nbytes / 1e9:.1f} GB)"
+    # Dropped before each sample: a smaller cache would be read from memory, and the part of a
+    # larger one that was written last would still be in the page cache.
+    table = loader_table(
+        "loaders_big" if big else "loaders_cold",
+        f"Training loaders from disk, {where}: ratio to sequential O_DIRECT reads and to buffered reads of the "
+        "same files",
+        disk_limits(shards, min(md.nbytes, 4 << 30)),
+        contenders,
+        rounds,
+        before_each=lambda: bl.drop_cache(shards.path),
+        max_bytes=(32 << 30) if big else float("inf"),
+    )
+    table.note(
+        ("Each loader reads up to 32 GiB of its epoch. " if big else "")
+        + f"The page cache is dropped before each sample. Median of {rounds} interleaved rounds, each timed "
+        "from its first batch. GB/s counts the activation bytes delivered in batches (layer 11 alone is half "
+        "of each example, read slice by slice). The O_DIRECT limit keeps one request in flight; buffered "
+        "reads keep several (the kernel's readahead, and the threads), which this virtual disk serves 2-3 "
+        "times faster, so a loader can beat O_DIRECT; the buffered-read rows are what any reader of these "
+        "files gets from this disk in the same minute. Targets: the shuffled loader >= 0.85 of O_DIRECT, "
+        "the OrderedLoader >= 3 x O_DIRECT (quick run)."
+    )
+    table.emit()
+
+
+# --------------------------------------------------------------------------------------
+# shuffle quality (no data needed: which vectors land in a batch is a function of the plan)
+
+
+def virtual_shards(n_examples: int, patches_per_shard: int = 2_400_000) -> ss.Shards:
+    """An ImageNet-sized cache description with no files behind it (the planner reads none)."""
+    return virtual_cache(make_metadata(n_examples, "quality", patches_per_shard))
+
+
+def virtual_cache(md: ss.Metadata) -> ss.Shards:
+    """A cache described by ``md`` with no files behind it: for plans and arithmetic only."""
+    entries = ShardList.of(
+        ShardEntry(f"acts{k:06d}.bin", md.shard_n_examples(k), md.shard_n_examples(k) * md.example_nbytes, None)
+        for k in range(md.n_shards)
+    )
+    return ss.Shards(Path("/nonexistent") / md.hash, md, Manifest(shards=entries))
+
+
+def batch_examples(loader: loaders.ShuffledLoader, n_batches: int) -> list[np.ndarray[Any, Any]]:
+    """Example index of every vector of the first ``n_batches`` batches of epoch 0, from the plan."""
+    examples = loader.epoch_examples(0, n_batches * loader.batch_size)
+    return [examples[i * loader.batch_size : (i + 1) * loader.batch_size] for i in range(n_batches)]
+
+
+def bench_quality(quick: bool) -> None:
+    n_examples = 1_281_167  # ImageNet-1k train
+    shards = virtual_shards(n_examples)
+    md = shards.metadata
+    eps = md.examples_per_shard
+    n_batches = 20 if quick else 100
+    rng = np.random.default_rng(0)
+    per_layer = md.patches_per_ex
+    table = tables.Table(
+        "loaders_shuffle_quality",
+        f"Shuffle quality: ImageNet-1k-sized cache ({n_examples:,} examples, {md.n_shards} shards of {eps:,}), "
+        f"layer 11 content tokens, batches of {BATCH}",
+        ["shuffle", "distinct examples / batch", "distinct shards / batch", "max tokens of one example / batch"],
+    )
+    # A perfect shuffle: each batch a uniform sample without replacement of all tokens.
+    total = n_examples * per_layer
+    ex_perfect = [rng.choice(total, BATCH, replace=False) // per_layer for _ in range(n_batches)]
+    table.add("perfect (uniform, without replacement)", *_quality(ex_perfect, eps))
+    for buffer_mib in (256, 1024, 4096) if not quick else (256, 1024):
+        loader = loaders.ShuffledLoader(shards, BATCH, layers=11, buffer_bytes=buffer_mib << 20)
+        table.add(f"ShuffledLoader, window {buffer_mib} MiB", *_quality(batch_examples(loader, n_batches), eps))
+        loader.close()
+    ex_bytes = md.tokens_per_ex * md.d_model * md.itemsize
+    table.note(
+        f"Averages over the first {n_batches} batches of epoch 0, computed from the loader's plan (which vectors go "
+        f"in which batch depends only on the metadata and the seed, so no data is read). A window of W bytes holds "
+        f"W / {ex_bytes:,} examples of layer 11 (4 MiB read blocks of ~13 consecutive examples, drawn from random "
+        "shards); every batch is a uniform sample of its window's tokens, so the distinct examples per batch "
+        "approach the perfect figure as the window grows."
+    )
+    table.emit()
+
+
+def _quality(batches: list[np.ndarray[Any, Any]], eps: int) -> tuple[float, float, float]:
+    distinct = float(np.mean([len(np.unique(b)) for b in batches]))
+    shards = float(np.mean([len(np.unique(b // eps)) for b in batches]))
+    most = float(np.mean([np.unique(b, return_counts=True)[1].max() for b in batches]))
+    return distinct, shards, most
+
+
+# --------------------------------------------------------------------------------------
+# map-style datasets under DataLoader workers
+
+
+def bench_datasets(shards: ss.Shards, quick: bool) -> None:
+    from torch.utils.data import DataLoader, RandomSampler
+
+    k = 300 if quick else 10_000
+    workers_list = (0, 4, 8)
+    md = shards.metadata
+    slice_bytes = md.tokens_per_ex * md.d_model * md.itemsize
+    vector_bytes = md.d_model * md.itemsize
+    cases: dict[str, tuple[Any, int, int]] = {
+        # name: (dataset, batch size, bytes per item)
+        "ExampleDataset (example, layer) slices": (loaders.ExampleDataset(shards, mix_layers=True), 32, slice_bytes),
+        "LayerPairDataset (b, 2, T, D)": (loaders.LayerPairDataset(shards), 32, 2 * slice_bytes),
+        "TokenDataset single tokens": (loaders.TokenDataset(shards, layer=11), 1024, vector_bytes),
+    }
+    bl.warm_cache(shards.path)
+    limit = bl.memcpy_gbps()
+    table = tables.Table(
+        "loaders_datasets",
+        f"Map-style datasets under torch DataLoader, page-cached, k={k:,} random items",
+        ["dataset", "workers", "items/s", "GB/s", "ratio to memcpy", "ratio to Gemma Scope 1 GB/s"],
+    )
+    for name, (ds, batch_size, item_bytes) in cases.items():
+        n_items = k if item_bytes >= slice_bytes else k * 20
+        next(iter(DataLoader(ds, batch_size=batch_size)))  # one-time costs (torch's thread pools) off the clock
+        for workers in workers_list:
+            sampler = RandomSampler(ds, num_samples=n_items, generator=None)
+            with warnings.catch_warnings():  # more workers than cores is the point of the 4 and 8 rows
+                warnings.filterwarnings("ignore", message="This DataLoader will create")
+                loader = DataLoader(ds, batch_size=batch_size, sampler=sampler, num_workers=workers)
+                t = time.perf_counter()
+                items = 0
+                for batch in loader:
+                    items += len(batch["acts"])
+                dt = time.perf_counter() - t
+            gbps = items * item_bytes / dt / 1e9
+            table.add(name, workers, items / dt, gbps, gbps / limit, gbps / GEMMA_SCOPE_GBPS)
+    table.add("memcpy, 256 MiB buffers (limit)", "", float("nan"), limit, 1.0, limit / GEMMA_SCOPE_GBPS)
+    table.note(
+        f"Default DataLoader collation, fork start, worker start-up included; {os.cpu_count()} cores, so 4 and 8 "
+        "workers oversubscribe them. With 0 workers the default collation stacks in the main process with torch's "
+        "intra-op threads, which slow down by 3-20x whenever other work shares the cores. Single-token items pay "
+        "Python's per-item cost: for training, use ShuffledLoader."
+    )
+    table.emit()
+
+
+# --------------------------------------------------------------------------------------
+# host to GPU
+
+
+def bench_cuda(shards: ss.Shards, quick: bool) -> None:
+    import torch
+
+    if not torch.cuda.is_available():
+        print("Host-to-GPU with pin_memory: no CUDA GPU on this machine.\n", flush=True)
+        return
+    bl.warm_cache(shards.path)
+    limit = bl.copy_gbps("h2d", 256 << 20, repeats=10)
+    table = tables.Table(
+        "loaders_cuda",
+        f"Host to GPU ({torch.cuda.get_device_name()}): ShuffledLoader batches moved with non_blocking copies",
+        ["path", "GB/s", "ratio to pinned H2D copy"],
+    )
+    table.add("pinned 256 MiB host-to-device copy (limit)", limit, 1.0)
+    for pin in (True, False):
+        loader = loaders.ShuffledLoader(
+            shards, BATCH, pin_memory=pin, buffer_bytes=(64 if quick else 512) << 20, mix_layers=True
+        )
+        moved = 0
+        t = time.perf_counter()
+        for batch in loader:
+            batch.acts.to("cuda", non_blocking=True)
+            moved += batch.acts.numel() * batch.acts.element_size()
+        torch.cuda.synchronize()
+        gbps = moved / (time.perf_counter() - t) / 1e9
+        table.add(f"ShuffledLoader pin_memory={pin}", gbps, gbps / limit)
+        loader.close()
+    table.emit()
+
+
+# --------------------------------------------------------------------------------------
+
+
+def main(quick: bool = False, scale: bool = False, keep: bool = False) -> None:
+    """Run every loader table; ``scale`` also builds a cache larger than RAM (minutes, ~30 GB of disk)."""
+    print(f"Machine: {tables.machine()}\n", flush=True)
+    work = tables.bench_dir() / "loaders"
+    work.mkdir(parents=True, exist_ok=True)
+    n_examples = 600 if quick else 6_000  # 0.36 GB / 3.6 GB, both well inside RAM
+    md = make_metadata(n_examples, "loaders", patches_per_shard=200_000)  # 507 examples (307 MB) per shard
+    shards = build_cache(work, md)
+    try:
+        bench_page_cached(shards, quick)
+        bench_cold(shards, quick, big=False)
+        bench_datasets(shards, quick)
+        bench_cuda(shards, quick)
+    finally:
+        shards.close()
+        if not keep:
+            shutil.rmtree(work / md.hash, ignore_errors=True)
+    bench_quality(quick)
+    if scale:
+        ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+        n_big = int(max(24 << 30, 1.1 * ram) // md.example_nbytes) + 1
+        md_big = make_metadata(n_big, "loaders-big")
+        big = build_cache(work, md_big)
+        try:
+            bench_cold(big, quick=False, big=True)
+        finally:
+            big.close()
+            if not keep:
+                shutil.rmtree(work / md_big.hash, ignore_errors=True)
+    with contextlib.suppress(OSError):  # only when empty: --keep leaves the caches for the next run
+        work.rmdir()
+
+
+if __name__ == "__main__":
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--quick", action="store_true", help="small sizes, one round (well under a minute)")
+    parser.add_argument("--big", "--scale", dest="big", action="store_true", help="also a cache larger than RAM")
+    parser.add_argument("--keep", action="store_true", help="keep the benchmark caches for the next run")
+    args = parser.parse_args()
+    main(args.quick, args.big, args.keep)
