@@ -364,7 +364,8 @@ def test_a_tokenizer_failure_in_its_thread_names_the_batch_and_the_rerun_resumes
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """The next batch is tokenized in a thread of its own: its failure reaches the caller as a
-    `DumpError` naming the batch, after the batches before it were handed to the writer."""
+    `DumpError` naming the batch, after the batches before it were handed to the writer; the
+    rerun resumes after the sealed shards and gives the bytes of a dump that never failed."""
     cfg = make_config(tmp_path, n=23)  # shards of 5 examples, batches of 3 cut at shard ends
     md = dump_mod.plan(cfg, weights=False).metadata
     bad = json.loads((tmp_path / "data.jsonl").read_text().splitlines()[12])["text"]
@@ -378,10 +379,13 @@ def test_a_tokenizer_failure_in_its_thread_names_the_batch_and_the_rerun_resumes
     failed = r"the tokenizer failed on examples \[10, 13\) of 23 \(RuntimeError: no such token\)"
     with pytest.raises(DumpError, match=failed):
         dump_mod.dump(cfg, durable=False, log=quiet)
-    assert dump_mod.sealed_shards(Path(cfg["root"]), md) == [0, 1]
+    # Shards 0 and 1 were handed to the writer; those it sealed before the abort stay (an
+    # abort drops batches still queued for the writer's thread, so 1 may not be among them).
+    sealed = dump_mod.sealed_shards(Path(cfg["root"]), md)
+    assert sealed in ([0], [0, 1]), sealed
     monkeypatch.undo()
     lines: list[str] = []
     path = dump_mod.dump(cfg, durable=False, log=lines.append)
-    assert path is not None and any("resuming at example 10" in line for line in lines), lines
+    assert path is not None and any(f"resuming at example {5 * len(sealed)}" in line for line in lines), lines
     clean = dump_mod.dump(cfg, root=tmp_path / "clean", durable=False, log=quiet)
     assert clean is not None and tree_bytes(path) == tree_bytes(clean)
