@@ -489,17 +489,18 @@ def stage_table(device: str) -> tables.Table:
         "CPU time of one thread on this machine, median of repeated calls. The writer's threads compute the "
         "statistics, hash and write while the next batch's forward pass runs: on cores the model keeps busy "
         "they cost their CPU time all the same, so the dump keeps about 1 / (1 + the sum of its stages' shares) "
-        "of the model's speed."
+        "of the model's speed. The hooks' rows are differences of two forward passes: on a busy machine their "
+        "noise (a few percent of the forward pass) is larger than they are."
     )
     return table
 
 
-def _cpu_per_call(fn: Callable[[], Any], min_seconds: float = 0.3) -> float:
+def _cpu_per_call(fn: Callable[[], Any], min_seconds: float = 1.0) -> float:
     """Median CPU seconds of one call of ``fn``, over at least ``min_seconds`` of calls."""
     fn()
     times: list[float] = []
     spent = 0.0
-    while spent < min_seconds or len(times) < 3:
+    while spent < min_seconds or len(times) < 5:
         c = cpu_seconds()
         fn()
         dt = cpu_seconds() - c
