@@ -274,14 +274,14 @@ def drop(paths: list[Path], drop_all: bool) -> str:
 #: Functions of the loaders, by the stage of their work the stack sampler counts them in.
 STAGES = {
     "device.host_waits": "upload wait",
-    "pipeline._index": "index",
+    "windows._index": "index",
     "plan.index_window": "index",
-    "pipeline._read_block": "read",
+    "windows._read_block": "read",
     "mapped.make_resident": "read",
     "device._upload": "upload",
-    "pipeline._chunk": "gather",
+    "host_run._chunk": "gather",
     "device._batch": "batch",
-    "pipeline._consume": "batch",
+    "host_run._consume": "batch",
 }
 
 

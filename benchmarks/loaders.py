@@ -200,14 +200,14 @@ def window_gather(
     scales = None
     if mapped:
         cache = CacheMap(shards, scales=cfg.float8)
-        blocks = loader._blocks
-        for b in window.blocks.tolist():  # in the page cache and mapped, as the loader leaves it
+        spans = loader._spans
+        for b in window.spans.tolist():  # in the page cache and mapped, as the loader leaves it
             for in_scales in (False, True) if cfg.float8 else (False,):
-                cache.populate(*cache.byte_range(int(blocks.start[b]), int(blocks.stop[b]), None, in_scales))
-        index = index_window(loader.selection, loader._blocks, window, loader._window_rng(0, 0), cache.source)
+                cache.populate(*cache.byte_range(int(spans.start[b]), int(spans.stop[b]), None, in_scales))
+        index = index_window(loader.selection, loader._spans, window, loader._window_rng(0, 0), cache.source)
         source, scales = cache.values, cache.scales
     else:
-        index = index_window(loader.selection, loader._blocks, window, loader._window_rng(0, 0))
+        index = index_window(loader.selection, loader._spans, window, loader._window_rng(0, 0))
         source = np.ones((loader._buffer_rows() * md.tokens_per_ex, md.d_model), shards.numpy_dtype)
         if cfg.float8:
             scales = np.ones(len(source), np.float32)

@@ -44,9 +44,10 @@ from benchmarks.loaders import (
     virtual_shards,
 )
 from saev_shards import loaders
+from saev_shards.errors import ShuffleError
+from saev_shards.selection import SelectionSpec, parse_selection
 from saev_shards.shuffle import bucket_of, plan_shuffle, run_plan, sort_keys
 from saev_shards.shuffle.plan import output_metadata
-from saev_shards.shuffle.source import parse_selection
 
 GIB = 1 << 30
 
@@ -243,7 +244,7 @@ def bench_quality(quick: bool) -> None:
     per_example = smd.patches_per_ex
     n_tokens = n_examples * per_example
     eps = smd.examples_per_shard
-    selection = parse_selection(source, 11, "content")
+    selection = parse_selection(source, SelectionSpec(layers=11), ShuffleError)
     shuffled = virtual_cache(output_metadata(source, selection, 0, n_tokens, smd.dtype, smd.patches_per_shard))
     rng = np.random.default_rng(0)
     need = n_batches * BATCH

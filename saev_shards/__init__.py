@@ -21,6 +21,7 @@ these packages keep their earlier import paths (`_compat`).
 """
 
 from types import ModuleType
+from typing import TYPE_CHECKING
 
 from . import _compat, errors, store
 from .codecs.bfloat16 import bf16_to_float32
@@ -82,8 +83,10 @@ from .writer import ShardWriter, finalize
 __version__ = "0.1.0"
 
 
-def __getattr__(name: str) -> ModuleType:
-    return _compat.attribute(name)  # a module's earlier name (`saev_shards.float8`), imported on first use
+if not TYPE_CHECKING:  # hidden from type checkers, so a misspelt `ss.name` is still an error there
+
+    def __getattr__(name: str) -> ModuleType:
+        return _compat.attribute(name)  # a module's earlier name (`saev_shards.float8`), imported on first use
 
 
 __all__ = [

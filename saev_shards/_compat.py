@@ -41,6 +41,9 @@ MOVED: dict[str, str] = {
     "_indexing": "reader.indexing",
     "units": "humanize",
     "datasets": "loaders",
+    # The one token selection, below the loaders and the shuffle.
+    "_layers": "selection.layers",
+    "token_masks": "selection.token_masks",
 }
 
 

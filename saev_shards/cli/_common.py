@@ -130,6 +130,16 @@ def parse_size(text: str) -> int:
     return int(float(match.group(1)) * _UNITS[match.group(2).lower()])
 
 
+def int_list(text: str) -> list[int]:
+    """``"11"``, ``"6,11"`` or ``"6, 11"`` -> integers (layer values, token ids): the argparse type
+    of every comma-separated list of integers."""
+    try:
+        return [int(part) for part in text.split(",") if part.strip()]
+    except ValueError:
+        found = f"{text!r:.40}"
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers such as 6,11, found {found}") from None
+
+
 def plural(n: int, word: str) -> str:
     return f"{n} {word}" + ("" if n == 1 else "s")
 

@@ -9,16 +9,17 @@ from __future__ import annotations
 
 import argparse
 import sys
+from typing import TextIO
 
-from ..convert import SOURCES, TARGETS, Options, prepare, run
+from ..convert import SOURCES, TARGETS, Options, Prepared, Result, prepare, run
 from ..humanize import human_bytes
 from ..progress import Progress
 from ..protocol.common import DTYPES_BY_PROTOCOL, PROTOCOL, PROTOCOL_30
-from ._common import EXIT_OK, add_progress, command, parse_size, plural, warn
+from ._common import EXIT_OK, add_progress, command, int_list, parse_size, plural, warn
 
 EXAMPLES = """\
-  saev-shards convert ./activations                 # seed 001 pickle shards (metadata.json + shard_0001.pkl.gz)
-  saev-shards convert run/activations.zarr          # seed 000 zarr log (or a run folder with shards/)
+  saev-shards convert ./activations                 # pickle shards (metadata.json + shard_0001.pkl.gz)
+  saev-shards convert run/activations.zarr          # a zarr activation log (or a run folder with shards/)
   saev-shards convert ./saelens_cache --max-tokens 64   # a SAELens cache_activations folder
   saev-shards convert acts.npy --layers 6,11 --family clip --ckpt ViT-B-16/openai
   saev-shards convert ./activations --dry-run       # what would be written, and its hash
@@ -37,13 +38,6 @@ The last line of standard output is the published cache's path.
 
 source kinds:
 """ + "\n".join(f"  {k.name:<8} {k.summary}" for k in SOURCES.values())
-
-
-def _layers(text: str) -> tuple[int, ...]:
-    try:
-        return tuple(int(v) for v in text.replace(" ", "").split(",") if v)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected comma-separated integers like 6,11, found {text!r}") from None
 
 
 def _positive(text: str) -> int:
@@ -95,7 +89,7 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser], invoked: 
     )
     p.add_argument(
         "--layers",
-        type=_layers,
+        type=int_list,
         metavar="L1,L2",
         help="layer numbers of the stored layers, in order (npy, zarr, SAELens)",
     )
@@ -132,56 +126,9 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser], invoked: 
 
 def cmd_convert(args: argparse.Namespace) -> int:
     out = sys.stdout
-    options = Options(
-        max_tokens=args.max_tokens,
-        layers=args.layers,
-        cls_token=args.cls_token,
-        family=args.family,
-        ckpt=args.ckpt,
-        memory_bytes=args.max_memory,
-    )
-    bar: list[Progress] = []
-
-    def scan(k: int, total: int) -> None:
-        if not bar:
-            bar.append(
-                Progress(
-                    total - 1, "scan (longest sequence; --max-tokens skips this)", unit="shards", enabled=args.progress
-                )
-            )
-        bar[0].update(1)
-
-    try:
-        prepared = prepare(
-            args.src,
-            kind=args.kind,
-            to=args.to,
-            root=args.root,
-            dtype=args.dtype,
-            patches_per_shard=args.patches_per_shard,
-            options=options,
-            scan=scan,
-        )
-    finally:
-        if bar:
-            bar[0].close()
-    plan, md = prepared.plan, prepared.metadata
-    n, n_layers, tokens, d_model = md.shape
-    lines = [
-        ("source", f"{prepared.kind.name}: {plan.path} ({human_bytes(plan.source_nbytes)})"),
-        ("model", f"{md.family} {md.ckpt}"),
-        *(("mapping", line) for line in plan.layout),
-        ("checksums", plan.checksums),
-        (
-            "cache",
-            f"{md.hash[:12]} ({n:,}, {n_layers}, {tokens}, {d_model}) {md.dtype}, {plural(md.n_shards, 'shard')}, "
-            f"{human_bytes(md.nbytes + md.scales_nbytes)} of activations, protocol {md.protocol}",
-        ),
-    ]
-    width = max(len(k) for k, _ in lines)
-    for key, value in lines:
-        out.write(f"{key:<{width}}  {value}\n")
-    out.flush()
+    prepared = _prepare(args)
+    plan = prepared.plan
+    _describe(prepared, out)
     if args.dry_run:
         for note in plan.notes:
             warn(note)  # each says what was dropped or changed
@@ -202,6 +149,71 @@ def cmd_convert(args: argparse.Namespace) -> int:
         log=say,
         check_space=not args.no_space_check,
     )
+    _summary(result, out)
+    return EXIT_OK
+
+
+def _prepare(args: argparse.Namespace) -> Prepared:
+    """The conversion planned from the command line (a progress bar while a source is scanned)."""
+    options = Options(
+        max_tokens=args.max_tokens,
+        layers=args.layers,
+        cls_token=args.cls_token,
+        family=args.family,
+        ckpt=args.ckpt,
+        memory_bytes=args.max_memory,
+    )
+    bar: list[Progress] = []
+
+    def scan(k: int, total: int) -> None:
+        if not bar:
+            bar.append(
+                Progress(
+                    total - 1, "scan (longest sequence; --max-tokens skips this)", unit="shards", enabled=args.progress
+                )
+            )
+        bar[0].update(1)
+
+    try:
+        return prepare(
+            args.src,
+            kind=args.kind,
+            to=args.to,
+            root=args.root,
+            dtype=args.dtype,
+            patches_per_shard=args.patches_per_shard,
+            options=options,
+            scan=scan,
+        )
+    finally:
+        if bar:
+            bar[0].close()
+
+
+def _describe(prepared: Prepared, out: TextIO) -> None:
+    """What the source is and how it is mapped, one ``key  value`` line each."""
+    plan, md = prepared.plan, prepared.metadata
+    n, n_layers, tokens, d_model = md.shape
+    lines = [
+        ("source", f"{prepared.kind.name}: {plan.path} ({human_bytes(plan.source_nbytes)})"),
+        ("model", f"{md.family} {md.ckpt}"),
+        *(("mapping", line) for line in plan.layout),
+        ("checksums", plan.checksums),
+        (
+            "cache",
+            f"{md.hash[:12]} ({n:,}, {n_layers}, {tokens}, {d_model}) {md.dtype}, {plural(md.n_shards, 'shard')}, "
+            f"{human_bytes(md.nbytes + md.scales_nbytes)} of activations, protocol {md.protocol}",
+        ),
+    ]
+    width = max(len(k) for k, _ in lines)
+    for key, value in lines:
+        out.write(f"{key:<{width}}  {value}\n")
+    out.flush()
+
+
+def _summary(result: Result, out: TextIO) -> None:
+    """What was not carried over (stderr), how long it took, and the cache's path as the last line."""
+    md = result.metadata
     for line in result.report.lines():
         warn(line)
     if result.already_published:
@@ -213,4 +225,3 @@ def cmd_convert(args: argparse.Namespace) -> int:
             f"({human_bytes(rate)}/s of activations written)\n"
         )
     out.write(f"{result.path}\n")
-    return EXIT_OK

@@ -109,7 +109,7 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser], invoked: 
     run_parser = sub.add_parser(
         "run",
         help="create a run folder, or show the paths a run resolves to",
-        description="Run folders (seed 004): <runs root>/<run_id>/ with links/ and checkpoint/.",
+        description="Run folders: <runs root>/<run_id>/ with links/ and checkpoint/.",
         formatter_class=argparse.RawDescriptionHelpFormatter,
         epilog="examples:\n  saev-shards run init --train 3f2a --val 9c1d --id sae-16k\n"
         "  saev-shards run show --run sae-16k\n\n" + EXIT_CODES_HELP,

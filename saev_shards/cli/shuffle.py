@@ -10,9 +10,9 @@ from .. import store, world
 from ..errors import CommandError, DiskFullError, ShuffleError
 from ..humanize import human_bytes
 from ..protocol.common import DTYPES
+from ..selection import TOKEN_CHOICES
 from ..shuffle import DEFAULT_MEMORY, plan_shuffle, run_plan, run_rank
 from ..shuffle.meeting import DEFAULT_WAIT, torch_group_from_env
-from ..shuffle.source import TOKEN_CHOICES
 from ._common import (
     EXIT_OK,
     EXIT_SYSTEM,
@@ -21,26 +21,11 @@ from ._common import (
     add_progress,
     add_roots,
     command,
+    int_list,
     parse_size,
     progress_arg,
     roots_arg,
 )
-
-
-def parse_layers(text: str) -> list[int]:
-    """``"11"`` or ``"6,11"`` -> layer values."""
-    try:
-        return [int(part) for part in text.split(",") if part.strip()]
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected layer values like 11 or 6,11, found {text!r}") from None
-
-
-def parse_token_ids(text: str) -> list[int]:
-    """``"101"`` or ``"101,0"`` -> token ids."""
-    try:
-        return [int(part) for part in text.split(",") if part.strip()]
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected token ids like 101 or 101,0, found {text!r}") from None
 
 
 def parse_seconds(text: str) -> float:
@@ -146,27 +131,7 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser], invoked: 
     )
     p.set_defaults(interrupted_hint="the runs written so far are kept: run the same command again to resume")
     p.add_argument("ref", metavar="SRC", help=REF_HELP)
-    p.add_argument(
-        "--layers",
-        type=parse_layers,
-        action="append",
-        metavar="L[,L...]",
-        help="layer values to keep (default: every recorded layer; repeatable)",
-    )
-    p.add_argument("--tokens", choices=TOKEN_CHOICES, default="content", help="which tokens (default: content)")
-    p.add_argument(
-        "--exclude-token-ids",
-        type=parse_token_ids,
-        action="append",
-        metavar="ID[,ID...]",
-        help="leave out positions whose token_ids value is listed, e.g. BOS and padding (repeatable)",
-    )
-    p.add_argument(
-        "--max-norm-multiple",
-        type=float,
-        metavar="K",
-        help="leave out positions whose vector at a chosen layer has a norm above K times its layer's median norm",
-    )
+    _add_selection(p)
     p.add_argument("--seed", type=int, default=0, help="decides the order (default: 0)")
     p.add_argument("--dtype", choices=list(DTYPES), help="stored dtype of the output (default: the source's)")
     p.add_argument("--to", metavar="DIR", help="shards root to publish the output in (default: the source's folder)")
@@ -183,6 +148,39 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser], invoked: 
         "--patches-per-shard", type=int, metavar="N", help="shard budget of the output (default: the source's)"
     )
     p.add_argument("--allow-nonfinite", action="store_true", help="store inf/NaN values instead of stopping")
+    _add_ranks(p)
+    p.add_argument("--dry-run", action="store_true", help="print the plan and exit")
+    add_roots(p)
+    add_progress(p)
+
+
+def _add_selection(p: argparse.ArgumentParser) -> None:
+    """The token selection (`saev_shards.selection.SelectionSpec`): layers, tokens, the token masks."""
+    p.add_argument(
+        "--layers",
+        type=int_list,
+        action="append",
+        metavar="L[,L...]",
+        help="layer values to keep (default: every recorded layer; repeatable)",
+    )
+    p.add_argument("--tokens", choices=TOKEN_CHOICES, default="content", help="which tokens (default: content)")
+    p.add_argument(
+        "--exclude-token-ids",
+        type=int_list,
+        action="append",
+        metavar="ID[,ID...]",
+        help="leave out positions whose token_ids value is listed, e.g. BOS and padding (repeatable)",
+    )
+    p.add_argument(
+        "--max-norm-multiple",
+        type=float,
+        metavar="K",
+        help="leave out positions whose vector at a chosen layer has a norm above K times its layer's median norm",
+    )
+
+
+def _add_ranks(p: argparse.ArgumentParser) -> None:
+    """Several processes or machines sharing one shuffle."""
     p.add_argument(
         "--rank",
         type=int,
@@ -202,6 +200,3 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser], invoked: 
         help=f"with several ranks: how long a rank waits for the others without progress before it gives up, naming "
         f"the missing ranks (default: {DEFAULT_WAIT:g}; under torchrun, at each meeting point)",
     )
-    p.add_argument("--dry-run", action="store_true", help="print the plan and exit")
-    add_roots(p)
-    add_progress(p)

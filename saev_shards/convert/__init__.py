@@ -4,8 +4,8 @@ One command converts a source into an ordinary cache, streaming with bounded mem
 verifying the checksums the source carries, publishing atomically and resuming after a
 kill (docs/convert.md). Source kinds, detected or named with ``--from``:
 
-* ``pickle``: pickle shards (seed 001), loaded only with a restricted unpickler;
-* ``zarr``: zarr activation logs (seed 000), single store or sharded;
+* ``pickle``: pickle shards (the pickle.gz activation shard format), loaded only with a restricted unpickler;
+* ``zarr``: zarr activation logs, single store or sharded;
 * ``saelens``: SAELens' cached activations (a Hugging Face ``datasets`` folder);
 * ``npy``: a plain ``.npy`` of shape (N, L, T, D), memory-mapped.
 
@@ -14,14 +14,18 @@ kill (docs/convert.md). Source kinds, detected or named with ``--from``:
 >>> result.path, result.report.lines()                                                # doctest: +SKIP
 """
 
-from .base import Chunk, Options, Plan, Report, Source
+from .base import Chunk, Options, Report, Source, SourcePlan
 from .registry import SOURCES, TARGETS, SourceKind, Target, detect
-from .run import Prepared, Result, convert, metadata_for, prepare, run
+from .run import ConvertOptions, Prepared, Result, convert, metadata_for, prepare, run
+
+#: The name `SourcePlan` had before (kept for imports written then).
+Plan = SourcePlan
 
 __all__ = [
     "SOURCES",
     "TARGETS",
     "Chunk",
+    "ConvertOptions",
     "Options",
     "Plan",
     "Prepared",
@@ -29,6 +33,7 @@ __all__ = [
     "Result",
     "Source",
     "SourceKind",
+    "SourcePlan",
     "Target",
     "convert",
     "detect",

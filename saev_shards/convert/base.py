@@ -6,7 +6,7 @@ A source kind is one module of this package with two functions:
   optional dependency), so every kind can be asked in turn;
 * ``open_source(path, options) -> Source``: reads the source's index (and, where the
   source does not say how long its longest example is, scans it), and returns a `Source`
-  whose `Plan` says exactly what the cache will hold before a byte is written.
+  whose `SourcePlan` says exactly what the cache will hold before a byte is written.
 
 `Source.chunks(start, report)` then yields the examples from ``start`` on, in order, one
 bounded `Chunk` at a time; the machinery in `run` writes them (`saev_shards.convert.run`).
@@ -102,7 +102,7 @@ def default_memory() -> int:
 
 
 @dataclasses.dataclass(frozen=True)
-class Plan:
+class SourcePlan:
     """What the cache will hold, known before anything is written.
 
     ``source`` describes the source (its own metadata, path and identity: checksums where
@@ -184,7 +184,7 @@ class Report:
 class Source(Protocol):
     """An opened source: its plan, and its examples chunk by chunk."""
 
-    plan: Plan
+    plan: SourcePlan
 
     def chunks(self, start: int, report: Report) -> Iterator[Chunk]:
         """Examples ``start`` to ``plan.n_examples``, in order, in bounded chunks."""

@@ -61,7 +61,7 @@ from ..protocol.saev_code import DEFAULT_PIXEL_AGG, SAEV_FAMILIES
 from ..protocol.v3 import canonical_json
 from ..reader import Shards
 from ..reader import open as open_cache
-from .base import Chunk, Options, Plan, Report
+from .base import Chunk, Options, Report, SourcePlan
 
 KIND = "cache"
 #: The key of a 3.0 cache's ``data`` that keeps a 2.1 cache's fields 3.0 has no key for.
@@ -85,7 +85,7 @@ def detect(path: Path) -> bool:
 
 @dataclasses.dataclass
 class CacheSource:
-    plan: Plan
+    plan: SourcePlan
     shards: Shards
 
     def chunks(self, start: int, report: Report) -> Iterator[Chunk]:
@@ -145,7 +145,7 @@ def open_source(path: Path, options: Options, scan: Callable[[int, int], None] |
         if md.rules.history
         else "none recorded (protocol 2.1 without checksums.json): sizes checked"
     )
-    plan = Plan(
+    plan = SourcePlan(
         kind=KIND,
         path=path,
         family=options.family or md.family,
@@ -223,7 +223,7 @@ def _history_kept(dialect: Any, metadata: Any) -> dict[str, Any] | None:
     return {"data": data, "pixel_agg": metadata.get("pixel_agg"), "protocol": "2.1", "dialect": "saev"}
 
 
-def target_metadata(plan: Plan, src: Metadata, to_protocol: str, dtype: str | None, pps: int | None) -> Metadata:
+def target_metadata(plan: SourcePlan, src: Metadata, to_protocol: str, dtype: str | None, pps: int | None) -> Metadata:
     """The converted cache's metadata (module docstring). A cache that records sites (protocol
     3.2) keeps them, and so stays 3.2; no other target can say what its layer slots hold."""
     if src.sites is not None and to_protocol not in (PROTOCOL, PROTOCOL_32):

@@ -16,7 +16,7 @@ import numpy as np
 
 from ..errors import ConvertError
 from . import files
-from .base import Chunk, Options, Plan, Report, pick_layers, stat_identity
+from .base import Chunk, Options, Report, SourcePlan, pick_layers, stat_identity
 
 KIND = "npy"
 _MAGIC = b"\x93NUMPY"
@@ -33,7 +33,7 @@ def detect(path: Path) -> bool:
 
 @dataclasses.dataclass
 class NpySource:
-    plan: Plan
+    plan: SourcePlan
     array: np.memmap[Any, Any]
 
     def chunks(self, start: int, report: Report) -> Iterator[Chunk]:
@@ -85,7 +85,7 @@ def open_source(path: Path, options: Options, scan: Callable[[int, int], None] |
         f"layers {list(layers)}" + (" (--layers)" if options.layers is not None else " (positions on axis 1)"),
         f"tokens: T={tokens}" + (f" (first {tokens} of {tokens_src}, --max-tokens)" if tokens < tokens_src else ""),
     ]
-    plan = Plan(
+    plan = SourcePlan(
         kind=KIND,
         path=path,
         family=options.family or "unknown",

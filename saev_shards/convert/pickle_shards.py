@@ -1,4 +1,4 @@
-"""Pickle shards (seed 001): ``metadata.json`` + ``shard_NNNN.pkl.gz`` (or ``.pkl``).
+"""Pickle shards (the pickle.gz activation shard format): ``metadata.json`` + ``shard_NNNN.pkl.gz`` (or ``.pkl``).
 
 Each shard is a dict ``layer_<idx>`` -> list of records ``{sample_idx, activation (seq_len,
 hidden) float32, shape, text_preview, metadata{token_count, dataset_idx, machine_id, ...}}``,
@@ -21,9 +21,8 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import itertools
-import numbers
 import re
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -37,22 +36,29 @@ from .base import (
     MEMORY_HINT,
     Chunk,
     Options,
-    Plan,
     Report,
-    field_name,
+    SourcePlan,
     parse_checksum,
     plain,
     read_verified,
     stat_identity,
 )
+from .pickle_records import (
+    KNOWN_KEYS,
+    Fields,
+    activation,
+    column_value,
+    fields_of,
+    layers_of,
+    metadata_of,
+    sample_index,
+    seq_lens,
+)
 
 KIND = "pickle"
 INDEX = "metadata.json"
-_LAYER_KEY = re.compile(r"layer_(-?\d+)", re.ASCII)  # int() would take any script's digits
 _SHARD_NAME = re.compile(r"shard_\d+\.pkl(\.gz)?")
 _GZIP_MAGIC = b"\x1f\x8b"
-#: Record keys with a meaning; others are reported as not carried over.
-_KNOWN_KEYS = frozenset(["sample_idx", "activation", "shape", "text_preview", "metadata"])
 
 
 def detect(path: Path) -> bool:
@@ -88,21 +94,12 @@ class ShardInfo:
             return 0
 
 
-@dataclasses.dataclass(frozen=True)
-class Fields:
-    """Per-example streams decided from the first shard: numeric metadata -> columns, the rest -> text."""
-
-    numeric: Mapping[str, tuple[str, np.dtype[Any]]]  # column name -> (metadata key, dtype)
-    text: Mapping[str, str]  # text field name -> metadata key
-    text_preview: bool
-
-
 def _parse_index(path: Path) -> tuple[dict[str, Any], list[ShardInfo]]:
     where = path / INDEX
     try:
-        index = files.read_json(where, "seed 001's index of the shards")
+        index = files.read_json(where, "the pickle shards' index of the shards")
     except SourceNotFoundError:
-        raise SourceNotFoundError(f"{where}: missing (seed 001's index of the shards)") from None
+        raise SourceNotFoundError(f"{where}: missing (the pickle shards' index of the shards)") from None
     if not isinstance(index, dict) or not isinstance(index.get("shards"), list):
         raise ConvertError(f"{where}: expected an object with a 'shards' list, found {type_name(index)}")
     shards = []
@@ -157,157 +154,9 @@ def loaded(shards: list[ShardInfo], max_bytes: int) -> Iterator[tuple[ShardInfo,
     return files.read_ahead(lambda info: load_shard(info, max_bytes), shards)
 
 
-def _layers_of(shard: Mapping[str, Any], where: Path) -> dict[int, list[Any]]:
-    out: dict[int, list[Any]] = {}
-    keys: dict[int, str] = {}
-    for key, records in shard.items():
-        m = _LAYER_KEY.fullmatch(key) if isinstance(key, str) else None
-        if m is None:
-            raise ConvertError(f"{where}: expected keys like 'layer_15', found {short_repr(key)}")
-        # Digits counted before int(), which refuses strings of over 4,300 characters with a
-        # ValueError of its own (leading zeros included); no number of 20 digits fits 64 bits.
-        digits = m.group(1).lstrip("-").lstrip("0") or "0"
-        layer = (-1 if m.group(1).startswith("-") else 1) * int(digits) if len(digits) <= 19 else 2**63
-        if not -(2**63) <= layer < 2**63:
-            raise ConvertError(f"{where}: {short_repr(key)}: the layer number does not fit 64 bits")
-        if layer in keys:  # layer_1 and layer_01: one would silently replace the other
-            raise ConvertError(f"{where}: keys {keys[layer]!r} and {key!r} name the same layer {layer}")
-        if not isinstance(records, list):
-            raise ConvertError(f"{where}: {key}: expected a list of records, found {type_name(records)}")
-        keys[layer] = key
-        out[layer] = records
-    return dict(sorted(out.items()))
-
-
-def _activation(record: Any, where: str) -> npt.NDArray[Any]:
-    if not isinstance(record, dict) or "activation" not in record:
-        raise ConvertError(f"{where}: expected a record with an 'activation', found {type_name(record)}")
-    act = record["activation"]
-    if not isinstance(act, np.ndarray) or act.ndim != 2 or act.dtype.kind != "f":
-        shape = getattr(act, "shape", None)
-        raise ConvertError(
-            f"{where}: expected 'activation' as a float array (seq_len, hidden), found "
-            f"{type_name(act)} {getattr(act, 'dtype', '')} {shape if shape is not None else ''}".rstrip()
-        )
-    shape = record.get("shape")
-    if shape is not None:
-        if not (
-            isinstance(shape, (list, tuple, np.ndarray))
-            and len(shape) == 2
-            and all(is_int(v, numpy_ok=True) for v in shape)
-        ):
-            raise ConvertError(
-                f"{where}: expected 'shape' as two integers (seq_len, hidden), found {short_repr(shape)}"
-            )
-        if tuple(int(v) for v in shape) != act.shape:  # a truncated record: fewer rows than it says
-            raise ConvertError(
-                f"{where}: 'shape' says {tuple(int(v) for v in shape)} but the activation is {act.shape}"
-            )
-    return act
-
-
-def _seq_len(records: list[Any], layer: int, where: Path) -> list[int]:
-    return [_activation(r, f"{where}: layer_{layer}[{j}]").shape[0] for j, r in enumerate(records)]
-
-
-def _sample_idx(record: dict[str, Any], where: str) -> int:
-    """A record's ``sample_idx``: an integer of 64 bits (an integral float is taken; a fractional one
-    is an error, never truncated)."""
-    value: Any = record.get("sample_idx")
-    if isinstance(value, (float, np.floating)) and float(value).is_integer() and abs(float(value)) < 2**53:
-        value = int(value)
-    if not (is_int(value, numpy_ok=True) and -(2**63) <= int(value) < 2**63):
-        raise ConvertError(f"{where}: expected 'sample_idx' as an integer of 64 bits, found {short_repr(value)}")
-    return int(value)
-
-
-def _metadata(record: dict[Any, Any], where: str) -> dict[Any, Any]:
-    meta = record.get("metadata")
-    if meta is None:
-        return {}
-    if not isinstance(meta, dict):
-        raise ConvertError(f"{where}: expected 'metadata' as a dict, found {type_name(meta)}")
-    return meta
-
-
-def _is_number(v: Any) -> bool:
-    return isinstance(v, (numbers.Real, np.number, np.bool_)) and not isinstance(v, (complex, np.complexfloating))
-
-
-def _fits_int64(v: Any) -> bool:
-    return not isinstance(v, (numbers.Integral, np.integer)) or -(2**63) <= int(v) < 2**63
-
-
-def _fields(shard: Mapping[int, list[Any]], report: Report, where: Path) -> Fields:
-    """Columns and text fields from the first shard's records (first layer)."""
-    layer, records = next(iter(shard.items()))
-    keys: dict[str, list[Any]] = {}
-    for j, r in enumerate(records):
-        at = f"{where}: layer_{layer}[{j}]"
-        if not isinstance(r, dict):
-            raise ConvertError(f"{at}: expected a record (a dict), found {type_name(r)}")
-        for k, v in _metadata(r, at).items():
-            if not isinstance(k, str):
-                report.count(f"metadata values under keys that are not strings ({type_name(k)}) not carried over")
-                continue
-            keys.setdefault(k, []).append(v)
-    numeric: dict[str, tuple[str, np.dtype[Any]]] = {}
-    text: dict[str, str] = {}
-    taken = {"sample_idx", "lengths", "true_lengths"}
-    for key, values in keys.items():
-        name = field_name(key)
-        if name is None or name in taken:
-            report.note(f"metadata field {short_repr(key)} not carried over (no usable column name)")
-            continue
-        bools = [isinstance(v, (bool, np.bool_)) for v in values]
-        dt: np.dtype[Any] | None = None
-        if len(values) != len(records) or not all(_is_number(v) and _fits_int64(v) for v in values):
-            dt = None  # not one number per record: text
-        elif all(bools):
-            dt = np.dtype("|b1")
-        elif any(bools):
-            dt = None  # bools among numbers: kept as they are, as text
-        elif all(isinstance(v, (numbers.Integral, np.integer)) for v in values):
-            dt = np.dtype("<i8")
-        else:
-            dt = np.dtype("<f8")
-        if dt is not None:
-            numeric[name] = (key, dt)
-        else:
-            text[name] = key
-        taken.add(name)
-    preview = any("text_preview" in r for r in records)
-    if preview and "text_preview" in text:
-        report.note("metadata field 'text_preview' not carried over (the record's own text_preview is kept)")
-        del text["text_preview"]
-    extra = sorted({short_repr(k) for r in records for k in r if k not in _KNOWN_KEYS})
-    for k in extra:
-        report.note(f"record key {k} not carried over (seed 001 does not define it)")
-    return Fields(numeric, text, preview)
-
-
-def _column_value(value: Any, dt: np.dtype[Any], key: str, where: str) -> Any:
-    """``value`` as it goes into a column of ``dt`` (decided from the first shard); a value the
-    column cannot hold exactly (a fraction in an integer column, a number in a bool column,
-    an integer beyond 64 bits) is an error, never rounded."""
-    is_bool = isinstance(value, (bool, np.bool_))
-    ok = _is_number(value) and (
-        (dt.kind == "b" and is_bool)
-        or (dt.kind == "i" and not is_bool and isinstance(value, (numbers.Integral, np.integer)) and _fits_int64(value))
-        or (dt.kind == "f" and not is_bool and _fits_int64(value))
-    )
-    if not ok:
-        kind = {"b": "a bool", "i": "an integer of 64 bits", "f": "a number"}[dt.kind]
-        raise ConvertError(
-            f"{where}: expected {kind} for metadata field {short_repr(key)} (as in the first shard), "
-            f"found {short_repr(value)}"
-        )
-    return bool(value) if dt.kind == "b" else value
-
-
 @dataclasses.dataclass
 class PickleSource:
-    plan: Plan
+    plan: SourcePlan
     shards: list[ShardInfo]
     fields: Fields
     #: The most a shard may expand to (`Options.shard_bytes`).
@@ -332,7 +181,7 @@ class PickleSource:
             stream = loaded(todo, self.shard_bytes)
         del head
         for info, shard in stream:
-            layered = _layers_of(shard, info.path)
+            layered = layers_of(shard, info.path)
             if tuple(layered) != self.plan.layers:
                 raise ConvertError(
                     f"{info.path}: expected layers {list(self.plan.layers)} as in the first shard, "
@@ -369,13 +218,13 @@ class PickleSource:
             where = f"{info.path}: layer_{self.plan.layers[0]}[{j}]"
             if not isinstance(head, dict) or "sample_idx" not in head:
                 raise ConvertError(f"{where}: expected a record with a 'sample_idx', found {type_name(head)}")
-            sid = _sample_idx(head, where)
+            sid = sample_index(head, where)
             seq_len = -1
             for li, records in enumerate(lists):
                 rec = records[j]
                 at = f"{info.path}: layer_{self.plan.layers[li]}[{j}]"
-                act = _activation(rec, at)
-                if li and _sample_idx(rec, at) != sid:
+                act = activation(rec, at)
+                if li and sample_index(rec, at) != sid:
                     raise ConvertError(
                         f"{at}: expected sample_idx {sid} as under layer_{self.plan.layers[0]}, "
                         f"found {short_repr(rec.get('sample_idx'))}"
@@ -391,13 +240,13 @@ class PickleSource:
                 keep = min(seq_len, tokens)
                 acts[j - a, li, :keep] = act[:keep]
                 for k in rec:
-                    if k not in _KNOWN_KEYS:
-                        report.count(f"values under record key {short_repr(k)} not carried over (not in seed 001)")
+                    if k not in KNOWN_KEYS:
+                        report.count(f"values under record key {short_repr(k)} not carried over (not in the format)")
             true_lengths[j - a] = seq_len
             sample_idx[j - a] = sid
-            meta = _metadata(head, where)
+            meta = metadata_of(head, where)
             for name, (key, dt) in self.fields.numeric.items():
-                numeric[name][j - a] = _column_value(meta.get(key), dt, key, where)
+                numeric[name][j - a] = column_value(meta.get(key), dt, key, where)
             for name, key in self.fields.text.items():
                 text[name].append(plain(meta.get(key)))
             for k in meta:
@@ -426,52 +275,20 @@ def open_source(path: Path, options: Options, scan: Callable[[int, int], None] |
         raise ConvertOptionError("--layers: pickle shards name their layers (layer_15, ...); leave --layers out")
     index, shards = _parse_index(path)
     first_shard = load_shard(shards[0], options.shard_bytes)
-    first = _layers_of(first_shard, shards[0].path)
+    first = layers_of(first_shard, shards[0].path)
     layers = tuple(first)
     first_records = next(iter(first.values()))
     if not first_records:
         raise ConvertError(f"{shards[0].path}: the first shard holds no records")
-    d_model = _activation(first_records[0], f"{shards[0].path}: layer_{layers[0]}[0]").shape[1]
+    d_model = activation(first_records[0], f"{shards[0].path}: layer_{layers[0]}[0]").shape[1]
     report = Report()
-    fields = _fields(first, report, shards[0].path)
-    longest = max(_seq_len(first_records, layers[0], shards[0].path))
-    n_examples = len(first_records)
-    counted = [len(first_records)]
-    if options.max_tokens is None or any(s.num_samples is None for s in shards):
-        # T is the longest sequence of all shards (and counts not in the index are needed
-        # to resume): one pass over the rest, shard by shard, before anything is written.
-        for k, (info, shard) in enumerate(loaded(shards[1:], options.shard_bytes), start=1):
-            if scan is not None:
-                scan(k, len(shards))
-            layered = _layers_of(shard, info.path)
-            records = next(iter(layered.values()))
-            longest = max([longest, *_seq_len(records, next(iter(layered)), info.path)])
-            counted.append(len(records))
-        n_examples = sum(counted)
-        shards = [dataclasses.replace(s, num_samples=c) for s, c in zip(shards, counted, strict=True)]
-    else:
-        if shards[0].num_samples != len(first_records):
-            raise ConvertError(
-                f"{shards[0].path}: expected {shards[0].num_samples} records (num_samples in {INDEX}), "
-                f"found {len(first_records)}"
-            )
-        n_examples = sum(s.num_samples or 0 for s in shards)
+    fields = fields_of(first, report, shards[0].path)
+    shards, longest = _count(shards, first_records, layers[0], options, scan)
+    n_examples = sum(s.num_samples or 0 for s in shards)
     tokens = options.max_tokens if options.max_tokens is not None else longest
     found = index.get("extraction_config")
     config: dict[str, Any] = found if isinstance(found, dict) else {}
     verified = sum(s.checksum is not None for s in shards)
-    identity: Any = {"index_sha256": hashlib.sha256(files.read_bytes(path / INDEX, files.MAX_JSON_BYTES)).hexdigest()}
-    if verified != len(shards):
-        identity["files"] = stat_identity([s.path for s in shards], path)
-    source = {
-        "path": str(path),
-        "version": plain(index.get("version")),
-        "created_at": plain(index.get("created_at")),
-        "extraction_config": plain(config),
-        "distributed_config": plain(index.get("distributed_config")),
-        "shards": len(shards),
-        "identity": identity,
-    }
     layout = [
         f"layers {list(layers)} from the keys layer_<idx>; examples in index order",
         f"tokens: every example padded with zeros to T={tokens}"
@@ -489,7 +306,7 @@ def open_source(path: Path, options: Options, scan: Callable[[int, int], None] |
         **{name: (dt, ()) for name, (_, dt) in fields.numeric.items()},
     }
     model = config.get("model_name")
-    plan = Plan(
+    plan = SourcePlan(
         kind=KIND,
         path=path,
         family=options.family or str(config.get("model_architecture") or "unknown"),
@@ -500,7 +317,7 @@ def open_source(path: Path, options: Options, scan: Callable[[int, int], None] |
         cls_token=options.cls_token,
         d_model=int(d_model),
         n_examples=n_examples,
-        source=source,
+        source=_description(path, index, shards, config),
         columns=columns,
         text=tuple(text_fields),
         source_nbytes=sum(size for _, size, _ in stat_identity([s.path for s in shards], path)),
@@ -513,3 +330,50 @@ def open_source(path: Path, options: Options, scan: Callable[[int, int], None] |
         notes=tuple(report.notes),
     )
     return PickleSource(plan, shards, fields, options.shard_bytes, first_shard)
+
+
+def _count(
+    shards: list[ShardInfo],
+    first_records: list[Any],
+    layer: int,
+    options: Options,
+    scan: Callable[[int, int], None] | None,
+) -> tuple[list[ShardInfo], int]:
+    """The shards with their record counts, and the longest sequence (of the first shard only when
+    ``--max-tokens`` is given and the index counts every shard's records)."""
+    longest = max(seq_lens(first_records, layer, shards[0].path))
+    if options.max_tokens is not None and all(s.num_samples is not None for s in shards):
+        if shards[0].num_samples != len(first_records):
+            raise ConvertError(
+                f"{shards[0].path}: expected {shards[0].num_samples} records (num_samples in {INDEX}), "
+                f"found {len(first_records)}"
+            )
+        return shards, longest
+    # T is the longest sequence of all shards (and counts not in the index are needed
+    # to resume): one pass over the rest, shard by shard, before anything is written.
+    counted = [len(first_records)]
+    for k, (info, shard) in enumerate(loaded(shards[1:], options.shard_bytes), start=1):
+        if scan is not None:
+            scan(k, len(shards))
+        layered = layers_of(shard, info.path)
+        records = next(iter(layered.values()))
+        longest = max([longest, *seq_lens(records, next(iter(layered)), info.path)])
+        counted.append(len(records))
+    return [dataclasses.replace(s, num_samples=c) for s, c in zip(shards, counted, strict=True)], longest
+
+
+def _description(path: Path, index: dict[str, Any], shards: list[ShardInfo], config: dict[str, Any]) -> dict[str, Any]:
+    """What the cache's metadata records of the source (its identity: the index's digest, and the
+    files' sizes and times when some shard carries no checksum)."""
+    identity: Any = {"index_sha256": hashlib.sha256(files.read_bytes(path / INDEX, files.MAX_JSON_BYTES)).hexdigest()}
+    if sum(s.checksum is not None for s in shards) != len(shards):
+        identity["files"] = stat_identity([s.path for s in shards], path)
+    return {
+        "path": str(path),
+        "version": plain(index.get("version")),
+        "created_at": plain(index.get("created_at")),
+        "extraction_config": plain(config),
+        "distributed_config": plain(index.get("distributed_config")),
+        "shards": len(shards),
+        "identity": identity,
+    }

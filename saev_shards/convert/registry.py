@@ -55,13 +55,13 @@ SOURCES: dict[str, SourceKind] = {
         SourceKind(
             "pickle",
             "saev_shards.convert.pickle_shards",
-            "pickle shards (seed 001): metadata.json + shard_NNNN.pkl.gz or .pkl",
+            "pickle shards: metadata.json + shard_NNNN.pkl.gz or .pkl",
             None,
         ),
         SourceKind(
             "zarr",
             "saev_shards.convert.zarr_logs",
-            "zarr activation logs (seed 000): activations.zarr/, or shards/shard-XXXX.zarr + manifest.json",
+            "zarr activation logs: activations.zarr/, or shards/shard-XXXX.zarr + manifest.json",
             "convert",
         ),
         SourceKind(

@@ -1,6 +1,6 @@
 """The conversion itself, the same for every source kind and target.
 
-Plan the source (`base.Plan`), derive the cache's `Metadata` from the plan and the target,
+SourcePlan the source (`base.SourcePlan`), derive the cache's `Metadata` from the plan and the target,
 then stream the source's chunks into a `ShardWriter` that publishes atomically. The
 writer's bytes depend only on the data, never on how it was chunked, and the plan only on
 the source, so a run killed at any point resumes (``resume=True``) after the last sealed
@@ -10,6 +10,7 @@ shard and publishes exactly the bytes an uninterrupted run would have.
 from __future__ import annotations
 
 import dataclasses
+import inspect
 import os
 import re
 import time
@@ -26,7 +27,7 @@ from ..protocol.metadata import Metadata
 from ..store import check_reference, resolve, shards_root
 from ..writer import ShardWriter, space_needed
 from . import cache
-from .base import CONVERT_VERSION, Options, Plan, Report, Source
+from .base import CONVERT_VERSION, Options, Report, Source, SourcePlan
 from .registry import SourceKind, Target, detect, source_kind, target
 
 #: The protocol's default shard budget in token vectors (protocol.md section 3).
@@ -44,7 +45,7 @@ class Prepared:
     root: Path
 
     @property
-    def plan(self) -> Plan:
+    def plan(self) -> SourcePlan:
         return self.source.plan
 
     @property
@@ -59,7 +60,7 @@ class Result:
 
     path: Path
     metadata: Metadata
-    plan: Plan
+    plan: SourcePlan
     report: Report
     resumed_at: int
     examples_written: int
@@ -67,7 +68,7 @@ class Result:
     already_published: bool
 
 
-def metadata_for(plan: Plan, to: Target, dtype: str | None, patches_per_shard: int | None) -> Metadata:
+def metadata_for(plan: SourcePlan, to: Target, dtype: str | None, patches_per_shard: int | None) -> Metadata:
     """The cache's metadata: the plan's shape and model, the source's description in ``data``
     (a cache source keeps its own fields: `cache.target_metadata`). ``dtype`` None: the
     target's default (a cache's own dtype where the target stores it)."""
@@ -193,15 +194,8 @@ def run(
     root (``check_space=False``, ``--no-space-check`` or ``SAEV_SHARDS_NO_SPACE_CHECK=1``
     to skip it); a disk that fills up anyway raises `DiskFullError` naming the file, and
     the same call after freeing space resumes."""
-    say = log or (lambda _msg: None)
     plan, md, to = prepared.plan, prepared.metadata, prepared.target
-    report = Report()
-    for note in plan.notes:
-        report.note(note)
-    if isinstance(prepared.source, cache.CacheSource):
-        has_stats = prepared.source.shards.manifest.stats is not None
-        for note in cache.target_notes(prepared.source.shards.metadata, md, has_stats):
-            report.note(note)
+    report = _notes(prepared)
     t0 = time.perf_counter()
     if prepared.path.exists():
         return Result(prepared.path, md, plan, report, md.n_examples, 0, 0.0, True)
@@ -210,7 +204,6 @@ def run(
     if not to.extras and (plan.columns or plan.text):
         dropped = [*(f"column {c}" for c in plan.columns), *(f"text {t}" for t in plan.text)]
         report.note(f"{', '.join(dropped)} not carried over (protocol {to.protocol} holds activations only)")
-    with_lengths = "lengths" in columns
     if check_space:
         needed = space_needed(
             md, prepared.root, columns=columns, text=lambda a, b: [2 * (b - a)] * len(text), restart=restart
@@ -229,31 +222,9 @@ def run(
     )
     start = writer.next_example
     if start > 0:
-        say(f"resuming at example {start:,} ({start:,} of {md.n_examples:,} already sealed)")
-    written = 0
+        (log or (lambda _msg: None))(f"resuming at example {start:,} ({start:,} of {md.n_examples:,} already sealed)")
     try:
-        with Progress(
-            (md.n_examples - start) * md.example_nbytes, f"convert {plan.kind}", unit="B", enabled=progress
-        ) as bar:
-            for chunk in prepared.source.chunks(start, report):
-                n = chunk.acts.shape[0]
-                if n == 0:
-                    continue
-                cols: dict[str, Any] = {k: v for k, v in chunk.columns.items() if k in columns}
-                if with_lengths and "lengths" not in cols:
-                    raise ConvertError(f"{plan.path}: internal: a chunk came without its lengths")
-                acts, scales = chunk.acts, chunk.scales
-                if scales is not None and md.dtype != FLOAT8:  # a float8_e4m3 source into another dtype
-                    acts, scales = dtypes.convert(acts, FLOAT8, "float32", scales), None
-                writer.write(
-                    acts,
-                    labels=chunk.labels if plan.labels else None,
-                    columns=cols or None,
-                    text={k: v for k, v in chunk.text.items() if k in text} or None,
-                    scales=scales,
-                )
-                written += n
-                bar.update(n * md.example_nbytes, extra=f"{start + written:,}/{md.n_examples:,} examples")
+        written = _write(prepared, writer, report, progress, columns, text)
         path = writer.close()
     except NonFiniteError as err:
         writer.abort()
@@ -270,36 +241,115 @@ def run(
     return Result(path, md, plan, report, start, written, time.perf_counter() - t0, False)
 
 
-def convert(
-    src: str | os.PathLike[str],
-    *,
-    kind: str | None = None,
-    to: str = PROTOCOL,
-    root: str | os.PathLike[str] | None = None,
-    dtype: str | None = None,
-    patches_per_shard: int | None = None,
-    options: Options | None = None,
-    allow_nonfinite: bool = False,
-    stats: bool = True,
-    restart: bool = False,
-    progress: bool | None = False,
-    durable: bool = True,
-    check_space: bool = True,
-) -> Result:
+def _notes(prepared: Prepared) -> Report:
+    """A new report holding what the plan (and a cache source's target) says up front."""
+    report = Report()
+    for note in prepared.plan.notes:
+        report.note(note)
+    if isinstance(prepared.source, cache.CacheSource):
+        has_stats = prepared.source.shards.manifest.stats is not None
+        for note in cache.target_notes(prepared.source.shards.metadata, prepared.metadata, has_stats):
+            report.note(note)
+    return report
+
+
+def _write(
+    prepared: Prepared,
+    writer: ShardWriter,
+    report: Report,
+    progress: bool | None,
+    columns: dict[str, Any],
+    text: tuple[str, ...],
+) -> int:
+    """Stream the source's chunks from ``writer.next_example`` into ``writer`` (``columns`` and
+    ``text``: what the target keeps of them); the examples written."""
+    plan, md = prepared.plan, prepared.metadata
+    start = writer.next_example
+    written = 0
+    with Progress(
+        (md.n_examples - start) * md.example_nbytes, f"convert {plan.kind}", unit="B", enabled=progress
+    ) as bar:
+        for chunk in prepared.source.chunks(start, report):
+            n = chunk.acts.shape[0]
+            if n == 0:
+                continue
+            cols: dict[str, Any] = {k: v for k, v in chunk.columns.items() if k in columns}
+            if "lengths" in columns and "lengths" not in cols:
+                raise ConvertError(f"{plan.path}: internal: a chunk came without its lengths")
+            acts, scales = chunk.acts, chunk.scales
+            if scales is not None and md.dtype != FLOAT8:  # a float8_e4m3 source into another dtype
+                acts, scales = dtypes.convert(acts, FLOAT8, "float32", scales), None
+            writer.write(
+                acts,
+                labels=chunk.labels if plan.labels else None,
+                columns=cols or None,
+                text={k: v for k, v in chunk.text.items() if k in text} or None,
+                scales=scales,
+            )
+            written += n
+            bar.update(n * md.example_nbytes, extra=f"{start + written:,}/{md.n_examples:,} examples")
+    return written
+
+
+@dataclasses.dataclass(frozen=True)
+class ConvertOptions:
+    """Everything `convert` takes besides the source: what is written where (`prepare`'s
+    keywords) and how (`run`'s). `convert`'s keyword arguments are these fields.
+
+    ``kind``: the source kind (None: detected); ``to``: the target (a protocol version, or
+    ``"saev"``); ``root``: the shards root to publish in (None: the default root); ``dtype``:
+    the stored dtype (None: the target's default, a cache's own where the target stores it);
+    ``patches_per_shard``: the shard budget (None: the protocol's default, at least one
+    example); ``options``: how the source's examples become the cache's (`Options`);
+    ``allow_nonfinite``: store inf/NaN after the cast instead of failing; ``stats``:
+    write stats.json; ``restart``: discard the sealed shards of an interrupted run;
+    ``progress``: a progress bar (None: when stderr is a terminal); ``durable``: fsync;
+    ``check_space``: refuse up front when the free space is too small (`run`).
+    """
+
+    kind: str | None = None
+    to: str = PROTOCOL
+    root: str | os.PathLike[str] | None = None
+    dtype: str | None = None
+    patches_per_shard: int | None = None
+    options: Options | None = None
+    allow_nonfinite: bool = False
+    stats: bool = True
+    restart: bool = False
+    progress: bool | None = False
+    durable: bool = True
+    check_space: bool = True
+
+    def keywords_of(self, step: Callable[..., Any]) -> dict[str, Any]:
+        """The fields that are keyword arguments of ``step`` (`prepare` or `run`)."""
+        names = inspect.signature(step).parameters
+        return {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name in names}
+
+
+def convert(src: str | os.PathLike[str], **keywords: Any) -> Result:
     """Convert ``src`` into a cache under ``root`` (default: the shards root); returns the `Result`.
+
+    The keywords are `ConvertOptions`' fields (``kind``, ``to``, ``root``, ``dtype``,
+    ``patches_per_shard``, ``options``, ``allow_nonfinite``, ``stats``, ``restart``,
+    ``progress``, ``durable``, ``check_space``): `prepare` and `run` in one call.
 
     >>> result = convert("activations/", root="shards")       # doctest: +SKIP
     >>> ss.open(result.path)                                     # doctest: +SKIP
     """
-    prepared = prepare(
-        src, kind=kind, to=to, root=root, dtype=dtype, patches_per_shard=patches_per_shard, options=options
-    )
-    return run(
-        prepared,
-        allow_nonfinite=allow_nonfinite,
-        stats=stats,
-        restart=restart,
-        progress=progress,
-        durable=durable,
-        check_space=check_space,
-    )
+    try:
+        settings = ConvertOptions(**keywords)
+    except TypeError as err:  # an unknown keyword: said as Python says it of a function
+        raise TypeError(str(err).replace("ConvertOptions.__init__()", "convert()")) from None
+    return run(prepare(src, **settings.keywords_of(prepare)), **settings.keywords_of(run))
+
+
+convert.__dict__["__signature__"] = inspect.Signature(
+    [
+        inspect.Parameter("src", inspect.Parameter.POSITIONAL_OR_KEYWORD, annotation="str | os.PathLike[str]"),
+        *(
+            inspect.Parameter(f.name, inspect.Parameter.KEYWORD_ONLY, default=f.default, annotation=f.type)
+            for f in dataclasses.fields(ConvertOptions)
+        ),
+    ],
+    return_annotation="Result",
+)

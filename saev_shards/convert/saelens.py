@@ -28,7 +28,7 @@ from ..errors import ConvertError, ConvertOptionError
 from ..optional import require
 from ..protocol.jsonfile import is_int, short_repr
 from . import files
-from .base import Chunk, Options, Plan, Report, column_dtype, field_name, plain, stat_identity
+from .base import Chunk, Options, Report, SourcePlan, column_dtype, field_name, plain, stat_identity
 
 KIND = "saelens"
 _INFO = "dataset_info.json"
@@ -98,7 +98,7 @@ def _numpy(column: Any, rows: int, tail: tuple[int, ...]) -> npt.NDArray[Any]:
 
 @dataclasses.dataclass
 class SaelensSource:
-    plan: Plan
+    plan: SourcePlan
     table: Any  # pyarrow Table (memory-mapped)
     hooks: list[str]
     context_size: int
@@ -203,21 +203,82 @@ def open_source(path: Path, options: Options, scan: Callable[[int, int], None] |
     for h in hooks:
         dtype = _float_dtype(path, h, features[h])
         _check_held(path, ds.data, h, len(ds) * context_size * d_model * dtype.itemsize)
+    layers = _layers(path, hooks, options)
+    tokens = min(context_size, options.max_tokens) if options.max_tokens is not None else context_size
+    columns, col_types, text_columns, notes = _columns(path, ds, features, hooks, (context_size, tokens))
+    cfg_file = path / "cache_activations_runner_cfg.json"
+    has_cfg = os.path.lexists(cfg_file)
+    cfg = plain(files.read_json(cfg_file, "the cache runner's configuration")) if has_cfg else None
+    state = files.read_json(path / _STATE, "the dataset's state")
+    arrow = sorted(path.glob("*.arrow"))
+    layout = [
+        f"hooks {hooks} -> layers {list(layers)}"
+        + (" (--layers)" if options.layers is not None else " (from the hook names)"),
+        f"rows -> examples of T={tokens} tokens"
+        + (
+            f" (first {tokens} of context_size {context_size}, --max-tokens)"
+            if tokens < context_size
+            else " (context_size)"
+        ),
+    ]
+    if col_types:
+        layout.append("columns: " + ", ".join(col_types))
+    if text_columns:
+        layout.append("text: " + ", ".join(text_columns))
+    model = cfg.get("model_name") if isinstance(cfg, dict) else None
+    plan = SourcePlan(
+        kind=KIND,
+        path=path,
+        family=options.family or "unknown",
+        ckpt=options.ckpt or str(model or "unknown"),
+        dataset=str((cfg or {}).get("dataset_path") or path) if isinstance(cfg, dict) else str(path),
+        layers=layers,
+        tokens=tokens,
+        cls_token=options.cls_token,
+        d_model=d_model,
+        n_examples=len(ds),
+        source={
+            "path": str(path),
+            "features": plain(features),
+            "fingerprint": state.get("_fingerprint") if isinstance(state, dict) else None,
+            "runner_config": cfg,
+            "identity": stat_identity(arrow, path),
+        },
+        columns=col_types,
+        text=tuple(text_columns),
+        source_nbytes=sum(p.stat().st_size for p in arrow),
+        checksums="none: a datasets folder carries no checksums",
+        layout=tuple(layout),
+        notes=tuple(notes),
+    )
+    return SaelensSource(plan, ds.data, hooks, context_size, columns, text_columns)
+
+
+def _layers(path: Path, hooks: list[str], options: Options) -> tuple[int, ...]:
+    """The layer number of each hook: ``--layers``, else from the hook names."""
     if options.layers is not None:
         if len(options.layers) != len(hooks):
             raise ConvertOptionError(
                 f"--layers: expected {len(hooks)} layer numbers (one per hook: {hooks}), found {list(options.layers)}"
             )
-        layers = options.layers
-    else:
-        parsed = [layer_of(h) for h in hooks]
-        if any(v is None for v in parsed) or len(set(parsed)) != len(parsed):
-            raise ConvertOptionError(
-                f"{path}: cannot number the layers from the hook names {hooks} (found {parsed}); "
-                "give them with --layers"
-            )
-        layers = tuple(int(v) for v in parsed if v is not None)
-    tokens = min(context_size, options.max_tokens) if options.max_tokens is not None else context_size
+        return options.layers
+    parsed = [layer_of(h) for h in hooks]
+    if any(v is None for v in parsed) or len(set(parsed)) != len(parsed):
+        raise ConvertOptionError(
+            f"{path}: cannot number the layers from the hook names {hooks} (found {parsed}); give them with --layers"
+        )
+    return tuple(int(v) for v in parsed if v is not None)
+
+
+def _columns(
+    path: Path, ds: Any, features: dict[str, Any], hooks: list[str], sizes: tuple[int, int]
+) -> tuple[
+    dict[str, tuple[str, tuple[int, ...]]], dict[str, tuple[np.dtype[Any], tuple[int, ...]]], dict[str, str], list[str]
+]:
+    """The features other than the hooks: numeric ones as columns (name -> feature and shape, and
+    the cache's column types), strings as text, and notes on the rest. ``sizes``: the context
+    size and the tokens kept (a ``token_ids`` column of one id per position is cut as they are)."""
+    context_size, tokens = sizes
     columns: dict[str, tuple[str, tuple[int, ...]]] = {}
     col_types: dict[str, tuple[np.dtype[Any], tuple[int, ...]]] = {}
     text_columns: dict[str, str] = {}
@@ -247,49 +308,4 @@ def open_source(path: Path, options: Options, scan: Callable[[int, int], None] |
             tail = (tokens,)
         columns[name] = (col, shape[1])
         col_types[name] = (dt, tail)
-    cfg_file = path / "cache_activations_runner_cfg.json"
-    has_cfg = os.path.lexists(cfg_file)
-    cfg = plain(files.read_json(cfg_file, "the cache runner's configuration")) if has_cfg else None
-    state = files.read_json(path / _STATE, "the dataset's state")
-    arrow = sorted(path.glob("*.arrow"))
-    layout = [
-        f"hooks {hooks} -> layers {list(layers)}"
-        + (" (--layers)" if options.layers is not None else " (from the hook names)"),
-        f"rows -> examples of T={tokens} tokens"
-        + (
-            f" (first {tokens} of context_size {context_size}, --max-tokens)"
-            if tokens < context_size
-            else " (context_size)"
-        ),
-    ]
-    if col_types:
-        layout.append("columns: " + ", ".join(col_types))
-    if text_columns:
-        layout.append("text: " + ", ".join(text_columns))
-    model = cfg.get("model_name") if isinstance(cfg, dict) else None
-    plan = Plan(
-        kind=KIND,
-        path=path,
-        family=options.family or "unknown",
-        ckpt=options.ckpt or str(model or "unknown"),
-        dataset=str((cfg or {}).get("dataset_path") or path) if isinstance(cfg, dict) else str(path),
-        layers=layers,
-        tokens=tokens,
-        cls_token=options.cls_token,
-        d_model=d_model,
-        n_examples=len(ds),
-        source={
-            "path": str(path),
-            "features": plain(features),
-            "fingerprint": state.get("_fingerprint") if isinstance(state, dict) else None,
-            "runner_config": cfg,
-            "identity": stat_identity(arrow, path),
-        },
-        columns=col_types,
-        text=tuple(text_columns),
-        source_nbytes=sum(p.stat().st_size for p in arrow),
-        checksums="none: a datasets folder carries no checksums",
-        layout=tuple(layout),
-        notes=tuple(notes),
-    )
-    return SaelensSource(plan, ds.data, hooks, context_size, columns, text_columns)
+    return columns, col_types, text_columns, notes

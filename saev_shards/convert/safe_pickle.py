@@ -52,7 +52,7 @@ ALLOWED_GLOBALS = frozenset(
         ("collections", "OrderedDict"),
     ]
 )
-#: Deepest nesting of containers a shard may hold (seed 001 nests 4: dict, list, record, metadata).
+#: Deepest nesting of containers a shard may hold (the pickle-shards format nests 4: dict, list, record, metadata).
 MAX_DEPTH = 32
 #: Encodings ``_codecs.encode`` may be asked for: what pickles of bytes use. (Codecs such as
 #: ``hex_codec`` double their input: nested calls would grow without bound.)

@@ -1,4 +1,4 @@
-"""Zarr activation logs (seed 000), read with the ``zarr`` library (zarr v2 or v3 stores).
+"""Zarr activation logs (the zarr activation logger's format), read with the ``zarr`` library (zarr v2 or v3 stores).
 
 Layouts: one store ``activations.zarr/`` (or the folder holding it), or a run folder with
 ``shards/shard-XXXX.zarr`` (+ ``manifest.json``), read shard after shard in number order,
@@ -23,9 +23,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import hashlib
-import math
 import os
-import re
 import warnings
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -39,102 +37,41 @@ from ..optional import require
 from ..protocol.jsonfile import is_int, short_repr, strict_json_loads
 from . import files
 from .base import (
-    MEMORY_HINT,
     Chunk,
     Options,
-    Plan,
     Report,
+    SourcePlan,
     column_dtype,
     field_name,
     pick_layers,
     plain,
     stat_identity,
 )
+from .zarr_store import (
+    METADATA_NAMES,
+    Part,
+    Store,
+    check_chunks,
+    check_codecs,
+    check_held,
+    find_stores,
+    open_arrays,
+    schema,
+)
 
 KIND = "zarr"
-_SHARD_RE = re.compile(r"shard-(\d+)\.zarr")
-#: The sequence parts, in token order, and the array names of their activations and lengths.
-_SPLIT = (("prompt", "prompt_activations", "prompt_len"), ("response", "response_activations", "response_len"))
-_SINGLE = (("seq", "activations", "seq_len"),)
-#: The row (axis 0) of a chunk file's key: ``3.0.1.0`` (zarr v2), ``3/0/1/0`` or ``c/3/0/1/0`` (zarr v3).
-_CHUNK_ROW = re.compile(r"(\d+)(?:[./]|$)")
-#: Samples past the last row of chunks whose lengths are read to tell they are empty (more: refused).
-_MAX_EMPTY_TAIL = 1 << 20
-#: Metadata files of a store, read by zarr itself: each at most this long.
-_METADATA_NAMES = (".zarray", ".zgroup", ".zattrs", ".zmetadata", "zarr.json")
-
-
-def _is_group(path: Path) -> bool:
-    return (path / ".zgroup").is_file() or (path / "zarr.json").is_file()
-
-
-def _stores(path: Path) -> tuple[str, list[Path]]:
-    """``("store" | "sharded", store folders)``; empty when ``path`` is neither layout."""
-    if _is_group(path):
-        return "store", [path]
-    if _is_group(path / "activations.zarr"):
-        return "store", [path / "activations.zarr"]
-    shards_dir = path / "shards"
-    if shards_dir.is_dir():
-        found = [(int(m.group(1)), p) for p in shards_dir.iterdir() if (m := _SHARD_RE.fullmatch(p.name))]
-        stores = [p for _, p in sorted(found) if _is_group(p)]
-        if stores:
-            return "sharded", stores
-    return "store", []
 
 
 def detect(path: Path) -> bool:
     """A zarr group (or a folder with ``activations.zarr`` or ``shards/shard-XXXX.zarr``) with activation arrays."""
     if not path.is_dir():
         return False
-    _, stores = _stores(path)
+    _, stores = find_stores(path)
     if not stores:
         return False
     first = stores[0]
     names = ("prompt_activations", "response_activations", "activations")
     return any((first / "arrays" / n).is_dir() or (first / n).is_dir() for n in names)
-
-
-@dataclasses.dataclass(frozen=True)
-class Part:
-    name: str
-    activations: str
-    lengths: str | None  # the lengths array, or None: every position is valid
-    max_len: int
-
-
-@dataclasses.dataclass
-class Store:
-    path: Path
-    arrays: Any  # the zarr group holding the arrays
-    n: int
-    offset: int  # global index of its first sample
-
-
-def _arrays(zarr: Any, store: Path) -> tuple[Any, Any]:
-    try:
-        group = zarr.open_group(store, mode="r")
-    except Exception as err:  # zarr raises several kinds for a broken store
-        raise ConvertError(f"{store}: not a readable zarr group ({type(err).__name__}: {err})") from None
-    return group.get("arrays", group), group
-
-
-def _schema(arrays: Any, where: Path) -> list[Part]:
-    names = set(arrays.array_keys())
-    spec = _SPLIT if any(a in names for _, a, _ in _SPLIT) else _SINGLE
-    parts = []
-    for name, acts, lengths in spec:
-        if acts not in names:
-            continue
-        shape = arrays[acts].shape
-        if len(shape) != 4:
-            raise ConvertError(f"{where}: expected {acts} of shape (N, L, T, H), found {shape}")
-        parts.append(Part(name, acts, lengths if lengths in names else None, int(shape[2])))
-    if not parts:
-        raise ConvertError(
-            f"{where}: expected arrays prompt_activations / response_activations or activations, found {sorted(names)}"
-        )
-    return parts
 
 
 def _text_files(store: Path) -> dict[str, Path]:
@@ -208,7 +145,7 @@ def _json_line(line: bytes, path: Path, number: int) -> Any:
 
 @dataclasses.dataclass
 class ZarrSource:
-    plan: Plan
+    plan: SourcePlan
     stores: list[Store]
     parts: list[Part]
     columns: dict[str, str]  # column name -> array name
@@ -313,166 +250,81 @@ def _reading(where: Path) -> contextlib.AbstractContextManager[None]:
     return files.library_errors(where, "zarr store")
 
 
-def _check_chunks(array: Any, name: str, where: Path, max_bytes: int) -> None:
-    """A chunk of ``array`` is decoded whole whenever any of it is read: it must fit ``max_bytes``."""
-    chunks = getattr(array, "shards", None) or array.chunks
-    nbytes = math.prod(int(c) for c in chunks) * np.dtype(array.dtype).itemsize
-    if nbytes > max_bytes:
-        raise ConvertError(
-            f"{where}: {name}: chunks of {tuple(int(c) for c in chunks)} are {nbytes:,} bytes each, more than the "
-            f"{max_bytes:,} a chunk may take{MEMORY_HINT}"
-        )
-
-
-#: How far a codec's output can grow beyond its input, where a bound exists: deflate (gzip,
-#: zlib) at most 1032 times (RFC 1951: a 258-byte match in under two bits), LZ4 blocks about
-#: 255 times. Blosc and Zstandard chunks declare their output size in a header, checked instead.
-_RATIOS = {"gzip": 1032, "zlib": 1032, "lz4": 256}
-#: Codecs that never make a chunk larger than the chunk's declared bytes.
-_SIZE_KEEPING = frozenset(
-    ["bytes", "endian", "transpose", "shuffle", "delta", "crc32c", "fixedscaleoffset", "astype", "quantize",
-     "packbits", "sharding", "shardingindexed"]
-)  # fmt: skip
-_BLOSC_MAGIC_LEN = 16
-_ZSTD_MAGIC = b"\x28\xb5\x2f\xfd"
-
-
-def _codec_name(codec: Any) -> str:
-    name = getattr(codec, "codec_id", None) or type(codec).__name__
-    return str(name).lower().removesuffix("codec")
-
-
-def _check_codecs(store: Path, name: str, array: Any, max_bytes: int) -> None:
-    """Bound what decoding any chunk of ``array`` can allocate, before zarr decodes one: a
-    compressed chunk expands to whatever its codec says, and zarr checks the size only after
-    (a chunk of a few KB can ask for gigabytes). Each chunk file's worst case, from its size
-    and the codec's ratio or from the size its header declares, must fit ``max_bytes``;
-    a codec whose output cannot be bounded so (bz2, lzma, one this library does not know) is
-    refused."""
-    codecs = [_codec_name(c) for c in (*getattr(array, "filters", ()), *getattr(array, "compressors", ()))]
-    compressing = [c for c in codecs if c not in _SIZE_KEEPING]
-    if not compressing:
-        return
-    unknown = [c for c in compressing if c not in _RATIOS and c not in ("blosc", "zstd")]
-    if unknown:
-        raise ConvertError(
-            f"{store}: {name}: codec {unknown[0]!r}: its output cannot be bounded before it is decoded; "
-            "save the store uncompressed or with zstd, blosc, gzip or lz4"
-        )
-    folder = _array_dir(store, name)
-    ratio = math.prod(_RATIOS.get(c, 1) for c in compressing)
-    for path, size in _chunk_files(folder):
-        bound = size * ratio
-        if "blosc" in compressing or "zstd" in compressing:
-            declared = _declared_size(path, compressing)
-            bound = max(bound, declared) if declared is not None else bound
-        if bound > max_bytes:
-            raise ConvertError(
-                f"{path}: a chunk of {name} ({size:,} bytes, {'+'.join(compressing)}) may decode to {bound:,} bytes, "
-                f"more than the {max_bytes:,} a chunk may take{MEMORY_HINT}"
-            )
-
-
-def _chunk_files(folder: Path) -> Iterator[tuple[Path, int]]:
-    """Every chunk file under an array's folder, with its size (metadata files skipped)."""
-    todo = [folder]
-    while todo:
-        here = todo.pop()
-        with os.scandir(here) as it:
-            for entry in it:
-                if entry.name in _METADATA_NAMES:
-                    continue
-                if entry.is_dir():
-                    todo.append(Path(entry.path))
-                elif entry.is_file():
-                    yield Path(entry.path), entry.stat().st_size
-
-
-def _declared_size(path: Path, codecs: list[str]) -> int | None:
-    """The output size a Blosc or Zstandard chunk declares in its header (the size numcodecs
-    allocates); a Zstandard frame that declares none is refused (it would grow without bound)."""
-    with files.open_file(path, "a chunk") as f:
-        head = f.read(32)
-    if "blosc" in codecs and len(head) >= _BLOSC_MAGIC_LEN and not head.startswith(_ZSTD_MAGIC):
-        return int.from_bytes(head[4:8], "little")  # nbytes: the uncompressed size
-    if "zstd" in codecs and head.startswith(_ZSTD_MAGIC) and len(head) >= 6:
-        descriptor = head[4]
-        fcs_flag, single = descriptor >> 6, (descriptor >> 5) & 1
-        dict_len = (0, 1, 2, 4)[descriptor & 3]
-        at = 5 + (0 if single else 1) + dict_len
-        width = (1 if single else 0, 2, 4, 8)[fcs_flag]
-        if width == 0:
-            raise ConvertError(
-                f"{path}: a Zstandard chunk that does not declare its size (it could grow without bound)"
-            )
-        value = int.from_bytes(head[at : at + width], "little")
-        return value + 256 if width == 2 else value
-    return None
-
-
-def _held_rows(array_dir: Path, array: Any) -> int:
-    """Samples (rows of axis 0) up to the last row of chunks that has a file: what the array
-    holds, whatever its shape declares (zarr reads a missing chunk as its fill value)."""
-    chunk_rows = int((getattr(array, "shards", None) or array.chunks)[0])
-    folder = array_dir / "c" if (array_dir / "c").is_dir() else array_dir  # zarr v3 keys, else v2 keys
-    last = -1
-    with os.scandir(folder) as it:
-        for entry in it:
-            head = _CHUNK_ROW.match(entry.name)
-            if head is None:
-                continue
-            if "." in entry.name and entry.is_dir():  # "3.0.1.0" names a chunk file, never a folder
-                raise ConvertError(f"{entry.path}: expected a chunk file, found a directory (zarr would read zeros)")
-            last = max(last, int(head.group(1)))
-    return min(int(array.shape[0]), (last + 1) * chunk_rows)
-
-
-def _check_held(store: Store, parts: list[Part], lengths: Any) -> None:
-    """Refuse, before anything is written, a store whose activation arrays declare samples
-    their chunks do not hold (a few KB declaring 10^9 samples would be written as zeros
-    until the disk is full): samples past the last row of chunks written must be empty,
-    by their lengths arrays (zarr 3 writes no chunk that is all fill value)."""
-    for p in parts:
-        folder = _array_dir(store.path, p.activations)
-        held = _held_rows(folder, store.arrays[p.activations])
-        if held >= store.n:
-            continue
-        missing = store.n - held
-        empty = False
-        if p.lengths is not None and missing <= _MAX_EMPTY_TAIL:
-            empty = not np.any(np.asarray(lengths[p.lengths][held : store.n]))
-        if not empty:
-            raise ConvertError(
-                f"{store.path}: {p.activations} declares {store.n:,} samples, but its chunks hold at most the first "
-                f"{held:,}: the store declares more than it holds (a damaged or unfinished store); nothing was written"
-            )
-
-
-def _array_dir(store: Path, name: str) -> Path:
-    return store / "arrays" / name if (store / "arrays" / name).is_dir() else store / name
-
-
 def open_source(path: Path, options: Options, scan: Callable[[int, int], None] | None = None) -> ZarrSource:
     zarr = require("zarr", "convert", "converting zarr activation logs")
     with warnings.catch_warnings(), _reading(path):
-        # Seed 000 keeps text/ and meta/ folders (JSON Lines) inside the store, on purpose.
+        # The logger keeps text/ and meta/ folders (JSON Lines) inside the store, on purpose.
         warnings.filterwarnings("ignore", message=".*not recognized as a component of a Zarr hierarchy")
         return _open(zarr, path, options)
 
 
 def _open(zarr: Any, path: Path, options: Options) -> ZarrSource:
-    layout, paths = _stores(path)
+    layout, paths = find_stores(path)
     if not paths:
         raise ConvertError(f"{path}: expected a zarr group, activations.zarr/ or shards/shard-XXXX.zarr")
+    stores, parts, attrs = _open_stores(zarr, paths, options)
+    n_layers, d_model = _check_shapes(stores, parts)
+    fields = _per_sample(stores, parts, options)
+    text_files = [_text_files(s.path) for s in stores]
+    text_names = list(fields.text_arrays)
+    for found_files in text_files:
+        text_names += [n for n in found_files if n not in text_names]
+    total = sum(p.max_len for p in parts)
+    tokens = min(total, options.max_tokens) if options.max_tokens is not None else total
+    found_layers = _attrs_layers(attrs, n_layers, options, paths[0])
+    layers = pick_layers(found_layers, n_layers, options, "the store")
+    n_examples = sum(s.n for s in stores)
+    notes = [
+        *fields.notes,
+        *(f"no {p.name}_len array: every {p.name} position is taken as valid" for p in parts if p.lengths is None),
+    ]
+    named = " (--layers)" if options.layers else " (attrs)" if found_layers else " (positions)"
+    mapping = [
+        *_parts_lines(parts, total, tokens),
+        f"layers {list(layers)}{named}",
+        f"one store, {n_examples:,} samples"
+        if layout == "store"
+        else f"sharded: {len(stores)} stores, {n_examples:,} samples",
+    ]
+    cols_shown = [c for c in fields.types if c not in ("lengths", "true_lengths")]
+    if cols_shown:
+        mapping.append("columns: " + ", ".join(cols_shown))
+    if text_names:
+        mapping.append("text: " + ", ".join(text_names))
+    plan = SourcePlan(
+        kind=KIND,
+        path=path,
+        family=options.family or str(attrs.get("model_family") or attrs.get("family") or "unknown"),
+        ckpt=options.ckpt or str(attrs.get("model_id") or attrs.get("model") or "unknown"),
+        dataset=str(attrs.get("dataset") or attrs.get("dataset_name") or path),
+        layers=layers,
+        tokens=tokens,
+        cls_token=options.cls_token,
+        d_model=d_model,
+        n_examples=n_examples,
+        source=_description(path, layout, stores, parts, attrs, fields),
+        columns=fields.types,
+        text=tuple(text_names),
+        source_nbytes=sum(int(s.arrays[p.activations].nbytes) for s in stores for p in parts),
+        checksums="none: zarr stores carry no checksums",
+        layout=tuple(mapping),
+        notes=tuple(notes),
+    )
+    return ZarrSource(plan, stores, parts, fields.columns, fields.text_arrays, text_files)
+
+
+def _open_stores(zarr: Any, paths: list[Path], options: Options) -> tuple[list[Store], list[Part], dict[str, Any]]:
+    """Every store opened and checked (the same arrays as the first, one row per sample, chunks that
+    fit the memory allowed and that hold what they declare); the parts and the first store's attrs."""
     stores: list[Store] = []
     parts: list[Part] | None = None
     attrs: dict[str, Any] = {}
     offset = 0
     for store_path in paths:
         # zarr opens the files itself: everything in the store must be a regular file first.
-        files.check_tree(store_path, "in a zarr store", {name: files.MAX_JSON_BYTES for name in _METADATA_NAMES})
-        arrays, group = _arrays(zarr, store_path)
-        these = _schema(arrays, store_path)
+        files.check_tree(store_path, "in a zarr store", {name: files.MAX_JSON_BYTES for name in METADATA_NAMES})
+        arrays, group = open_arrays(zarr, store_path)
+        these = schema(arrays, store_path)
         if parts is None:
             parts = these
             attrs = plain(dict(group.attrs))
@@ -486,8 +338,8 @@ def _open(zarr: Any, path: Path, options: Options) -> ZarrSource:
                 if name is not None and int(arrays[name].shape[0]) != n:
                     raise ConvertError(f"{store_path}: {name} holds {arrays[name].shape[0]} samples, expected {n}")
                 if name is not None:
-                    _check_chunks(arrays[name], name, store_path, options.memory // 2)
-                    _check_codecs(store_path, name, arrays[name], options.memory // 2)
+                    check_chunks(arrays[name], name, store_path, options.memory // 2)
+                    check_codecs(store_path, name, arrays[name], options.memory // 2)
             if p.lengths is not None and (
                 len(arrays[p.lengths].shape) != 1 or arrays[p.lengths].dtype.kind not in "iu"
             ):
@@ -496,12 +348,16 @@ def _open(zarr: Any, path: Path, options: Options) -> ZarrSource:
                     f"{arrays[p.lengths].shape} {arrays[p.lengths].dtype}"
                 )
         store = Store(store_path, arrays, n, offset)
-        _check_held(store, these, arrays)
+        check_held(store, these, arrays)
         stores.append(store)
         offset += n
     assert parts is not None
-    first = stores[0].arrays
-    shape = first[parts[0].activations].shape
+    return stores, parts, attrs
+
+
+def _check_shapes(stores: list[Store], parts: list[Part]) -> tuple[int, int]:
+    """``(L, H)``, the same for every part of every store (float activations ``(N, L, T, H)``)."""
+    shape = stores[0].arrays[parts[0].activations].shape
     n_layers, d_model = int(shape[1]), int(shape[3])
     for p in parts:
         for s in stores:
@@ -511,29 +367,46 @@ def _open(zarr: Any, path: Path, options: Options) -> ZarrSource:
                     f"{s.path}: expected {p.activations} as float (N, {n_layers}, T, {d_model}), "
                     f"found {sh} {s.arrays[p.activations].dtype}"
                 )
+    return n_layers, d_model
+
+
+@dataclasses.dataclass(frozen=True)
+class _Fields:
+    """The per-sample arrays carried over: columns and text arrays by field name, each column's
+    type, the arrays the parts use, and notes on what is not carried over."""
+
+    columns: dict[str, str]  # column -> array name
+    text_arrays: dict[str, str]  # text field -> byte/string array name
+    types: dict[str, tuple[np.dtype[Any], tuple[int, ...]]]
+    used: set[str]
+    notes: list[str]
+
+
+def _per_sample(stores: list[Store], parts: list[Part], options: Options) -> _Fields:
+    """The first store's other per-sample arrays as columns (numeric) or text (bytes, strings),
+    checked to be alike in every store."""
+    first = stores[0].arrays
     notes: list[str] = []
     columns: dict[str, str] = {}
     text_arrays: dict[str, str] = {}
-    col_types: dict[str, tuple[np.dtype[Any], tuple[int, ...]]] = {
+    types: dict[str, tuple[np.dtype[Any], tuple[int, ...]]] = {
         "lengths": (np.dtype("<i4"), ()),
         "true_lengths": (np.dtype("<i4"), ()),
     }
     used = {p.activations for p in parts} | {p.lengths for p in parts if p.lengths}
     for p in parts:
         if p.lengths is not None:
-            col_types[p.lengths] = (column_dtype(np.dtype(first[p.lengths].dtype)) or np.dtype("<i4"), ())
+            types[p.lengths] = (column_dtype(np.dtype(first[p.lengths].dtype)) or np.dtype("<i4"), ())
     for array_name in sorted(set(first.array_keys()) - used):
         arr = first[array_name]
         name = field_name(array_name)
         dt: np.dtype[Any] | None = np.dtype(arr.dtype) if isinstance(arr.dtype, np.dtype) else None
-        if name is None or name in col_types or len(arr.shape) == 0 or int(arr.shape[0]) != stores[0].n:
+        col = column_dtype(dt) if dt is not None else None
+        if name is None or name in types or len(arr.shape) == 0 or int(arr.shape[0]) != stores[0].n:
             notes.append(f"array {array_name!r} {arr.shape} not carried over (not one value per sample)")
-            continue
-        if dt is not None and column_dtype(dt) is not None:
-            col = column_dtype(dt)
-            assert col is not None
+        elif col is not None:
             columns[name] = array_name
-            col_types[name] = (col, tuple(int(v) for v in arr.shape[1:]))
+            types[name] = (col, tuple(int(v) for v in arr.shape[1:]))
         elif dt is not None and dt.kind in "SU" and len(arr.shape) == 1:
             text_arrays[name] = array_name
         else:
@@ -549,31 +422,52 @@ def _open(zarr: Any, path: Path, options: Options) -> ZarrSource:
                     f"{s.path}: {a}: expected {np.dtype(want.dtype)} of shape {(s.n, *want.shape[1:])} "
                     f"(one value per sample, as in {stores[0].path}), found {np.dtype(arr.dtype)} {arr.shape}"
                 )
-            _check_chunks(arr, a, s.path, options.memory // 2)
-            _check_codecs(s.path, a, arr, options.memory // 2)
-    text_files = [_text_files(s.path) for s in stores]
-    text_names = list(text_arrays)
-    for found_files in text_files:
-        text_names += [n for n in found_files if n not in text_names]
-    total = sum(p.max_len for p in parts)
-    tokens = min(total, options.max_tokens) if options.max_tokens is not None else total
-    found_layers = attrs.get("layers")
-    if found_layers is not None and not (
-        isinstance(found_layers, list)
-        and len(found_layers) == n_layers
-        and all(is_int(v) and -(2**63) <= v < 2**63 for v in found_layers)
-        and len(set(found_layers)) == n_layers
+            check_chunks(arr, a, s.path, options.memory // 2)
+            check_codecs(s.path, a, arr, options.memory // 2)
+    return _Fields(columns, text_arrays, types, used, notes)
+
+
+def _attrs_layers(attrs: dict[str, Any], n_layers: int, options: Options, where: Path) -> list[Any] | None:
+    """The layer numbers the store's attrs give, when they are ``L`` distinct 64-bit integers;
+    None when absent, or when malformed and ``--layers`` gives them (an error otherwise)."""
+    found = attrs.get("layers")
+    if found is None or (
+        isinstance(found, list)
+        and len(found) == n_layers
+        and all(is_int(v) and -(2**63) <= v < 2**63 for v in found)
+        and len(set(found)) == n_layers
     ):
-        if options.layers is None:  # never numbered by position instead without a word
-            raise ConvertError(
-                f"{paths[0]}: attrs layers: expected {n_layers} distinct integers of 64 bits (one per layer), "
-                f"found {short_repr(found_layers)}; give the layer numbers with --layers"
-            )
-        found_layers = None
-    layers = pick_layers(found_layers, n_layers, options, "the store")
-    config_file = paths[0] / "meta" / "config.json"
-    has_config = os.path.lexists(config_file)
-    config = plain(files.read_json(config_file, "the store's configuration")) if has_config else None
+        return found
+    if options.layers is None:  # never numbered by position instead without a word
+        raise ConvertError(
+            f"{where}: attrs layers: expected {n_layers} distinct integers of 64 bits (one per layer), "
+            f"found {short_repr(found)}; give the layer numbers with --layers"
+        )
+    return None
+
+
+def _parts_lines(parts: list[Part], total: int, tokens: int) -> list[str]:
+    """How the parts become an example's tokens, in words."""
+    if [p.name for p in parts] == ["prompt", "response"]:
+        return [
+            "prompt and response: ONE cache; each example is its prompt tokens then its response tokens, "
+            f"then zeros (T = P_max {parts[0].max_len} + R_max {parts[1].max_len} = {total}"
+            + (f", cut to {tokens} by --max-tokens" if tokens < total else "")
+            + "); lengths = prompt_len + response_len; the response starts at prompt_len",
+        ]
+    return [
+        f"tokens: {', '.join(p.activations for p in parts)} (T = {tokens})"
+        + "".join(f"; valid positions from {p.lengths}" for p in parts if p.lengths)
+    ]
+
+
+def _description(
+    path: Path, layout: str, stores: list[Store], parts: list[Part], attrs: dict[str, Any], fields: _Fields
+) -> dict[str, Any]:
+    """What the cache's metadata records of the source (its identity: configuration, manifest digest, files)."""
+    first = stores[0].path
+    config_file = first / "meta" / "config.json"
+    config = plain(files.read_json(config_file, "the store's configuration")) if os.path.lexists(config_file) else None
     manifest = path / "manifest.json"
     manifest_bytes = (
         files.read_bytes(manifest, files.MAX_JSON_BYTES, "the run's manifest") if os.path.lexists(manifest) else None
@@ -582,9 +476,10 @@ def _open(zarr: Any, path: Path, options: Options) -> ZarrSource:
     for s in stores:
         folder = s.path / "arrays" if (s.path / "arrays").is_dir() else s.path
         # sorted: the order of a set's strings varies from process to process, the hash must not
-        identity_files.extend(folder / name for name in [*sorted(used), *columns.values(), *text_arrays.values()])
+        names = [*sorted(fields.used), *fields.columns.values(), *fields.text_arrays.values()]
+        identity_files.extend(folder / name for name in names)
         identity_files += list(_text_files(s.path).values())
-    source = {
+    return {
         "path": str(path),
         "layout": layout,
         "stores": [str(s.path.relative_to(path)) if s.path != path else "." for s in stores],
@@ -594,50 +489,3 @@ def _open(zarr: Any, path: Path, options: Options) -> ZarrSource:
         "manifest_sha256": hashlib.sha256(manifest_bytes).hexdigest() if manifest_bytes is not None else None,
         "identity": stat_identity([p for p in identity_files if p.exists()], path),
     }
-    names = [p.name for p in parts]
-    if names == ["prompt", "response"]:
-        layout_lines = [
-            "prompt and response: ONE cache; each example is its prompt tokens then its response tokens, "
-            f"then zeros (T = P_max {parts[0].max_len} + R_max {parts[1].max_len} = {total}"
-            + (f", cut to {tokens} by --max-tokens" if tokens < total else "")
-            + "); lengths = prompt_len + response_len; the response starts at prompt_len",
-        ]
-    else:
-        layout_lines = [
-            f"tokens: {', '.join(p.activations for p in parts)} (T = {tokens})"
-            + "".join(f"; valid positions from {p.lengths}" for p in parts if p.lengths)
-        ]
-    notes.extend(
-        f"no {p.name}_len array: every {p.name} position is taken as valid" for p in parts if p.lengths is None
-    )
-    layout_lines.append(
-        f"layers {list(layers)}" + (" (--layers)" if options.layers else " (attrs)" if found_layers else " (positions)")
-    )
-    layout_lines.append(
-        f"one store, {offset:,} samples" if layout == "store" else f"sharded: {len(stores)} stores, {offset:,} samples"
-    )
-    cols_shown = [c for c in col_types if c not in ("lengths", "true_lengths")]
-    if cols_shown:
-        layout_lines.append("columns: " + ", ".join(cols_shown))
-    if text_names:
-        layout_lines.append("text: " + ", ".join(text_names))
-    plan = Plan(
-        kind=KIND,
-        path=path,
-        family=options.family or str(attrs.get("model_family") or attrs.get("family") or "unknown"),
-        ckpt=options.ckpt or str(attrs.get("model_id") or attrs.get("model") or "unknown"),
-        dataset=str(attrs.get("dataset") or attrs.get("dataset_name") or path),
-        layers=layers,
-        tokens=tokens,
-        cls_token=options.cls_token,
-        d_model=d_model,
-        n_examples=offset,
-        source=source,
-        columns=col_types,
-        text=tuple(text_names),
-        source_nbytes=sum(int(s.arrays[p.activations].nbytes) for s in stores for p in parts),
-        checksums="none: zarr stores carry no checksums",
-        layout=tuple(layout_lines),
-        notes=tuple(notes),
-    )
-    return ZarrSource(plan, stores, parts, columns, text_arrays, text_files)

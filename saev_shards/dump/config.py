@@ -23,11 +23,11 @@ from typing import Any
 import numpy as np
 import tomllib
 
-from .._layers import string_layers_problem
 from ..errors import ConfigError, Problems
 from ..protocol.common import COLUMN_DTYPES, DTYPES_BY_PROTOCOL, FIELD_NAME_RE, PROTOCOL
 from ..protocol.jsonfile import is_int
 from ..protocol.sites import Site, as_site, site_problem
+from ..selection import string_layers_problem
 
 #: The protocol's default shard budget (protocol.md section 3).
 DEFAULT_PATCHES_PER_SHARD = 2_400_000

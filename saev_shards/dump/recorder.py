@@ -37,9 +37,9 @@ from typing import Any
 import numpy as np
 import torch
 
-from .._layers import string_layers_problem
 from ..errors import RecorderError, WriterError
 from ..protocol.sites import Site, as_site
+from ..selection import string_layers_problem
 from ..writer import ShardWriter
 
 #: Stored dtype names to torch dtypes.

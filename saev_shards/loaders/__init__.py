@@ -15,10 +15,13 @@ sequential reads; both are `TokenLoader` with an order strategy. The map-style d
 (`TokenDataset`, `ExampleDataset`, `LayerPairDataset`) work with torch's DataLoader.
 torch is imported when a loader is created, never at import time.
 
-The package, one job per module: `selection` (which tokens), `plan` (blocks, windows and
-each window's order; pure numpy), `order` (the order strategies), `pipeline` (the host
-threads), `device` (the device-side shuffle), `token_loader` (the loaders), `datasets`
-(map-style datasets), `batch`, `tensors` (torch helpers); the world is `saev_shards.world`.
+The package, one job per module: `selection` (which tokens, on `saev_shards.selection`),
+`plan` (read spans, windows and each window's order; pure numpy), `order` (the order
+strategies), `schedule` (what an epoch runs: the settings, the chunks), `pools` (threads
+kept across epochs), `windows` (reading windows), `host_run` (an epoch on the host),
+`device` (the device-side shuffle), `mapped` (the cache read in place), `token_loader`
+(the loaders), `datasets` (map-style datasets), `batch`, `outputs`, `tensors` (torch
+helpers); the world is `saev_shards.world`.
 
 >>> loader = ShuffledLoader(shards, batch_size=4096, layers=11, out_dtype="float32")  # doctest: +SKIP
 >>> for batch in loader:                                                             # doctest: +SKIP
@@ -32,13 +35,8 @@ from .order import Order, Sequential, ShuffledWindows
 from .plan import BLOCK_BYTES, MIN_SLICE_READ
 from .selection import CLS_LABEL, OUT_DTYPES, TOKEN_CHOICES, TokenSelection, as_shards, parse_layers, parse_out_dtype
 from .tensors import to_tensor, torch_dtype
-from .token_loader import (
-    OrderedLoader,
-    ShuffledLoader,
-    TokenLoader,
-    default_gather_threads,
-    default_read_threads,
-)
+from .threads import default_gather_threads, default_read_threads
+from .token_loader import OrderedLoader, ShuffledLoader, TokenLoader
 
 __all__ = [
     "BLOCK_BYTES",

@@ -112,7 +112,7 @@ class TokenDataset(_MapDataset):
         if not sel.varies:
             per_example = len(sel.base_tokens)
             return i // per_example, int(sel.base_tokens[i % per_example])
-        cum = sel._cumulative()
+        cum = sel.cumulative()
         example = int(np.searchsorted(cum, i, side="right")) - 1
         return example, int(sel.tokens_of(example)[i - int(cum[example])])
 

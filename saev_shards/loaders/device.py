@@ -1,6 +1,6 @@
 """The device-side shuffle: whole windows go to the device, the permutation and gather run there.
 
-The CPU only reads blocks into reusable page-locked *staging* slots (no per-row work) and
+The CPU only reads spans into reusable page-locked *staging* slots (no per-row work) and
 computes each window's index, exactly as the host path does; then, on a side stream, the
 window and its index are copied into device slots in a few large transfers. Each batch is
 one ``index_select`` (plus two small copies of its metadata) issued on the consumer's
@@ -35,7 +35,7 @@ from __future__ import annotations
 
 import contextlib
 import threading
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from concurrent.futures import Future
 from typing import TYPE_CHECKING, Any
 
@@ -43,9 +43,10 @@ import numpy as np
 
 from ..protocol.float8 import check_range
 from .batch import Batch
-from .pipeline import Config, Schedule, WindowLoader
-from .plan import EpochPlan, WindowIndex
+from .plan import WindowIndex
+from .schedule import Config, Epoch
 from .tensors import as_numpy, pinned_empty, torch_dtype
+from .windows import WindowLoader
 
 if TYPE_CHECKING:
     import torch
@@ -67,7 +68,7 @@ class Slots:
         cuda = device.type == "cuda"
         dtype = torch.uint8 if cfg.float8 else torch_dtype(cfg.stored)  # float8_e4m3 as its bytes
         vectors = rows * cfg.tokens  # every vector of a window; no window has more units
-        per_unit = cfg.blocks.layers_per_unit
+        per_unit = cfg.spans.layers_per_unit
 
         def host(shape: tuple[int, ...], dt: torch.dtype) -> torch.Tensor:
             return pinned_empty(shape, dt) if cuda else torch.empty(shape, dtype=dt)
@@ -160,31 +161,21 @@ class _Loaded:
 class DeviceRun:
     """One epoch with the shuffle on ``slots.device``. Iterate it; `close` stops and joins everything."""
 
-    def __init__(
-        self,
-        cfg: Config,
-        plan: EpochPlan,
-        schedule: Schedule,
-        epoch: int,
-        window_rng: Callable[[int, int], np.random.Generator | None],
-        slots: Slots,
-    ) -> None:
+    def __init__(self, cfg: Config, epoch: Epoch, slots: Slots) -> None:
         import torch
 
         self.cfg = cfg
-        self.plan = plan
-        self.schedule = schedule
+        self.plan = epoch.plan
+        self.schedule = epoch.schedule
         self.slots = slots
         self.sync = _Sync(slots.device)
         self.stop = threading.Event()
-        self.n_slots = schedule.n_slots
+        self.n_slots = self.schedule.n_slots
         self.uploaded: list[Any] = [None] * self.n_slots  # last upload out of each staging slot
         self.consumed: list[Any] = [None] * self.n_slots  # last gather from each device slot
         self.windows = WindowLoader(
             cfg,
-            plan,
             epoch,
-            window_rng,
             slots.staging_np[: self.n_slots],
             self.stop,
             ready_to_write=lambda slot: self.sync.host_waits(self.uploaded[slot]),
@@ -198,7 +189,7 @@ class DeviceRun:
         """Copy window ``w`` and its index into device slot ``slot`` (runs on a read thread)."""
         s, cfg = self.slots, self.cfg
         window = self.plan.windows[w]
-        vectors = int(cfg.blocks.rows[window.blocks].sum()) * cfg.tokens
+        vectors = int(cfg.spans.rows[window.spans].sum()) * cfg.tokens
         n = len(index)
         flat = index.flat.reshape(-1)
         # The index into pinned staging first (host copies of a few MB), then every copy at once.
@@ -266,7 +257,7 @@ class DeviceRun:
         import torch
 
         cfg, s, loads = self.cfg, self.slots, self.loads
-        per_unit = cfg.blocks.layers_per_unit
+        per_unit = cfg.spans.layers_per_unit
         acts, scales, meta, labels = [], [], [], []
         for w, a, b in self.plan.segments(lo, hi):
             loaded = loads[w].result()

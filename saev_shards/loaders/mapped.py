@@ -13,7 +13,7 @@ file of a local cache is mapped read-only, back to back, into one reserved addre
 * **Reads** become "make resident": per block, ``mincore`` says whether its pages are in
   the page cache; those that are not are read with ``pread`` into a small per-thread scratch
   buffer (the same requests as before, so a cold cache reads at the same rate; the gathers
-  then fault the pages in), and blocks found there are mapped with ``MADV_POPULATE_READ``
+  then fault the pages in), and spans found there are mapped with ``MADV_POPULATE_READ``
   (once per loader) so that the gathers do not fault.
   A shard cut short since it was opened is a `FileSizeError`, as before (one ``fstat`` per
   block). Checking a mapped block costs microseconds; mapping one again for every window
@@ -53,7 +53,7 @@ from ..errors import FileSizeError
 from ..protocol.common import FLOAT8
 from ..protocol.float8 import scales_plain
 from ..reader import Shards
-from .plan import Blocks
+from .plan import ReadSpans
 
 _PAGE = mmap.PAGESIZE
 _HUGE = 2 << 20
@@ -213,13 +213,13 @@ class CacheMap:
         return _array(region, 0, max(total, 1) * item, dtype, (max(total, 1), *row))
 
     def source(
-        self, examples: npt.NDArray[np.int64], blocks: Blocks
+        self, examples: npt.NDArray[np.int64], spans: ReadSpans
     ) -> tuple[npt.NDArray[np.int64], npt.NDArray[np.int64]]:
         """Where a window's rows are here (`plan.RowSource`): the first vector of each of its
         ``examples``, and the offset of each slot (a layer position: every layer of an example
-        is mapped, whichever ``blocks`` reads)."""
+        is mapped, whichever ``spans`` reads)."""
         shard, local = np.divmod(examples, self.eps)
-        positions = np.arange(blocks.rows_per_ex, dtype=np.int64) if blocks.whole else blocks.read_positions
+        positions = np.arange(spans.rows_per_ex, dtype=np.int64) if spans.whole else spans.read_positions
         return self.base[shard] + local * self.vectors_per_example, positions * self.tokens
 
     # -- residency -------------------------------------------------------------------------
@@ -237,8 +237,8 @@ class CacheMap:
             count = self.tokens
         return arr.ctypes.data + first * item, count * item
 
-    def make_resident(self, start: int, stop: int, blocks: Blocks, stop_event: threading.Event) -> None:
-        """Examples ``[start, stop)`` (their slices that ``blocks`` reads, and a float8_e4m3
+    def make_resident(self, start: int, stop: int, spans: ReadSpans, stop_event: threading.Event) -> None:
+        """Examples ``[start, stop)`` (their slices that ``spans`` reads, and a float8_e4m3
         cache's scales) in the page cache and mapped (once per map): what is no longer there
         (the window was found in the page cache, not all of it) is read into this thread's
         scratch buffers first. `FileSizeError` if a shard was cut short since it was opened."""
@@ -248,16 +248,16 @@ class CacheMap:
         # Mapped before, and every layer still in the page cache (one mincore of the block, not one
         # per slice: a block holds a dozen or more): nothing to do.
         if (
-            not blocks.whole
+            not spans.whole
             and self.populated[start:stop].all()
             and all(self.resident(*self.byte_range(start, stop, scales=scales)) for scales in kinds)
         ):
             return
         ranges: list[tuple[int, int, int | None]]
-        if blocks.whole:
+        if spans.whole:
             ranges = [(start, stop, None)]
         else:
-            ranges = [(e, e + 1, p) for e in range(start, stop) for p in blocks.read_positions.tolist()]
+            ranges = [(e, e + 1, p) for e in range(start, stop) for p in spans.read_positions.tolist()]
         shape = shards.metadata.shard_shape[1:]
         for a, b, position in ranges:
             if stop_event.is_set():
@@ -277,16 +277,16 @@ class CacheMap:
                 self.populate(addr, nbytes)
         self.populated[start:stop] = True
 
-    def check_scales(self, start: int, stop: int, blocks: Blocks) -> None:
+    def check_scales(self, start: int, stop: int, spans: ReadSpans) -> None:
         """`Shards.check_scales` of the scales a window gathers from here: those of examples
-        ``[start, stop)`` at the layer positions ``blocks`` reads (nothing without scales)."""
+        ``[start, stop)`` at the layer positions ``spans`` reads (nothing without scales)."""
         if self.scales is None:
             return
         k, local = divmod(start, self.eps)
         first = int(self.base[k]) + local * self.vectors_per_example
         n = stop - start
         found = self.scales[first : first + n * self.vectors_per_example].reshape(n, self.layers, self.tokens)
-        positions = slice(None) if blocks.whole else blocks.read_positions
+        positions = slice(None) if spans.whole else spans.read_positions
         found = found[:, positions]
         if scales_plain(found):
             return

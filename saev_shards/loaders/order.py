@@ -1,6 +1,6 @@
 """The order of an epoch as a strategy: which block comes when, and how a window is permuted.
 
-`ShuffledWindows` (the training order) permutes all blocks of the cache every epoch and
+`ShuffledWindows` (the training order) permutes all spans of the cache every epoch and
 every unit of a window; `Sequential` walks the cache in ``(example, layer, token)`` order.
 Everything random is drawn from ``(seed, epoch[, window, rank, world_size])``, so an
 order never depends on threads or timing. A strategy is a small frozen object; the token
@@ -28,12 +28,12 @@ class Order(Protocol):
 
     @property
     def sequential(self) -> bool:
-        """Whether blocks are read one after the other in each file (the default read threads
+        """Whether spans are read one after the other in each file (the default read threads
         depend on it; an order without this attribute counts as not sequential)."""
         ...
 
     def block_order(self, n_blocks: int, seed: int, epoch: int) -> npt.NDArray[np.int64]:
-        """The blocks of the cache in the order epoch ``epoch`` reads them."""
+        """The spans of the cache in the order epoch ``epoch`` reads them."""
         ...
 
     def window_rng(self, seed: int, epoch: int, window: int, rank: int, world_size: int) -> np.random.Generator | None:
@@ -47,10 +47,10 @@ class Order(Protocol):
 
 @dataclasses.dataclass(frozen=True)
 class ShuffledWindows:
-    """Blocks permuted over the whole cache per epoch; every unit of a window permuted."""
+    """ReadSpans permuted over the whole cache per epoch; every unit of a window permuted."""
 
     name: str = "shuffled"
-    #: Blocks come in random order (`default_read_threads` keeps more requests in flight).
+    #: ReadSpans come in random order (`default_read_threads` keeps more requests in flight).
     sequential: bool = False
 
     def block_order(self, n_blocks: int, seed: int, epoch: int) -> npt.NDArray[np.int64]:
@@ -68,7 +68,7 @@ class Sequential:
     """Strict ``(example, layer, token)`` order, the same every epoch; window sizes do not matter."""
 
     name: str = "ordered"
-    #: Blocks follow each other in each file: the kernel's readahead streams them.
+    #: ReadSpans follow each other in each file: the kernel's readahead streams them.
     sequential: bool = True
 
     def block_order(self, n_blocks: int, seed: int, epoch: int) -> npt.NDArray[np.int64]:

@@ -1,4 +1,4 @@
-"""The plan of an epoch: read blocks, the windows of this rank, and each window's order.
+"""The plan of an epoch: read spans, the windows of this rank, and each window's order.
 
 Pure numpy, no torch and no activation I/O (only the selection's label and length columns
 are read), so the order of any epoch can be computed, tested and measured from metadata.
@@ -27,8 +27,11 @@ BLOCK_BYTES = 4 << 20
 MIN_SLICE_READ = 128 << 10
 
 
-class Blocks:
-    """Read units: runs of consecutive examples inside one shard, with the units they hold."""
+class ReadSpans:
+    """What the loaders read at once: runs of consecutive examples inside one shard, about
+    ``block_bytes`` each (one ``pread``, or one per ``(example, layer)`` slice), with the units
+    they hold. (A *block* is a 16 MiB piece of blocks.json's digests; the loaders' keyword
+    ``block_bytes`` keeps its name.)"""
 
     def __init__(
         self,
@@ -53,22 +56,22 @@ class Blocks:
         #: Token vectors in one unit: every chosen layer when stacked, else one.
         self.layers_per_unit = selection.n_layers if self.stack_layers else 1
         ex_bytes = self.rows_per_ex * slice_bytes
-        self.examples_per_block = max(1, block_bytes // max(1, ex_bytes))
+        self.examples_per_span = max(1, block_bytes // max(1, ex_bytes))
 
         n, eps = shards.n_examples, shards.examples_per_shard
         n_shards = shards.n_shards
         shard_lo = np.arange(n_shards, dtype=np.int64) * eps
         shard_hi = np.minimum(shard_lo + eps, n)
-        per_shard = -(-(shard_hi - shard_lo) // self.examples_per_block)
+        per_shard = -(-(shard_hi - shard_lo) // self.examples_per_span)
         shard_of_block = np.repeat(np.arange(n_shards, dtype=np.int64), per_shard)
         first = np.zeros(n_shards, dtype=np.int64)
         np.cumsum(per_shard[:-1], out=first[1:])
         within = np.arange(len(shard_of_block), dtype=np.int64) - first[shard_of_block]
-        start = shard_lo[shard_of_block] + within * self.examples_per_block
-        stop = np.minimum(start + self.examples_per_block, shard_hi[shard_of_block])
+        start = shard_lo[shard_of_block] + within * self.examples_per_span
+        stop = np.minimum(start + self.examples_per_span, shard_hi[shard_of_block])
         tokens = selection.tokens_before(stop) - selection.tokens_before(start)
         units = tokens if self.stack_layers else tokens * selection.n_layers
-        keep = units > 0  # blocks whose tokens are all filtered out are never read
+        keep = units > 0  # spans whose tokens are all filtered out are never read
         self.start = start[keep]
         self.stop = stop[keep]
         self.shard = shard_of_block[keep]
@@ -85,10 +88,10 @@ class Blocks:
 
 @dataclasses.dataclass
 class Window:
-    """Consecutive blocks of one epoch's stream, loaded together and shuffled together."""
+    """Consecutive spans of one epoch's stream, loaded together and shuffled together."""
 
     index: int
-    blocks: npt.NDArray[np.int64]
+    spans: npt.NDArray[np.int64]
     trim_lo: int  # units of the first block that belong to the previous rank
     trim_hi: int  # units of the last block that belong to the next rank
     n_units: int
@@ -133,7 +136,7 @@ class EpochPlan:
 
 
 def plan_epoch(
-    blocks: Blocks,
+    spans: ReadSpans,
     order: npt.NDArray[np.int64],
     rank: int,
     world_size: int,
@@ -142,7 +145,7 @@ def plan_epoch(
     drop_last: bool,
 ) -> EpochPlan:
     """Cut the block stream ``order`` into this rank's share, then into windows of ``window_rows``."""
-    units = blocks.units[order]
+    units = spans.units[order]
     cum = np.zeros(len(order) + 1, dtype=np.int64)
     np.cumsum(units, out=cum[1:])
     total = int(cum[-1])
@@ -160,7 +163,7 @@ def plan_epoch(
         return EpochPlan([], np.zeros(1, dtype=np.int64), 0, n_batches, batch_size)
     # A block joins the window its first row falls in: every window holds at most
     # window_rows + one block's rows, and all but the last are at least window_rows.
-    rows = blocks.rows[mine]
+    rows = spans.rows[mine]
     row_start = np.zeros(len(mine), dtype=np.int64)
     np.cumsum(rows[:-1], out=row_start[1:])
     window_of = row_start // max(1, window_rows)
@@ -172,7 +175,7 @@ def plan_epoch(
     starts = []
     for w, group in enumerate(groups):
         ids = mine[group]
-        n = int(blocks.units[ids].sum())
+        n = int(spans.units[ids].sum())
         t_lo = trim_lo if group[0] == 0 else 0
         t_hi = trim_hi if group[-1] == len(mine) - 1 else 0
         n -= t_lo + t_hi
@@ -204,25 +207,25 @@ class WindowIndex:
 
 #: Where the rows of a window's examples are in the array its gathers read: ``(first vector
 #: of each example, offset in vectors of each slot)``, given the window's examples (global
-#: indices) and its `Blocks`. None: the window's buffer, examples back to back.
-RowSource = Callable[[npt.NDArray[np.int64], Blocks], tuple[npt.NDArray[np.int64], npt.NDArray[np.int64]]]
+#: indices) and its `ReadSpans`. None: the window's buffer, examples back to back.
+RowSource = Callable[[npt.NDArray[np.int64], ReadSpans], tuple[npt.NDArray[np.int64], npt.NDArray[np.int64]]]
 
 
 def index_window(
     selection: TokenSelection,
-    blocks: Blocks,
+    spans: ReadSpans,
     window: Window,
     rng: np.random.Generator | None,
     source: RowSource | None = None,
 ) -> WindowIndex:
     """Where each chosen unit of ``window`` is, permuted by ``rng`` (if any).
 
-    By default in the window's buffer: its blocks back to back, each example as
+    By default in the window's buffer: its spans back to back, each example as
     ``rows_per_ex`` ``(T, D)`` slices; ``source`` says where else the rows are (the cache
     read in place: `mapped.CacheMap.source`). Before the permutation, units are listed by
     example, layer, token (by example, token with stacked layers).
     """
-    starts, stops = blocks.start[window.blocks], blocks.stop[window.blocks]
+    starts, stops = spans.start[window.spans], spans.stop[window.spans]
     sizes = stops - starts
     ex_first = np.zeros(len(sizes), dtype=np.int64)
     np.cumsum(sizes[:-1], out=ex_first[1:])
@@ -234,8 +237,8 @@ def index_window(
         rows = [selection.labels_of(np.arange(a, b)) for a, b in zip(starts.tolist(), stops.tolist(), strict=True)]
         labels = np.full((n_ex, tokens), CLS_LABEL, dtype=np.uint8)
         labels[:, selection.cls :] = np.concatenate(rows)
-    slots = blocks.slots.astype(np.int32)
-    n_slots = 1 if blocks.stack_layers else len(slots)  # slots enumerated per unit
+    slots = spans.slots.astype(np.int32)
+    n_slots = 1 if spans.stack_layers else len(slots)  # slots enumerated per unit
     if not selection.varies:
         # Unit u (in example, layer, token order) is example u // per_ex, slot and token from
         # the rest: computed from the permuted unit numbers, no gather of unit-sized arrays.
@@ -271,16 +274,16 @@ def index_window(
             order = rng.permutation(len(ex_c))
             ex_c, slot_c, tok_c = ex_c[order], slot_c[order], tok_c[order]
     if source is None:  # the window buffer
-        ex_vector = np.arange(n_ex, dtype=np.int64) * (blocks.rows_per_ex * tokens)
-        slot_vector = np.arange(blocks.rows_per_ex, dtype=np.int64) * tokens
+        ex_vector = np.arange(n_ex, dtype=np.int64) * (spans.rows_per_ex * tokens)
+        slot_vector = np.arange(spans.rows_per_ex, dtype=np.int64) * tokens
     else:
-        ex_vector, slot_vector = source(examples, blocks)
+        ex_vector, slot_vector = source(examples, spans)
     first = ex_vector[ex_c]
-    if blocks.stack_layers:
-        flat = first[:, None] + slot_vector[blocks.slots][None, :] + tok_c[:, None]
+    if spans.stack_layers:
+        flat = first[:, None] + slot_vector[spans.slots][None, :] + tok_c[:, None]
         layer_col = None
     else:
         flat = first + slot_vector[slot_c] + tok_c
-        layer_col = blocks.slot_layer[slot_c]
+        layer_col = spans.slot_layer[slot_c]
     label_col = None if labels is None else labels.ravel()[ex_c * tokens + tok_c]
     return WindowIndex(flat, examples[ex_c], tok_c, layer_col, label_col)

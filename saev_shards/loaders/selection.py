@@ -1,6 +1,9 @@
 """Which token vectors of a cache a loader yields: layers, token kind and per-token filters.
 
-Shared by the token loaders and `TokenDataset`; numpy only (no torch).
+The choice itself (layers, token kind, token masks) is `saev_shards.selection`'s, parsed
+there for the loaders and the shuffle alike; this module adds what only the loaders have:
+the labels and padding filters, the sites, the layers-not-mixed rule and the output dtype.
+Shared by the token loaders and the map-style datasets; numpy only (no torch).
 """
 
 from __future__ import annotations
@@ -13,19 +16,29 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
-from .. import token_masks
-from .._layers import string_layers_problem
 from ..errors import LoaderError, NameNotFoundError
-from ..protocol.jsonfile import is_int, short_repr
+from ..protocol.jsonfile import short_repr
 from ..protocol.sites import Site
-from ..reader import Shards, norms
+from ..reader import Shards
+from ..selection import TOKEN_CHOICES, SelectionSpec, choose_layers, parse_selection, token_ids_of
 from ..store import open_cache
+
+__all__ = [
+    "CLS_LABEL",
+    "OUT_DTYPES",
+    "TOKEN_CHOICES",
+    "SiteChoice",
+    "TokenSelection",
+    "as_shards",
+    "check_layers_not_mixed",
+    "choose_sites",
+    "parse_layers",
+    "parse_out_dtype",
+]
 
 #: Label reported for a [CLS] token: labels.bin has no CLS column, and 255 is the one
 #: value a uint8 label can take that no patch label set we know uses.
 CLS_LABEL = 255
-#: Token choices: the patches, the [CLS] token, or both.
-TOKEN_CHOICES = ("content", "cls", "all")
 #: Output dtypes a caller may ask for (None keeps the stored dtype).
 OUT_DTYPES = ("float16", "bfloat16", "float32")
 #: Examples per step when counting selected tokens over the whole cache (bounds memory).
@@ -40,24 +53,9 @@ def as_shards(shards: Shards | str | os.PathLike[str]) -> Shards:
 
 
 def parse_layers(shards: Shards, layers: int | Sequence[int] | None) -> tuple[int, ...]:
-    """Layer *values* chosen by ``layers`` (None = every recorded layer), checked against the cache."""
-    recorded = shards.metadata.layers
-    if layers is None:
-        return tuple(recorded)
-    as_string = string_layers_problem("layers", layers)
-    if as_string is not None:
-        raise LoaderError(as_string)
-    chosen = (layers,) if isinstance(layers, (int, np.integer)) else tuple(layers)
-    if not chosen:
-        raise LoaderError(f"layers: expected at least one layer of {list(recorded)}, found none")
-    values = []
-    for layer in chosen:
-        if not is_int(layer, numpy_ok=True) or int(layer) not in recorded:
-            raise LoaderError(f"layers: expected recorded layer values {list(recorded)}, found {layer!r}")
-        values.append(int(layer))
-    if len(set(values)) != len(values):
-        raise LoaderError(f"layers: expected distinct layer values, found {values}")
-    return tuple(values)
+    """Layer *values* chosen by ``layers`` (None = every recorded layer), checked against the
+    cache (`saev_shards.selection.choose_layers`, raising `LoaderError`)."""
+    return choose_layers(shards.metadata.layers, layers, LoaderError)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -147,15 +145,14 @@ def parse_out_dtype(shards: Shards, out_dtype: object) -> str:
 class TokenSelection:
     """Which token vectors of a cache a loader yields: layers, token kind and per-token filters.
 
-    ``tokens`` is ``"content"`` (patches; positions ``cls_token .. T-1``), ``"cls"`` (position
-    0, caches with a CLS token) or ``"all"``. ``ignore_labels`` drops content tokens whose
-    ``labels.bin`` value is listed (CLS tokens have no label and are never dropped by it).
-    ``skip_padding`` drops positions ``>= lengths[i]`` when the cache has a ``lengths`` column.
-    The token masks: ``exclude_token_ids`` drops positions whose ``token_ids`` column value
-    is listed (BOS, padding ids: a dump records the column); ``max_norm_multiple=k`` drops
-    positions whose vector at any chosen layer has a norm above ``k`` times its layer's
-    median norm (`saev_shards.reader.norms` defines both exactly; computed once, with ``progress``).
-    Within an example the selected vectors are ordered by layer (metadata order), then token.
+    ``layers``, ``tokens`` and the token masks (``exclude_token_ids``: positions whose
+    ``token_ids`` column value is listed; ``max_norm_multiple=k``: positions whose vector at
+    any chosen layer has a norm above ``k`` times its layer's median norm, computed once with
+    ``progress``) are `saev_shards.selection.SelectionSpec`'s, checked by its parser
+    (`chosen`). ``ignore_labels`` drops content tokens whose ``labels.bin`` value is listed
+    (CLS tokens have no label and are never dropped by it). ``skip_padding`` drops positions
+    ``>= lengths[i]`` when the cache has a ``lengths`` column. Within an example the
+    selected vectors are ordered by layer (metadata order), then token.
     """
 
     def __init__(
@@ -171,61 +168,36 @@ class TokenSelection:
     ) -> None:
         md = shards.metadata
         self.shards = shards
-        self.layer_values = parse_layers(shards, layers)
-        #: Positions of the chosen layers in ``metadata.layers``, ascending (disk order).
-        self.layer_positions = np.array(sorted(shards.layer_index(v) for v in self.layer_values), dtype=np.int64)
-        self.layer_values = tuple(md.layers[int(p)] for p in self.layer_positions)
-        self.n_layers = len(self.layer_positions)
-        if tokens not in TOKEN_CHOICES:
-            raise LoaderError(f"tokens: expected one of {list(TOKEN_CHOICES)}, found {tokens!r}")
-        if tokens == "cls" and not md.cls_token:
-            raise LoaderError("tokens='cls': expected a cache with a CLS token (cls_token=true), found cls_token=false")
-        self.tokens = tokens
-        self.cls = int(md.cls_token)
-        self.tokens_per_ex = md.tokens_per_ex
-        base = np.zeros(md.tokens_per_ex, dtype=bool)
-        if tokens in ("content", "all"):
-            base[self.cls :] = True
-        if tokens in ("cls", "all"):
-            base[0] = True
-        self.base_mask = base
-        #: Token positions chosen when no per-example filter applies.
-        self.base_tokens = np.flatnonzero(base).astype(np.int64)
-
         ignore = sorted({int(v) for v in ignore_labels})
+        spec = SelectionSpec(layers, tokens, exclude_token_ids, max_norm_multiple)
+        # (checked before the norm filter is computed: a mistake here should not wait for it)
+        choose_layers(md.layers, layers, LoaderError)
         if any(not 0 <= v <= 255 for v in ignore):
             raise LoaderError(f"ignore_labels: expected uint8 label values 0..255, found {ignore}")
         if ignore and shards.manifest.labels is None:
             raise LoaderError(f"ignore_labels={ignore}: expected a cache with labels.bin, found none at {shards.path}")
+        #: The layers, token kind and token masks, checked (`saev_shards.selection`).
+        self.chosen = parse_selection(shards, spec, LoaderError, progress=progress)
+        self.layer_values = self.chosen.layers
+        #: Positions of the chosen layers in ``metadata.layers``, ascending (disk order).
+        self.layer_positions = np.array(self.chosen.layer_positions, dtype=np.int64)
+        self.n_layers = len(self.layer_positions)
+        self.tokens = self.chosen.tokens
+        self.cls = int(md.cls_token)
+        self.tokens_per_ex = md.tokens_per_ex
+        self.base_mask = self.chosen.base_mask
+        #: Token positions chosen when no per-example filter applies.
+        self.base_tokens = np.array(self.chosen.positions, dtype=np.int64)
         self.ignore_labels = np.array(ignore, dtype=np.uint8)
         self.has_labels = shards.manifest.labels is not None
-        self.label_filter = bool(ignore) and tokens != "cls" and md.patches_per_ex > 0
-        self.length_filter = bool(skip_padding) and "lengths" in shards.manifest.columns
+        self.label_filter = bool(ignore) and self.tokens != "cls" and md.patches_per_ex > 0
+        self.length_filter = bool(skip_padding) and self.chosen.has_lengths
         self.skip_padding = bool(skip_padding)
-        self.exclude_token_ids = token_masks.parse_exclude_token_ids(exclude_token_ids, LoaderError)
-        if len(self.exclude_token_ids):
-            if "token_ids" not in shards.manifest.columns:
-                raise LoaderError(
-                    f"exclude_token_ids: expected a cache with a token_ids column (saev-shards dump records it), "
-                    f"found columns {sorted(shards.manifest.columns)} at {shards.path}"
-                )
-            problem = token_masks.token_ids_problem(shards)
-            if problem is not None:
-                raise LoaderError(problem)
-        multiple = norms.parse_multiple(max_norm_multiple, LoaderError)
-        #: The tokens ``max_norm_multiple`` drops (None without it); computed here, once.
-        self.norm_filter = (
-            None
-            if multiple is None
-            else norms.norm_filter(shards, multiple, [int(p) for p in self.layer_positions], progress=progress)
-        )
+        self.exclude_token_ids = self.chosen.excluded
+        #: The tokens ``max_norm_multiple`` drops (None without it); computed once.
+        self.norm_filter = self.chosen.norm_filter
         #: True when the chosen tokens differ from example to example.
-        self.varies = (
-            self.label_filter
-            or self.length_filter
-            or bool(len(self.exclude_token_ids))
-            or (self.norm_filter is not None)
-        )
+        self.varies = self.label_filter or self.length_filter or self.chosen.masked
         self._counts: npt.NDArray[np.int64] | None = None
         self._dropped: dict[str, int] = {}
 
@@ -245,23 +217,19 @@ class TokenSelection:
     def _masks(
         self, examples: npt.NDArray[np.int64], labels: npt.NDArray[np.uint8] | None = None
     ) -> tuple[npt.NDArray[np.bool_], dict[str, npt.NDArray[np.bool_]]]:
-        """The chosen positions, and what each token mask took away from the rest (in order)."""
-        mask = np.broadcast_to(self.base_mask, (len(examples), self.tokens_per_ex)).copy()
+        """The chosen positions, and what each token mask took away from the rest (`Selection.mask`)."""
+        keep = None
         if self.label_filter:
             if labels is None:
                 labels = self.labels_of(examples)
-            mask[:, self.cls :] &= ~np.isin(labels, self.ignore_labels)
+            keep = np.ones((len(examples), self.tokens_per_ex), dtype=bool)
+            keep[:, self.cls :] = ~np.isin(labels, self.ignore_labels)
+        lengths = None
         if self.length_filter:
             lengths = np.asarray(self.shards.columns["lengths"][examples]).astype(np.int64)
-            mask &= np.arange(self.tokens_per_ex) < lengths[:, None]
-        taken: dict[str, npt.NDArray[np.bool_]] = {}
-        if len(self.exclude_token_ids):
-            ids = token_masks.token_ids_of(self.shards, examples)
-            taken["exclude_token_ids"] = mask & np.isin(ids, self.exclude_token_ids)
-            mask &= ~taken["exclude_token_ids"]
-        if self.norm_filter is not None:
-            taken["max_norm_multiple"] = mask & self.norm_filter.dropped(examples)
-            mask &= ~taken["max_norm_multiple"]
+        mask, taken = self.chosen.mask(
+            examples, lengths=lengths, token_ids=lambda: token_ids_of(self.shards, examples), keep=keep
+        )
         return mask, taken
 
     @property
@@ -315,10 +283,11 @@ class TokenSelection:
         counts = self.counts
         if counts is None:
             return np.asarray(examples, dtype=np.int64) * len(self.base_tokens)
-        cum = self._cumulative()
-        return cum[np.asarray(examples, dtype=np.int64)]
+        return self.cumulative()[np.asarray(examples, dtype=np.int64)]
 
-    def _cumulative(self) -> npt.NDArray[np.int64]:
+    def cumulative(self) -> npt.NDArray[np.int64]:
+        """``(n_examples + 1,)``: chosen tokens (one layer) before each example, then the total
+        (for a selection that `varies`; computed once)."""
         cum: npt.NDArray[np.int64] | None = getattr(self, "_cum", None)
         if cum is None:
             counts = self.counts

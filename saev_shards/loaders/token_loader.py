@@ -2,19 +2,17 @@
 
 The loader orchestrates; the work lives beside it: the selection (`selection`), the plan
 of an epoch (`plan`, pure numpy), the order as a strategy (`order`), the world (`..world`),
-the host pipeline (`pipeline`) and the device-side shuffle (`device`). `ShuffledLoader`
-and `OrderedLoader` are the token loader with the shuffled and the ordered strategy.
+the host run (`host_run`, with `windows` and `pools`) and the device-side shuffle
+(`device`). `ShuffledLoader` and `OrderedLoader` are the token loader with the shuffled and
+the ordered strategy.
 """
 
 from __future__ import annotations
 
 import atexit
 import contextlib
-import hashlib
 import inspect
-import json
 import os
-import threading
 import weakref
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any
@@ -23,25 +21,32 @@ import numpy as np
 import numpy.typing as npt
 
 from .. import world
-from ..errors import LoaderError, Problems
+from ..errors import LoaderError
 from ..humanize import html_table
-from ..protocol.jsonfile import is_int, short_repr, type_name
+from ..protocol.jsonfile import is_int, short_repr
 from ..reader import Shards
-from . import mapped
 from .batch import Batch
-from .device import DeviceRun, Slots
-from .mapped import CacheMap
+from .device import DeviceRun
+from .host_run import HostRun
 from .order import Order, parse_order
-from .pipeline import Config, HostRun, Pools, Schedule
-from .plan import BLOCK_BYTES, Blocks, EpochPlan, index_window, plan_epoch
+from .plan import BLOCK_BYTES, EpochPlan, ReadSpans, index_window, plan_epoch
+from .schedule import Config, Epoch, Schedule
 from .selection import TokenSelection, as_shards, check_layers_not_mixed, choose_sites, parse_out_dtype
+from .spares import Spares
+from .state import check_same, check_state, fingerprint_of, settings_of
+from .summary import summary_rows
 from .tensors import require_torch
+from .threads import MAX_DEFAULT_THREADS, default_gather_threads, default_read_threads, usable_cores
 
-#: A host window buffer: the stored values ``(rows * T, D)``, and a float8_e4m3 cache's scales ``(rows * T,)``.
-_WindowBuffer = tuple[npt.NDArray[Any], npt.NDArray[np.float32] | None]
-
-#: Most threads the defaults pick: a node's memory bandwidth is saturated well before.
-MAX_DEFAULT_THREADS = 16
+__all__ = [
+    "MAX_DEFAULT_THREADS",
+    "OrderedLoader",
+    "ShuffledLoader",
+    "TokenLoader",
+    "default_gather_threads",
+    "default_read_threads",
+    "usable_cores",
+]
 
 #: Every running epoch in this process. An iterator still alive when the interpreter exits
 #: is closed at exit, while the modules its threads use still exist: closing it later, when
@@ -54,35 +59,6 @@ def _close_live_runs() -> None:
     for run in list(_LIVE_RUNS):
         with contextlib.suppress(Exception):
             run.close()
-
-
-def usable_cores() -> int:
-    """Cores this process may run on (its affinity mask: what SLURM or taskset granted)."""
-    try:
-        return len(os.sched_getaffinity(0))
-    except (AttributeError, OSError):
-        return os.cpu_count() or 1
-
-
-def default_gather_threads() -> int:
-    """Threads gathering batches on the host: one per usable core, at most 16."""
-    return max(1, min(MAX_DEFAULT_THREADS, usable_cores()))
-
-
-def default_read_threads(device_side: bool = False, sequential: bool = False) -> int:
-    """Threads reading blocks: at least 4 requests in flight for a disk, half the cores when
-    they also gather on the host, every core when the device gathers (at most 16).
-
-    ``sequential`` (the ordered walk, whose blocks follow each other in each file) on the
-    host: 2. The kernel's readahead keeps such a stream's next requests in flight by itself,
-    and more threads reading one file's consecutive blocks break the stream up: on the
-    development machine's disk 4 threads read a cold file at about half the rate of 1 or 2
-    (docs/loaders.md, "Read-ahead"). The device mode's read threads also copy every window,
-    so they stay one per core."""
-    if sequential and not device_side:
-        return 2
-    cores = usable_cores()
-    return max(4, min(MAX_DEFAULT_THREADS, cores if device_side else cores // 2))
 
 
 class TokenLoader:
@@ -160,19 +136,8 @@ class TokenLoader:
         if choice is not None:
             layers = choice.layers if choice.stacked else choice.layers[0]
             stack_layers = bool(stack_layers) or (choice.stacked and not mix_layers)
-        if not is_int(batch_size, numpy_ok=True) or batch_size < 1:
-            raise LoaderError(f"batch_size: expected an integer >= 1, found {batch_size!r}")
-        if int(seed) < 0:
-            raise LoaderError(f"seed: expected an integer >= 0, found {seed}")
-        for name, value in (
-            ("buffer_bytes", buffer_bytes),
-            ("block_bytes", block_bytes),
-            ("read_threads", 1 if read_threads is None else read_threads),
-            ("prefetch", prefetch),
-            ("gather_threads", 1 if gather_threads is None else gather_threads),
-        ):
-            if int(value) < 1:
-                raise LoaderError(f"{name}: expected an integer >= 1, found {value}")
+        sizes = {"buffer_bytes": buffer_bytes, "block_bytes": block_bytes, "read_threads": read_threads}
+        _check_counts(batch_size, seed, {**sizes, "prefetch": prefetch, "gather_threads": gather_threads})
         self.order = parse_order(order)
         self.batch_size = int(batch_size)
         self.seed = int(seed)
@@ -193,45 +158,26 @@ class TokenLoader:
         self._site_order = choice.order(self.layers) if choice is not None and self.stack_layers else None
         self.device = None if device is None else _parse_device(device)
         self.pin_memory = bool(pin_memory) and torch.cuda.is_available() and self.device is None
-        self.buffer_bytes = int(buffer_bytes)
-        self.block_bytes = int(block_bytes)
-        self._blocks = Blocks(self.shards, self.selection, self.block_bytes, self.stack_layers)
+        self.buffer_bytes, self.block_bytes = int(buffer_bytes), int(block_bytes)
+        self._spans = ReadSpans(self.shards, self.selection, self.block_bytes, self.stack_layers)
         md = self.shards.metadata
         slice_bytes = md.tokens_per_ex * md.d_model * md.itemsize
         self._window_rows = max(1, self.buffer_bytes // max(1, slice_bytes))
-        device_side = self.device is not None
-        self._config = Config(
-            self.shards,
-            self.selection,
-            self._blocks,
-            self.batch_size,
-            self.out_dtype,
-            self.pin_memory,
-            (
-                default_read_threads(device_side, getattr(self.order, "sequential", False))
-                if read_threads is None
-                else int(read_threads)
-            ),
-            int(prefetch),
-            default_gather_threads() if gather_threads is None else int(gather_threads),
-        )
-        total = self._blocks.total
-        mine = self.world.share(total)
-        self.n_tokens = len(mine)  # rows this rank yields per epoch (before drop_last)
-        if self.drop_last:
-            self._len = (total // self.world_size) // self.batch_size
-        else:
-            self._len = -(-self.n_tokens // self.batch_size)
-        self._next_epoch = 0
-        self._resume_batch = 0
+        if read_threads is None:
+            read_threads = default_read_threads(self.device is not None, getattr(self.order, "sequential", False))
+        gathering = default_gather_threads() if gather_threads is None else int(gather_threads)
+        chosen = (self.shards, self.selection, self._spans, self.batch_size, self.out_dtype, self.pin_memory)
+        self._config = Config(*chosen, int(read_threads), int(prefetch), gathering)
+        total = self._spans.total
+        self.n_tokens = len(self.world.share(total))  # rows this rank yields per epoch (before drop_last)
+        # Batches per epoch: with drop_last the same on every rank.
+        full = (total // self.world_size) // self.batch_size
+        self._len = full if self.drop_last else -(-self.n_tokens // self.batch_size)
+        self._next_epoch, self._resume_batch = 0, 0
         self._position: tuple[int, int] | None = None  # (epoch, batches yielded) of the live iteration
         self._runs: weakref.WeakSet[HostRun | DeviceRun] = weakref.WeakSet()
-        self._spare: list[_WindowBuffer] = []
-        self._slots: Slots | None = None
-        self._pools: Pools | None = None  # the threads of the last host epoch, for the next
-        self._map: CacheMap | None = None
-        self._map_possible = mapped.available(self.shards)
-        self._spare_lock = threading.Lock()
+        #: What epochs borrow and give back: buffers, threads, device slots, the cache mapped in place.
+        self._spares = Spares(self._config)
 
     # -- size and identity -------------------------------------------------------------
     def __len__(self) -> int:
@@ -250,29 +196,7 @@ class TokenLoader:
     def settings(self) -> dict[str, Any]:
         """Everything that decides the batches (the cache's hash included), as JSON values:
         `state_dict` carries it so that `load_state_dict` can name the setting that differs."""
-        md = self.shards.metadata
-        sel = self.selection
-        config = {
-            "cache": md.hash,
-            "batch_size": self.batch_size,
-            "layers": list(sel.layer_values),
-            "tokens": sel.tokens,
-            "ignore_labels": sel.ignore_labels.tolist(),
-            "skip_padding": sel.skip_padding,
-            "drop_last": self.drop_last,
-            "rank": self.rank,
-            "world_size": self.world_size,
-            **self.order.fingerprint(self.buffer_bytes, self.block_bytes),
-        }
-        if self.stack_layers:  # only when set: states saved before the option still load
-            config["stack_layers"] = True
-        if self.sites is not None:  # the order asked decides the batches too
-            config["sites"] = [str(site) for site in self.sites]
-        if len(sel.exclude_token_ids):  # the token masks too: only when set
-            config["exclude_token_ids"] = sel.exclude_token_ids.tolist()
-        if sel.norm_filter is not None:
-            config["max_norm_multiple"] = sel.norm_filter.multiple
-        return config
+        return settings_of(self)
 
     @property
     def dropped(self) -> dict[str, int]:
@@ -293,37 +217,12 @@ class TokenLoader:
     @property
     def fingerprint(self) -> str:
         """Digest of `settings`; `load_state_dict` checks it."""
-        return hashlib.sha256(json.dumps(self.settings, sort_keys=True).encode()).hexdigest()[:16]
+        return fingerprint_of(self.settings)
 
     # -- how it shows itself ----------------------------------------------------------
     def summary_rows(self) -> list[tuple[str, str]]:
         """What a notebook shows of this loader (`_repr_html_`): one ``(name, value)`` per line."""
-        md = self.shards.metadata
-        sel = self.selection
-        per_row = f"{len(self.layers)}, " if self.stack_layers else ""
-        if self.sites is not None:
-            chosen = ("sites", ", ".join(map(str, self.sites)))
-        elif md.sites is not None:
-            chosen = ("layers", ", ".join(f"{v} ({md.site_of(v)})" for v in self.layers))
-        else:
-            chosen = ("layers", ", ".join(map(str, self.layers)))
-        device = f" on {self.device}" if self.device is not None else ""
-        ordered = getattr(self.order, "sequential", False)
-        epoch = f"{len(self):,} batches, {self.n_tokens:,} rows on rank {self.rank} of {self.world_size}"
-        rows = [
-            ("cache", f"{md.hash[:12]} at {self.shards.location}"),
-            ("batches", f"({self.batch_size}, {per_row}{md.d_model}) {self.out_dtype}{device}"),
-            chosen,
-            ("tokens", sel.tokens + (", padding skipped" if sel.length_filter else "")),
-            ("per epoch", epoch + (" (drop_last)" if self.drop_last else "")),
-            ("order", "(example, layer, token)" if ordered else f"shuffled, seed {self.seed}"),
-        ]
-        if len(sel.exclude_token_ids):
-            rows.append(("exclude_token_ids", ", ".join(map(str, sel.exclude_token_ids.tolist()))))
-        if sel.norm_filter is not None:
-            rows.append(("max_norm_multiple", f"{sel.norm_filter.multiple:g}"))
-        rows.append(("threads", f"{self.read_threads} reading, {self.gather_threads} gathering"))
-        return rows
+        return summary_rows(self)
 
     def __repr__(self) -> str:
         rows = dict(self.summary_rows())
@@ -368,41 +267,16 @@ class TokenLoader:
         batch), ``seed`` an integer, ``fingerprint`` 16 hex digits, ``settings`` (optional:
         states saved before it still load) an object; `LoaderError` names every field that is
         not, and the setting that differs when the state is another loader's."""
-        expected = {"epoch", "batch", "seed", "fingerprint"}  # and "settings" (states before it still load)
-        if not isinstance(state, dict) or not expected <= set(state) <= expected | {"settings"}:
-            found = [short_repr(k) for k in state] if isinstance(state, dict) else type_name(state)
-            raise LoaderError(f"state: expected keys {sorted(expected | {'settings'})}, found {found}")
-        with Problems(LoaderError, head="state: ") as problems:
-            epoch, batch = state["epoch"], state["batch"]
-            if not (is_int(epoch) and 0 <= epoch < 2**63):
-                problems.expected("epoch", "an integer >= 0", short_repr(epoch))
-            if not (is_int(batch) and 0 <= batch <= self._len):
-                problems.expected("batch", f"an integer in [0, {self._len}]", short_repr(batch))
-            if not is_int(state["seed"]):
-                problems.expected("seed", "an integer", short_repr(state["seed"]))
-            fingerprint = state["fingerprint"]
-            if not (isinstance(fingerprint, str) and len(fingerprint) == 16 and set(fingerprint) <= _HEX):
-                problems.expected("fingerprint", "16 hex digits", short_repr(fingerprint))
-            if "settings" in state and not isinstance(state["settings"], dict):
-                problems.expected("settings", "an object", short_repr(state["settings"]))
-        if state["fingerprint"] != self.fingerprint or state["seed"] != self.seed:
-            differ = _differences(
-                {**_as_dict(state.get("settings")), "seed": state["seed"]}, {**self.settings, "seed": self.seed}
-            )
-            raise LoaderError(
-                f"state: expected a state of this loader (seed {self.seed}, fingerprint {self.fingerprint}), "
-                f"found seed {state['seed']}, fingerprint {state['fingerprint']} (different cache or settings"
-                + (f": {differ}" if differ else "")
-                + ")"
-            )
+        epoch, batch = check_state(state, self._len)
+        check_same(state, self.seed, self.fingerprint, self.settings)
         self._next_epoch, self._resume_batch = (epoch + 1, 0) if batch == self._len else (epoch, batch)
         self._position = None
 
     def plan(self, epoch: int) -> EpochPlan:
         """The windows of epoch ``epoch`` on this rank (cheap: no data is read)."""
-        order = self.order.block_order(len(self._blocks), self.seed, epoch)
+        order = self.order.block_order(len(self._spans), self.seed, epoch)
         return plan_epoch(
-            self._blocks, order, self.rank, self.world_size, self._window_rows, self.batch_size, self.drop_last
+            self._spans, order, self.rank, self.world_size, self._window_rows, self.batch_size, self.drop_last
         )
 
     def epoch_examples(self, epoch: int, limit: int | None = None) -> npt.NDArray[np.int64]:
@@ -417,7 +291,7 @@ class TokenLoader:
         for window in plan.windows:
             if got >= need:
                 break
-            index = index_window(self.selection, self._blocks, window, self._window_rng(epoch, window.index))
+            index = index_window(self.selection, self._spans, window, self._window_rng(epoch, window.index))
             pieces.append(index.examples)
             got += len(index)
         return np.concatenate(pieces)[:need] if pieces else np.zeros(0, dtype=np.int64)
@@ -436,25 +310,27 @@ class TokenLoader:
         plan = self.plan(epoch)
         cfg = self._config
         schedule = Schedule(plan, start, 1 if self.device is not None else cfg.chunk_batches)
+        run_epoch = Epoch(schedule, epoch, self._window_rng)
         rows = self._buffer_rows()
         run: HostRun | DeviceRun
         release: Callable[[], None]
         if self.device is not None:
-            slots = self._take_slots(schedule.n_slots, rows)
-            run = DeviceRun(cfg, plan, schedule, epoch, self._window_rng, slots)
-            release = lambda: self._give_slots(slots)  # noqa: E731
+            slots = self._spares.take_slots(self.device, schedule.n_slots, rows)
+            run = DeviceRun(cfg, run_epoch, slots)
+            release = lambda: self._spares.give_slots(slots)  # noqa: E731
         else:
             # Windows in the page cache are read in place; the others into these buffers, which
             # take memory only once written (numpy's pages are the kernel's until touched).
-            cfg.mapped = self._cache_map()
-            buffers = self._take_buffers(schedule.n_slots, rows) if len(schedule) else []
+            spares = self._spares
+            cfg.mapped = spares.cache_map()
+            buffers = spares.take_buffers(schedule.n_slots, rows) if len(schedule) else []
             values, scales = [b for b, _ in buffers], [s for _, s in buffers if s is not None]
-            pools = self._take_pools()
-            run = HostRun(cfg, plan, schedule, epoch, self._window_rng, values, scales, pools)
+            pools = spares.take_pools()
+            run = HostRun(cfg, run_epoch, values, scales, pools)
 
             def release() -> None:
-                self._give_buffers(buffers)
-                self._give_pools(pools)
+                spares.give_buffers(buffers)
+                spares.give_pools(pools)
 
         self._runs.add(run)
         _LIVE_RUNS.add(run)
@@ -468,70 +344,9 @@ class TokenLoader:
             run.close()
             release()
 
-    def _cache_map(self) -> CacheMap | None:
-        """The cache mapped in place for the host path (made once), or None where windows are
-        read into buffers: a remote cache, another system than Linux, or a map that could not
-        be made (`mapped`)."""
-        with self._spare_lock:
-            if self._map is None and self._map_possible:
-                try:
-                    self._map = CacheMap(self.shards, scales=self._config.float8)
-                except (OSError, AttributeError, ValueError):
-                    self._map_possible = False
-            return self._map
-
     def _buffer_rows(self) -> int:
         """``(T, D)`` slices one window buffer holds: a window and one more block."""
-        return min(self._window_rows + self._blocks.max_rows, int(self._blocks.rows.sum()))
-
-    def _take_buffers(self, n: int, rows: int) -> list[_WindowBuffer]:
-        """``n`` window buffers of ``rows`` ``(T, D)`` slices (stored values, and a float8_e4m3
-        cache's scales beside them), reused from the last epoch where they fit."""
-        cfg = self._config
-        shape = (rows * cfg.tokens, cfg.d_model)
-        with self._spare_lock:
-            spare, self._spare = self._spare, []
-        buffers = [b for b in spare if b[0].shape == shape]
-        while len(buffers) < n:
-            scales = np.empty(shape[0], dtype=np.float32) if cfg.float8 else None
-            buffers.append((np.empty(shape, dtype=cfg.numpy_dtype), scales))
-        return buffers[:n]
-
-    def _give_buffers(self, buffers: list[_WindowBuffer]) -> None:
-        with self._spare_lock:
-            self._spare = buffers
-
-    def _take_pools(self) -> Pools:
-        """The threads and output arrays of a host epoch: the last epoch's, where this process made
-        them, else new ones (`pipeline.Pools`: making them for every epoch cost milliseconds)."""
-        cfg = self._config
-        with self._spare_lock:
-            pools, self._pools = self._pools, None
-        if pools is not None and not pools.fits(cfg):
-            pools.shutdown(wait=False)
-            pools = None
-        return pools or Pools(cfg)
-
-    def _give_pools(self, pools: Pools) -> None:
-        """Keep an epoch's threads and outputs (once it has stopped) for the next; a second set is let go."""
-        with self._spare_lock:
-            keep = self._pools is None and pools.fits(self._config)
-            spare, self._pools = (None, pools) if keep else (pools, self._pools)
-        if spare is not None:
-            spare.shutdown(wait=False)
-
-    def _take_slots(self, n: int, rows: int) -> Slots:
-        assert self.device is not None
-        with self._spare_lock:
-            slots, self._slots = self._slots, None
-        if slots is None or not slots.fits(self.device, n, rows):
-            del slots  # free the old device memory before allocating the new
-            slots = Slots(self.device, n, rows, self._config)
-        return slots
-
-    def _give_slots(self, slots: Slots) -> None:
-        with self._spare_lock:
-            self._slots = slots
+        return min(self._window_rows + self._spans.max_rows, int(self._spans.rows.sum()))
 
     def close(self) -> None:
         """Stop every running iteration (threads joined), free the window buffers and unmap the
@@ -540,13 +355,7 @@ class TokenLoader:
             run.close()
             if isinstance(run, HostRun):  # a suspended iterator gives its threads back only when it resumes
                 run.pools.shutdown()
-        with self._spare_lock:
-            self._spare = []
-            self._slots = None
-            self._map = self._config.mapped = None  # unmapped once no batch is being gathered from it
-            pools, self._pools = self._pools, None
-        if pools is not None:
-            pools.shutdown()
+        self._spares.clear()
 
     def __del__(self) -> None:
         with contextlib.suppress(Exception):
@@ -571,6 +380,18 @@ def _reordered(batch: Batch, order: tuple[int, ...]) -> Batch:
     return Batch(acts, batch.examples, batch.tokens, layers, batch.labels)
 
 
+def _check_counts(batch_size: object, seed: int, counts: dict[str, int | None]) -> None:
+    """`LoaderError` for a ``batch_size`` that is not an integer >= 1, a negative ``seed``, or one
+    of ``counts`` below 1 (a thread count of None is the default)."""
+    if not is_int(batch_size, numpy_ok=True) or batch_size < 1:  # type: ignore[operator]
+        raise LoaderError(f"batch_size: expected an integer >= 1, found {batch_size!r}")
+    if int(seed) < 0:
+        raise LoaderError(f"seed: expected an integer >= 0, found {seed}")
+    for name, value in counts.items():
+        if value is not None and int(value) < 1:
+            raise LoaderError(f"{name}: expected an integer >= 1, found {value}")
+
+
 def _parse_device(device: Any) -> Any:
     import torch
 
@@ -588,7 +409,7 @@ def _parse_device(device: Any) -> Any:
 class ShuffledLoader(TokenLoader):
     """Shuffled batches ``(B, D)`` of single token vectors: `TokenLoader` with ``order="shuffled"``.
 
-    Each epoch has a new order drawn from ``(seed, epoch)``: blocks of ``block_bytes`` permuted
+    Each epoch has a new order drawn from ``(seed, epoch)``: spans of ``block_bytes`` permuted
     over the whole cache, loaded into windows of ``buffer_bytes``, every vector of a window
     permuted (docs/loaders.md: shuffle quality). Same arguments as `TokenLoader`.
     """
@@ -609,7 +430,7 @@ class OrderedLoader(TokenLoader):
     """Batches ``(B, D)`` in strict ``(example, layer, token)`` order, identical every epoch.
 
     `TokenLoader` with ``order="ordered"``: the same arguments, less ``seed``, with
-    ``buffer_bytes=64 << 20``. Reads are sequential blocks prefetched by background threads;
+    ``buffer_bytes=64 << 20``. Reads are sequential spans prefetched by background threads;
     batches run across shard boundaries. With ``rank`` and ``world_size`` each rank walks one
     contiguous part of the order.
     """
@@ -620,24 +441,3 @@ class OrderedLoader(TokenLoader):
         bound = self.__signature__.bind(*args, **kwargs)  # TypeError for a bad call, as usual
         bound.apply_defaults()
         super().__init__(**bound.arguments, order="ordered")
-
-
-_HEX = frozenset("0123456789abcdef")
-
-
-def _as_dict(value: object) -> dict[str, Any]:
-    return dict(value) if isinstance(value, dict) else {}
-
-
-def _differences(state: dict[str, Any], here: dict[str, Any]) -> str:
-    """``"batch_size 8 in the state, 9 here; ..."`` for each setting that differs (the state's
-    settings are absent from states saved before they were recorded: then nothing is named)."""
-    if set(state) == {"seed"}:
-        return "" if state["seed"] == here["seed"] else f"seed {state['seed']} in the state, {here['seed']} here"
-    names = sorted(set(state) | set(here), key=lambda k: (k != "cache", str(k)))
-    return "; ".join(
-        f"{short_repr(k)[1:-1] if isinstance(k, str) else short_repr(k)} {short_repr(state.get(k, 'unset'))} "
-        f"in the state, {short_repr(here.get(k, 'unset'))} here"
-        for k in names
-        if state.get(k) != here.get(k)
-    )

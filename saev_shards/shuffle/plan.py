@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -18,17 +17,16 @@ import numpy as np
 
 from ..errors import ShuffleError
 from ..protocol.common import DTYPES, FLOAT8, LABELS_DTYPE, PROTOCOL, SCALES_DTYPE
-from ..protocol.jsonfile import is_int
 from ..protocol.metadata import Metadata
 from ..reader import Shards
+from ..selection import Selection, SelectionSpec, parse_selection
 from ..store.roots import SHUFFLE_PREFIX as WORK_PREFIX
 from ..writer import DIRECT_BLOCK, DIRECT_IN_FLIGHT
+from .options import ShuffleOptions
 from .order import MAX_BUCKETS
-from .runs import REGION_ALIGN, Field, RowLayout
-from .source import Selection, SourceReader, parse_selection, per_token_columns
+from .scratch import REGION_ALIGN, Field, RowLayout
+from .source import SourceReader, per_token_columns
 
-#: Default memory budget per process: the loaders' default shuffle window is 1 GiB, held twice.
-DEFAULT_MEMORY = 2 << 30
 #: Activations per `ShardWriter.write` call in the write pass: large enough that a call's
 #: fixed cost is noise, small enough that the batches in flight are a small part of the budget.
 WRITE_BATCH_BYTES = 8 << 20
@@ -205,74 +203,43 @@ def writer_overhead(md: Metadata) -> int:
     return 0
 
 
-def make_plan(
-    source: Shards,
-    root: Path,
-    *,
-    layers: object = None,
-    tokens: object = "content",
-    seed: int = 0,
-    dtype: str | None = None,
-    patches_per_shard: int | None = None,
-    memory_bytes: int = DEFAULT_MEMORY,
-    workers: int = 1,
-    work_dir: Path | None = None,
-    allow_nonfinite: bool = False,
-    n_buckets: int | None = None,
-    examples_per_chunk: int | None = None,
-    exclude_token_ids: Sequence[int] = (),
-    max_norm_multiple: float | None = None,
-    progress: bool | None = False,
-) -> ShufflePlan:
-    """Check the arguments against the source and size the passes; raises `ShuffleError`.
+@dataclasses.dataclass(frozen=True)
+class _Memory:
+    """The memory model of both passes for one process (bytes; see `make_plan`)."""
 
-    ``n_buckets`` and ``examples_per_chunk`` override the sizing (tests use them to force many
-    buckets on small caches); the output does not depend on them.
-    """
-    if not is_int(seed, numpy_ok=True) or not 0 <= int(seed) < 2**63:
-        raise ShuffleError(f"seed: expected an integer in [0, 2**63), found {seed!r}")
-    if not is_int(workers, numpy_ok=True) or workers < 1:
-        raise ShuffleError(f"workers: expected an integer >= 1, found {workers!r}")
-    if not is_int(memory_bytes, numpy_ok=True) or memory_bytes < 1:
-        raise ShuffleError(f"memory: expected a number of bytes >= 1, found {memory_bytes!r}")
-    dtype = source.dtype if dtype is None else str(dtype)
-    if dtype not in DTYPES:
-        raise ShuffleError(f"dtype: expected one of {list(DTYPES)}, found {dtype!r}")
-    selection = parse_selection(source, layers, tokens, exclude_token_ids, max_norm_multiple, progress)
+    per_process: int
+    #: Rows per `ShardWriter.write` call in the write pass.
+    batch_rows: int
+    #: What the write pass holds besides its buckets.
+    fixed_write: int
+    #: What one row of a bucket costs in the write pass.
+    per_bucket_row: int
+    #: What one source example of a chunk costs in the scatter pass.
+    per_example: int
+    slack: int
+
+
+def _memory(
+    source: Shards,
+    selection: Selection,
+    options: ShuffleOptions,
+    dtype: str,
+    layout: RowLayout,
+    reader: SourceReader,
+    columns: tuple[str, ...],
+) -> _Memory:
+    """Every large buffer either pass holds at once, per process (a test measures real runs against it)."""
     md = source.metadata
-    if patches_per_shard is None:
-        patches_per_shard = md.patches_per_shard
-    if not is_int(patches_per_shard, numpy_ok=True):
-        raise ShuffleError(f"patches_per_shard: expected an integer, found {patches_per_shard!r}")
-    patches_per_shard = int(patches_per_shard)
-    for name, value in (("n_buckets", n_buckets), ("examples_per_chunk", examples_per_chunk)):
-        if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
-            raise ShuffleError(f"{name}: expected an integer >= 1, found {value!r}")
-    if patches_per_shard < len(selection.layers):
-        raise ShuffleError(
-            f"patches_per_shard: expected at least {len(selection.layers)} (one token at every chosen layer), "
-            f"found {patches_per_shard}"
-        )
-    columns = tuple(per_token_columns(source))
-    for name in columns:
-        if name in (SOURCE_EXAMPLE, SOURCE_TOKEN):
-            raise ShuffleError(
-                f"{source.path}: its per-token column {name!r} would clash with the shuffled cache's own column"
-            )
-    layout = row_layout(source, selection, dtype, columns)
-    per_process = int(memory_bytes) // int(workers)
-    reader = SourceReader(source, selection)
+    per_process = int(options.memory_bytes) // int(options.workers)
     slack = min(SLACK, per_process // 8)
     row = layout.row_nbytes
     acts_row = layout.fields[0].row_nbytes
     # Batches of the write pass: WRITE_BATCH_BYTES of activations, less under a small budget.
     batch_rows = max(1, min(WRITE_BATCH_BYTES, per_process // 32) // acts_row)
-
     # The write pass holds two buckets (one loading, one being written) and their sort
     # order, the batches in flight, and the writer's own O_DIRECT buffers.
     fixed_write = (WRITE_QUEUE + 2) * batch_rows * row + slack
     per_bucket_row = 2 * row + 16  # rows of two buckets, plus argsort's indices and its work space
-
     # The scatter pass holds, per example of a chunk: two read buffers (one loading), the
     # rows beside the activations, two run buffers (one being written) and the index
     # arithmetic (about 72 bytes per chosen token, 8 more per chosen layer).
@@ -293,50 +260,93 @@ def make_plan(
         + md.tokens_per_ex
         + selection.per_example * per_token
     )
+    return _Memory(per_process, batch_rows, fixed_write, per_bucket_row, per_example, slack)
 
-    # Chunks first (their token counts give the total), then the buckets from the total.
-    n_source = source.n_examples
-    bound = output_metadata(source, selection, int(seed), n_source * selection.per_example, dtype, patches_per_shard)
-    most_buckets = n_buckets or _n_buckets(bound, per_process, fixed_write, per_bucket_row)[0]
-    fixed_scatter = 2 * most_buckets * len(layout.fields) * REGION_ALIGN + slack
-    room = per_process - fixed_scatter
-    if room < per_example:
-        raise ShuffleError(
-            f"memory: {_mib(memory_bytes)} is too small for this source: one example needs "
-            f"{_mib(per_example + fixed_scatter)} in the scatter pass"
-            + (f" per process ({workers} processes)" if workers > 1 else "")
-        )
-    if examples_per_chunk is None:
-        examples_per_chunk = max(1, min(n_source, room // per_example))
-    n_chunks = -(-n_source // examples_per_chunk)
+
+def _check_columns(source: Shards) -> tuple[str, ...]:
+    """The per-token columns carried into the output; `ShuffleError` for one named like the output's own."""
+    columns = tuple(per_token_columns(source))
+    for name in columns:
+        if name in (SOURCE_EXAMPLE, SOURCE_TOKEN):
+            raise ShuffleError(
+                f"{source.path}: its per-token column {name!r} would clash with the shuffled cache's own column"
+            )
+    return columns
+
+
+def _count_chunks(reader: SourceReader, n_source: int, examples_per_chunk: int) -> tuple[list[int], dict[str, int]]:
+    """Ordinal of each chunk's first chosen token (then the total), and what the token masks dropped."""
     first = [0]
     dropped: dict[str, int] = {}
-    for c in range(n_chunks):
-        start = c * examples_per_chunk
+    for start in range(0, n_source, examples_per_chunk):
         count, taken = reader.count_and_dropped(start, min(n_source, start + examples_per_chunk))
         first.append(first[-1] + count)
         for name, k in taken.items():
             dropped[name] = dropped.get(name, 0) + k
-    output = output_metadata(source, selection, int(seed), first[-1], dtype, patches_per_shard, dropped)
-    sized_buckets, bucket_rows = _n_buckets(output, per_process, fixed_write, per_bucket_row)
-    base = Path(work_dir) if work_dir is not None else Path(root)
+    return first, dropped
+
+
+def make_plan(
+    source: Shards,
+    root: Path,
+    spec: SelectionSpec = SelectionSpec(),  # noqa: B008 (frozen: one shared default is safe)
+    options: ShuffleOptions = ShuffleOptions(),  # noqa: B008
+    *,
+    progress: bool | None = False,
+) -> ShufflePlan:
+    """Check the selection and the options against the source and size the passes; raises `ShuffleError`.
+
+    ``options.n_buckets`` and ``options.examples_per_chunk`` override the sizing; the output
+    does not depend on them. ``progress``: a bar while a norm filter is computed.
+    """
+    selection = parse_selection(source, spec, ShuffleError, progress=progress)
+    dtype = source.dtype if options.dtype is None else str(options.dtype)
+    md = source.metadata
+    patches_per_shard = md.patches_per_shard if options.patches_per_shard is None else int(options.patches_per_shard)
+    if patches_per_shard < len(selection.layers):
+        raise ShuffleError(
+            f"patches_per_shard: expected at least {len(selection.layers)} (one token at every chosen layer), "
+            f"found {patches_per_shard}"
+        )
+    columns = _check_columns(source)
+    layout = row_layout(source, selection, dtype, columns)
+    reader = SourceReader(source, selection)
+    mem = _memory(source, selection, options, dtype, layout, reader, columns)
+    seed, n_buckets = int(options.seed), options.n_buckets
+    # Chunks first (their token counts give the total), then the buckets from the total.
+    n_source = source.n_examples
+    bound = output_metadata(source, selection, seed, n_source * selection.per_example, dtype, patches_per_shard)
+    most_buckets = n_buckets or _n_buckets(bound, mem.per_process, mem.fixed_write, mem.per_bucket_row)[0]
+    fixed_scatter = 2 * most_buckets * len(layout.fields) * REGION_ALIGN + mem.slack
+    room = mem.per_process - fixed_scatter
+    if room < mem.per_example:
+        raise ShuffleError(
+            f"memory: {_mib(options.memory_bytes)} is too small for this source: one example needs "
+            f"{_mib(mem.per_example + fixed_scatter)} in the scatter pass"
+            + (f" per process ({options.workers} processes)" if options.workers > 1 else "")
+        )
+    examples_per_chunk = options.examples_per_chunk or max(1, min(n_source, room // mem.per_example))
+    first, dropped = _count_chunks(reader, n_source, examples_per_chunk)
+    output = output_metadata(source, selection, seed, first[-1], dtype, patches_per_shard, dropped)
+    sized_buckets, bucket_rows = _n_buckets(output, mem.per_process, mem.fixed_write, mem.per_bucket_row)
+    base = Path(options.work_dir) if options.work_dir is not None else Path(root)
     return ShufflePlan(
         source=source,
         selection=selection,
         output=output,
         root=Path(root),
         work=base / f"{WORK_PREFIX}{output.hash}",
-        seed=int(seed),
-        memory_bytes=per_process,
-        workers=int(workers),
+        seed=seed,
+        memory_bytes=mem.per_process,
+        workers=int(options.workers),
         examples_per_chunk=int(examples_per_chunk),
         chunk_first=tuple(first),
         n_buckets=n_buckets or sized_buckets,
         bucket_rows=bucket_rows,
-        batch_rows=batch_rows,
+        batch_rows=mem.batch_rows,
         layout=layout,
         columns=columns,
-        allow_nonfinite=bool(allow_nonfinite),
+        allow_nonfinite=bool(options.allow_nonfinite),
     )
 
 

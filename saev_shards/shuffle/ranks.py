@@ -51,11 +51,12 @@ from ..reader import Shards
 from ..reader import open as open_path
 from ..store.roots import SHUFFLE_LOCK_FILE as LOCK_FILE
 from ..writer import finalize
-from .append import write_buckets
 from .meeting import DEFAULT_WAIT, FileMeeting, Meeting, TorchMeeting, torch_group
 from .plan import ShufflePlan
-from .runs import PLAN_FILE, RUN_DISK_FULL_NOTE, load_record, run_record_file
+from .run import check_space, open_writer, remove_stale_work, remove_work
 from .scatter import scatter
+from .scratch import PLAN_FILE, RUN_DISK_FULL_NOTE, load_record, run_record_file
+from .write_pass import write_buckets
 
 #: Seconds between two looks at what the other ranks have sealed (the file path).
 POLL_SECONDS = 0.5
@@ -137,12 +138,10 @@ def run_rank(
 
 
 def _run(plan: ShufflePlan, meeting: Meeting, progress: bool | None, durable: bool) -> Shards | None:
-    from . import _check_space, _open_writer, _remove_stale_work
-
     rank, world_size = meeting.rank, meeting.world_size
     if meeting.published(plan.path.exists()):
         if rank == 0:
-            _remove_stale_work(plan)  # rank 0 killed after publishing, before cleaning up
+            remove_stale_work(plan)  # rank 0 killed after publishing, before cleaning up
             _discard_staging(plan)
         return open_path(plan.path) if rank == 0 or meeting.everyone_returns else None
     plan.work.mkdir(parents=True, exist_ok=True)
@@ -158,7 +157,7 @@ def _run(plan: ShufflePlan, meeting: Meeting, progress: bool | None, durable: bo
 
         def start() -> None:
             _share_plan(plan, durable)
-            _check_space(plan)
+            check_space(plan)
 
         meeting.step("start", _attempt(start))
         row_bytes = plan.layout.fields[0].row_nbytes
@@ -182,7 +181,7 @@ def _run(plan: ShufflePlan, meeting: Meeting, progress: bool | None, durable: bo
             what = f"shuffle 2/2 write (rank {rank})"
             with (
                 Progress(plan.n_tokens * row_bytes // writers, what, enabled=progress) as bar,
-                _open_writer(plan, rank, writers, durable) as writer,
+                open_writer(plan, rank, writers, durable) as writer,
             ):
                 write_buckets(plan, writer, lambda n: bar.update(n * row_bytes), lambda k: None)
 
@@ -244,9 +243,7 @@ def _publish(plan: ShufflePlan, writers: int, durable: bool, wait: float) -> Non
 def _cleanup(plan: ShufflePlan) -> None:
     """After the publication (by rank 0, or by someone else first): the scratch folder, and the
     output's staging folder if it is still there (someone else published from theirs)."""
-    from . import _remove_work
-
-    _remove_work(plan)
+    remove_work(plan)
     _discard_staging(plan)
 
 

@@ -26,7 +26,7 @@ from ..fileio import BlockHasher, aligned_buffer
 from ..protocol.float8 import FLOAT8_DTYPE
 from .order import bucket_of, sort_keys
 from .plan import SOURCE_EXAMPLE, SOURCE_TOKEN, ShufflePlan
-from .runs import RunRecord, run_file, write_record, write_run
+from .scratch import RunRecord, run_file, write_record, write_run
 from .source import SourceReader
 
 #: Label a [CLS] token gets in the shuffled cache (labels.bin has no CLS column; the loaders' CLS_LABEL).

@@ -7,7 +7,6 @@ pages a memmap touches stay resident and would count against the memory budget
 
 from __future__ import annotations
 
-import dataclasses
 import itertools
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
@@ -15,15 +14,21 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
-from .. import token_masks
-from ..errors import ShuffleError
 from ..fileio import pread_exact
 from ..protocol.common import FLOAT8
-from ..protocol.jsonfile import is_int
-from ..reader import Shards, norms
+from ..reader import Shards
+from ..selection import TOKEN_CHOICES, Selection
 
-#: Token choices: the patches (content tokens), the [CLS] token, or both.
-TOKEN_CHOICES = ("content", "cls", "all")
+__all__ = [
+    "MIN_SLICE_READ",
+    "READ_THREADS",
+    "SCAN_EXAMPLES",
+    "TOKEN_CHOICES",
+    "Selection",
+    "SourceReader",
+    "per_token_columns",
+]
+
 #: Bytes of one (example, layer) slice from which chosen layers are read slice by slice
 #: rather than as whole examples (the loaders' rule: smaller slices cost a request each).
 MIN_SLICE_READ = 128 << 10
@@ -32,122 +37,6 @@ MIN_SLICE_READ = 128 << 10
 READ_THREADS = 4
 #: Examples per step when a per-example column is scanned (bounds the scan's memory).
 SCAN_EXAMPLES = 1 << 16
-
-
-@dataclasses.dataclass(frozen=True)
-class Selection:
-    """Which tokens of the source a shuffle takes: layers (values, in source order) and token kind.
-
-    Padding (positions ``>= lengths[i]`` when the source has a ``lengths`` column) is
-    always skipped: it holds zeros, not activations.
-    """
-
-    layers: tuple[int, ...]
-    tokens: str
-    #: Positions of `layers` in the source's ``metadata.layers`` (ascending).
-    layer_positions: tuple[int, ...]
-    #: Token positions chosen in every example before padding is removed (ascending).
-    positions: tuple[int, ...]
-    #: Whether the source has a ``lengths`` column (chosen positions then vary per example).
-    has_lengths: bool
-    #: Token masks (as the loaders'): positions whose ``token_ids`` value is listed are left out ...
-    exclude_token_ids: tuple[int, ...] = ()
-    #: ... and those `saev_shards.reader.norms` drops above ``max_norm_multiple`` times the median norm.
-    norm_filter: norms.NormFilter | None = dataclasses.field(default=None, compare=False)
-    #: The source's recorded layers.
-    recorded: tuple[int, ...] = ()
-
-    @property
-    def per_example(self) -> int:
-        """Chosen tokens of an example without padding."""
-        return len(self.positions)
-
-    @property
-    def varies(self) -> bool:
-        """Whether the chosen positions differ from example to example."""
-        return self.has_lengths or bool(self.exclude_token_ids) or self.norm_filter is not None
-
-    def to_json(self) -> dict[str, Any]:
-        """The selection as the output's metadata records it; the token masks only when set,
-        so a shuffle without them keeps the metadata (and hash) it always had."""
-        out: dict[str, Any] = {"layers": list(self.layers), "tokens": self.tokens, "skip_padding": True}
-        if self.exclude_token_ids:
-            out["exclude_token_ids"] = list(self.exclude_token_ids)
-        if self.norm_filter is not None:
-            out["max_norm_multiple"] = norms.to_json(self.norm_filter, self.all_layers)
-        return out
-
-    @property
-    def all_layers(self) -> tuple[int, ...]:
-        """The source's recorded layers (a norm filter's positions index them)."""
-        return self.recorded
-
-
-def parse_selection(
-    shards: Shards,
-    layers: object,
-    tokens: object,
-    exclude_token_ids: object = (),
-    max_norm_multiple: object = None,
-    progress: bool | None = False,
-) -> Selection:
-    """Check ``layers`` (None, a layer value or a sequence of values), ``tokens`` and the token
-    masks against the source (a norm filter is computed here: `saev_shards.reader.norms`)."""
-    md = shards.metadata
-    recorded = md.layers
-    if layers is None:
-        chosen: tuple[object, ...] = tuple(recorded)
-    elif is_int(layers, numpy_ok=True):
-        chosen = (layers,)
-    elif isinstance(layers, (list, tuple)):
-        chosen = tuple(layers)
-    else:
-        raise ShuffleError(f"layers: expected None, a layer value or a list of them, found {layers!r}")
-    if not chosen:
-        raise ShuffleError(f"layers: expected at least one of the recorded layers {list(recorded)}, found none")
-    values = []
-    for layer in chosen:
-        # (spelled out, not `is_int`: mypy narrows `layer` to an integer only from isinstance)
-        if isinstance(layer, bool) or not isinstance(layer, (int, np.integer)) or int(layer) not in recorded:
-            raise ShuffleError(f"layers: expected values among the recorded layers {list(recorded)}, found {layer!r}")
-        values.append(int(layer))
-    if len(set(values)) != len(values):
-        raise ShuffleError(f"layers: expected distinct values, found {values}")
-    if tokens not in TOKEN_CHOICES:
-        raise ShuffleError(f"tokens: expected one of {list(TOKEN_CHOICES)}, found {tokens!r}")
-    if tokens == "cls" and not md.cls_token:
-        raise ShuffleError(f"tokens='cls': expected a source with a CLS token, found cls_token=false at {shards.path}")
-    positions_of_layers = tuple(sorted(recorded.index(v) for v in values))
-    cls = int(md.cls_token)
-    if tokens == "content":
-        positions = tuple(range(cls, md.tokens_per_ex))
-    elif tokens == "cls":
-        positions = (0,)
-    else:
-        positions = tuple(range(md.tokens_per_ex))
-    excluded = tuple(token_masks.parse_exclude_token_ids(exclude_token_ids, ShuffleError).tolist())
-    if excluded:
-        if "token_ids" not in shards.manifest.columns:
-            raise ShuffleError(
-                f"exclude_token_ids: expected a source with a token_ids column (saev-shards dump records it), found "
-                f"columns {sorted(shards.manifest.columns)} at {shards.path}"
-            )
-        problem = token_masks.token_ids_problem(shards)
-        if problem is not None:
-            raise ShuffleError(problem)
-    multiple = norms.parse_multiple(max_norm_multiple, ShuffleError)
-    return Selection(
-        layers=tuple(recorded[p] for p in positions_of_layers),
-        tokens=str(tokens),
-        layer_positions=positions_of_layers,
-        positions=positions,
-        has_lengths="lengths" in shards.manifest.columns,
-        exclude_token_ids=excluded,
-        norm_filter=None
-        if multiple is None
-        else norms.norm_filter(shards, multiple, positions_of_layers, progress=progress),
-        recorded=tuple(recorded),
-    )
 
 
 def per_token_columns(shards: Shards) -> dict[str, np.dtype[Any]]:
@@ -282,23 +171,12 @@ class SourceReader:
     def _masks(
         self, lengths: npt.NDArray[np.int64] | None, n: int, start: int
     ) -> tuple[npt.NDArray[np.bool_], dict[str, int]]:
-        """The chosen positions, and how many positions each token mask took from the rest."""
-        sel = self.selection
-        base = np.zeros(self.tokens_per_ex, dtype=bool)
-        base[list(sel.positions)] = True
-        mask = np.broadcast_to(base, (n, self.tokens_per_ex))
-        if lengths is not None:
-            mask = base & (np.arange(self.tokens_per_ex) < lengths[:, None])
-        taken: dict[str, int] = {}
-        if sel.exclude_token_ids:
-            hit = mask & np.isin(self.column("token_ids", start, start + n), sel.exclude_token_ids)
-            taken["exclude_token_ids"] = int(hit.sum())
-            mask = mask & ~hit
-        if sel.norm_filter is not None:
-            hit = mask & sel.norm_filter.dropped(np.arange(start, start + n, dtype=np.int64))
-            taken["max_norm_multiple"] = int(hit.sum())
-            mask = mask & ~hit
-        return mask, taken
+        """The chosen positions, and how many positions each token mask took from the rest (`Selection.mask`)."""
+        examples = np.arange(start, start + n, dtype=np.int64)
+        mask, taken = self.selection.mask(
+            examples, lengths=lengths, token_ids=lambda: self.column("token_ids", start, start + n)
+        )
+        return mask, {name: int(hit.sum()) for name, hit in taken.items()}
 
     def count(self, start: int, stop: int) -> int:
         """Chosen tokens of examples ``[start, stop)`` (one layer), reading only ``lengths``
@@ -316,7 +194,7 @@ class SourceReader:
         for a in range(start, stop, SCAN_EXAMPLES):
             b = min(stop, a + SCAN_EXAMPLES)
             lengths = self.lengths(a, b)
-            if not (sel.exclude_token_ids or sel.norm_filter is not None):
+            if not sel.masked:
                 assert lengths is not None
                 total += int(np.searchsorted(positions, lengths, side="left").sum())
                 continue

@@ -22,7 +22,7 @@ DIRECT_BLOCK = 16 << 20
 DIRECT_IN_FLIGHT = 2
 
 
-class _SequentialFile:
+class SequentialFile:
     """A file written front to back, through O_DIRECT where the filesystem allows it.
 
     Whole aligned blocks go to the disk with O_DIRECT from aligned staging buffers: on
@@ -145,7 +145,7 @@ def _give_buffer(buffer: mmap.mmap) -> None:
         buffer.close()
 
 
-def _release_buffers() -> None:
+def release_buffers() -> None:
     """Return the kept buffers' memory to the system."""
     for buffer in _FREE_BUFFERS.pop(os.getpid(), []):
         buffer.close()

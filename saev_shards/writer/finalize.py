@@ -62,7 +62,7 @@ from ..protocol.staging import ACTS, SCALES, is_staging_only, lock_path, part_fi
 from ..protocol.v3 import pretty_json
 from ..protocol.v31 import blocks_bytes, blocks_entry
 from ..statistics import StatsAccumulator
-from .staging import _already_published, _take_writer_lock
+from .staging import already_published, take_writer_lock
 
 _FINALIZE_NOTE = "; every shard is sealed and kept: free some space and finalize again (or resume the writer)"
 
@@ -89,10 +89,10 @@ def finalize(
     lock_fd = _lock_fd
     if lock_fd is None:
         busy = f"{staging}: writers are still running; finalize after they close"
-        lock_fd = _take_writer_lock(root, md, shared=False, busy=busy)
+        lock_fd = take_writer_lock(root, md, shared=False, busy=busy)
     try:
         if final.exists():
-            raise _already_published(final)
+            raise already_published(final)
         if not staging.is_dir():
             lock_path(root, md).unlink(missing_ok=True)  # we hold it exclusively (see take_lock)
             raise WriterError(f"nothing to finalize: {staging} does not exist")
@@ -108,7 +108,7 @@ def finalize(
 
 
 def _finalize_locked(root: Path, md: Metadata, staging: Path, final: Path, verify: bool, durable: bool) -> None:
-    commit = _read_commit(staging, md)
+    commit = read_commit(staging, md)
     records = _validate(md, staging, commit, verify)
     make_owner_writable(staging)
     files = _assemble(md, staging, records, durable) if commit is None else commit.files
@@ -222,40 +222,8 @@ def _assemble(
             blocks[shard_name(r["shard"])] = r["acts"]["blocks"]
             if scales is not None:
                 blocks[scales_name(r["shard"])] = r["scales"]["blocks"]
-    streams = sorted(records[0]["streams"]) if records else []
-    labels = None
-    columns: dict[str, ArrayEntry] = {}
-    text: dict[str, TextEntry] = {}
-    for i, key in enumerate(streams):
-        info = records[0]["streams"][key]
-        total = sum(r["streams"][key]["nbytes"] for r in records)
-        if key == "labels":
-            nbytes, digest = _join(staging, md, key, LABELS_FILE, durable, total, blocks)
-            labels = ArrayEntry(LABELS_FILE, info["dtype"], (md.n_examples, *info["shape"]), nbytes, digest)
-        elif key.startswith("column."):
-            name = key.split(".", 1)[1]
-            nbytes, digest = _join(staging, md, key, column_file(name), durable, total, blocks)
-            columns[name] = ArrayEntry(
-                column_file(name), info["dtype"], (md.n_examples, *info["shape"]), nbytes, digest
-            )
-        else:
-            name = key.split(".", 1)[1]
-            nbytes, digest = _join(staging, md, key, text_file(name), durable, total, blocks)
-            text[name] = TextEntry(text_file(name), md.n_examples, nbytes, digest)
-        fault_point("joined", i)
-    stats_entry = None
-    if records and all(r["stats"] is not None for r in records):
-        total_stats = StatsAccumulator(md.n_layers, md.d_model)
-        for r in records:  # shard order: the sums are the same for any number of writers
-            total_stats.add(StatsAccumulator.from_json(r["stats"], md.n_layers, md.d_model))
-        data = pretty_json(total_stats.summary(md.layers))
-        write_file_atomic(staging / STATS_FILE, data, durable, note=_FINALIZE_NOTE)
-        stats_entry = FileEntry(STATS_FILE, len(data), xxhash.xxh3_128_hexdigest(data))
-        if block_size is not None:
-            hasher = BlockHasher(block_size)
-            hasher.update(data)
-            blocks[STATS_FILE] = hasher.block_hexdigests()
-        fault_point("stats-written")
+    labels, columns, text = _join_streams(md, staging, records, durable, blocks)
+    stats_entry = _write_stats(md, staging, records, durable, blocks)
     empty = ShardList.of(_write_empty_shard(staging, md, name, durable) for name in _empty_shard_names(md))
     manifest = Manifest(
         shards=shards, labels=labels, columns=columns, text=text, stats=stats_entry, empty_shards=empty, scales=scales
@@ -282,17 +250,65 @@ def _assemble(
     return files
 
 
+def _join_streams(
+    md: Metadata, staging: Path, records: list[dict[str, Any]], durable: bool, blocks: dict[str, list[str]]
+) -> tuple[ArrayEntry | None, dict[str, ArrayEntry], dict[str, TextEntry]]:
+    """Step 2: every stream's parts joined into its file (labels, columns, text), their block
+    digests added to ``blocks`` (protocol 3.1)."""
+    labels = None
+    columns: dict[str, ArrayEntry] = {}
+    text: dict[str, TextEntry] = {}
+    for i, key in enumerate(sorted(records[0]["streams"]) if records else []):
+        info = records[0]["streams"][key]
+        total = sum(r["streams"][key]["nbytes"] for r in records)
+        if key == "labels":
+            nbytes, digest = _join(staging, md, key, LABELS_FILE, durable, total, blocks)
+            labels = ArrayEntry(LABELS_FILE, info["dtype"], (md.n_examples, *info["shape"]), nbytes, digest)
+        elif key.startswith("column."):
+            name = key.split(".", 1)[1]
+            nbytes, digest = _join(staging, md, key, column_file(name), durable, total, blocks)
+            columns[name] = ArrayEntry(
+                column_file(name), info["dtype"], (md.n_examples, *info["shape"]), nbytes, digest
+            )
+        else:
+            name = key.split(".", 1)[1]
+            nbytes, digest = _join(staging, md, key, text_file(name), durable, total, blocks)
+            text[name] = TextEntry(text_file(name), md.n_examples, nbytes, digest)
+        fault_point("joined", i)
+    return labels, columns, text
+
+
+def _write_stats(
+    md: Metadata, staging: Path, records: list[dict[str, Any]], durable: bool, blocks: dict[str, list[str]]
+) -> FileEntry | None:
+    """Step 3's stats.json, summed from the parts' statistics (None when a part has none)."""
+    if not records or any(r["stats"] is None for r in records):
+        return None
+    total_stats = StatsAccumulator(md.n_layers, md.d_model)
+    for r in records:  # shard order: the sums are the same for any number of writers
+        total_stats.add(StatsAccumulator.from_json(r["stats"], md.n_layers, md.d_model))
+    data = pretty_json(total_stats.summary(md.layers))
+    write_file_atomic(staging / STATS_FILE, data, durable, note=_FINALIZE_NOTE)
+    block_size = md.rules.block_size
+    if block_size is not None:
+        hasher = BlockHasher(block_size)
+        hasher.update(data)
+        blocks[STATS_FILE] = hasher.block_hexdigests()
+    fault_point("stats-written")
+    return FileEntry(STATS_FILE, len(data), xxhash.xxh3_128_hexdigest(data))
+
+
 class _Commit:
     """What a finalized staging directory holds (its shards.json, and the dialect's sidecars)."""
 
     def __init__(self, files: dict[str, tuple[int, str | None]], derived: dict[str, str]) -> None:
         #: Every file to publish: name -> (nbytes, xxh3_128 or None for the JSON files).
         self.files = files
-        #: Files besides shards and JSON, as `resume._derived_files` describes them.
+        #: Files besides shards and JSON, as `resume.derived_files` describes them.
         self.derived = derived
 
 
-def _read_commit(staging: Path, md: Metadata) -> _Commit | None:
+def read_commit(staging: Path, md: Metadata) -> _Commit | None:
     """The finished cache in ``staging`` if finalizing reached its commit point (shards.json
     written) and it lists exactly ``md``'s shards, each with its digest; else None (nothing
     committed)."""
@@ -346,7 +362,7 @@ def _is_derived(name: str, md: Metadata) -> bool:
     )
 
 
-def _unfinalize(staging: Path, md: Metadata) -> None:
+def unfinalize(staging: Path, md: Metadata) -> None:
     """Take a finalized staging directory back to its shards and part records (restoring
     write permission: a killed finalize may have frozen it)."""
     make_writable(staging)

@@ -24,22 +24,22 @@ from ..protocol.jsonfile import strict_json_loads
 from ..protocol.metadata import Metadata
 from ..protocol.staging import ACTS, SCALES, part_file, part_record, range_lock, staging_dir
 from ..statistics import StatsAccumulator
-from .finalize import _read_commit, _unfinalize
-from .staging import _take_writer_lock
-from .streams import _Parts, _StreamSpec
+from .finalize import read_commit, unfinalize
+from .staging import take_writer_lock
+from .streams import Parts, StreamSpec
 
 
-def _open_staging(
+def open_staging(
     root: Path, md: Metadata, shards: range, world_size: int, resume: bool, derived: dict[str, str], durable: bool
 ) -> tuple[int, int | None, bool]:
     """Lock and prepare ``md``'s staging directory for the writer of ``shards``; returns
     ``(lock fd, range lock fd or None, committed)``, where ``committed`` says staging
     already holds this cache finalized (killed before its rename) and ``resume`` keeps it.
-    ``derived`` is what `_derived_files` says the writer's streams make."""
+    ``derived`` is what `derived_files` says the writer's streams make."""
     staging = staging_dir(root, md)
     single = world_size == 1
     busy = f"{staging} is locked by another writer" + ("" if single else " that is finalizing")
-    lock_fd = _take_writer_lock(root, md, shared=not single, busy=busy)
+    lock_fd = take_writer_lock(root, md, shared=not single, busy=busy)
     range_lock_fd = None
     committed = False
     try:
@@ -52,12 +52,12 @@ def _open_staging(
                     f"{staging}: shards [{shards.start}, {shards.stop}) are being written by "
                     "another process (this rank started twice?)"
                 )
-        commit = _read_commit(staging, md)
+        commit = read_commit(staging, md)
         if commit is not None:
             if resume and commit.derived == derived:
                 committed = True  # finalized but not renamed: nothing left to write
             else:
-                _unfinalize(staging, md)  # back to part records (restart, or other streams)
+                unfinalize(staging, md)  # back to part records (restart, or other streams)
         if not resume:
             _clear_staging(staging, shards, single)
         expected = md.to_bytes()
@@ -89,7 +89,7 @@ def _clear_staging(staging: Path, shards: range, single: bool) -> None:
             remove_path(staging / name)
 
 
-def _derived_files(specs: Mapping[str, _StreamSpec], stats: bool) -> dict[str, str]:
+def derived_files(specs: Mapping[str, StreamSpec], stats: bool) -> dict[str, str]:
     """The files besides shards that finalizing these streams makes: name -> how (a dtype
     and shape, for comparison with a finalized staging directory's manifest)."""
     out: dict[str, str] = {}
@@ -104,7 +104,7 @@ def _derived_files(specs: Mapping[str, _StreamSpec], stats: bool) -> dict[str, s
     return out
 
 
-def _resume(parts: _Parts, shards: range, stop: int, specs: Mapping[str, _StreamSpec]) -> int:
+def take_sealed(parts: Parts, shards: range, stop: int, specs: Mapping[str, StreamSpec]) -> int:
     """Take the sealed shards at the start of ``shards`` into ``parts`` (their part info and
     statistics); returns the first example to write (``stop`` when every shard is sealed)."""
     md = parts.md
@@ -120,7 +120,7 @@ def _resume(parts: _Parts, shards: range, stop: int, specs: Mapping[str, _Stream
 
 
 def _sealed_records(
-    staging: Path, md: Metadata, shards: range, specs: Mapping[str, _StreamSpec], stats: bool
+    staging: Path, md: Metadata, shards: range, specs: Mapping[str, StreamSpec], stats: bool
 ) -> list[dict[str, Any]]:
     """The part records of ``shards``' first shards, up to the first one without a valid
     record for exactly these streams (and statistics, if wanted): where a writer resumes."""

@@ -6,29 +6,37 @@ from __future__ import annotations
 
 import contextlib
 import os
-import warnings
 from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import numpy.typing as npt
-import orjson
 
 from .. import world
-from ..codecs import dtypes, float8
-from ..errors import MetadataError, NonFiniteError, Problems, ProtocolWarning, WriterError
-from ..protocol.common import COLUMN_DTYPES, FIELD_NAME_RE, FLOAT8, LABELS_DTYPE
-from ..protocol.float8 import FLOAT8_DTYPE, NAN_BYTE, SCALE_RULE, describe_scale, odd_scales, scales_plain
-from ..protocol.jsonfile import is_int
+from ..codecs import dtypes
+from ..errors import WriterError
+from ..protocol.common import FLOAT8, LABELS_DTYPE
 from ..protocol.metadata import Metadata
-from ..protocol.saev_code import SAEV_ROOT_PARTS
 from ..protocol.staging import SCALES, staging_dir
-from .direct import _release_buffers
+from .direct import release_buffers
 from .finalize import finalize
-from .resume import _derived_files, _open_staging, _resume
-from .stats import _StatsPass
-from .streams import _Parts, _Pipeline, _StreamSpec
+from .inputs import (
+    cast,
+    check_writable,
+    exact_cast,
+    field_name,
+    json_lines,
+    lengths_problem,
+    nonfinite_error,
+    parse_columns,
+    quantized,
+    stream_dtype,
+    to_numpy,
+)
+from .resume import derived_files, open_staging, take_sealed
+from .stats import StatsPass
+from .streams import Parts, Pipeline, StreamSpec
 
 
 def rank_shards(n_shards: int, rank: int, world_size: int) -> range:
@@ -106,46 +114,42 @@ class ShardWriter:
         self._lock_fd: int | None = None
         self._range_lock_fd: int | None = None
         text = tuple(text)
-        _check_writable(self.root, md, extras=bool(stats or columns or text))
+        check_writable(self.root, md, extras=bool(stats or columns or text))
 
         # Streams known so far (caller thread): key -> spec. "acts" always exists.
-        self._specs: dict[str, _StreamSpec] = {"acts": _StreamSpec("acts", md.numpy_dtype, md.shard_shape[1:])}
+        self._specs: dict[str, StreamSpec] = {"acts": StreamSpec("acts", md.numpy_dtype, md.shard_shape[1:])}
         if labels:
             self._declare("labels", LABELS_DTYPE, (md.patches_per_ex,))
-        for name, (dt, tail) in _parse_columns(columns).items():
-            self._declare(f"column.{_field(name)}", dt, tail)
+        for name, (dt, tail) in parse_columns(columns).items():
+            self._declare(f"column.{field_name(name)}", dt, tail)
         for name in text:
-            self._declare(f"text.{_field(name)}", None, ())
+            self._declare(f"text.{field_name(name)}", None, ())
         # Whether statistics see lengths (decided by the first batch; see write()).
         self._stats_lengths: bool | None = None
         # Examples accepted per stream (caller thread), as global example indices.
         self._next: dict[str, int] = {}
 
-        self._stats = _StatsPass(md.n_layers, md.d_model, md.dtype) if stats else None
+        self._stats = StatsPass(md.n_layers, md.d_model, md.dtype) if stats else None
         keys = set(self._specs) | ({SCALES} if md.dtype == FLOAT8 else set())  # scales seal with their shard
-        self._parts = _Parts(md, self.staging, keys, self._stats, durable)
+        self._parts = Parts(md, self.staging, keys, self._stats, durable)
 
         self.root.mkdir(parents=True, exist_ok=True)
-        derived = _derived_files(self._specs, stats)
-        self._lock_fd, self._range_lock_fd, committed = _open_staging(
+        derived = derived_files(self._specs, stats)
+        self._lock_fd, self._range_lock_fd, committed = open_staging(
             self.root, md, self.shards, self.world_size, resume, derived, durable
         )
         self.next_example = self.start
         if committed:  # finalized but not renamed: nothing left to write
             self.next_example = self.stop
         elif resume:
-            self.next_example = _resume(self._parts, self.shards, self.stop, self._specs)
+            self.next_example = take_sealed(self._parts, self.shards, self.stop, self._specs)
         for key in self._specs:
             self._next[key] = self.next_example
-        self._pipeline = _Pipeline(background)
+        self._pipeline = Pipeline(background)
 
     # -- set-up ---------------------------------------------------------------------
-    def _declare(self, key: str, dtype: np.dtype[Any] | None, tail: tuple[int, ...]) -> _StreamSpec:
-        if dtype is not None and key != "acts":
-            dtype = dtype.newbyteorder("<") if dtype.byteorder == ">" else dtype
-            if dtype.str not in COLUMN_DTYPES:
-                raise WriterError(f"{key}: dtype {dtype} is not allowed; use one of {list(COLUMN_DTYPES)}")
-        spec = _StreamSpec(key, dtype, tail)
+    def _declare(self, key: str, dtype: np.dtype[Any] | None, tail: tuple[int, ...]) -> StreamSpec:
+        spec = StreamSpec(key, stream_dtype(key, dtype), tail)
         self._specs[key] = spec
         pipeline = getattr(self, "_pipeline", None)
         if pipeline is not None:
@@ -172,14 +176,14 @@ class ShardWriter:
         """
         self._check_open()
         if scales is not None:
-            arr, owned, scales = _quantized(self.md, acts, scales)
+            arr, owned, scales = quantized(self.md, acts, scales)
         else:
-            arr, owned, scales = _cast(self.md, acts)
+            arr, owned, scales = cast(self.md, acts)
         batch = arr.shape[0]
         first = self._reserve("acts", batch)
         lengths = None
         if columns and "lengths" in columns:
-            lengths = _to_numpy(columns["lengths"])
+            lengths = to_numpy(columns["lengths"])
             if lengths.shape != (batch,):
                 self._next["acts"] -= batch
                 raise WriterError(f"lengths: expected shape ({batch},), found {lengths.shape}")
@@ -196,7 +200,7 @@ class ShardWriter:
                 )
         if not self.allow_nonfinite and dtypes.nonfinite_mask_any(arr, self.md.dtype):
             self._next["acts"] -= batch
-            raise _nonfinite_error(self.md, acts, arr, first)
+            raise nonfinite_error(self.md, acts, arr, first)
         if self._pipeline.thread is not None and not owned:
             arr = arr.copy()  # the caller may reuse its buffer while we write in the background
         self._pipeline.submit(self._parts.write, self._specs["acts"], arr, first, lengths, scales)
@@ -210,7 +214,7 @@ class ShardWriter:
     def write_labels(self, labels: Any) -> None:
         """Append patch labels ``(B, patches_per_ex)`` uint8 (no [CLS] column)."""
         self._check_open()
-        arr = _to_numpy(labels)
+        arr = to_numpy(labels)
         if arr.dtype != np.uint8:
             raise WriterError(f"labels: expected dtype uint8, found {arr.dtype}")
         spec = self._specs.get("labels") or self._declare("labels", LABELS_DTYPE, (self.md.patches_per_ex,))
@@ -234,39 +238,34 @@ class ShardWriter:
                 "padding: use write(acts, columns={'lengths': ...})"
             )
         for name, values in columns.items():
-            key = f"column.{_field(name)}"
-            arr = _to_numpy(values)
+            key = f"column.{field_name(name)}"
+            arr = to_numpy(values)
             if arr.ndim == 0:
                 raise WriterError(f"column {name!r}: expected an array with a batch axis, found a scalar")
             spec = self._specs.get(key) or self._declare(key, arr.dtype, arr.shape[1:])
             assert spec.dtype is not None
-            arr = _exact_cast(arr, spec.dtype)
+            arr = exact_cast(arr, spec.dtype)
             if name == "lengths":
                 self._check_lengths(arr)
             self._append_array(spec, arr)
 
     def _check_lengths(self, lengths: npt.NDArray[Any], batch_reserved: int = 0) -> None:
-        if lengths.dtype.kind not in "iu":
-            bad_msg = f"lengths: expected integers, found dtype {lengths.dtype}"
-        elif ((lengths < 0) | (lengths > self.md.tokens_per_ex)).any():
-            bad = lengths[(lengths < 0) | (lengths > self.md.tokens_per_ex)]
-            bad_msg = f"lengths: values must lie in [0, {self.md.tokens_per_ex}], found {bad[:5].tolist()}"
-        else:
-            return
-        self._next["acts"] -= batch_reserved
-        raise WriterError(bad_msg)
+        problem = lengths_problem(lengths, self.md.tokens_per_ex)
+        if problem is not None:
+            self._next["acts"] -= batch_reserved
+            raise WriterError(problem)
 
     def write_text(self, **fields: Sequence[Any]) -> None:
         """Append per-example text (or any JSON value), one per example, e.g. ``write_text(prompt=[...])``."""
         self._check_open()
         for name, values in fields.items():
-            key = f"text.{_field(name)}"
+            key = f"text.{field_name(name)}"
             spec = self._specs.get(key) or self._declare(key, None, ())
-            lines = _json_lines(name, values)
+            lines = json_lines(name, values)
             first = self._reserve(spec.key, len(lines))
             self._pipeline.submit(self._parts.write, spec, lines, first, None)
 
-    def _append_array(self, spec: _StreamSpec, arr: npt.NDArray[Any]) -> None:
+    def _append_array(self, spec: StreamSpec, arr: npt.NDArray[Any]) -> None:
         if arr.ndim < 1 or arr.shape[1:] != spec.tail or arr.dtype != spec.dtype:
             raise WriterError(
                 f"{spec.key}: expected shape (B, {', '.join(map(str, spec.tail))}) dtype {spec.dtype}, "
@@ -313,7 +312,7 @@ class ShardWriter:
             self.abort()
             raise
         self._closed = True
-        _release_buffers()
+        release_buffers()
         if self._stats is not None:
             self._stats.shutdown()
         if self.world_size > 1:
@@ -340,7 +339,7 @@ class ShardWriter:
             if parts is not None:
                 parts.abandon()
         finally:
-            _release_buffers()
+            release_buffers()
             self._release_lock()
 
     def _release_lock(self) -> None:
@@ -369,172 +368,3 @@ class ShardWriter:
             f"ShardWriter({str(self.path)!r}, rank={self.rank}/{self.world_size}, "
             f"examples [{self.start}, {self.stop}), next={self._next.get('acts', self.next_example)})"
         )
-
-
-_COLUMNS_EXAMPLE = "{'lengths': ('int32', ()), 'token_ids': ('int32', (64,))}"
-
-
-def _parse_columns(columns: object) -> dict[str, tuple[np.dtype[Any], tuple[int, ...]]]:
-    """``columns=`` checked: name -> (numpy dtype, shape of one example's value); every
-    problem in one `WriterError` (a wrong value once gave "too many values to unpack")."""
-    if columns is None:
-        return {}
-    if not isinstance(columns, Mapping):
-        raise WriterError(
-            f"columns: expected a mapping of column name -> (dtype, shape) such as {_COLUMNS_EXAMPLE}, "
-            f"found {type(columns).__name__}"
-        )
-    problems = Problems(WriterError)
-    parsed: dict[str, tuple[np.dtype[Any], tuple[int, ...]]] = {}
-    for name, spec in columns.items():
-        where = f"columns[{name!r}]"
-        if not isinstance(name, str):
-            problems.expected(where, "a column name (a string)", type(name).__name__)
-            continue
-        if isinstance(spec, (str, bytes, np.dtype, type)) or not isinstance(spec, (tuple, list)) or len(spec) != 2:
-            problems.expected(where, "(dtype, shape) such as ('int32', ()) or ('int32', (64,))", repr(spec))
-            continue
-        dt, shape = spec
-        try:
-            dtype = np.dtype(dt)
-        except TypeError:
-            problems.expected(f"{where} dtype", f"a numpy dtype of {list(COLUMN_DTYPES)}", repr(dt))
-            continue
-        if isinstance(shape, int) or not isinstance(shape, (tuple, list)):
-            problems.expected(f"{where} shape", "a tuple of sizes, () for one value per example", repr(shape))
-            continue
-        if not all(is_int(n, numpy_ok=True) and n >= 0 for n in shape):
-            problems.expected(f"{where} shape", "sizes >= 0", repr(shape))
-            continue
-        parsed[name] = (dtype, tuple(int(n) for n in shape))
-    problems.raise_if_any()
-    return parsed
-
-
-def _field(name: str) -> str:
-    if not FIELD_NAME_RE.fullmatch(name):
-        raise WriterError(f"bad column/text name {name!r}: use lower-case letters, digits and _ (max 64)")
-    return name
-
-
-def _to_numpy(x: Any) -> npt.NDArray[Any]:
-    if dtypes.is_torch_tensor(x):
-        return np.asarray(x.detach().cpu().numpy())
-    return np.asarray(x)
-
-
-def _nonfinite_error(md: Metadata, original: Any, arr: npt.NDArray[Any], first: int) -> NonFiniteError:
-    if md.dtype == FLOAT8:  # whole vectors are stored as NaN: count the values given instead
-        given = original.detach().float().cpu().numpy() if dtypes.is_torch_tensor(original) else original
-        with np.errstate(over="ignore"):
-            bad = ~np.isfinite(np.asarray(given, np.float32))
-    else:
-        bad = dtypes.nonfinite_elements(arr, md.dtype)
-    per_example = bad.reshape(arr.shape[0], -1).any(axis=1)
-    examples = (np.flatnonzero(per_example) + first).tolist()
-    shown = ", ".join(map(str, examples[:10])) + (", ..." if len(examples) > 10 else "")
-    detail = ""
-    if md.dtype == FLOAT8:
-        detail = " (float8_e4m3 stores a vector holding inf or NaN as NaN)"
-    if md.dtype == "float16":
-        if dtypes.is_torch_tensor(original):
-            biggest = float(original.detach().float().abs().nan_to_num(nan=0.0).max())
-        else:
-            biggest = float(np.nanmax(np.abs(np.asarray(original, np.float64))))
-        detail = f"; float16 holds at most 65504, the largest |value| was {biggest:.6g}"
-    return NonFiniteError(
-        f"{int(bad.sum())} values in {len(examples)} examples (global indices {shown}) are not "
-        f"finite after the cast to {'float32' if md.dtype == FLOAT8 else md.dtype}{detail}; pass "
-        "allow_nonfinite=True to store them"
-    )
-
-
-def _check_writable(root: Path, md: Metadata, extras: bool) -> None:
-    """Raise if ``md``'s dialect cannot hold this cache; warn where saev would not find it."""
-    if not md.rules.holds_extras and extras:
-        raise WriterError(
-            f"protocol {md.protocol} caches ({md.rules.summary}) hold activations and labels only; use protocol 3.0"
-        )
-    with Problems(MetadataError, head=f"cannot write a {md.rules.summary} cache: ") as problems:
-        md.rules.check_writable(md, problems)
-    if md.rules.legacy and root.absolute().parts[-2:] != SAEV_ROOT_PARTS:
-        warnings.warn(
-            f"{root.absolute()}: saev's readers look for caches in a folder ending in saev/shards/<name> "
-            "(its writers want a root ending in saev/shards); this cache opens here with saev_shards only, "
-            "move it (or link it) under .../saev/shards for saev",
-            ProtocolWarning,
-            stacklevel=3,
-        )
-
-
-def _cast(md: Metadata, acts: Any) -> tuple[npt.NDArray[Any], bool, npt.NDArray[Any] | None]:
-    """``acts`` in the stored dtype, whether that is a fresh array (not the caller's memory),
-    and for float8_e4m3 the scale of each vector ``(B, L, T)`` (`float8.quantize`)."""
-    want = md.shard_shape[1:]
-    shape = tuple(getattr(acts, "shape", np.shape(acts)))
-    if len(shape) != 4 or shape[1:] != want:
-        raise WriterError(
-            f"acts: expected shape (B, {want[0]}, {want[1]}, {want[2]}) = (batch, layers, "
-            f"tokens_per_ex, d_model), found {shape}"
-        )
-    try:
-        if md.dtype == FLOAT8:
-            values, scales = float8.quantize(acts)
-            return values, True, scales
-        arr, owned = dtypes.to_stored(acts, md.dtype)
-    except TypeError as err:
-        raise WriterError(str(err)) from None
-    return arr, owned, None
-
-
-def _quantized(md: Metadata, values: Any, scales: Any) -> tuple[npt.NDArray[Any], bool, npt.NDArray[Any]]:
-    """Values quantized already, with their scales, checked against ``md`` (`ShardWriter.write`)."""
-    if md.dtype != FLOAT8:
-        raise WriterError(f"scales: a {md.dtype} cache has no scales (only float8_e4m3 caches take quantized values)")
-    arr = _to_numpy(values)
-    if arr.dtype == np.uint8:
-        arr = arr.view(FLOAT8_DTYPE)
-    want = md.shard_shape[1:]
-    if arr.dtype != FLOAT8_DTYPE or arr.ndim != 4 or arr.shape[1:] != want:
-        raise WriterError(
-            f"acts: with scales, expected float8_e4m3fn values (or their uint8 bytes) of shape (B, {want[0]}, "
-            f"{want[1]}, {want[2]}), found {arr.dtype} {tuple(arr.shape)}"
-        )
-    s = _to_numpy(scales)
-    if s.dtype != np.float32 or s.shape != arr.shape[:3]:
-        raise WriterError(f"scales: expected float32 of shape {arr.shape[:3]}, found {s.dtype} {tuple(s.shape)}")
-    if not scales_plain(s):  # the scale rule's (protocol.md 5), as every reader checks it
-        odd, nan = odd_scales(s)
-        if odd.size:
-            at = tuple(int(i) for i in np.unravel_index(int(odd[0]), s.shape))
-            raise WriterError(
-                f"scales: {SCALE_RULE}, found {describe_scale(s.reshape(-1)[odd[0]])} at (example, "
-                f"layer, token) {at} of the batch ({odd.size} such scales)"
-            )
-        rows = arr.view(np.uint8).reshape(-1, arr.shape[-1])[nan]
-        if not (rows == NAN_BYTE).all():
-            raise WriterError("scales: a NaN scale is that of a vector stored as NaN, whose bytes are all 0x7f")
-    # Fresh copies: the caller may reuse its buffers while the writer writes in the background.
-    return np.array(arr, order="C"), True, np.array(s, order="C")
-
-
-def _json_lines(name: str, values: Sequence[Any]) -> list[bytes]:
-    """One JSON line per example of text field ``name``."""
-    if isinstance(values, (str, bytes)):
-        raise WriterError(f"text {name!r}: expected a sequence with one value per example, found a string")
-    lines = []
-    for v in values:
-        try:
-            lines.append(orjson.dumps(v) + b"\n")
-        except TypeError as err:
-            raise WriterError(f"text {name!r}: value {v!r} is not JSON-serialisable ({err})") from err
-    return lines
-
-
-def _exact_cast(arr: npt.NDArray[Any], dtype: np.dtype[Any]) -> npt.NDArray[Any]:
-    """``arr`` as ``dtype`` where the cast keeps every value (int64 lengths into int32), else as is."""
-    if arr.dtype != dtype and np.can_cast(arr.dtype, dtype, "same_kind"):
-        cast = arr.astype(dtype)
-        if np.array_equal(cast.astype(arr.dtype), arr, equal_nan=arr.dtype.kind == "f"):
-            return cast
-    return arr

@@ -17,14 +17,14 @@ from ..protocol.metadata import Metadata
 from ..protocol.staging import lock_path, staging_dir
 
 
-def _take_writer_lock(root: Path, md: Metadata, *, shared: bool, busy: str) -> int:
+def take_writer_lock(root: Path, md: Metadata, *, shared: bool, busy: str) -> int:
     """Lock ``md``'s staging directory for writing (``shared`` among several writers) or
     finalizing; `AlreadyPublishedError` if the cache is published, `WriterBusyError` if held."""
     final = root / md.hash
     fault_point("writer-start")
     if final.exists():
         _forget_lock(root, md)
-        raise _already_published(final)
+        raise already_published(final)
     fd = take_lock(lock_path(root, md), shared=shared)
     if fd is None:
         raise WriterBusyError(busy)
@@ -32,11 +32,11 @@ def _take_writer_lock(root: Path, md: Metadata, *, shared: bool, busy: str) -> i
     if final.exists():  # published while we waited for the lock: every holder sees it from now on
         os.close(fd)
         _forget_lock(root, md)
-        raise _already_published(final)
+        raise already_published(final)
     return fd
 
 
-def _already_published(final: Path) -> AlreadyPublishedError:
+def already_published(final: Path) -> AlreadyPublishedError:
     """What a second write of a published cache is told (in a notebook: re-running a cell)."""
     return AlreadyPublishedError(
         f"{final} is already published; published caches are immutable: read it with ss.open(path) "

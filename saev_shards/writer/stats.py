@@ -24,7 +24,7 @@ _STATS_BACKLOG = 2
 _STATS_THREADS = max(1, min(4, len(os.sched_getaffinity(0)) // 4 if hasattr(os, "sched_getaffinity") else 1))
 
 
-class _StatsPass:
+class StatsPass:
     """The writer's statistics: one `StatsAccumulator` per shard, summed in threads of their own.
 
     Each batch's examples are summed in up to `_STATS_THREADS` threads, a contiguous share

@@ -2,13 +2,13 @@
 that writes them.
 
 Every stream (activations, labels, numeric columns, text) goes through one loop,
-`_Parts.write`: a batch is cut where shards end, each piece appended to the stream's open
+`Parts.write`: a batch is cut where shards end, each piece appended to the stream's open
 part file (`_Cursor`, hashing as it goes), and a part that is complete is closed and
 noted. A float8_e4m3 cache's scales are cut with their activations, into the shard's scale
 file. When every stream has completed shard ``k``, its part record (``part<06d>.json``)
 seals it. Files published as written (shards and scale files) are digested per block too
 in protocol 3.1, for blocks.json. Everything here runs in the writer's I/O thread
-(`_Pipeline`), in the order the caller submitted it.
+(`Pipeline`), in the order the caller submitted it.
 """
 
 from __future__ import annotations
@@ -29,7 +29,7 @@ from ..fileio import IO_CHUNK, BlockHasher, fault_point, naming_disk_full, try_f
 from ..protocol.metadata import Metadata
 from ..protocol.staging import SCALES, part_file, part_record
 from . import direct
-from .stats import _StatsPass
+from .stats import StatsPass
 
 #: Streams whose part files are published as they are written (not joined by finalize).
 PUBLISHED_AS_WRITTEN = ("acts", SCALES)
@@ -37,7 +37,7 @@ PUBLISHED_AS_WRITTEN = ("acts", SCALES)
 _RESUME_NOTE = "; the shards sealed so far are kept: free some space and resume (ShardWriter(..., resume=True))"
 
 
-class _StreamSpec:
+class StreamSpec:
     """What one stream writes per example: dtype and per-example shape (text: none)."""
 
     def __init__(self, key: str, dtype: np.dtype[Any] | None, tail: tuple[int, ...]) -> None:
@@ -83,7 +83,7 @@ class _Cursor:
         is_shard = path.name.startswith("acts")
         # O_DIRECT only pays for files of at least one block; small files stay buffered.
         with naming_disk_full(path, expected_nbytes, _RESUME_NOTE):
-            self.file = direct._SequentialFile(path, direct=is_shard and (expected_nbytes or 0) >= direct.DIRECT_BLOCK)
+            self.file = direct.SequentialFile(path, direct=is_shard and (expected_nbytes or 0) >= direct.DIRECT_BLOCK)
         if is_shard and not try_flock(self.file.fileno()):
             self.file.abandon()
             raise WriterBusyError(f"{path} is being written by another process")
@@ -108,11 +108,11 @@ class _Cursor:
         return self.nbytes + pending, True
 
 
-class _Parts:
+class Parts:
     """The I/O thread's state: every stream's open part file, the parts complete per shard,
     and sealing. Only the I/O thread touches it (the caller, before the thread starts)."""
 
-    def __init__(self, md: Metadata, staging: Path, keys: set[str], stats: _StatsPass | None, durable: bool) -> None:
+    def __init__(self, md: Metadata, staging: Path, keys: set[str], stats: StatsPass | None, durable: bool) -> None:
         self.md = md
         self.staging = staging
         self.durable = durable
@@ -125,11 +125,11 @@ class _Parts:
         #: Protocol 3.1: the files published as written are digested per block of this size.
         self.block_size = md.rules.block_size
         #: A float8_e4m3 cache's scales: float32 ``(L, T)`` per example, sealed with the rest.
-        self.scales_spec = _StreamSpec(SCALES, np.dtype("<f4"), md.shard_shape[1:3])
+        self.scales_spec = StreamSpec(SCALES, np.dtype("<f4"), md.shard_shape[1:3])
 
     def write(
         self,
-        spec: _StreamSpec,
+        spec: StreamSpec,
         batch: npt.NDArray[Any] | list[bytes],
         first: int,
         lengths: npt.NDArray[Any] | None,
@@ -162,7 +162,7 @@ class _Parts:
             if cur.count == self.md.shard_n_examples(cur.k):
                 self._finish_part(spec, cur)
 
-    def _cursor(self, spec: _StreamSpec, example: int) -> _Cursor:
+    def _cursor(self, spec: StreamSpec, example: int) -> _Cursor:
         cur = self.cursors.get(spec.key)
         if cur is None:
             k = example // self.md.examples_per_shard
@@ -177,7 +177,7 @@ class _Parts:
             self.cursors[spec.key] = cur
         return cur
 
-    def _finish_part(self, spec: _StreamSpec, cur: _Cursor) -> None:
+    def _finish_part(self, spec: StreamSpec, cur: _Cursor) -> None:
         key = spec.key
         if key == "acts" and cur.expected_nbytes is not None and cur.nbytes < cur.expected_nbytes:
             # Protocol 2.1: saev memmaps every shard at full size; pad the last so it can read ours.
@@ -225,7 +225,7 @@ class _Parts:
             cur.file.abandon()
 
 
-class _Pipeline:
+class Pipeline:
     """Runs writer operations in order, in one background thread or inline."""
 
     def __init__(self, background: bool) -> None:

@@ -30,7 +30,7 @@ from saev_shards.dump.recorder import Recorder
 from saev_shards.errors import ConfigError, DumpError, NameNotFoundError
 from saev_shards.statistics import StatsAccumulator
 from saev_shards.writer import stats as writer_stats
-from saev_shards.writer.stats import _StatsPass
+from saev_shards.writer.stats import StatsPass
 
 from ..support.caches import small_metadata, tree_bytes
 from ..support.dumps import make_config
@@ -109,7 +109,7 @@ def reference_encode(self: TextEncoder, texts: list[str]) -> Any:
 ORIGINAL_ENCODE = TextEncoder.encode
 
 
-def reference_submit(self: _StatsPass, k: int, acts: Any, lengths: Any, scales: Any = None) -> None:
+def reference_submit(self: StatsPass, k: int, acts: Any, lengths: Any, scales: Any = None) -> None:
     """The writer's statistics as they were: each batch summed by `reference_update`."""
     reference_update(
         self.shards.setdefault(k, StatsAccumulator(self.n_layers, self.d_model)), acts, self.dtype, lengths, scales
@@ -118,7 +118,7 @@ def reference_submit(self: _StatsPass, k: int, acts: Any, lengths: Any, scales: 
 
 def use_reference_paths(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(StatsAccumulator, "update", reference_update)
-    monkeypatch.setattr(_StatsPass, "submit", reference_submit)
+    monkeypatch.setattr(StatsPass, "submit", reference_submit)
     monkeypatch.setattr(sys.modules[Recorder.__module__], "_zero_padding", reference_zero_padding)
     monkeypatch.setattr(TextEncoder, "encode", reference_encode)
 
@@ -229,9 +229,9 @@ def test_statistics_summed_in_several_threads_are_the_bits_of_one(
     acts[17, 1, 2, 3] = np.inf
     lengths = rng.integers(0, md.tokens_per_ex + 1, md.n_examples).astype(np.int32)
     trees = []
-    for threads, submit in ((3, _StatsPass.submit), (1, reference_submit)):
+    for threads, submit in ((3, StatsPass.submit), (1, reference_submit)):
         monkeypatch.setattr(writer_stats, "_STATS_THREADS", threads)
-        monkeypatch.setattr(_StatsPass, "submit", submit)
+        monkeypatch.setattr(StatsPass, "submit", submit)
         root = tmp_path / str(threads)
         with ss.ShardWriter(root, md, stats=True, allow_nonfinite=True, durable=False) as writer:
             for a in range(0, md.n_examples, 37):

@@ -167,7 +167,7 @@ def test_peak_memory_stays_within_the_budget(
     assert out_nbytes > 3 * budget  # several times the budget, so neither pass can hold it
     assert n_buckets > 3 and n_chunks > 3
     assert peak - baseline <= budget, f"peak {(peak - baseline) / 2**20:.1f} MiB over a {budget_mib} MiB budget"
-    plan = plan_shuffle(root / md.hash, tmp_path / "out", layers=layers, dtype=dtype)  # type: ignore[arg-type]
+    plan = plan_shuffle(root / md.hash, tmp_path / "out", layers=layers, dtype=dtype)
     out = ss.open(plan.path)
     assert out.n_examples == md.n_examples * md.patches_per_ex
     order = shuffle_order(out.n_examples, 0)
@@ -231,6 +231,8 @@ def test_cli_shuffle_errors(tmp_path: Path) -> None:
         (["--layers", "7"], r"layers: expected values among the recorded layers \[6, 11\], found 7"),
         (["--memory", "1K"], "memory: 1,024 bytes is too small"),
         (["--memory", "lots"], "expected a size like 2G, 512M or 1073741824, found 'lots'"),
+        (["--layers", "6,x"], r"argument --layers: expected comma-separated integers such as 6,11, found '6,x'"),
+        (["--exclude-token-ids", "1;2"], r"--exclude-token-ids: expected comma-separated integers such as 6,11"),
     ]:
         result = cli("shuffle", str(root / md.hash), *args)
         assert result.code == 2, result.err

@@ -142,7 +142,7 @@ def test_the_sampler_files_threads_under_their_stage() -> None:
     stop = threading.Event()
     # a function named as the loaders' reading function, in a file named as theirs
     namespace: dict[str, Any] = {"stop": stop}
-    exec(compile("def _read_block():\n    while not stop.is_set():\n        sum(range(1000))\n", "pipeline.py", "exec"),
+    exec(compile("def _read_block():\n    while not stop.is_set():\n        sum(range(1000))\n", "windows.py", "exec"),
          namespace)  # fmt: skip
     idle = threading.Thread(target=stop.wait, args=(30,), name="saev-loader-read_0")
     busy = threading.Thread(target=namespace["_read_block"], name="saev-loader-read_1")

@@ -30,7 +30,7 @@ from saev_shards.loaders import (
     ShuffledLoader,
     TokenDataset,
     mapped,
-    pipeline,
+    windows,
 )
 
 from ..support.caches import small_metadata
@@ -169,14 +169,14 @@ def test_the_loaders_and_datasets_name_the_shard_and_vector(
     shards = ss.open(cache8)
     kwargs: dict[str, Any] = dict(batch_size=4, layers=LAYER, out_dtype=out_dtype, block_bytes=64, buffer_bytes=400)
     in_place: list[bool] = []
-    real = pipeline.WindowLoader.submit
+    real = windows.WindowLoader.submit
 
-    def submit(self: pipeline.WindowLoader, w: int) -> Any:
+    def submit(self: windows.WindowLoader, w: int) -> Any:
         done = real(self, w)
         in_place.append(self.in_place[w])
         return done
 
-    monkeypatch.setattr(pipeline.WindowLoader, "submit", submit)
+    monkeypatch.setattr(windows.WindowLoader, "submit", submit)
     for make in (ShuffledLoader, OrderedLoader):
         for device, mapped_bytes in ((None, 0), (None, 1 << 62), ("cpu", 0)):
             # Windows gathered in place from the page cache (the host path of a local cache whose

@@ -24,16 +24,11 @@ ENTRY = "<entry points>"
 #: within a layer the imports must not form a cycle. A new module or package gets a row here.
 LAYERS: tuple[tuple[str, ...], ...] = (
     ("errors",),
-    ("_compat", "humanize", "optional", "world", "fileio", "progress", "_layers"),
+    ("_compat", "humanize", "optional", "world", "fileio", "progress"),
     ("protocol",),  # every byte rule, the parsed types, the offsets
-    (
-        "codecs",
-        "statistics",
-        "storage",
-        "remote",
-    ),  # the compute engines and the storages, below the reader and the writer
-    ("token_masks",),
+    ("codecs", "statistics", "storage", "remote"),  # the compute engines and the storages
     ("reader", "writer"),
+    ("selection",),  # which tokens: one specification for the loaders and the shuffle
     ("store",),
     ("loaders", "shuffle", "convert", "dump"),
     ("saev_shards",),  # the package's own __init__: the facade that re-exports the library

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+import inspect
 import itertools
 import os
 import tempfile
@@ -17,9 +19,19 @@ from hypothesis import strategies as st
 
 import saev_shards as ss
 from saev_shards.loaders import OrderedLoader, ShuffledLoader
-from saev_shards.shuffle import bucket_of, plan_shuffle, run_plan, shuffle_cache, shuffle_order, sort_keys
+from saev_shards.selection import SelectionSpec
+from saev_shards.shuffle import (
+    ShuffleOptions,
+    bucket_of,
+    make_plan,
+    plan_shuffle,
+    run_plan,
+    shuffle_cache,
+    shuffle_order,
+    sort_keys,
+)
 from saev_shards.shuffle.order import GOLDEN
-from saev_shards.shuffle.runs import run_file
+from saev_shards.shuffle.scratch import run_file
 
 from ..support import strategies
 from ..support.caches import labels_for, small_metadata, tree_bytes, write_cache
@@ -301,9 +313,26 @@ def test_bad_arguments(root: Path, kwargs: dict[str, Any], message: str) -> None
         plan_shuffle(src, **kwargs)
 
 
+def test_the_keywords_are_the_selection_and_the_options(root: Path) -> None:
+    """`plan_shuffle` and `shuffle_cache` take the fields of `SelectionSpec` and `ShuffleOptions` as
+    keywords (their signatures say so), refuse any other as Python does, and plan what `make_plan`
+    plans from the two objects."""
+    src, _, _ = source(root)
+    fields = [f.name for cls in (SelectionSpec, ShuffleOptions) for f in dataclasses.fields(cls)]
+    for fn, own in ((plan_shuffle, ["progress"]), (shuffle_cache, ["progress", "durable"])):
+        names = list(inspect.signature(fn).parameters)
+        assert names == ["source", "root", *fields, *own]
+        with pytest.raises(TypeError, match=rf"^{fn.__name__}\(\) got an unexpected keyword argument 'seeds'$"):
+            fn(src, seeds=1)
+    made = make_plan(src, src.path.parent, SelectionSpec(layers=[11]), ShuffleOptions(seed=3, dtype="float32"))
+    assert made.to_json() == plan_shuffle(src, layers=[11], seed=3, dtype="float32").to_json()
+    with pytest.raises(ss.ShuffleError, match="workers: expected an integer >= 1, found 0"):
+        ShuffleOptions(workers=0)
+
+
 def test_cls_tokens_need_a_cls_source(root: Path) -> None:
     src, _, _ = source(root, cls_token=False)
-    with pytest.raises(ss.ShuffleError, match="tokens='cls': expected a source with a CLS token"):
+    with pytest.raises(ss.ShuffleError, match="tokens='cls': expected a cache with a CLS token"):
         plan_shuffle(src, tokens="cls")
 
 

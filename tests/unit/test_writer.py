@@ -460,7 +460,7 @@ def test_sequential_file_writes_exact_bytes(monkeypatch_block: None, chunks: lis
         path = Path(tmp) / "f.bin"
         rng = np.random.default_rng(len(chunks))
         data = [rng.integers(0, 256, n, dtype=np.uint8).tobytes() for n in chunks]
-        f = direct_module._SequentialFile(path, direct=direct)
+        f = direct_module.SequentialFile(path, direct=direct)
         for d in data:
             f.write(memoryview(d))
         f.close(durable=False)

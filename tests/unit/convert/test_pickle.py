@@ -28,7 +28,7 @@ from ...support.sources import assert_converted, pickle_source, rewrite_index
 
 
 def _convert(src: Path, root: Path, **kwargs: object) -> ss.Shards:
-    result = convert(src, root=root, durable=False, **kwargs)  # type: ignore[arg-type]
+    result = convert(src, root=root, durable=False, **kwargs)
     return ss.open(result.path)
 
 

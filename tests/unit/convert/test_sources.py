@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+import inspect
 import json
 import warnings
 from pathlib import Path
@@ -10,7 +12,7 @@ import numpy as np
 import pytest
 
 import saev_shards as ss
-from saev_shards.convert import SOURCES, Options, convert, detect
+from saev_shards.convert import SOURCES, ConvertOptions, Options, convert, detect, run
 from saev_shards.convert.saelens import layer_of
 from saev_shards.errors import ConvertError, ConvertOptionError
 
@@ -21,7 +23,7 @@ warnings.filterwarnings("ignore", message="Consolidated metadata")
 
 
 def _convert(src: Path, root: Path, **kwargs: object) -> tuple[ss.Shards, object]:
-    result = convert(src, root=root, durable=False, **kwargs)  # type: ignore[arg-type]
+    result = convert(src, root=root, durable=False, **kwargs)
     return ss.open(result.path), result
 
 
@@ -163,6 +165,19 @@ def test_each_kind_is_detected(tmp_path: Path) -> None:
     if pytest.importorskip("datasets"):
         saelens_source(tmp_path / "saelens")
         assert detect(tmp_path / "saelens").name == "saelens"
+
+
+def test_convert_takes_the_fields_of_convert_options(tmp_path: Path) -> None:
+    """`convert`'s keywords are `ConvertOptions`' fields (its signature says so); any other is
+    refused as Python refuses an unexpected keyword argument."""
+    names = list(inspect.signature(convert).parameters)
+    assert names == ["src", *(f.name for f in dataclasses.fields(ConvertOptions))]
+    with pytest.raises(TypeError, match=r"^convert\(\) got an unexpected keyword argument 'dtypes'$"):
+        convert(tmp_path / "x.npy", dtypes="float32")
+    assert ConvertOptions(dtype="float32").keywords_of(run) == {
+        f: getattr(ConvertOptions(), f)
+        for f in ("allow_nonfinite", "stats", "restart", "progress", "durable", "check_space")
+    }
 
 
 def test_same_source_same_hash_and_already_published(tmp_path: Path) -> None:

@@ -30,7 +30,7 @@ import saev_shards as ss
 from saev_shards import loaders
 from saev_shards.codecs import float8
 from saev_shards.dump.recorder import AsyncWriter
-from saev_shards.loaders import Batch, device, token_loader
+from saev_shards.loaders import Batch, device, spares
 from saev_shards.loaders.tensors import pinned_empty
 
 from ...support import strategies
@@ -88,7 +88,7 @@ def capture_slots(monkeypatch: pytest.MonkeyPatch) -> list[device.Slots]:
         made.append(real(*args))
         return made[-1]
 
-    monkeypatch.setattr(token_loader, "Slots", keeping)
+    monkeypatch.setattr(spares, "Slots", keeping)
     return made
 
 

@@ -85,9 +85,9 @@ def test_device_path_resumes_and_reuses_its_slots(make_cache: Any, monkeypatch: 
         return slots
 
     monkeypatch.setattr(device, "Slots", counting)
-    from saev_shards.loaders import token_loader
+    from saev_shards.loaders import spares
 
-    monkeypatch.setattr(token_loader, "Slots", counting)
+    monkeypatch.setattr(spares, "Slots", counting)
     kwargs: dict[str, Any] = dict(batch_size=7, seed=4, buffer_bytes=300, block_bytes=100, device="cpu")
     loader = ShuffledLoader(shards, **kwargs)
     epochs = [keys(list(loader)) for _ in range(3)]

@@ -82,9 +82,9 @@ def test_one_byte_per_value_is_read_and_moved(cache8: tuple[ss.Shards, Any], mon
         made.append(real_slots(*args))
         return made[-1]
 
-    from saev_shards.loaders import token_loader
+    from saev_shards.loaders import spares
 
-    monkeypatch.setattr(token_loader, "Slots", keeping)
+    monkeypatch.setattr(spares, "Slots", keeping)
     list(ShuffledLoader(shards, batch_size=8, device="cpu", mix_layers=True))
     [slots] = made
     assert slots.acts[0].dtype == torch.uint8 and slots.staging[0].dtype == torch.uint8

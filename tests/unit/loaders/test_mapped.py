@@ -17,7 +17,7 @@ import torch
 import saev_shards as ss
 from saev_shards import loaders
 from saev_shards.errors import FileSizeError
-from saev_shards.loaders import mapped, pipeline, plan
+from saev_shards.loaders import mapped, plan, schedule, windows
 from saev_shards.loaders.mapped import CacheMap
 from saev_shards.loaders.selection import TokenSelection
 
@@ -43,9 +43,9 @@ def batches(shards: ss.Shards, in_place: bool, monkeypatch: pytest.MonkeyPatch, 
     monkeypatch.setattr(mapped, "MIN_SHARD_BYTES", 0 if in_place else 1 << 62)
     loader = loaders.TokenLoader(shards, **kwargs)
     out = [(b.acts.clone(), b.examples, b.tokens, b.layers, b.labels) for b in loader]
-    assert (loader._map is not None) == in_place
-    if loader._map is not None:
-        assert (loader._map.scales is not None) == (shards.metadata.dtype == "float8_e4m3")
+    assert (loader._spares.map is not None) == in_place
+    if loader._spares.map is not None:
+        assert (loader._spares.map.scales is not None) == (shards.metadata.dtype == "float8_e4m3")
     loader.close()
     return out
 
@@ -63,7 +63,7 @@ CASES: dict[str, dict[str, Any]] = {
     "one layer": dict(layers=11),
     "stacked layers": dict(stack_layers=True),
     "all tokens, rank 1 of 2": dict(tokens="all", rank=1, world_size=2, mix_layers=True),
-    "small windows and blocks": dict(mix_layers=True, buffer_bytes=700, block_bytes=300),
+    "small windows and spans": dict(mix_layers=True, buffer_bytes=700, block_bytes=300),
     "out float32": dict(out_dtype="float32", layers=6),
 }
 
@@ -102,7 +102,7 @@ def test_a_cache_larger_than_memory_unmaps_finished_windows(
     md = small_metadata(n_examples=37, patches_per_shard=60)
     shards, _ = make_cache(md)
     kwargs: dict[str, Any] = dict(batch_size=7, order=order, mix_layers=True, buffer_bytes=800, block_bytes=320)
-    monkeypatch.setattr(pipeline, "CHUNK_BYTES", 1)  # a batch per gather (two window slots), as with real rows
+    monkeypatch.setattr(schedule, "CHUNK_BYTES", 1)  # a batch per gather (two window slots), as with real rows
     want = batches(shards, False, monkeypatch, **kwargs)
     monkeypatch.setattr(mapped, "memory_bytes", lambda: 1)
     unmapped: list[tuple[int, int]] = []
@@ -116,8 +116,8 @@ def test_a_cache_larger_than_memory_unmaps_finished_windows(
     same(batches(shards, True, monkeypatch, **kwargs), want)
     loader = loaders.TokenLoader(shards, **kwargs)
     windows = loader.plan(0).windows
-    blocks = loader._blocks
-    done = [(int(blocks.start[b]), int(blocks.stop[b])) for w in windows[:-2] for b in w.blocks.tolist()]
+    spans = loader._spans
+    done = [(int(spans.start[b]), int(spans.stop[b])) for w in windows[:-2] for b in w.spans.tolist()]
     assert sorted(unmapped) == sorted(done)  # every window but the last two (two slots)
     loader.close()
 
@@ -172,14 +172,14 @@ def test_the_map_is_released_with_the_loader(make_cache: Any, monkeypatch: pytes
     shards, _ = make_cache(md)
     monkeypatch.setattr(mapped, "MIN_SHARD_BYTES", 0)
     copied: list[int] = []
-    monkeypatch.setattr(pipeline.WindowLoader, "_read_block", lambda self, block, *args: copied.append(block))
+    monkeypatch.setattr(windows.WindowLoader, "_read_block", lambda self, block, *args: copied.append(block))
     gc.collect()
     gc.disable()
     try:
         loader = loaders.ShuffledLoader(shards, batch_size=9, mix_layers=True)
         assert sum(len(b) for b in loader) == len(expected_vectors(md))
-        assert loader._map is not None
-        regions = [weakref.ref(r) for r in loader._map.regions]
+        assert loader._spares.map is not None
+        regions = [weakref.ref(r) for r in loader._spares.map.regions]
         loader.close()  # the loader itself still referenced: close alone unmaps
         alive = [r for r in regions if r() is not None]
         del loader
@@ -196,13 +196,13 @@ def test_a_window_read_from_disk_goes_into_its_buffer(make_cache: Any, monkeypat
     kwargs: dict[str, Any] = dict(batch_size=7, mix_layers=True, buffer_bytes=800, block_bytes=320)
     want = batches(shards, False, monkeypatch, **kwargs)
     modes: list[bool] = []
-    real = pipeline.WindowLoader._index
+    real = windows.WindowLoader._index
 
-    def index(self: pipeline.WindowLoader, w: int) -> Any:
+    def index(self: windows.WindowLoader, w: int) -> Any:
         modes.append(self.in_place[w])
         return real(self, w)
 
-    monkeypatch.setattr(pipeline.WindowLoader, "_index", index)
+    monkeypatch.setattr(windows.WindowLoader, "_index", index)
     evict(shards)
     same(batches(shards, True, monkeypatch, **kwargs), want)
     cold = list(modes)
@@ -221,10 +221,10 @@ def test_the_map_places_every_vector(make_cache: Any, monkeypatch: pytest.Monkey
     monkeypatch.setattr(plan, "MIN_SLICE_READ", 0)
     cache_map = CacheMap(shards)
     selection = TokenSelection(shards, layers=layers, tokens="all")
-    blocks = plan.Blocks(shards, selection, 500)
-    order = np.arange(len(blocks))
-    for window in plan.plan_epoch(blocks, order, 0, 1, 12, 5, False).windows:
-        index = plan.index_window(selection, blocks, window, np.random.default_rng(0), cache_map.source)
+    spans = plan.ReadSpans(shards, selection, 500)
+    order = np.arange(len(spans))
+    for window in plan.plan_epoch(spans, order, 0, 1, 12, 5, False).windows:
+        index = plan.index_window(selection, spans, window, np.random.default_rng(0), cache_map.source)
         positions = [md.layers.index(v) for v in index.layers.tolist()]  # type: ignore[union-attr]
         np.testing.assert_array_equal(cache_map.values[index.flat], logical[index.examples, positions, index.tokens])
 

@@ -15,7 +15,7 @@ from hypothesis import strategies as st
 from hypothesis.extra import numpy as hnp
 
 from saev_shards import loaders
-from saev_shards.loaders import outputs, pipeline
+from saev_shards.loaders import host_run, outputs, pools, schedule
 from saev_shards.loaders.tensors import torch_dtype
 
 from ...support.caches import expected_vectors, small_metadata
@@ -48,7 +48,7 @@ def test_pinned_path_allocates_every_batch_pinned(
         return tensor
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
-    monkeypatch.setattr(pipeline, "pinned_empty", fake_pinned)
+    monkeypatch.setattr(host_run, "pinned_empty", fake_pinned)
     loader = ShuffledLoader(shards, batch_size=300, pin_memory=True, out_dtype=out_dtype, buffer_bytes=20_000)
     assert loader.pin_memory
     seen = []
@@ -83,7 +83,7 @@ def test_gathers_run_on_the_gather_pool_not_the_consumer(make_cache: Any, monkey
         return real_take(a, indices, axis=axis, out=out, mode=mode)
 
     monkeypatch.setattr(np, "take", take)  # the module object the pipeline calls through
-    monkeypatch.setattr(pipeline, "CHUNK_BYTES", 1)  # one batch per task, as with real-sized rows
+    monkeypatch.setattr(schedule, "CHUNK_BYTES", 1)  # one batch per task, as with real-sized rows
     loader = ShuffledLoader(shards, batch_size=1000, gather_threads=3, buffer_bytes=100_000, block_bytes=4000)
     seen = []
     for b in loader:
@@ -111,7 +111,7 @@ def test_small_batches_are_gathered_by_chunk(make_cache: Any) -> None:
 def test_threads_and_outputs_are_kept_from_one_epoch_to_the_next(
     make_cache: Any, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """An epoch's threads and output arrays serve the next (`pipeline.Pools`), in this process only."""
+    """An epoch's threads and output arrays serve the next (`pools.Pools`), in this process only."""
     md = small_metadata(n_examples=200, patches_per_shard=400)
     shards, logical = make_cache(md, batches=(50,))
     loader = ShuffledLoader(shards, batch_size=64, buffer_bytes=100_000, block_bytes=4000)
@@ -121,7 +121,7 @@ def test_threads_and_outputs_are_kept_from_one_epoch_to_the_next(
         for b in loader:
             seen += check_batch(b, md, logical)
         assert sorted(seen) == sorted(expected_vectors(md))
-        pools = loader._pools
+        pools = loader._spares.pools
         assert pools is not None
         epochs.append((pools, set(pools.read._threads | pools.gather._threads), {id(a) for a in pools.outputs.arrays}))
     (first, threads, outputs), (second, threads2, outputs2) = epochs
@@ -133,7 +133,7 @@ def test_threads_and_outputs_are_kept_from_one_epoch_to_the_next(
     # A forked child has none of its parent's threads: it makes its own.
     monkeypatch.setattr(os, "getpid", lambda: -1)
     assert len(list(loader)) == len(loader)
-    assert loader._pools is not first and first.closed
+    assert loader._spares.pools is not first and first.closed
     monkeypatch.undo()
     loader.close()
     assert first.read._shutdown and first.gather._shutdown
@@ -172,10 +172,10 @@ def test_no_join_inside_the_garbage_collector() -> None:
             self.me = self
 
         def __del__(self) -> None:
-            seen.append(pipeline.joinable(set()))
+            seen.append(pools.joinable(set()))
 
     Cycle()
     gc.collect()
     assert seen == [False]
-    assert pipeline.joinable(set())  # outside the collector a join is fine
-    assert not pipeline.joinable({threading.current_thread()})  # never this thread itself
+    assert pools.joinable(set())  # outside the collector a join is fine
+    assert not pools.joinable({threading.current_thread()})  # never this thread itself

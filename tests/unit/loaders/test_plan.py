@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 
 import saev_shards as ss
 from saev_shards.loaders.order import Sequential, ShuffledWindows
-from saev_shards.loaders.plan import Blocks, index_window, plan_epoch
+from saev_shards.loaders.plan import ReadSpans, index_window, plan_epoch
 from saev_shards.loaders.selection import TokenSelection
 
 from ...support import strategies
@@ -35,18 +35,18 @@ def test_windows_and_segments_cover_each_share_once(
 ) -> None:
     with cache(md) as (shards, _):
         selection = TokenSelection(shards)
-        blocks = Blocks(shards, selection, block_bytes, stack_layers=stack)
-        assert blocks.total == shards.n_examples * len(selection.base_tokens) * (1 if stack else md.n_layers)
-        order = ShuffledWindows().block_order(len(blocks), 3, 1)
-        assert sorted(order.tolist()) == list(range(len(blocks)))
-        assert Sequential().block_order(len(blocks), 3, 1).tolist() == list(range(len(blocks)))
+        spans = ReadSpans(shards, selection, block_bytes, stack_layers=stack)
+        assert spans.total == shards.n_examples * len(selection.base_tokens) * (1 if stack else md.n_layers)
+        order = ShuffledWindows().block_order(len(spans), 3, 1)
+        assert sorted(order.tolist()) == list(range(len(spans)))
+        assert Sequential().block_order(len(spans), 3, 1).tolist() == list(range(len(spans)))
         rows: list[tuple[int, ...]] = []
         for rank in range(world_size):
-            plan = plan_epoch(blocks, order, rank, world_size, window_rows, batch_size, drop_last=False)
+            plan = plan_epoch(spans, order, rank, world_size, window_rows, batch_size, drop_last=False)
             assert sum(w.n_units for w in plan.windows) == plan.n_units == plan.window_start[-1]
             mine: list[tuple[int, ...]] = []
             for w in plan.windows:
-                index = index_window(selection, blocks, w, np.random.default_rng(w.index))
+                index = index_window(selection, spans, w, np.random.default_rng(w.index))
                 assert len(index) == w.n_units
                 flat = index.flat.reshape(len(index), -1)
                 assert flat.shape[1] == (md.n_layers if stack else 1)
@@ -82,7 +82,7 @@ sys.path.insert(0, {str(REPO)!r})
 from pathlib import Path
 from typing import Any
 import saev_shards as ss, saev_shards.loaders, saev_shards.datasets
-from saev_shards.loaders.plan import Blocks, plan_epoch, index_window
+from saev_shards.loaders.plan import ReadSpans, plan_epoch, index_window
 from saev_shards.loaders.selection import TokenSelection
 from saev_shards.loaders.order import ShuffledWindows
 from tests.support.caches import small_metadata, write_cache
@@ -90,9 +90,9 @@ md = small_metadata()
 write_cache(Path({str(tmp_path)!r}), md, labels=True)
 shards = ss.open(Path({str(tmp_path)!r}) / md.hash)
 sel = TokenSelection(shards, ignore_labels=[1])
-blocks = Blocks(shards, sel, 100, stack_layers=True)
-plan = plan_epoch(blocks, ShuffledWindows().block_order(len(blocks), 0, 0), 0, 1, 10, 7, False)
-n = sum(len(index_window(sel, blocks, w, None)) for w in plan.windows)
+spans = ReadSpans(shards, sel, 100, stack_layers=True)
+plan = plan_epoch(spans, ShuffledWindows().block_order(len(spans), 0, 0), 0, 1, 10, 7, False)
+n = sum(len(index_window(sel, spans, w, None)) for w in plan.windows)
 assert "torch" not in sys.modules
 print("ok", n)
 """
@@ -102,19 +102,19 @@ print("ok", n)
 
 
 def reference_index(
-    selection: TokenSelection, blocks: Blocks, window: Any, rng: np.random.Generator | None
+    selection: TokenSelection, spans: ReadSpans, window: Any, rng: np.random.Generator | None
 ) -> tuple[np.ndarray[Any, Any], ...]:
     """`index_window` written plainly: every unit listed in (example, layer, token) order, trimmed,
     permuted by gathering each column, then placed in the window buffer."""
-    starts, stops = blocks.start[window.blocks], blocks.stop[window.blocks]
+    starts, stops = spans.start[window.spans], spans.stop[window.spans]
     sizes = stops - starts
     examples = np.concatenate([np.arange(a, b) for a, b in zip(starts, stops, strict=True)])
-    n_slots = 1 if blocks.stack_layers else len(blocks.slots)
+    n_slots = 1 if spans.stack_layers else len(spans.slots)
     mask = selection.mask(examples, None)
     units = [
         (i, s, t)
         for i in range(int(sizes.sum()))
-        for s in blocks.slots[:n_slots].tolist()
+        for s in spans.slots[:n_slots].tolist()
         for t in np.flatnonzero(mask[i]).tolist()
     ]
     units = units[window.trim_lo : len(units) - window.trim_hi]
@@ -124,11 +124,11 @@ def reference_index(
     slot = np.array([u[1] for u in units], dtype=np.int64)
     tok = np.array([u[2] for u in units], dtype=np.int64)
     T = selection.tokens_per_ex
-    if blocks.stack_layers:
-        flat = (ex[:, None] * blocks.rows_per_ex + blocks.slots[None, :]) * T + tok[:, None]
+    if spans.stack_layers:
+        flat = (ex[:, None] * spans.rows_per_ex + spans.slots[None, :]) * T + tok[:, None]
     else:
-        flat = (ex * blocks.rows_per_ex + slot) * T + tok
-    return flat, examples[ex], tok, blocks.slot_layer[slot]
+        flat = (ex * spans.rows_per_ex + slot) * T + tok
+    return flat, examples[ex], tok, spans.slot_layer[slot]
 
 
 @given(
@@ -151,15 +151,15 @@ def test_index_window_matches_a_plain_listing(
     with cache(md) as (shards, _):
         layers = md.layers[-1] if one_layer else None
         selection = TokenSelection(shards, layers=layers, tokens=tokens)
-        blocks = Blocks(shards, selection, 64, stack_layers=stack)
-        order = ShuffledWindows().block_order(len(blocks), 5, 0)
+        spans = ReadSpans(shards, selection, 64, stack_layers=stack)
+        order = ShuffledWindows().block_order(len(spans), 5, 0)
         for rank in range(world_size):
-            plan = plan_epoch(blocks, order, rank, world_size, window_rows, 3, drop_last=False)
+            plan = plan_epoch(spans, order, rank, world_size, window_rows, 3, drop_last=False)
             for w in plan.windows:
                 seed = [rank, w.index]
-                index = index_window(selection, blocks, w, np.random.default_rng(seed) if shuffled else None)
+                index = index_window(selection, spans, w, np.random.default_rng(seed) if shuffled else None)
                 flat, examples, toks, layers_col = reference_index(
-                    selection, blocks, w, np.random.default_rng(seed) if shuffled else None
+                    selection, spans, w, np.random.default_rng(seed) if shuffled else None
                 )
                 np.testing.assert_array_equal(index.flat, flat)
                 np.testing.assert_array_equal(index.examples, examples)

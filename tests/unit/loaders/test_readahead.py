@@ -13,13 +13,13 @@ import numpy as np
 import pytest
 
 from saev_shards import loaders
-from saev_shards.loaders import mapped, outputs, pipeline
+from saev_shards.loaders import mapped, outputs, schedule, spares, windows
 
 from ...support.caches import expected_vectors, small_metadata
 from ...support.loaders import check_batch
 
 # 23 examples of 2 layers x 4 content tokens (80-byte slices): windows of 5 examples (40
-# rows), blocks of 2 examples, batches of 7 rows: several batches span two windows.
+# rows), spans of 2 examples, batches of 7 rows: several batches span two windows.
 WINDOWED: dict[str, Any] = dict(batch_size=7, buffer_bytes=800, block_bytes=320, mix_layers=True)
 
 
@@ -36,23 +36,23 @@ def test_the_window_after_next_loads_before_the_next_is_read(
     shards, logical = make_cache(md)
     submitted = threading.Event()
     waited: list[bool] = []
-    real_submit = pipeline.WindowLoader.submit
-    real_read = pipeline.WindowLoader._read_blocks
+    real_submit = windows.WindowLoader.submit
+    real_read = windows.WindowLoader._read_blocks
 
-    def submit(self: pipeline.WindowLoader, w: int) -> Any:
+    def submit(self: windows.WindowLoader, w: int) -> Any:
         future = real_submit(self, w)
         if w == 2:
             submitted.set()
         return future
 
-    def read_blocks(self: pipeline.WindowLoader, slot: int, ids: Any, *args: Any) -> None:
-        if ids is self.plan.windows[1].blocks and not waited:
+    def read_blocks(self: windows.WindowLoader, slot: int, ids: Any, *args: Any) -> None:
+        if ids is self.plan.windows[1].spans and not waited:
             waited.append(submitted.wait(timeout=10))
         real_read(self, slot, ids, *args)
 
-    monkeypatch.setattr(pipeline.WindowLoader, "submit", submit)
-    monkeypatch.setattr(pipeline.WindowLoader, "_read_blocks", read_blocks)
-    monkeypatch.setattr(pipeline, "CHUNK_BYTES", 1)  # one batch per gather, as with real-sized rows
+    monkeypatch.setattr(windows.WindowLoader, "submit", submit)
+    monkeypatch.setattr(windows.WindowLoader, "_read_blocks", read_blocks)
+    monkeypatch.setattr(schedule, "CHUNK_BYTES", 1)  # one batch per gather, as with real-sized rows
     if device == "in place":  # the host path, windows read in place (`loaders.mapped`)
         monkeypatch.setattr(mapped, "MIN_SHARD_BYTES", 0)
         device = None
@@ -84,20 +84,20 @@ def test_an_epoch_frees_its_buffers_when_it_ends(
     shards, _ = make_cache(md)
     arrays: list[weakref.ref[np.ndarray[Any, Any]]] = []
     real_get = outputs.Recycler.get
-    real_take = loaders.TokenLoader._take_buffers
+    real_take = spares.Spares.take_buffers
 
     def get(self: outputs.Recycler, *args: Any) -> Any:
         arr = real_get(self, *args)
         arrays.append(weakref.ref(arr))
         return arr
 
-    def take(self: loaders.TokenLoader, *args: Any) -> Any:
+    def take(self: spares.Spares, *args: Any) -> Any:
         buffers = real_take(self, *args)
         arrays.extend(weakref.ref(a) for buffer in buffers for a in buffer if a is not None)
         return buffers
 
     monkeypatch.setattr(outputs.Recycler, "get", get)
-    monkeypatch.setattr(loaders.TokenLoader, "_take_buffers", take)
+    monkeypatch.setattr(spares.Spares, "take_buffers", take)
     if in_place:
         monkeypatch.setattr(mapped, "MIN_SHARD_BYTES", 0)
     gc.collect()

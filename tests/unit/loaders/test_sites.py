@@ -15,7 +15,7 @@ from saev_shards.loaders import ExampleDataset, OrderedLoader, ShuffledLoader, T
 
 from ...support.caches import small_metadata, write_cache
 
-#: A transcoder cache of two blocks: each block's MLP input and output (slots 0-3).
+#: A transcoder cache of two spans: each block's MLP input and output (slots 0-3).
 SITES = ("b.0.mlp:input", "b.0.mlp:output", "b.1.mlp:input", "b.1.mlp:output")
 
 
@@ -132,7 +132,7 @@ def test_a_cache_without_sites_says_so(tmp_path: Path) -> None:
     md = small_metadata()
     write_cache(tmp_path, md)
     with pytest.raises(ss.LoaderError, match=r"this cache records no sites \(protocol 3\.1\).*\[6, 11\]"):
-        ShuffledLoader(ss.open(tmp_path / md.hash), sites="blocks.6:output")
+        ShuffledLoader(ss.open(tmp_path / md.hash), sites="spans.6:output")
 
 
 def test_a_shuffled_cache_keeps_the_sites_it_holds(

@@ -429,7 +429,7 @@ def test_mixed_layers_are_refused(make_cache: Any) -> None:
 
 def test_configuration_errors(make_cache: Any) -> None:
     shards, _ = make_cache(small_metadata(cls_token=False))
-    with pytest.raises(LoaderError, match=r"expected recorded layer values \[6, 11\], found 7"):
+    with pytest.raises(LoaderError, match=r"layers: expected values among the recorded layers \[6, 11\], found 7"):
         ShuffledLoader(shards, layers=7)
     with pytest.raises(LoaderError, match="found cls_token=false"):
         ShuffledLoader(shards, tokens="cls")
@@ -466,7 +466,7 @@ def test_early_break_and_gc_stop_threads(make_cache: Any) -> None:
     for _ in loader:
         break
     # The epoch has stopped and given its threads back: the loader keeps them, idle, for the next.
-    spare = loader._pools
+    spare = loader._spares.pools
     assert spare is not None
     kept = spare.read._threads | spare.gather._threads
     assert collected_until(lambda: set(live_loader_threads()) <= kept)
@@ -482,7 +482,7 @@ def test_early_break_and_gc_stop_threads(make_cache: Any) -> None:
     next(it)
     assert live_loader_threads()  # running, blocked on a full queue
     del it
-    spare = loader._pools
+    spare = loader._spares.pools
     assert spare is not None
     kept = spare.read._threads | spare.gather._threads
     assert collected_until(lambda: set(live_loader_threads()) <= kept)
@@ -601,7 +601,7 @@ def test_pin_memory_is_taken_only_with_cuda(make_cache: Any, monkeypatch: pytest
     """``pin_memory=True`` allocates every chunk from the pinned allocator when CUDA is there,
     and is ignored without it (as documented): the allocator is never called, batches come
     out whole. CUDA's presence is declared here; the real allocator runs in the GPU test below."""
-    from saev_shards.loaders import pipeline
+    from saev_shards.loaders import host_run
 
     md = small_metadata()
     shards, logical = make_cache(md)
@@ -612,7 +612,7 @@ def test_pin_memory_is_taken_only_with_cuda(make_cache: Any, monkeypatch: pytest
         return torch.empty(shape, dtype=dtype)
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: cuda)
-    monkeypatch.setattr(pipeline, "pinned_empty", recording_pinned)
+    monkeypatch.setattr(host_run, "pinned_empty", recording_pinned)
     for asked in (False, True):
         calls.clear()
         loader = ShuffledLoader(shards, batch_size=16, pin_memory=asked)

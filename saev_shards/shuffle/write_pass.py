@@ -28,7 +28,7 @@ from ..errors import ShuffleError
 from ..fileio import BlockHasher
 from ..writer import ShardWriter
 from .plan import SOURCE_EXAMPLE, SOURCE_TOKEN, WRITE_QUEUE, ShufflePlan
-from .runs import REGION_ALIGN, RunRecord, load_record, run_file
+from .scratch import REGION_ALIGN, RunRecord, load_record, run_file
 from .source import READ_THREADS
 
 

@@ -18,11 +18,11 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import numpy.typing as npt
 
-from .errors import ShardsError
-from .protocol.jsonfile import is_int, short_repr
+from ..errors import ShardsError
+from ..protocol.jsonfile import is_int, short_repr
 
 if TYPE_CHECKING:
-    from .reader import Shards
+    from ..reader import Shards
 
 #: The column the ids are compared with.
 COLUMN = "token_ids"

@@ -1,0 +1,216 @@
+"""Reading the windows of one epoch: their spans into slot buffers (or checked in place in the
+page cache) on a pool of threads, and each window's index beside them (`WindowLoader`)."""
+
+from __future__ import annotations
+
+import functools
+import itertools
+import threading
+from collections.abc import Callable, Iterator, Sequence
+from concurrent.futures import CancelledError, Future, ThreadPoolExecutor
+from typing import Any
+
+import numpy as np
+import numpy.typing as npt
+
+from .plan import WindowIndex, index_window
+from .pools import Tasks
+from .schedule import Config, Epoch
+
+
+class WindowLoader:
+    """Reads windows of one epoch into slot buffers on a pool of threads; computes their index.
+
+    ``ready_to_write(slot)`` runs before a read writes into a slot (the device path waits
+    there for the slot's last upload); ``finish(w, slot, index)`` runs once a window is
+    read and indexed, in the thread that finished it, and its value is the window's result.
+    A float8_e4m3 cache's scales are read into ``scale_buffers`` (one float32 per vector of
+    the slot's buffer), beside the stored bytes. ``pool``: the loader's read threads (`Pools`),
+    else a pool of its own, shut down by `close`.
+    """
+
+    def __init__(
+        self,
+        cfg: Config,
+        epoch: Epoch,
+        buffers: Sequence[npt.NDArray[Any]],
+        stop: threading.Event,
+        ready_to_write: Callable[[int], None] = lambda slot: None,
+        finish: Callable[[int, int, WindowIndex], Any] = lambda w, slot, index: index,
+        scale_buffers: Sequence[npt.NDArray[np.float32]] = (),
+        pool: ThreadPoolExecutor | None = None,
+    ) -> None:
+        self.cfg = cfg
+        self.epoch = epoch
+        self.plan = epoch.plan
+        self.buffers = buffers
+        self.scale_buffers = scale_buffers
+        self.stop = stop
+        self.ready_to_write = ready_to_write
+        self.finish = finish
+        #: Whether each window loading or loaded is read in place (else into its slot's buffer).
+        self.in_place: dict[int, bool] = {}
+        owned = pool is None
+        if pool is None:
+            pool = ThreadPoolExecutor(max_workers=cfg.read_threads, thread_name_prefix="saev-loader-read")
+        self.pool = Tasks(pool, owned)
+
+    def slot(self, w: int) -> int:
+        return w % len(self.buffers)
+
+    def submit(self, w: int) -> Future[Any]:
+        """Start loading window ``w``; the future's result is ``finish(w, slot, index)``."""
+        cfg = self.cfg
+        window = self.plan.windows[w]
+        slot = self.slot(w)
+        rows = cfg.spans.rows[window.spans]
+        # A remote cache starts fetching the whole window's spans now, a float8_e4m3 one its scales.
+        if cfg.shards.files.prefetches or cfg.float8:
+            for b in window.spans.tolist():
+                cfg.shards.prefetch(int(cfg.spans.start[b]), int(cfg.spans.stop[b]))
+        offsets = np.zeros(len(rows), dtype=np.int64)
+        np.cumsum(rows[:-1], out=offsets[1:])
+        # Read in place when the page cache holds the window (its spans' first pages say so),
+        # else into the slot's buffer: from disk, the copy into the buffer is the read itself.
+        mapped, spans = cfg.mapped, cfg.spans
+        position = None if spans.whole else int(spans.read_positions[0])
+        self.in_place[w] = mapped is not None and all(
+            mapped.probably_resident(int(spans.start[b]), position) for b in window.spans.tolist()
+        )
+        # The index first: it needs no data, so it is ready by the time the reads are.
+        index = self.pool.submit(self._index, w)
+        parts: list[Future[Any]] = [index]
+        # One task per read thread, each taking the next block in window order until none is
+        # left: as balanced as a task per block (no thread idles while others read the last
+        # spans of a window), with a handful of futures per window instead of one per block.
+        next_block = itertools.count()
+        parts += [
+            self.pool.submit(self._read_blocks, slot, window.spans, offsets, next_block, self.in_place[w])
+            for _ in range(min(len(rows), cfg.read_threads))
+        ]
+        load = _Countdown(functools.partial(self.finish, w, slot))
+        load.watch(parts)
+        return load.done
+
+    def _index(self, w: int) -> WindowIndex:
+        """Window ``w``'s index; read in place, in the map's vectors, and for a cache larger than
+        memory the pages of the window whose slot this one takes unmapped."""
+        cfg = self.cfg
+        window, rng = self.plan.windows[w], self.epoch.rng(w)
+        before = w - len(self.buffers)  # the window whose slot this one takes: done with
+        if cfg.mapped is not None and cfg.mapped.bounded and self.in_place.pop(before, False):
+            for b in self.plan.windows[before].spans.tolist():
+                cfg.mapped.unmap_pages(int(cfg.spans.start[b]), int(cfg.spans.stop[b]))
+        if not self.in_place[w]:
+            return index_window(cfg.selection, cfg.spans, window, rng)
+        assert cfg.mapped is not None
+        return index_window(cfg.selection, cfg.spans, window, rng, cfg.mapped.source)
+
+    def source(self, w: int) -> tuple[npt.NDArray[Any], npt.NDArray[np.float32] | None]:
+        """The arrays window ``w``'s index points into: the cache read in place, or its slot's
+        buffers (values, and a float8_e4m3 cache's scales)."""
+        if self.in_place[w]:
+            assert self.cfg.mapped is not None
+            return self.cfg.mapped.values, self.cfg.mapped.scales
+        slot = self.slot(w)
+        return self.buffers[slot], self.scale_buffers[slot] if self.scale_buffers else None
+
+    def _read_blocks(
+        self,
+        slot: int,
+        ids: npt.NDArray[np.int64],
+        offsets: npt.NDArray[np.int64],
+        next_block: Iterator[int],
+        in_place: bool = False,
+    ) -> None:
+        if not in_place:
+            self.ready_to_write(slot)
+        buffer = self.buffers[slot]
+        scales = self.scale_buffers[slot] if self.scale_buffers else None
+        spans = self.cfg.spans
+        for i in next_block:  # itertools.count: its next() is atomic, each block goes to one thread
+            if i >= len(ids):
+                return
+            if self.stop.is_set():
+                raise CancelledError
+            if in_place:
+                assert self.cfg.mapped is not None
+                start, stop = int(spans.start[ids[i]]), int(spans.stop[ids[i]])
+                self.cfg.mapped.make_resident(start, stop, spans, self.stop)
+                self.cfg.mapped.check_scales(start, stop, spans)  # read from the files, they are checked there
+            else:
+                self._read_block(int(ids[i]), buffer, int(offsets[i]), scales)
+
+    def _read_block(
+        self, block: int, buffer: npt.NDArray[Any], row_offset: int, scales: npt.NDArray[np.float32] | None
+    ) -> None:
+        cfg = self.cfg
+        spans = cfg.spans
+        start, stop = int(spans.start[block]), int(spans.stop[block])
+        count = stop - start
+        rows_per_ex = spans.rows_per_ex
+        first, last = row_offset * cfg.tokens, (row_offset + count * rows_per_ex) * cfg.tokens
+        slices = buffer[first:last].reshape(count, rows_per_ex, cfg.tokens, cfg.d_model)
+        scale_slices = None if scales is None else scales[first:last].reshape(count, rows_per_ex, cfg.tokens)
+        if spans.whole:
+            cfg.shards.read_range_raw(start, stop, slices)
+            if scale_slices is not None:
+                cfg.shards.read_range_scales(start, stop, scale_slices)
+            return
+        for e in range(count):
+            if self.stop.is_set():
+                raise CancelledError
+            for s, position in enumerate(spans.read_positions.tolist()):
+                cfg.shards.read_example_raw(start + e, position, slices[e, s])
+                if scale_slices is not None:
+                    cfg.shards.read_example_scales(start + e, position, scale_slices[e, s])
+
+    def close(self) -> None:
+        self.stop.set()
+        self.pool.cancel()
+        # Nothing of this epoch outlives it: the caller's callbacks may refer back to its run.
+        self.buffers = ()
+        self.ready_to_write = self.finish = _closed
+
+
+def _closed(*_: Any) -> Any:
+    raise CancelledError
+
+
+class _Countdown:
+    """``done`` resolves to ``finish(result of the first part)`` once every part has finished
+    (or fails with the first part's failure).
+
+    The parts' callbacks refer to this object, so it lets go of the parts and of ``finish``
+    once it resolves: no reference cycle keeps a window's arrays alive until the garbage
+    collector runs (a run's window buffers and output arrays used to stay allocated until
+    then, so every new loader touched fresh memory: docs/loaders.md, "Read-ahead").
+    """
+
+    def __init__(self, finish: Callable[[Any], Any]) -> None:
+        self.done: Future[Any] = Future()
+        self.finish: Callable[[Any], Any] | None = finish
+        self.parts: list[Future[Any]] = []
+        self.remaining = 0
+        self.lock = threading.Lock()
+
+    def watch(self, parts: list[Future[Any]]) -> None:
+        self.parts = parts
+        self.remaining = len(parts)
+        for part in parts:
+            part.add_done_callback(self._part_done)
+
+    def _part_done(self, _: Future[Any]) -> None:
+        with self.lock:
+            self.remaining -= 1
+            if self.remaining:
+                return
+        parts, finish = self.parts, self.finish
+        self.parts, self.finish = [], None
+        assert finish is not None
+        try:
+            for part in parts:
+                part.result()  # the first failure (or cancellation) is the window's
+            self.done.set_result(finish(parts[0].result()))
+        except BaseException as err:
+            self.done.set_exception(err)
