@@ -135,14 +135,18 @@ MIN_SHARD_BYTES = 1 << 20
 
 
 def available(shards: Shards) -> bool:
-    """Whether ``shards`` is read in place: a local cache on Linux, of shards of at least
-    `MIN_SHARD_BYTES` on average, whose mappings (two per file: the file and the gap after
-    it) take at most a quarter of the process's allowance (``vm.max_map_count``, 65,530 by
+    """Whether ``shards`` is read in place: a local cache on Linux (or a remote one, from its
+    block cache), of shards of at least `MIN_SHARD_BYTES` on average, whose mappings (one per
+    file, or per block of a remote cache, and one for the gap after each file) take at most a quarter of the process's allowance (``vm.max_map_count``, 65,530 by
     default: numpy and torch map memory too)."""
     if not sys.platform.startswith("linux") or not shards.files.in_place or shards.n_shards == 0:
         return False
-    files = shards.n_shards * (2 if shards.metadata.dtype == FLOAT8 else 1)
-    if 2 * files > max_map_count() // 4:
+    md = shards.metadata
+    vectors = np.array(shards.manifest.shards.counts, dtype=np.int64) * (md.n_layers * md.tokens_per_ex)
+    items = (md.d_model * md.itemsize, 4) if md.dtype == FLOAT8 else (md.d_model * md.itemsize,)
+    pieces = shards.files.pieces_of  # one per file locally, one per block of a remote cache
+    maps = sum(pieces(int(n) * item) + 1 for item in items for n in vectors.tolist() if n)
+    if maps > max_map_count() // 4:
         return False
     return shards.metadata.nbytes >= MIN_SHARD_BYTES * shards.n_shards
 

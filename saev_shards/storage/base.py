@@ -14,7 +14,7 @@ The calls, by what they are for:
 * the descriptor interface of the reader's hot paths: `open`, `preadv`, `prefetch`, `close`
   (and `close_all`, when the cache is closed);
 * files read in place: `map_pieces` (files of this machine to map, piece by piece, into one
-  address range: `loaders.mapped`) and `size_now`;
+  address range: `loaders.mapped`), `pieces_of` and `size_now`;
 * whole files: `map` (a read-only memory map, where the storage can map files) and `load`
   (the same, or a checked copy), `read`, `open_file`, `read_json`, `stream` (the bytes as
   they come, for a transfer to hash), `verify_file`;
@@ -153,6 +153,11 @@ class Files(abc.ABC):
         the file itself, or the block cache's entries of its units (checked as they are opened).
         The descriptors are the caller's to close. `NotInPlace` (nothing left open) where that
         cannot be done now."""
+
+    def pieces_of(self, nbytes: int) -> int:
+        """How many pieces `map_pieces` gives for the first ``nbytes`` of a data file (one: the
+        file itself, where the storage keeps whole files)."""
+        return 1
 
     @abc.abstractmethod
     def size_now(self, fd: int) -> int:

@@ -32,8 +32,11 @@ a file put in its place, a ``chmod`` to make it writable) sets a new change time
 user can set back, so the seal no longer matches and the entry is hashed again (and
 discarded if it fails). Seals are per user: a seal counts only if the user opening the entry
 owns it, so in a cache shared with a group each member checks another member's entries once
-and seals them for themself; no member can make a seal that another trusts. What a seal
+and seals them for themself (only once the entry has not changed for `SEAL_AFTER` seconds,
+so that a change its owner makes later cannot share the sealed change time on a file system
+whose clock ticks coarsely); no member can make a seal that another trusts. What a seal
 cannot see (damage below the filesystem, a user with root's rights) is said in docs/remote.md.
+
 Never outside its folder: the folder itself may be reached through a link (the user's
 choice of where it lives), but nothing inside it is: every folder and entry is opened
 relative to its parent's descriptor with ``O_NOFOLLOW``, so a link (or a file) at the name
@@ -143,6 +146,9 @@ def digest_of(fd: int, nbytes: int) -> str:
 
 
 SEAL_SUFFIX = ".seal"
+#: Seconds since its last change (``ctime``) before another member's entry is sealed: a change
+#: made later carries a later change time, even on a file system whose times are coarse.
+SEAL_AFTER = 2.0
 
 
 def seal_name(key: str, st: os.stat_result, uid: int | None = None) -> str:
@@ -318,6 +324,7 @@ class BlockCache:
                         remove_name(dfd, key, None)
                     return None  # unreadable here (another member's entry): fetched again
                 try:
+                    before = time.time()  # an entry of another member is sealed only if older (SEAL_AFTER)
                     st = os.fstat(fd)
                     if not stat.S_ISREG(st.st_mode) or st.st_size != nbytes:
                         good = False
@@ -329,7 +336,7 @@ class BlockCache:
                         os.close(fd)
                         remove_name(dfd, key, st)
                         return None
-                    if not self._seal_checked(fd, dfd, key, st):
+                    if not self._seal_checked(fd, dfd, key, st, before):
                         with contextlib.suppress(OSError):
                             os.utime(fd)  # used now: trims remove the oldest first
                 except BaseException:
@@ -360,11 +367,14 @@ class BlockCache:
                 os.utime(name, dir_fd=dfd, follow_symlinks=False)
         return True
 
-    def _seal_checked(self, fd: int, dfd: int, key: str, st: os.stat_result) -> bool:
-        """Seal entry ``key`` (open as ``fd``), just hashed and found right in the state ``st``,
-        if it is still in that state and read-only; True once sealed. An entry of this user's of
-        another mode (an earlier version's, or one made writable) is made read-only, and sealed
-        by the next process that hashes it."""
+    def _seal_checked(self, fd: int, dfd: int, key: str, st: os.stat_result, before: float) -> bool:
+        """Seal entry ``key`` (open as ``fd``), just hashed and found right in the state ``st``
+        (found at time ``before``, ahead of the hash), if it is still in that state and read-only;
+        True once sealed. An entry of this user's of another mode (an earlier version's, or one
+        made writable) is made read-only, and sealed by the next process that hashes it. Another
+        member's entry is sealed only if it had not changed for `SEAL_AFTER` seconds before it
+        was hashed: any change made after that, even in the same tick of a coarse clock, carries
+        a later change time than the one sealed."""
         try:
             now = os.fstat(fd)
             if (now.st_ino, now.st_ctime_ns, now.st_size) != (st.st_ino, st.st_ctime_ns, st.st_size):
@@ -373,6 +383,8 @@ class BlockCache:
                 if now.st_uid == os.geteuid():
                     os.fchmod(fd, self.modes[2])
                 return False
+            if now.st_uid != os.geteuid() and before - now.st_ctime < SEAL_AFTER:
+                return False  # another member's entry changed just now: sealed once it has settled
             return self._seal(dfd, key, now)
         except OSError:
             return False

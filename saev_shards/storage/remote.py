@@ -246,6 +246,10 @@ class RemoteFiles(UnitReads, Files):
             raise
         return pieces
 
+    def pieces_of(self, nbytes: int) -> int:
+        """One per block (one per file for a cache verified per whole file)."""
+        return 1 if self.block_size is None else max(1, -(-nbytes // self.block_size))
+
     def size_now(self, fd: int) -> int:
         return self.files[self._names[fd]][0]
 
