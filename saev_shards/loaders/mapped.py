@@ -137,8 +137,9 @@ MIN_SHARD_BYTES = 1 << 20
 def available(shards: Shards) -> bool:
     """Whether ``shards`` is read in place: a local cache on Linux (or a remote one, from its
     block cache), of shards of at least `MIN_SHARD_BYTES` on average, whose mappings (one per
-    file, or per block of a remote cache, and one for the gap after each file) take at most a quarter of the process's allowance (``vm.max_map_count``, 65,530 by
-    default: numpy and torch map memory too)."""
+    file, or per block of a remote cache, and one for the gap after each file) take at most a
+    quarter of the process's allowance (``vm.max_map_count``, 65,530 by default: numpy and
+    torch map memory too)."""
     if not sys.platform.startswith("linux") or not shards.files.in_place or shards.n_shards == 0:
         return False
     md = shards.metadata

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import os
 import stat
+import time
 from pathlib import Path
 
 import pytest
@@ -76,9 +77,7 @@ def test_an_entry_without_a_seal_is_hashed_once(tmp_path: Path, monkeypatch: pyt
 
 
 @pytest.mark.parametrize("change", ["rewritten", "chmod", "replaced"])
-def test_a_changed_entry_is_hashed_again(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, change: str
-) -> None:
+def test_a_changed_entry_is_hashed_again(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, change: str) -> None:
     """Bytes rewritten in place (same size), a mode changed and changed back, or another file
     put at the entry's name: its change time or inode differs from the seal's, so it is hashed
     again, and discarded where its bytes are wrong."""
@@ -150,8 +149,8 @@ def test_another_members_entry_is_sealed_only_once_it_has_settled(
     hashes = Hashes(monkeypatch)
     assert opened(BlockCache(tmp_path)) and opened(BlockCache(tmp_path)) and hashes.n == 2
     assert seals(cache) == []
-    later = blockcache.time.time() + blockcache.SEAL_AFTER + 1
-    monkeypatch.setattr(blockcache.time, "time", lambda: later)
+    later = time.time() + blockcache.SEAL_AFTER + 1
+    monkeypatch.setattr(time, "time", lambda: later)
     assert opened(BlockCache(tmp_path)) and opened(BlockCache(tmp_path)) and hashes.n == 3
 
 
