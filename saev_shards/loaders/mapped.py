@@ -161,6 +161,18 @@ def max_map_count() -> int:
         return 65530
 
 
+class _NotYet(Exception):
+    """A remote cache's block is not in the block cache (`Files.map_pieces` gave None)."""
+
+
+def cache_map(shards: Shards, scales: bool = False) -> CacheMap | None:
+    """`CacheMap` of ``shards``, or None while a remote cache is not all in its block cache."""
+    try:
+        return CacheMap(shards, scales)
+    except _NotYet:
+        return None
+
+
 class CacheMap:
     """Every shard of ``shards`` (and a float8_e4m3 cache's scale files) in one address range.
 
@@ -216,6 +228,8 @@ class CacheMap:
                 continue
             name = shards.manifest.scales.names[k] if scales else shards.manifest.shards[k].name  # type: ignore[union-attr]
             pieces = shards.files.map_pieces(name, n * item)  # the file, or a remote one's blocks
+            if pieces is None:
+                raise _NotYet(name)
             try:
                 for fd, offset, nbytes in pieces:
                     region.map_file(fd, int(self.base[k]) * item + offset, nbytes)

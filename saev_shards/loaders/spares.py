@@ -11,7 +11,6 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
-from ..storage.base import NotInPlace
 from . import mapped
 from .device import Slots
 from .mapped import CacheMap
@@ -44,9 +43,8 @@ class Spares:
         with self.lock:
             if self.map is None and self.map_possible:
                 try:
-                    self.map = CacheMap(self.cfg.shards, scales=self.cfg.float8)
-                except NotInPlace:
-                    pass  # a remote cache not all in the block cache yet: tried again next epoch
+                    # None: a remote cache not all in the block cache yet, tried again next epoch
+                    self.map = mapped.cache_map(self.cfg.shards, scales=self.cfg.float8)
                 except (OSError, AttributeError, ValueError):
                     self.map_possible = False
             return self.map

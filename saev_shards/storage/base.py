@@ -46,11 +46,6 @@ Digests = tuple[int, str, list[str]]
 Piece = tuple[int, int, int]
 
 
-class NotInPlace(Exception):
-    """A data file cannot be read in place now (`Files.map_pieces`): a unit of a remote cache is
-    not in the block cache yet. The caller reads it into buffers meanwhile and may ask again."""
-
-
 class Files(abc.ABC):
     """The storage of one cache's data files (module docstring). Pickles without descriptors,
     connections or threads: each process opens its own."""
@@ -147,12 +142,13 @@ class Files(abc.ABC):
 
     # -- files read in place -----------------------------------------------------------------
     @abc.abstractmethod
-    def map_pieces(self, name: str, nbytes: int) -> list[Piece]:
+    def map_pieces(self, name: str, nbytes: int) -> list[Piece] | None:
         """The first ``nbytes`` of data file ``name`` as files of this machine to map read-only in
         their place, each from its own byte 0 (`Piece`; offsets are multiples of the page size):
         the file itself, or the block cache's entries of its units (checked as they are opened).
-        The descriptors are the caller's to close. `NotInPlace` (nothing left open) where that
-        cannot be done now."""
+        The descriptors are the caller's to close. None (nothing left open) where that cannot be
+        done now: a unit of a remote cache not in the block cache yet; the caller reads the file
+        into buffers meanwhile and may ask again."""
 
     def pieces_of(self, nbytes: int) -> int:
         """How many pieces `map_pieces` gives for the first ``nbytes`` of a data file (one: the

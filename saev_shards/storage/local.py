@@ -141,7 +141,7 @@ class LocalFiles(Files):
     def close_all(self, wait: bool = True) -> None:
         self._spare.clear()
 
-    def map_pieces(self, name: str, nbytes: int) -> list[Piece]:
+    def map_pieces(self, name: str, nbytes: int) -> list[Piece] | None:
         """The file itself, whole (`removed_while_open`'s error when it is gone)."""
         return [(self.open(name), 0, nbytes)]
 

@@ -34,12 +34,12 @@ from ..errors import (
     Problem,
 )
 from ..protocol.jsonfile import strict_json_loads
-from .base import Digests, Files, NotInPlace, Piece
+from .base import Digests, Files, Piece
 from .blockcache import BlockCache
 from .client import Client, requests_in_flight
 from .local import FolderLock
 from .transfer import StreamDigest
-from .units import STREAM_CHUNK, Unit, UnitReads, copy_out, describe
+from .units import STREAM_CHUNK, Unit, UnitReads, copy_out
 from .url import join_url, split_url, strip
 
 
@@ -223,9 +223,9 @@ class RemoteFiles(UnitReads, Files):
         return [Unit(name, digests[i], digests[i], i * bs, min(bs, size - i * bs), i) for i in range(first, last + 1)]
 
     # -- files read in place -----------------------------------------------------------------
-    def map_pieces(self, name: str, nbytes: int) -> list[Piece]:
+    def map_pieces(self, name: str, nbytes: int) -> list[Piece] | None:
         """The block cache's entries of the units holding the first ``nbytes`` of ``name``, each
-        checked as `BlockCache.open` checks it (its seal, else its digest); `NotInPlace` when one
+        checked as `BlockCache.open` checks it (its seal, else its digest); None when one
         is not there (not fetched yet, trimmed, a block cache of size 0): nothing is fetched here.
         Blocks are powers of two of at least 64 KiB (protocol 3.1), so each lands on a page."""
         self._check_pid()
@@ -237,8 +237,10 @@ class RemoteFiles(UnitReads, Files):
                     if unit.start % mmap.ALLOCATIONGRANULARITY
                     else self.cache.open(unit.key, unit.nbytes, unit.digest)
                 )
-                if fd is None:
-                    raise NotInPlace(f"{self.where(name)}: {describe(unit)} is not in the block cache")
+                if fd is None:  # not fetched yet, trimmed, or off a page: read into buffers
+                    for held, _, _ in pieces:
+                        os.close(held)
+                    return None
                 pieces.append((fd, unit.start, min(unit.nbytes, nbytes - unit.start)))
         except BaseException:
             for fd, _, _ in pieces:
