@@ -304,10 +304,15 @@ def library_table(bucket: str, local: ss.Shards, work: Path, meter: Meter, quick
     # -- network: the cold loader against ranged reads, pull against downloads to files -----
     token_bytes = local.metadata.d_model * local.metadata.itemsize
 
-    def epoch(shards: ss.Shards) -> int:
+    def loader_of(shards: ss.Shards) -> ShuffledLoader:
         layers = list(shards.metadata.layers)
-        loader = ShuffledLoader(shards, batch_size=4096, layers=layers, mix_layers=True, buffer_bytes=64 * MIB)
+        return ShuffledLoader(shards, batch_size=4096, layers=layers, mix_layers=True, buffer_bytes=64 * MIB)
+
+    def run_epoch(loader: ShuffledLoader) -> int:
         return sum(len(b.acts) for b in loader) * token_bytes
+
+    def epoch(shards: ss.Shards) -> int:
+        return run_epoch(loader_of(shards))
 
     # Cold, two ways. "cold": a process that has read before (its fetch threads started and its
     # buffers faulted in, as through most of a long epoch) lets go of every unit it holds and
@@ -318,7 +323,10 @@ def library_table(bucket: str, local: ss.Shards, work: Path, meter: Meter, quick
     skipped: list[float] = []
     reader = ss.open(report.url)
     reader_files: Any = reader.files
-    epoch(reader)
+    # One loader for every cold epoch, as a training run keeps one: its window buffers (which
+    # a local cache, read in place, does without) are faulted in once, not in every round.
+    cold_loader = loader_of(reader)
+    run_epoch(cold_loader)
 
     def empty_block_cache() -> None:
         shutil.rmtree(cache_dir, ignore_errors=True)
@@ -330,7 +338,7 @@ def library_table(bucket: str, local: ss.Shards, work: Path, meter: Meter, quick
 
     def cold_epoch() -> int:
         before = reader_files.skipped_bytes
-        moved = epoch(reader)
+        moved = run_epoch(cold_loader)
         reader_files.flush()
         skipped.append((reader_files.skipped_bytes - before) / nbytes)
         return moved
