@@ -325,6 +325,9 @@ def library_table(bucket: str, local: ss.Shards, work: Path, meter: Meter, quick
     reader_files: Any = reader.files
     # One loader for every cold epoch, as a training run keeps one: its window buffers (which
     # a local cache, read in place, does without) are faulted in once, not in every round.
+    # Its first epoch from an empty block cache: a loader that finds every block there maps them
+    # (and keeps its map), which a later epoch is not cold for.
+    shutil.rmtree(cache_dir, ignore_errors=True)
     cold_loader = loader_of(reader)
     run_epoch(cold_loader)
 
