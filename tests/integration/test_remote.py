@@ -246,12 +246,12 @@ def test_a_warm_block_cache_is_read_in_place_with_the_same_batches(
     from saev_shards.storage import blockcache
 
     monkeypatch.setattr(mapped, "MIN_SHARD_BYTES", 1)  # the small test shards are mapped too
-    fresh_block_cache(tmp_path, monkeypatch)
+    folder = fresh_block_cache(tmp_path, monkeypatch)
     shards, _ = local
     remote = pushed(s3, local)
     common: dict[str, Any] = {"batch_size": 7, "layers": [6, 11], "mix_layers": True, "buffer_bytes": 1200, "seed": 3}
     local_loader = ShuffledLoader(shards, **common)
-    want, want_next = batches(local_loader), batches(local_loader)  # epochs 0 and 1
+    want, want_next, want_third = batches(local_loader), batches(local_loader), batches(local_loader)
     loader = ShuffledLoader(remote, **common)
 
     def in_place(loader: Any) -> bool:
@@ -260,6 +260,13 @@ def test_a_warm_block_cache_is_read_in_place_with_the_same_batches(
     assert same(batches(loader), want) and not in_place(loader)  # cold: read into buffers
     remote.files.flush()  # type: ignore[attr-defined]
     assert same(batches(loader), want_next) and in_place(loader)  # warm: in place
+    # Every entry trimmed away: the map keeps the files it maps, and reads them still.
+    assert BlockCache(folder).trim(target=0.0) > 0 and BlockCache(folder).entries() == []
+    s3.faults.clear()
+    assert same(batches(loader), want_third) and s3.faults.count("/acts") == 0
+    refill = ss.open(remote.location)
+    refill[:]
+    refill.files.flush()  # type: ignore[attr-defined]
 
     def never(fd: int, nbytes: int) -> str:
         raise AssertionError("a sealed entry was hashed again")
