@@ -274,6 +274,15 @@ def test_a_warm_block_cache_is_read_in_place_with_the_same_batches(
     monkeypatch.setattr(blockcache, "digest_of", never)
     loader = ShuffledLoader(ss.open(remote.location), **common)
     assert same(batches(loader), want) and in_place(loader)
+    # Exact resume in place: a state taken after 2 batches continues as the local run does.
+    loader = ShuffledLoader(ss.open(remote.location), **common)
+    it = iter(loader)
+    next(it), next(it)
+    state = loader.state_dict()
+    del it
+    resumed = ShuffledLoader(ss.open(remote.location), **common)
+    resumed.load_state_dict(state)
+    assert same(batches(resumed), want[2:]) and in_place(resumed)
 
 
 def test_remote_reads_go_through_the_block_cache(
