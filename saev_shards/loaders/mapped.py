@@ -143,10 +143,13 @@ def available(shards: Shards) -> bool:
     if not sys.platform.startswith("linux") or not shards.files.in_place or shards.n_shards == 0:
         return False
     md = shards.metadata
-    vectors = np.array(shards.manifest.shards.counts, dtype=np.int64) * (md.n_layers * md.tokens_per_ex)
-    items = (md.d_model * md.itemsize, 4) if md.dtype == FLOAT8 else (md.d_model * md.itemsize,)
-    pieces = shards.files.pieces_of  # one per file locally, one per block of a remote cache
-    maps = sum(pieces(int(n) * item) + 1 for item in items for n in vectors.tolist() if n)
+    files = shards.n_shards * (2 if md.dtype == FLOAT8 else 1)
+    maps = 2 * files  # a local cache: each file, and the gap after it
+    if not shards.files.mappable:  # a remote cache: one mapping per block
+        vectors = np.array(shards.manifest.shards.counts, dtype=np.int64) * (md.n_layers * md.tokens_per_ex)
+        items = (md.d_model * md.itemsize, 4) if md.dtype == FLOAT8 else (md.d_model * md.itemsize,)
+        pieces = shards.files.pieces_of
+        maps = sum(pieces(int(n) * item) + 1 for item in items for n in vectors.tolist() if n)
     if maps > max_map_count() // 4:
         return False
     return shards.metadata.nbytes >= MIN_SHARD_BYTES * shards.n_shards
