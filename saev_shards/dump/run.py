@@ -7,7 +7,7 @@ import os
 import time
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
@@ -23,11 +23,16 @@ from ..reader import open as open_shards
 from ..writer import ShardWriter, finalize, rank_shards, sealed_shards, world_from_env
 from .config import DumpConfig
 from .model import check_model, device_of, load_model, record_dtype
-from .plan import Plan, batches, output_root, plan, space_needed
+from .plan import DumpPlan, batches, output_root, plan, space_needed
+
+if TYPE_CHECKING:
+    import torch
+
+    from .recorder import Recorder
 
 
 def dump(
-    config: Plan | DumpConfig | Mapping[str, Any] | str | os.PathLike[str],
+    config: DumpPlan | DumpConfig | Mapping[str, Any] | str | os.PathLike[str],
     *,
     root: str | os.PathLike[str] | None = None,
     rank: int | None = None,
@@ -41,7 +46,7 @@ def dump(
 ) -> Path | None:
     """Record the activations of ``config`` into ``<root>/<hash>``; return its path once published.
 
-    ``config``: a `Plan` (reused when its model is loaded), a `DumpConfig`, a dict, or a file.
+    ``config``: a `DumpPlan` (reused when its model is loaded), a `DumpConfig`, a dict, or a file.
     ``root``: the folder of caches; default the config's ``root``, else the shards root
     (`output_root`).
 
@@ -58,10 +63,9 @@ def dump(
     """
     say = log or _print
     # The hash first (no weights needed for Hugging Face folders): a published cache is done.
-    the_plan = config if isinstance(config, Plan) else plan(config, weights=False)
-    cfg = the_plan.config
+    the_plan = config if isinstance(config, DumpPlan) else plan(config, weights=False)
     md = the_plan.metadata
-    out_root = output_root(cfg, root).path
+    out_root = output_root(the_plan.config, root).path
     final = out_root / md.hash
     if final.exists():
         say(f"already published: {final}")
@@ -72,13 +76,52 @@ def dump(
         what = f"dumping shards [{share.start}, {share.stop}) of {md.n_shards}"
         needed = space_needed(the_plan, out_root, rank, world_size, restart=restart)
         check_free_space(out_root, needed, what, "pass --no-space-check (check_space=False)")
+    run = _start(the_plan, out_root, rank, world_size, restart=restart, durable=durable, say=say)
+    t0 = time.perf_counter()
+    done = _record_all(run, progress)
+    path = run.writer.close()
+    dt = time.perf_counter() - t0
+    say(
+        f"{run.who}wrote {done} examples in {dt:.1f} s ({done / max(dt, 1e-9):.1f} examples/s, "
+        f"{human_bytes(done * md.example_nbytes / max(dt, 1e-9))}/s of activations)"
+    )
+    if path is None and finalize_when_done:
+        path = try_finalize(out_root, md, say=say)
+    if path is not None:
+        say(f"published {path}")
+        say(truncation_line(open_shards(path)))
+    return path
+
+
+@dataclasses.dataclass
+class _Run:
+    """One writer's dump under way: the plan with its model loaded, the recorder and the writer."""
+
+    plan: DumpPlan
+    device: torch.device
+    recorder: Recorder
+    writer: ShardWriter
+    #: ``"rank r of W: "`` with several writers, for messages.
+    who: str
+
+
+def _start(
+    the_plan: DumpPlan,
+    out_root: Path,
+    rank: int,
+    world_size: int,
+    *,
+    restart: bool,
+    durable: bool,
+    say: Callable[[str], None],
+) -> _Run:
+    """Load and check the model (before the writer makes its staging folder), then open the writer."""
+    cfg, md = the_plan.config, the_plan.metadata
     device = device_of(cfg)
     if the_plan.loaded.model is None:
         the_plan = dataclasses.replace(the_plan, loaded=load_model(cfg))
-    check_model(cfg, the_plan.loaded, device, md.d_model, the_plan.recording)  # before the writer's staging folder
-    import torch
-
-    from .recorder import AsyncWriter, Recorder
+    check_model(cfg, the_plan.loaded, device, md.d_model, the_plan.recording)
+    from .recorder import Recorder
 
     model = the_plan.loaded.model.to(device)
     recorder = Recorder(model, the_plan.recording, blocks=cfg.model.blocks, dtype=record_dtype(cfg.dtype))
@@ -103,62 +146,69 @@ def dump(
         + (f"layers {list(md.layers)}" if md.sites is None else "sites")
         + f" x {md.tokens_per_ex} tokens x {md.d_model} ({md.dtype}) -> {writer.staging}"
     )
-    encoder = the_plan.loaded.encoder
-    examples = the_plan.corpus.examples
-    ds = cfg.dataset
-    t0 = time.perf_counter()
+    return _Run(the_plan, device, recorder, writer, who)
+
+
+def _record_all(run: _Run, progress: bool | None) -> int:
+    """Record this writer's remaining examples batch by batch; the examples written.
+
+    The previous batch is written by a thread of its own (`AsyncWriter`) while this one runs
+    through the model. On any error or interruption the writer is aborted: sealed shards
+    stay in staging for the next run, and the caller reports the reason once (the command
+    line: one line, with the resume hint).
+    """
+    from .recorder import AsyncWriter
+
+    md, cfg = run.plan.metadata, run.plan.config
+    writer = run.writer
     done = 0
+    t0 = time.perf_counter()
     sink = AsyncWriter(writer)
     try:
-        with Progress(stop - resume_at, "dump", unit="ex", enabled=progress) as bar:
-            for a, b in batches(resume_at, stop, md.examples_per_shard, cfg.batch_size):
-                chunk = examples[a:b]
-                try:
-                    enc = encoder.encode([ex.text for ex in chunk])
-                    inputs = {k: v.to(device) for k, v in enc.inputs.items()}
-                    acts = recorder.record(**inputs, lengths=torch.as_tensor(enc.lengths))
-                    quantized: dict[str, Any] = {}
-                    if md.dtype == FLOAT8:  # on the model's device: one byte per value crosses to the host
-                        acts, quantized["scales"] = float8.quantize_tensor(acts)
-                except ShardsError:
-                    raise
-                except Exception as err:  # the model's or the tokenizer's own code
-                    raise DumpError(
-                        f"the model failed on examples [{a}, {b}) of {md.n_examples} ({type(err).__name__}: {err}); "
-                        f"the shards sealed before them are kept in {writer.staging}"
-                    ) from err
-                columns: dict[str, Any] = {
-                    "lengths": enc.lengths,
-                    "true_lengths": enc.true_lengths,
-                    "token_ids": enc.token_ids,
-                }
-                for name, col_dtype in ds.columns.items():
-                    columns[name] = np.array([ex.fields[name] for ex in chunk], dtype=np.dtype(col_dtype))
-                text: dict[str, list[Any]] = {"id": [ex.id for ex in chunk], "text": [ex.text for ex in chunk]}
-                for name in ds.text_fields:
-                    text[name] = [ex.fields[name] for ex in chunk]
-                sink.submit(acts, columns=columns, text=text, **quantized)
+        with Progress(writer.stop - writer.next_example, "dump", unit="ex", enabled=progress) as bar:
+            for a, b in batches(writer.next_example, writer.stop, md.examples_per_shard, cfg.batch_size):
+                acts, extras = _record_batch(run, a, b)
+                sink.submit(acts, **extras)
                 done += b - a
                 rate = done * md.example_nbytes / max(time.perf_counter() - t0, 1e-9)
                 bar.update(b - a, extra=f"{human_bytes(rate)}/s")
             sink.join()
     except BaseException:
-        # Sealed shards stay in staging for the next run; the caller reports the reason once
-        # (the command line: one line, with the resume hint for an interruption).
         sink.abort()
         raise
-    path = writer.close()
-    dt = time.perf_counter() - t0
-    say(
-        f"{who}wrote {done} examples in {dt:.1f} s ({done / max(dt, 1e-9):.1f} examples/s, "
-        f"{human_bytes(done * md.example_nbytes / max(dt, 1e-9))}/s of activations)"
-    )
-    if path is None and finalize_when_done:
-        path = try_finalize(out_root, md, say=say)
-    if path is not None:
-        say(f"published {path}")
-        say(truncation_line(open_shards(path)))
-    return path
+    return done
+
+
+def _record_batch(run: _Run, a: int, b: int) -> tuple[Any, dict[str, Any]]:
+    """Examples ``[a, b)`` tokenized and through the model: the activations (a float8_e4m3
+    cache's quantized on the model's device, so one byte per value crosses to the host) and
+    what `ShardWriter.write` takes with them (columns, text, scales)."""
+    import torch
+
+    md = run.plan.metadata
+    chunk = run.plan.corpus.examples[a:b]
+    extras: dict[str, Any] = {}
+    try:
+        enc = run.plan.loaded.encoder.encode([ex.text for ex in chunk])
+        inputs = {k: v.to(run.device) for k, v in enc.inputs.items()}
+        acts = run.recorder.record(**inputs, lengths=torch.as_tensor(enc.lengths))
+        if md.dtype == FLOAT8:
+            acts, extras["scales"] = float8.quantize_tensor(acts)
+    except ShardsError:
+        raise
+    except Exception as err:  # the model's or the tokenizer's own code
+        raise DumpError(
+            f"the model failed on examples [{a}, {b}) of {md.n_examples} ({type(err).__name__}: {err}); "
+            f"the shards sealed before them are kept in {run.writer.staging}"
+        ) from err
+    ds = run.plan.config.dataset
+    columns: dict[str, Any] = {"lengths": enc.lengths, "true_lengths": enc.true_lengths, "token_ids": enc.token_ids}
+    for name, col_dtype in ds.columns.items():
+        columns[name] = np.array([ex.fields[name] for ex in chunk], dtype=np.dtype(col_dtype))
+    text: dict[str, list[Any]] = {"id": [ex.id for ex in chunk], "text": [ex.text for ex in chunk]}
+    for name in ds.text_fields:
+        text[name] = [ex.fields[name] for ex in chunk]
+    return acts, {**extras, "columns": columns, "text": text}
 
 
 def try_finalize(root: Path, md: Metadata, *, say: Callable[[str], None] = print) -> Path | None:

@@ -105,7 +105,6 @@ def run_rank(
     *,
     progress: bool | None = None,
     durable: bool = True,
-    poll: float = POLL_SECONDS,
     on_wait: Callable[[str], None] | None = None,
     wait: float = DEFAULT_WAIT,
     sync: str = "auto",
@@ -131,7 +130,7 @@ def run_rank(
     if group is not None:
         meeting = TorchMeeting(plan, rank, world_size, wait, say, group)
     else:
-        meeting = FileMeeting(plan, rank, world_size, wait, say, poll, progress)
+        meeting = FileMeeting(plan, rank, world_size, wait, say, POLL_SECONDS, progress)
     with meeting:
         meeting.agree(orjson.loads(orjson.dumps(arguments(plan, world_size))))  # as JSON: records compare equal
         return _run(plan, meeting, progress, durable)
