@@ -6,7 +6,7 @@
   over `MAX_FUNCTION_LINES` lines or `MAX_PARAMETERS` parameters (``self`` and ``cls`` not
   counted, ``*args`` and ``**keywords`` one each), but for the exemptions below, each with
   its reason. Options dataclasses hold what would be long signatures: their fields are no
-  function's parameters (`saev_shards.keywords` lets a public call keep its keywords);
+  function's parameters (`ShuffleOptions`, `ConvertOptions`, `CopyOptions`);
 * no private name (``_name``) used across packages: neither imported (``from ..reader.x
   import _y``, or a private module of another package) nor reached as an attribute
   (``shards._fd(k)`` in the loaders) where only another package defines it;
@@ -14,15 +14,16 @@
 * no docstring or comment names the project's tracker (``issue 12``) or its source
   documents (``seed 004``): say what the thing is instead ("saev's run layout").
 
-The benchmarks (``benchmarks/``) follow the last two rules. Their sizes are not checked:
-each suite is one script whose measuring functions are long on purpose (a table's setup,
-its rows and its notes in one place), and they reach into the loaders' private stages to
-time them one by one.
+The rules cover the library, ``saev_shards/``. The benchmarks (``benchmarks/``) follow the
+last two. Their sizes and private names are not checked: each suite is one script whose
+measuring functions are long on purpose (a table's setup, its rows and its notes in one
+place), and they reach into the loaders' private stages to time them one by one.
 """
 
 from __future__ import annotations
 
 import ast
+import functools
 import io
 import re
 import tokenize
@@ -51,10 +52,35 @@ MANY_PARAMETERS = {
         "ShuffledLoader and OrderedLoader take the same ones"
     ),
     "loaders.datasets:TokenDataset.__init__": "the map-style dataset's constructor: the loaders' selection keywords",
+    "writer.shard_writer:ShardWriter.__init__": (
+        "the writer's constructor: each keyword is documented API (docs/writing.md, help(ShardWriter)), "
+        "saev's own code passes them by name"
+    ),
     "dump.run:dump": (
         "the Python entry point of `saev-shards dump`: one keyword per command-line option (docs/dump.md), "
         "the configuration itself in a DumpConfig"
     ),
+}
+
+#: Uses of another package's private names that wait for work in flight elsewhere
+#: ("module: what" as `private_uses` reports it, less the line number -> why). The test
+#: fails once one is gone, so the entry goes with it.
+PENDING_PRIVATE = {
+    "loaders.mapped: self.shards._fd (defined in saev_shards.reader)": (
+        "pending: loaders work in flight; the reader's public name is shard_fd (its _fd alias goes with this)"
+    ),
+    "loaders.mapped: self.shards._scale_fd (defined in saev_shards.reader)": (
+        "pending: loaders work in flight; the reader's public name is scale_fd (its _scale_fd alias goes with this)"
+    ),
+    "reader.open: from saev_shards.storage.blockcache import _Unwritable": (
+        "pending: storage work in flight; the retry without the block cache's folder belongs in storage/, "
+        "behind a public function that open_remote calls"
+    ),
+}
+
+#: Docstrings that still cite the source documents ("path: hit" -> why), as `PENDING_PRIVATE`.
+PENDING_HISTORY = {
+    "saev_shards/loaders/datasets.py: Seed 000": "pending: loaders work in flight (LayerPairDataset's docstring)",
 }
 
 #: Statements a package ``__init__`` may hold besides a docstring, imports and ``__all__``
@@ -74,6 +100,11 @@ INIT_EXTRAS = {
 #: The tracker's numbers and the source documents' (seeds 000 to 004), as prose cites them;
 #: a random seed's value (xxh3's ``seed 0``) is not one.
 HISTORY = re.compile(r"\bissues? #?\d+\b|\bseeds? 00\d\b", re.IGNORECASE)
+
+
+@functools.cache
+def parse(path: Path) -> ast.Module:
+    return ast.parse(path.read_text())
 
 
 def modules(root: Path = PACKAGE) -> dict[str, Path]:
@@ -172,7 +203,7 @@ def defined_private_names(files: dict[str, Path]) -> dict[str, set[str]]:
     a name assigned anywhere in one of their modules)."""
     defined: dict[str, set[str]] = {}
     for module, path in files.items():
-        for node in ast.walk(ast.parse(path.read_text())):
+        for node in ast.walk(parse(path)):
             if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
                 name = node.name
             elif isinstance(node, ast.Attribute) and isinstance(node.ctx, ast.Store):
@@ -192,7 +223,7 @@ def private_uses(files: dict[str, Path]) -> list[str]:
     found = []
     for module, path in files.items():
         package = package_of(module, path)
-        for node in ast.walk(ast.parse(path.read_text())):
+        for node in ast.walk(parse(path)):
             where = f"{short(module)}:{getattr(node, 'lineno', 0)}"
             if isinstance(node, ast.ImportFrom):
                 base = package.rsplit(".", node.level - 1)[0] if node.level else ""
@@ -219,9 +250,17 @@ def private_uses(files: dict[str, Path]) -> list[str]:
     return found
 
 
+def without_line(found: str) -> str:
+    """``"loaders.mapped:313: x"`` -> ``"loaders.mapped: x"``."""
+    return re.sub(r":\d+:", ":", found, count=1)
+
+
 def test_no_private_name_is_used_across_packages():
     found = private_uses(modules())
-    assert not found, "\n".join(found)
+    new = [line for line in found if without_line(line) not in PENDING_PRIVATE]
+    assert not new, "\n".join(new)
+    gone = set(PENDING_PRIVATE) - set(map(without_line, found))
+    assert not gone, f"no longer pending: {sorted(gone)}"
 
 
 # -- package __init__ modules ------------------------------------------------------------
@@ -234,7 +273,7 @@ def init_extras(root: Path) -> list[str]:
     for module, path in modules(root).items():
         if path.name != "__init__.py":
             continue
-        for stmt in ast.parse(path.read_text()).body:
+        for stmt in parse(path).body:
             if isinstance(stmt, (ast.Import, ast.ImportFrom)):
                 continue
             if isinstance(stmt, ast.Expr) and isinstance(stmt.value, ast.Constant) and isinstance(stmt.value.value, str):
@@ -282,7 +321,10 @@ def test_no_docstring_or_comment_cites_the_tracker_or_the_seeds():
         for line, text in prose(path.read_text())
         if (hits := history(text))
     ]
-    assert not found, "\n".join(found)
+    new = [line for line in found if without_line(line) not in PENDING_HISTORY]
+    assert not new, "\n".join(new)
+    gone = set(PENDING_HISTORY) - set(map(without_line, found))
+    assert not gone, f"no longer pending: {sorted(gone)}"
 
 
 # -- the scanner itself ------------------------------------------------------------------
