@@ -105,6 +105,7 @@ def run_rank(
     *,
     progress: bool | None = None,
     durable: bool = True,
+    poll: float = POLL_SECONDS,
     on_wait: Callable[[str], None] | None = None,
     wait: float = DEFAULT_WAIT,
     sync: str = "auto",
@@ -117,8 +118,9 @@ def run_rank(
     meeting point (torch.distributed) before it gives up with a `ShuffleError` naming the
     missing ranks. ``sync``: ``"auto"`` (torch.distributed when a process group of this rank
     and size is initialised, else files), ``"torch"`` or ``"files"``. ``on_wait`` is told,
-    in words, what the rank waits for whenever that changes. Raises `ShuffleError` at once
-    for a rank outside ``[0, world_size)`` and for arguments that differ from a running rank's.
+    in words, what the rank waits for whenever that changes. ``poll``: seconds between two
+    looks at the work folder while waiting (files only). Raises `ShuffleError` at once for a
+    rank outside ``[0, world_size)`` and for arguments that differ from a running rank's.
     """
     rank, world_size = world.check(rank, world_size, ShuffleError)
     wait = _check_wait(wait)
@@ -130,7 +132,7 @@ def run_rank(
     if group is not None:
         meeting = TorchMeeting(plan, rank, world_size, wait, say, group)
     else:
-        meeting = FileMeeting(plan, rank, world_size, wait, say, POLL_SECONDS, progress)
+        meeting = FileMeeting(plan, rank, world_size, wait, say, poll, progress)
     with meeting:
         meeting.agree(orjson.loads(orjson.dumps(arguments(plan, world_size))))  # as JSON: records compare equal
         return _run(plan, meeting, progress, durable)

@@ -57,6 +57,10 @@ MANY_PARAMETERS = {
         "the writer's constructor: each keyword is documented API (docs/writing.md, help(ShardWriter)), "
         "saev's own code passes them by name"
     ),
+    "shuffle.ranks:run_rank": (
+        "the public entry point of one rank's share of a shuffle (saev_shards.shuffle.run_rank, docs/remote.md): "
+        "its keywords are API, the command line's --wait among them"
+    ),
     "dump.run:dump": (
         "the Python entry point of `saev-shards dump`: one keyword per command-line option (docs/dump.md), "
         "the configuration itself in a DumpConfig"
