@@ -53,7 +53,7 @@ from ..support.remote_servers import (
     range_server,
     s3_environment,
 )
-from ..unit.test_indexing import keys, outcome
+from ..unit.reader.test_indexing import keys, outcome
 
 torch = pytest.importorskip("torch")
 
