@@ -101,11 +101,6 @@ TESTED_ELSEWHERE: dict[str, tuple[str, ...]] = {
         "tests/integration/test_dump_tokenizer.py",
         "tests/integration/test_dump_same_bytes.py",
     ),
-    "saev_shards/fileio/": (
-        "tests/unit/test_fileio.py",
-        "tests/integration/test_crashes.py",
-        "tests/integration/test_disk_full.py",
-    ),
     "saev_shards/loaders/": (
         "tests/unit/loaders/test_token_loader.py",
         "tests/unit/loaders/test_pipeline.py",
