@@ -87,7 +87,6 @@ TESTED_ELSEWHERE: dict[str, tuple[str, ...]] = {
         "tests/integration/test_dump_cli.py",
         "tests/integration/test_cleanup.py",
     ),
-    "saev_shards/codecs/": ("tests/unit/codecs/test_float8.py", "tests/unit/writer/test_shard_writer.py"),
     "saev_shards/convert/": (
         "tests/unit/convert/test_cache.py",
         "tests/unit/convert/test_pickle.py",
