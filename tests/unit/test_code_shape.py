@@ -119,7 +119,6 @@ TESTED_ELSEWHERE: dict[str, tuple[str, ...]] = {
         "tests/unit/test_corruption.py",
     ),
     "saev_shards/remote/files.py": ("tests/unit/test_remote_files.py",),
-    "saev_shards/selection/": ("tests/unit/selection/test_spec.py",),
     "saev_shards/shuffle/": (
         "tests/unit/shuffle/test_run.py",
         "tests/integration/test_shuffle.py",
