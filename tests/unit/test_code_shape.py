@@ -118,7 +118,6 @@ TESTED_ELSEWHERE: dict[str, tuple[str, ...]] = {
         "tests/unit/test_reader_names.py",
         "tests/unit/test_corruption.py",
     ),
-    "saev_shards/remote/files.py": ("tests/unit/test_remote_files.py",),
     "saev_shards/shuffle/": (
         "tests/unit/shuffle/test_run.py",
         "tests/integration/test_shuffle.py",
@@ -135,10 +134,6 @@ TESTED_ELSEWHERE: dict[str, tuple[str, ...]] = {
         "tests/unit/writer/test_shard_writer.py",
         "tests/integration/test_crashes.py",
         "tests/integration/test_disk_full.py",
-    ),
-    "saev_shards/statistics.py": (
-        "tests/unit/writer/test_shard_writer.py",
-        "tests/integration/test_dump_same_bytes.py",
     ),
 }
 
