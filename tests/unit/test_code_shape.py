@@ -106,12 +106,6 @@ TESTED_ELSEWHERE: dict[str, tuple[str, ...]] = {
         "tests/unit/loaders/test_readahead.py",
         "tests/unit/loaders/test_masks.py",
     ),
-    "saev_shards/protocol/": (
-        "tests/unit/test_golden.py",
-        "tests/unit/test_hostile_input.py",
-        "tests/unit/test_hostile_saev_history.py",
-        "tests/unit/protocol/test_metadata.py",
-    ),
     "saev_shards/reader/": (
         "tests/unit/test_roundtrip.py",
         "tests/unit/test_reader_errors.py",
