@@ -106,12 +106,6 @@ TESTED_ELSEWHERE: dict[str, tuple[str, ...]] = {
         "tests/unit/loaders/test_readahead.py",
         "tests/unit/loaders/test_masks.py",
     ),
-    "saev_shards/reader/": (
-        "tests/unit/test_roundtrip.py",
-        "tests/unit/test_reader_errors.py",
-        "tests/unit/test_reader_names.py",
-        "tests/unit/test_corruption.py",
-    ),
     "saev_shards/shuffle/": (
         "tests/unit/shuffle/test_run.py",
         "tests/integration/test_shuffle.py",
