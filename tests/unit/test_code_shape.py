@@ -118,11 +118,6 @@ TESTED_ELSEWHERE: dict[str, tuple[str, ...]] = {
         "tests/integration/test_remote_hostile.py",
     ),
     "saev_shards/store/": ("tests/integration/test_store.py", "tests/unit/store/test_copies.py"),
-    "saev_shards/writer/": (
-        "tests/unit/writer/test_shard_writer.py",
-        "tests/integration/test_crashes.py",
-        "tests/integration/test_disk_full.py",
-    ),
 }
 
 #: Statements a package ``__init__`` may hold besides a docstring, imports and ``__all__``
