@@ -117,7 +117,6 @@ TESTED_ELSEWHERE: dict[str, tuple[str, ...]] = {
         "tests/integration/test_remote.py",
         "tests/integration/test_remote_hostile.py",
     ),
-    "saev_shards/store/": ("tests/integration/test_store.py", "tests/unit/store/test_copies.py"),
 }
 
 #: Statements a package ``__init__`` may hold besides a docstring, imports and ``__all__``
