@@ -87,12 +87,6 @@ TESTED_ELSEWHERE: dict[str, tuple[str, ...]] = {
         "tests/integration/test_dump_cli.py",
         "tests/integration/test_cleanup.py",
     ),
-    "saev_shards/convert/": (
-        "tests/unit/convert/test_cache.py",
-        "tests/unit/convert/test_pickle.py",
-        "tests/unit/convert/test_sources.py",
-        "tests/integration/test_convert_cli.py",
-    ),
     "saev_shards/demo/": ("tests/integration/test_demo.py",),
     "saev_shards/dump/": (
         "tests/integration/test_dump.py",
