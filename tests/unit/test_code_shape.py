@@ -86,8 +86,6 @@ TESTED_ELSEWHERE: dict[str, tuple[str, ...]] = {
     "saev_shards/cli/cleanup.py": ("tests/integration/test_cleanup.py", "tests/integration/test_cli.py"),
     "saev_shards/cli/convert.py": ("tests/integration/test_convert_cli.py", "tests/integration/test_cli_hostile.py"),
     "saev_shards/cli/dump.py": ("tests/integration/test_dump_cli.py",),
-    "saev_shards/cli/info.py": ("tests/integration/test_cli.py", "tests/integration/test_cli_hostile.py"),
-    "saev_shards/cli/ls.py": ("tests/integration/test_cli.py", "tests/integration/test_cleanup.py"),
     "saev_shards/cli/runs.py": ("tests/integration/test_cli.py", "tests/integration/test_journeys.py"),
     "saev_shards/cli/shuffle.py": ("tests/integration/test_cli.py", "tests/integration/test_shuffle.py"),
     # `make demo`: dumps with the bundled model and trains, run as a user runs it (a subprocess).
