@@ -82,11 +82,8 @@ PENDING_HISTORY: dict[str, str] = {}
 TESTED_ELSEWHERE: dict[str, tuple[str, ...]] = {
     # The commands of `saev-shards`: each module registers a command and runs it; they are
     # tried as a user runs them, the command line in a subprocess, output and exit code read.
-    "saev_shards/cli/caches.py": ("tests/integration/test_cli.py", "tests/integration/test_cli_hostile.py"),
-    "saev_shards/cli/cleanup.py": ("tests/integration/test_cleanup.py", "tests/integration/test_cli.py"),
     "saev_shards/cli/convert.py": ("tests/integration/test_convert_cli.py", "tests/integration/test_cli_hostile.py"),
     "saev_shards/cli/dump.py": ("tests/integration/test_dump_cli.py",),
-    "saev_shards/cli/runs.py": ("tests/integration/test_cli.py", "tests/integration/test_journeys.py"),
     "saev_shards/cli/shuffle.py": ("tests/integration/test_cli.py", "tests/integration/test_shuffle.py"),
     # `make demo`: dumps with the bundled model and trains, run as a user runs it (a subprocess).
     "saev_shards/demo/run.py": ("tests/integration/test_demo.py",),
