@@ -93,11 +93,6 @@ TESTED_ELSEWHERE: dict[str, tuple[str, ...]] = {
         "tests/unit/loaders/test_readahead.py",
         "tests/unit/loaders/test_masks.py",
     ),
-    # The shuffle's two passes and its ranks: steps of one shuffle, each run whole through
-    # `shuffle_cache` and `run_plan` (in process, against a numpy model) and across processes.
-    "saev_shards/shuffle/ranks.py": ("tests/integration/test_shuffle_ranks.py", "tests/unit/shuffle/test_run.py"),
-    "saev_shards/shuffle/scatter.py": ("tests/unit/shuffle/test_run.py", "tests/integration/test_shuffle.py"),
-    "saev_shards/shuffle/write_pass.py": ("tests/unit/shuffle/test_run.py", "tests/integration/test_shuffle.py"),
     "saev_shards/storage/": (
         "tests/unit/storage/test_base.py",
         "tests/unit/test_remote_files.py",
