@@ -199,12 +199,17 @@ class Shards(ReadPaths, Sidecars):
                 runs[-1] = (runs[-1][0], runs[-1][1] + 1)
             else:
                 runs.append((p, 1))
-        for e in range(max(0, start), min(stop, self.n_examples)):
-            k, i = layout.shard_of(e, eps)
+        prefetch = self.files.prefetch
+        e, stop = max(0, start), min(stop, self.n_examples)
+        while e < stop:  # a span is inside one shard: one descriptor
+            k, local = layout.shard_of(e, eps)
+            count = min(stop, (k + 1) * eps) - e
             fd = self._fd(k)
-            for p, n in runs:
-                offset = (i * n_layers + p) * nbytes
-                self.files.prefetch(fd, offset, offset + n * nbytes, scattered=True)
+            for i in range(local, local + count):
+                for p, n in runs:
+                    offset = (i * n_layers + p) * nbytes
+                    prefetch(fd, offset, offset + n * nbytes, scattered=True)
+            e += count
 
     def layer_index(self, layer: int) -> int:
         """Position (``0..L-1``) of layer *value* ``layer``; `NameNotFoundError` (a `KeyError`)

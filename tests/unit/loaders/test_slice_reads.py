@@ -165,11 +165,10 @@ def test_a_selection_reads_only_its_slices_and_hints_them(
     if sorted(positions) == [0, 1]:
         runs = [(0, 2)]
     eps = shards.examples_per_shard
-    expected = sorted(
-        (f"acts{e // eps:06d}.bin", ((e % eps) * md.n_layers + p) * slice_bytes, ((e % eps) * md.n_layers + p + n) * slice_bytes)
-        for e in range(md.n_examples)
-        for p, n in runs
-    )  # fmt: skip
+    first = [
+        (e, ((e % eps) * md.n_layers + p) * slice_bytes, n * slice_bytes) for e in range(md.n_examples) for p, n in runs
+    ]
+    expected = sorted((f"acts{e // eps:06d}.bin", start, start + size) for e, start, size in first)
     assert sorted(h for h in reads.hints if h[0].startswith("acts")) == expected
     # Before: whole examples, every layer read.
     reads.bytes = 0
