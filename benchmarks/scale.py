@@ -527,9 +527,8 @@ def bench_open(root: Path, sizes: Sizes) -> None:
         "plan of the epoch and its first window. The loader state is the pickled `state_dict()`. The shard files "
         f"are holes, so the first batch reads zeros; its loader takes layer 11 with windows of {window >> 20} MiB. "
         f"The last row is the largest size again with shards {k:.0f} x larger. Growth with the cache (exponent of "
-        "the figure against its tokens; constant under 0.3; with shards when a quarter of the shards cuts it by half or more): "
-        + "; ".join(grows)
-        + "."
+        "the figure against its tokens; constant under 0.3; with shards when a quarter of the shards cuts it by "
+        "half or more): " + "; ".join(grows) + "."
     )
     table.emit()
 
