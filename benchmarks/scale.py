@@ -58,8 +58,8 @@ MIN_LIMIT = 512 << 20
 SPARSE_PATCHES_PER_SHARD = 200_000
 #: A child's line that carries its result.
 RESULT = "RESULT "
-#: Above this, a figure's exponent against the cache's tokens counts as growth.
-CONSTANT_BELOW = 0.3
+#: A figure is constant when it grows by less than this many times its value at the smallest size.
+CONSTANT_BELOW = 1.0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -111,30 +111,20 @@ def scaled_metadata(nbytes: int, tag: str, d_model: int = 768, patches_per_shard
     )
 
 
-def exponent(tokens: Sequence[float], values: Sequence[float], floor: float) -> float:
-    """The least-squares slope of log(value) against log(tokens) (values under ``floor``, the
-    clock's or the counter's resolution, count as ``floor``)."""
-    x = np.log(np.asarray(tokens, dtype=np.float64))
-    y = np.log(np.maximum(np.asarray(values, dtype=np.float64), floor))
-    if len(x) < 2 or np.ptp(x) == 0:
-        return float("nan")
-    return float(np.polyfit(x, y, 1)[0])
-
-
-def growth(
-    tokens: Sequence[float], values: Sequence[float], floor: float, fewer_shards: tuple[float, float, float]
-) -> str:
+def growth(values: Sequence[float], fewer_shards: float, k: float, floor: float) -> str:
     """``constant``, ``linear in shards`` or ``linear in tokens``: how a figure grows with the cache.
 
-    ``fewer_shards``: ``(value, value with k times fewer shards, k)`` at the largest size. A
-    figure whose exponent against the tokens is under `CONSTANT_BELOW` is constant; one that
-    drops by at least sqrt(k) with k times fewer shards of the same tokens grows with the
-    shards; any other grows with the tokens."""
-    slope = exponent(tokens, values, floor)
-    if not slope >= CONSTANT_BELOW:  # NaN too: nothing grew measurably
+    ``values``: the figure at each size, smallest first (at the smallest, 1 GB, every part
+    that grows with the cache is negligible: the rest is what it costs at any size);
+    ``fewer_shards``: the figure at the largest size with ``k`` times fewer shards. It is
+    constant when it grows by less than `CONSTANT_BELOW` times its smallest value (or less
+    than ``floor``, the measure's resolution); it grows with the shards when k times fewer
+    of them cut its growth by at least sqrt(k), else with the tokens."""
+    base = max(values[0], floor)
+    grown = values[-1] - values[0]
+    if grown < max(floor, CONSTANT_BELOW * base):
         return "constant"
-    value, fewer, k = fewer_shards
-    if max(value, floor) >= math.sqrt(k) * max(fewer, floor):
+    if fewer_shards - values[0] <= grown / math.sqrt(k):
         return "linear in shards"
     return "linear in tokens"
 
@@ -297,11 +287,11 @@ def child_loader(path: str, order: str, layers: int | None, before: bool, window
     loader = loaders.TokenLoader(shards, 4096, layers=layers, order=order, buffer_bytes=window, mix_layers=True)
     it = iter(loader)
     first = next(it)
-    t = time.perf_counter()
+    t, cpu = time.perf_counter(), time.process_time()
     nbytes = 0
     for batch in it:
         nbytes += batch.acts.numel() * itemsize
-    seconds = time.perf_counter() - t
+    seconds, cpu = time.perf_counter() - t, time.process_time() - cpu
     loader.close()
     delivered = nbytes + first.acts.numel() * itemsize
     io = bl.disk_read_bytes() - io_before
@@ -310,7 +300,48 @@ def child_loader(path: str, order: str, layers: int | None, before: bool, window
         "first_s": t - start,
         "amplification": io / delivered if io >= 0 else float("nan"),
         "rss": float(_rss()),
+        "cpu": cpu / (nbytes / 1e9) if nbytes else float("nan"),
     }
+
+
+def child_slices(path: str, layer: int, threads: int) -> dict[str, float]:
+    """The loader's cold read path for one layer alone, no gather: its 4 MiB spans in a random
+    order, ``threads`` threads each taking the next span, hinting its slices
+    (`Shards.prefetch_slices`) and reading them one by one, as `WindowLoader` does."""
+    import itertools
+    import threading
+
+    from saev_shards.loaders import BLOCK_BYTES, MIN_SLICE_READ
+
+    shards = ss.open(path)
+    md = shards.metadata
+    position = shards.layer_index(layer)
+    slice_bytes = md.tokens_per_ex * md.d_model * md.itemsize
+    rows = md.n_layers if slice_bytes < MIN_SLICE_READ else 1  # the span plan's examples (`plan.ReadSpans`)
+    per_span = max(1, BLOCK_BYTES // (rows * slice_bytes))
+    eps, n = shards.examples_per_shard, md.n_examples
+    spans = [(a, min(a + per_span, n)) for lo in range(0, n, eps) for a in range(lo, min(lo + eps, n), per_span)]
+    spans = [(a, min(b, (a // eps + 1) * eps)) for a, b in spans]
+    order = np.random.default_rng(0).permutation(len(spans)).tolist()
+    taken = itertools.count()
+
+    def work() -> None:
+        out = np.empty((md.tokens_per_ex, md.d_model), shards.numpy_dtype)
+        while (i := next(taken)) < len(order):
+            a, b = spans[order[i]]
+            shards.prefetch_slices(a, b, [position])
+            for e in range(a, b):
+                shards.read_example_raw(e, position, out)
+
+    start, cpu = time.perf_counter(), time.process_time()
+    workers = [threading.Thread(target=work) for _ in range(threads)]
+    for w in workers:
+        w.start()
+    for w in workers:
+        w.join()
+    seconds, cpu = time.perf_counter() - start, time.process_time() - cpu
+    nbytes = md.n_examples * slice_bytes
+    return {"gbps": nbytes / seconds / 1e9, "cpu": cpu / (nbytes / 1e9), "rss": float(_rss())}
 
 
 def child_open(path: str, window: int) -> dict[str, float]:
@@ -341,6 +372,7 @@ CHILDREN: dict[str, Callable[..., dict[str, float]]] = {
     "read": child_read,
     "shuffle": child_shuffle,
     "loader": child_loader,
+    "slices": child_slices,
     "open": child_open,
 }
 
@@ -441,6 +473,13 @@ def bench_shuffle(shards: ss.Shards, sizes: Sizes) -> None:
     table.emit()
 
 
+def loaders_read_threads() -> int:
+    """The ShuffledLoader's default read threads on this machine."""
+    from saev_shards.loaders import default_read_threads
+
+    return default_read_threads()
+
+
 def bench_cold(caches: list[ss.Shards], sizes: Sizes) -> None:
     biggest = max(s.metadata.nbytes for s in caches)
     title = "Cold loaders under a memory limit of a quarter of the cache: rate for the bytes each selection needs"
@@ -451,8 +490,10 @@ def bench_cold(caches: list[ss.Shards], sizes: Sizes) -> None:
     table = tables.Table(
         "scale_cold_loaders",
         title,
-        ["cache", "loader", "GB/s", "ratio to cat", "disk bytes / byte", "first batch (s)", "peak RSS (GB)"],
-    )
+        ["cache", "loader", "GB/s", "ratio to cat", "disk bytes / byte", "CPU s/GB", "first batch (s)",
+         "peak RSS (GB)"],
+    )  # fmt: skip
+    threads = loaders_read_threads()
     with limit:
         for shards in caches:
             md = shards.metadata
@@ -464,22 +505,24 @@ def bench_cold(caches: list[ss.Shards], sizes: Sizes) -> None:
                 "ShuffledLoader, layer 11, read as before": dict(order="shuffled", layers=11, before=True),
                 "OrderedLoader, layer 11": dict(order="ordered", layers=11, before=False),
             }
-            samples: dict[str, list[dict[str, float]]] = {k: [] for k in ["cat", *rows]}
+            alone = f"layer 11's hinted slice reads alone, {threads} threads, no gather"
+            samples: dict[str, list[dict[str, float]]] = {k: [] for k in ["cat", alone, *rows]}
             for _ in range(sizes.rounds):
                 for label, runs in samples.items():
                     bl.drop_cache(shards.path)
                     if label == "cat":
                         runs.append(in_child("read", limit, files=files))
+                    elif label == alone:
+                        runs.append(in_child("slices", limit, path=str(shards.path), layer=11, threads=threads))
                     else:
                         runs.append(in_child("loader", limit, path=str(shards.path), window=window, **rows[label]))
             cat = median_rows(samples["cat"])["read_gbps"]
             name = f"{tables.gb(md.nbytes)}, {slice_kib:.0f} KiB slices"
-            table.add(name, "cat of every shard file (limit)", cat, 1.0, 1.0, "", "")
-            for label in rows:
+            table.add(name, "cat of every shard file (limit)", cat, 1.0, 1.0, "", "", "")
+            for label in [alone, *rows]:
                 m = median_rows(samples[label])
-                table.add(
-                    name, label, m["gbps"], ratio(m["gbps"], cat), m["amplification"], m["first_s"], m["rss"] / 1e9
-                )
+                table.add(name, label, m["gbps"], ratio(m["gbps"], cat), m.get("amplification", float("nan")),
+                          m["cpu"], m.get("first_s", ""), m["rss"] / 1e9)  # fmt: skip
                 table.values[f"{name}: {label}"] = ratio(m["gbps"], cat)
     table.note(
         f"Each row is a child process under {how} of the largest cache, the cache's pages dropped before it "
@@ -488,6 +531,9 @@ def bench_cold(caches: list[ss.Shards], sizes: Sizes) -> None:
         "from the first batch on; disk bytes / byte is the bytes the process had read from storage "
         "(/proc/self/io, readahead included) per byte delivered. 'read as before' is the read path before the "
         "hinted slice reads: whole examples for slices under 128 KiB, else one slice per read thread at a time. "
+        "The slice reads alone are the loaders' read path for layer 11 with nothing else (its spans in a random "
+        "order, each span's slices hinted then read): where they reach cat and a loader does not, the loader's "
+        "other work (CPU s/GB: the process's CPU time per GB delivered) is what holds it back. "
         "Target: >= 0.9 of cat for the bytes a selection needs."
     )
     table.emit()
@@ -510,25 +556,23 @@ def bench_open(root: Path, sizes: Sizes) -> None:
     for md, r in [*points, (big, fewer)]:
         table.add(tables.gb(md.nbytes), f"{md.n_shards:,}", r["open_s"], r["open_rss"] / 1e6, r["first_s"],
                   r["first_rss"] / 1e6, f"{r['state']:,.0f}")  # fmt: skip
-    tokens = [float(md.n_examples * md.tokens_per_ex) for md, _ in points]
-    last = points[-1][1]
-    k = big.n_shards and points[-1][0].n_shards / big.n_shards
+    last, first = points[-1][1], points[0][1]
+    k = points[-1][0].n_shards / big.n_shards
     grows = []
     for key, label, floor in (("open_s", "open time", 1e-3), ("open_rss", "open memory", 1e6),
                               ("first_s", "first-batch time", 1e-3), ("first_rss", "first-batch memory", 1e6),
                               ("state", "loader state", 1.0)):  # fmt: skip
-        values = [r[key] for _, r in points]
-        how = growth(tokens, values, floor, (last[key], fewer[key], k))
-        grows.append(f"{label}: {how} (exponent {exponent(tokens, values, floor):.2f})")
+        how = growth([r[key] for _, r in points], fewer[key], k, floor)
+        grows.append(f"{label}: {how} ({ratio(last[key], max(first[key], floor)):.1f} x from the smallest)")
     table.note(
         "Each row is a new process, torch imported before the clocks start (peak memory: the growth of its resident "
         "high-water mark, reset before open and again before the loader, over what it held then; "
         "no memory limit: nothing is read from the disk but the JSON files); the first batch counts the loader's "
         "plan of the epoch and its first window. The loader state is the pickled `state_dict()`. The shard files "
         f"are holes, so the first batch reads zeros; its loader takes layer 11 with windows of {window >> 20} MiB. "
-        f"The last row is the largest size again with shards {k:.0f} x larger. Growth with the cache (exponent of "
-        "the figure against its tokens; constant under 0.3; with shards when a quarter of the shards cuts it by "
-        "half or more): " + "; ".join(grows) + "."
+        f"The last row is the largest size again with shards {k:.0f} x larger. Growth with the cache (constant: "
+        "less than doubles from the smallest size to the largest; linear in shards: a quarter of the shards at the "
+        "largest size cuts its growth by half or more; else linear in tokens): " + "; ".join(grows) + "."
     )
     table.emit()
 

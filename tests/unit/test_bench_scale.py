@@ -50,20 +50,12 @@ def test_scaled_metadata_has_the_size_asked(nbytes: int) -> None:
         assert 30_000 < md.n_shards < 36_000  # the 10 TB cache: ~33,000 shards
 
 
-def test_exponent_is_the_slope_against_tokens() -> None:
-    tokens = [1e6, 1e8, 1e10]
-    assert bench.exponent(tokens, [3.0, 300.0, 30000.0], 1e-3) == pytest.approx(1.0)
-    assert bench.exponent(tokens, [2.0, 2.0, 2.0], 1e-3) == pytest.approx(0.0)
-    assert bench.exponent(tokens, [0.0, 0.0, 1e-4], 1e-3) == pytest.approx(0.0)  # under the floor: constant
-    assert np.isnan(bench.exponent([5.0], [1.0], 1e-3))
-
-
 def test_growth_names_constant_shards_and_tokens() -> None:
-    tokens = [1e6, 1e8, 1e10]
-    linear = [1e-3, 1e-1, 10.0]
-    assert bench.growth(tokens, [0.5, 0.52, 0.49], 1e-3, (0.49, 0.5, 4)) == "constant"
-    assert bench.growth(tokens, linear, 1e-3, (10.0, 2.5, 4)) == "linear in shards"
-    assert bench.growth(tokens, linear, 1e-3, (10.0, 9.0, 4)) == "linear in tokens"
+    assert bench.growth([0.5, 0.52, 0.7], 0.6, 4, 1e-3) == "constant"  # less than doubles over the sizes
+    assert bench.growth([0.0, 0.0, 2e-4], 0.0, 4, 1e-3) == "constant"  # under the clock's resolution
+    assert bench.growth([0.01, 0.1, 10.0], 2.5, 4, 1e-3) == "linear in shards"  # a quarter of the shards: a quarter
+    assert bench.growth([0.01, 0.1, 10.0], 9.0, 4, 1e-3) == "linear in tokens"  # as many tokens: as much
+    assert bench.growth([338.0, 338.0, 338.0], 338.0, 4, 1.0) == "constant"
 
 
 def test_parse_result_takes_the_last_result_line() -> None:
