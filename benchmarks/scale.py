@@ -435,14 +435,13 @@ def build(root: Path, md: ss.Metadata) -> ss.Shards:
     return build_cache(root, md)
 
 
-def bench_shuffle(shards: ss.Shards, sizes: Sizes) -> None:
+def bench_shuffle(shards: ss.Shards, sizes: Sizes, out: Path) -> None:
     title = f"Shuffle under a memory limit of a quarter of the cache ({tables.gb(shards.metadata.nbytes)})"
     limit, how = limited(shards.metadata.nbytes)
     if limit is None:
         return skipped("scale_shuffle", title, how)
     files = [str(shards.shard_path(k)) for k in range(shards.n_shards)]
-    out = tables.bench_dir() / "scale-shuffled"
-    out.mkdir(exist_ok=True)
+    out.mkdir(parents=True, exist_ok=True)
     memory = limit.limit // 4
     samples = []
     with limit:
@@ -594,7 +593,7 @@ def main(quick: bool = False, scale: bool = False, keep: bool = False) -> None:
         caches.append(build(root, scaled_metadata(sizes.narrow_bytes, "scale-narrow", d_model=384, patches=63,
                                                   patches_per_shard=2_400_000)))  # fmt: skip
     try:
-        bench_shuffle(caches[0], sizes)
+        bench_shuffle(caches[0], sizes, root / "shuffled")
         bench_cold(caches, sizes)
         bench_open(root / "sparse", sizes)
     finally:

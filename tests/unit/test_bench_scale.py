@@ -104,7 +104,7 @@ def test_without_a_memory_limit_the_suite_says_so_and_skips(tmp_path: Path, monk
     monkeypatch.setattr(cgroup.MemoryLimit, "create", unavailable)
     fake: Any = SimpleNamespace(metadata=SimpleNamespace(nbytes=GIB))
     mark = len(tables.emitted_since(0))
-    bench.bench_shuffle(fake, bench.sizes_for(True, False))
+    bench.bench_shuffle(fake, bench.sizes_for(True, False), tmp_path / "out")
     bench.bench_cold([fake], bench.sizes_for(True, False))
     emitted = tables.emitted_since(mark)
     assert len(emitted) == 2
