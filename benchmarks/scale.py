@@ -442,7 +442,7 @@ def bench_shuffle(shards: ss.Shards, sizes: Sizes, out: Path) -> None:
         return skipped("scale_shuffle", title, how)
     files = [str(shards.shard_path(k)) for k in range(shards.n_shards)]
     out.mkdir(parents=True, exist_ok=True)
-    memory = limit.limit // 4
+    memory = limit.limit // 2  # what a machine of this much memory would give it: half
     samples = []
     with limit:
         for _ in range(sizes.rounds):  # each shuffle between two read + write limits: the disk drifts
