@@ -53,6 +53,9 @@ COPY_PREFIX = ".copying-"
 #: running shuffle holds inside it (`saev_shards.shuffle`; `clean` judges liveness by it).
 SHUFFLE_PREFIX = ".shuffle-"
 SHUFFLE_LOCK_FILE = ".lock"
+#: Prefix of the folder where the ranks of a multi-process shuffle meet without a process
+#: group (`saev_shards.shuffle.meeting`): rank records only, nothing a rerun resumes.
+SHUFFLE_RANKS_PREFIX = f"{SHUFFLE_PREFIX}ranks-"
 _HEX_RE = re.compile(r"[0-9a-fA-F]+")
 #: Candidates listed in an ambiguous-prefix error before "and N more".
 _MAX_CANDIDATES = 20
