@@ -56,6 +56,10 @@ LIMIT_FRACTION = 4
 MIN_LIMIT = 512 << 20
 #: Shards of the sparse caches: 200,000 patches, ~305 MB (10 TB is ~33,000 shards).
 SPARSE_PATCHES_PER_SHARD = 200_000
+#: What the rows held to a memory limit need, said where they are skipped.
+NEEDS_CGROUP = "These rows need a writable cgroup memory controller (run as root on Linux)."
+#: Free disk space the shuffle needs, in cache sizes: its output and its scratch runs.
+SHUFFLE_SPACE = 2.2
 #: A child's line that carries its result.
 RESULT = "RESULT "
 #: A figure is constant when it grows by less than this many times its value at the smallest size.
@@ -77,7 +81,7 @@ def sizes_for(quick: bool, scale: bool) -> Sizes:
     if quick:
         return Sizes(512 << 20, 0, (10**9, 10**11, 10**13), 1)
     if scale:
-        return Sizes(16 << 30, 4 << 30, tuple(10**e for e in range(9, 14)), 3)
+        return Sizes(8 << 30, 2 << 30, tuple(10**e for e in range(9, 14)), 3)
     return Sizes(2 << 30, 1 << 30, tuple(10**e for e in range(9, 14)), 2)
 
 
@@ -393,8 +397,8 @@ def parse_result(stdout: str) -> dict[str, float]:
 
 
 def in_child(job: str, limit: cgroup.MemoryLimit | None, timeout: float = 3600, **kwargs: Any) -> dict[str, float]:
-    """Run ``job`` in a new process (inside ``limit``'s cgroup when given): its figures, and
-    ``oom`` (processes the limit killed)."""
+    """Run ``job`` in a new process (inside ``limit``'s cgroup when given): its figures;
+    `RuntimeError` saying why when it failed (killed by the limit, or its error)."""
     argv = [sys.executable, str(Path(__file__).resolve()), "--child", json.dumps({"job": job, **kwargs})]
     pipes = {"stdout": subprocess.PIPE, "stderr": subprocess.PIPE, "text": True, "cwd": tables.REPO}
     before = limit.oom_kills() if limit is not None else 0
@@ -422,10 +426,11 @@ def limited(nbytes: int) -> tuple[cgroup.MemoryLimit | None, str]:
 # tables
 
 
-def skipped(name: str, title: str, why: str) -> None:
+def skipped(name: str, title: str, why: str, needs: str = NEEDS_CGROUP) -> None:
+    """A table of one row, "skipped", saying why (the suite goes on)."""
     table = tables.Table(name, title, ["row", "status"])
     table.add("every row", "skipped")
-    table.note(f"Skipped: {why}. These rows need a writable cgroup memory controller (run as root on Linux).")
+    table.note(f"Skipped: {why}. {needs}")
     table.emit()
 
 
@@ -442,6 +447,12 @@ def bench_shuffle(shards: ss.Shards, sizes: Sizes, out: Path) -> None:
         return skipped("scale_shuffle", title, how)
     files = [str(shards.shard_path(k)) for k in range(shards.n_shards)]
     out.mkdir(parents=True, exist_ok=True)
+    need, free = int(SHUFFLE_SPACE * shards.metadata.nbytes), shutil.disk_usage(out).free
+    if free < need:
+        limit.remove()
+        return skipped(
+            "scale_shuffle", title, f"{tables.gb(free)} free under {out}, the shuffle needs {tables.gb(need)}"
+        )
     memory = limit.limit // 2  # what a machine of this much memory would give it: half
     samples = []
     with limit:
@@ -612,7 +623,7 @@ def child_main(spec: str) -> None:
 if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true", help="small sizes, one round")
-    parser.add_argument("--scale", action="store_true", help="a 16 GB cache under a 4 GiB limit, three rounds")
+    parser.add_argument("--scale", action="store_true", help="an 8 GB cache under a 2 GiB limit, three rounds")
     parser.add_argument("--keep", action="store_true", help="keep the caches under bench_out/scale")
     parser.add_argument("--child", help=argparse.SUPPRESS)
     args = parser.parse_args()

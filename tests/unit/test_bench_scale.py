@@ -6,6 +6,7 @@ says so instead of failing. No timing is asserted: the figures themselves are th
 from __future__ import annotations
 
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -109,6 +110,20 @@ def test_without_a_memory_limit_the_suite_says_so_and_skips(tmp_path: Path, monk
     emitted = tables.emitted_since(mark)
     assert len(emitted) == 2
     assert all("Skipped: no memory limit can be set here (no cgroup v2 hierarchy mounted)" in t for t in emitted)
+
+
+def test_without_room_for_the_shuffle_it_says_so(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("SAEV_RESULTS_DIR", str(tmp_path))
+    removed: list[bool] = []
+    limit = SimpleNamespace(limit=GIB, kind="cgroup v2 memory.max", remove=lambda: removed.append(True))
+    monkeypatch.setattr(bench, "limited", lambda nbytes: (limit, "a limit"))
+    monkeypatch.setattr(shutil, "disk_usage", lambda path: SimpleNamespace(free=10**8))
+    fake: Any = SimpleNamespace(metadata=SimpleNamespace(nbytes=4 * GIB), n_shards=0)
+    mark = len(tables.emitted_since(0))
+    bench.bench_shuffle(fake, bench.sizes_for(True, False), tmp_path / "out")
+    (table,) = tables.emitted_since(mark)
+    assert "Skipped: 0.10 GB free under" in table and "the shuffle needs 9.45 GB" in table
+    assert removed == [True]
 
 
 # -- the cgroup helper ------------------------------------------------------------------------
