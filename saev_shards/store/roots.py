@@ -1,6 +1,6 @@
 """Roots and resolution: where caches and runs live, and which cache a path, hash or prefix names.
 
-Roots (seed 004, documented in docs/cli.md), each resolved as *argument > own variable >
+Roots (saev's storage layout, documented in docs/store.md), each resolved as *argument > own variable >
 shared variable*:
 
 * shards roots: ``roots=`` > ``$SAEV_SHARDS_ROOT`` (several roots separated by ``:``,
