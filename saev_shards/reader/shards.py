@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -181,34 +181,6 @@ class Shards(ReadPaths, Sidecars):
             if scales:
                 first, last = local * scale_nbytes, (local + count) * scale_nbytes
                 self.files.prefetch(self.scale_fd(k), first, last, scattered=True)
-            e += count
-
-    def prefetch_slices(self, start: int, stop: int, positions: Sequence[int]) -> None:
-        """Hint that the ``(example, layer)`` slices at layer ``positions`` of examples
-        ``[start, stop)`` are about to be read one by one (a layer selection: a strided walk,
-        one slice of every ``L`` in each file). The storage has each run of neighbouring
-        slices start reading now (`Files.prefetch`, scattered: POSIX_FADV_WILLNEED on a local
-        cache), so the disk has every slice of the span in flight at once instead of one
-        ``pread`` per read thread: the kernel's readahead does not follow a strided walk."""
-        md = self.metadata
-        nbytes, n_layers, eps = self._slice_nbytes, md.n_layers, self.examples_per_shard
-        ordered = sorted({int(p) for p in positions})
-        runs: list[tuple[int, int]] = []  # (first position, slices) of neighbouring positions
-        for p in ordered:
-            if runs and runs[-1][0] + runs[-1][1] == p:
-                runs[-1] = (runs[-1][0], runs[-1][1] + 1)
-            else:
-                runs.append((p, 1))
-        prefetch = self.files.prefetch
-        e, stop = max(0, start), min(stop, self.n_examples)
-        while e < stop:  # a span is inside one shard: one descriptor
-            k, local = layout.shard_of(e, eps)
-            count = min(stop, (k + 1) * eps) - e
-            fd = self._fd(k)
-            for i in range(local, local + count):
-                for p, n in runs:
-                    offset = (i * n_layers + p) * nbytes
-                    prefetch(fd, offset, offset + n * nbytes, scattered=True)
             e += count
 
     def layer_index(self, layer: int) -> int:

@@ -150,8 +150,8 @@ def test_a_selection_reads_only_its_slices_and_hints_them(
     root: Path, monkeypatch: pytest.MonkeyPatch, layers: Any, positions: list[int]
 ) -> None:
     """The disk is asked for the chosen slices and nothing else (whole examples read every
-    layer: the 0.6-of-the-disk gap of issue 33), and every slice is hinted first, neighbours
-    in one hint."""
+    layer, so one layer of two came at half the disk's rate at best), and every slice is
+    hinted first, neighbours in one hint."""
     md = three_layers()
     write_cache(root, md)
     reads = Reads(monkeypatch)
