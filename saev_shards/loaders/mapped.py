@@ -339,9 +339,9 @@ class CacheMap:
         page would read as zeros."""
         k, local = divmod(start, self.eps)
         vectors = (local + stop - start) * self.vectors_per_example
-        files = [(self.shards._fd(k), vectors * self.row_nbytes, self.shards.shard_path)]
+        files = [(self.shards.shard_fd(k), vectors * self.row_nbytes, self.shards.shard_path)]
         if self.scales is not None:
-            files.append((self.shards._scale_fd(k), vectors * 4, self.shards.scale_path))
+            files.append((self.shards.scale_fd(k), vectors * 4, self.shards.scale_path))
         for fd, need, path in files:
             size = self.shards.files.size_now(fd)
             if size < need:

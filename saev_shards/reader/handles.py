@@ -203,11 +203,6 @@ class ShardHandles:
                     self._scale_fds[k] = fd
         return fd
 
-    # The names `shard_fd` and `scale_fd` had before, kept while loaders/mapped.py still calls
-    # them (tests/unit/test_code_shape.py lists that call as pending).
-    _fd = shard_fd
-    _scale_fd = scale_fd
-
 
 class RemoteShard:
     """Shard ``k`` of a remote cache (or its scales) as an array-like of shape ``(n_examples_k, ...)``.

@@ -9,7 +9,7 @@ else ``~/.cache/saev-shards``)::
                           file of a cache verified per whole file
     blocks/<xx>/<key>.<uid>.<inode>.<ctime>.seal
                           an empty file: user ``uid`` verified entry ``key`` while it was that
-                          inode with that change time (`seal_name`)
+                          inode with that change time (`seals.seal_name`)
     tmp/                  entries being written; renamed into blocks/ once complete
     roots/<id>/<HASH>/    the JSON files of remote caches opened here (see `remote_json`)
     trim.lock             held by the process that trims the cache
@@ -21,21 +21,9 @@ digest were checked, and deleting an entry (trimming) never disturbs a process t
 open or mapped (POSIX keeps the file until then), while one that finds it gone fetches it
 again.
 
-Checked once, not by every process (docs/remote.md, "What the block cache trusts"): a process
-that writes an entry from bytes it verified, or that hashes an entry and finds it right,
-leaves a *seal* beside it, an empty file of its own whose name records the entry's inode
-number and change time (``ctime``, in nanoseconds) as they were then. A process that opens
-the entry later trusts it without reading a byte when it finds a seal of its own user for
-the entry as it is now: a regular file of the entries' mode (0400, read-only) whose inode and
-change time are those sealed. Any change to the entry's bytes since (a write, a truncation,
-a file put in its place, a ``chmod`` to make it writable) sets a new change time, which no
-user can set back, so the seal no longer matches and the entry is hashed again (and
-discarded if it fails). Seals are per user: a seal counts only if the user opening the entry
-owns it, so in a cache shared with a group each member checks another member's entries once
-and seals them for themself (only once the entry has not changed for `SEAL_AFTER` seconds,
-so that a change its owner makes later cannot share the sealed change time on a file system
-whose clock ticks coarsely); no member can make a seal that another trusts. What a seal
-cannot see (damage below the filesystem, a user with root's rights) is said in docs/remote.md.
+Checked once, not by every process: an entry hashed and found right (or written from
+verified bytes) gets this user's *seal* beside it, and is trusted without reading a byte
+while it is as it was sealed (`seals`; docs/remote.md, "What the block cache trusts").
 
 Never outside its folder: the folder itself may be reached through a link (the user's
 choice of where it lives), but nothing inside it is: every folder and entry is opened
@@ -85,7 +73,6 @@ import xxhash
 from ..errors import BlockCacheError
 from ..fileio import DISK_FULL_ERRNOS, free_bytes
 from .folders import (
-    OPEN_DIR,
     PRIVATE_MODES,
     check_folder,
     lock_file,
@@ -95,6 +82,7 @@ from .folders import (
     subdir,
     write_new_file,
 )
+from .seals import is_sealed, scan_blocks, seal_if_checked, write_seal
 
 CACHE_ENV = "SAEV_SHARDS_BLOCK_CACHE"
 LIMIT_ENV = "SAEV_SHARDS_BLOCK_CACHE_BYTES"
@@ -143,24 +131,6 @@ def digest_of(fd: int, nbytes: int) -> str:
         with contextlib.suppress(AttributeError, OSError):  # read ahead: entries are written past the page cache
             view.madvise(mmap.MADV_WILLNEED)
         return xxhash.xxh3_128_hexdigest(view)
-
-
-SEAL_SUFFIX = ".seal"
-#: Seconds since its last change (``ctime``) before another member's entry is sealed: a change
-#: made later carries a later change time, even on a file system whose times are coarse.
-SEAL_AFTER = 2.0
-
-
-def seal_name(key: str, st: os.stat_result, uid: int | None = None) -> str:
-    """The name of the seal user ``uid`` (this process's by default) leaves beside entry ``key``
-    in the state ``st`` (``fstat``): ``<key>.<uid>.<inode>.<ctime in ns>.seal`` (module docstring)."""
-    return f"{key}.{os.geteuid() if uid is None else uid}.{st.st_ino}.{st.st_ctime_ns}{SEAL_SUFFIX}"
-
-
-def _seal_matches(name: str, key: str, st: os.stat_result) -> bool:
-    """Whether ``name`` is a seal (of any user) of entry ``key`` in the state ``st``."""
-    parts = name[: -len(SEAL_SUFFIX)].split(".")
-    return len(parts) == 4 and parts[0] == key and parts[2:] == [str(st.st_ino), str(st.st_ctime_ns)]
 
 
 class TempEntry:
@@ -306,7 +276,7 @@ class BlockCache:
     def open(self, key: str, nbytes: int, digest: str) -> int | None:
         """A descriptor of entry ``key`` if it is a regular file of exactly ``nbytes`` bytes whose
         xxh3_128 is ``digest``: taken without reading a byte when this user sealed it as it is
-        now (`seal_name`), else hashed now (and sealed when it matches); None when it is missing
+        now (`seals.seal_name`), else hashed now (and sealed when it matches); None when it is missing
         or fails (a failing entry, or anything else at its name, is removed: never through a
         link, and never blocking on a FIFO)."""
         if self.disabled:
@@ -324,11 +294,11 @@ class BlockCache:
                         remove_name(dfd, key, None)
                     return None  # unreadable here (another member's entry): fetched again
                 try:
-                    before = time.time()  # an entry of another member is sealed only if older (SEAL_AFTER)
+                    before = time.time()  # an entry of another member is sealed only if older (seals.SEAL_AFTER)
                     st = os.fstat(fd)
                     if not stat.S_ISREG(st.st_mode) or st.st_size != nbytes:
                         good = False
-                    elif self._sealed(dfd, key, st):
+                    elif is_sealed(dfd, key, st, self.modes[2]):
                         return fd
                     else:
                         good = digest_of(fd, nbytes) == digest
@@ -336,7 +306,7 @@ class BlockCache:
                         os.close(fd)
                         remove_name(dfd, key, st)
                         return None
-                    if not self._seal_checked(fd, dfd, key, st, before):
+                    if not seal_if_checked(fd, dfd, key, st, before, self.modes[2]):
                         with contextlib.suppress(OSError):
                             os.utime(fd)  # used now: trims remove the oldest first
                 except BaseException:
@@ -348,74 +318,6 @@ class BlockCache:
             if err.errno in (errno.EMFILE, errno.ENFILE):
                 raise
             return None  # the folder cannot be read: the block is fetched (and kept if it can be)
-
-    def _sealed(self, dfd: int, key: str, st: os.stat_result) -> bool:
-        """Whether entry ``key`` of the folder ``dfd``, found in the state ``st``, is read-only
-        (the entries' mode) and carries this user's seal of that state; its seal then marked
-        used now (trims remove the oldest first)."""
-        if stat.S_IMODE(st.st_mode) != self.modes[2]:
-            return False  # made writable since (or an earlier version's entry): hashed again
-        name = seal_name(key, st)
-        try:
-            seal = os.stat(name, dir_fd=dfd, follow_symlinks=False)
-        except OSError:
-            return False
-        if not stat.S_ISREG(seal.st_mode) or seal.st_uid != os.geteuid():
-            return False
-        if time.time() - seal.st_mtime > 1:  # at most one more system call a second
-            with contextlib.suppress(OSError):
-                os.utime(name, dir_fd=dfd, follow_symlinks=False)
-        return True
-
-    def _seal_checked(self, fd: int, dfd: int, key: str, st: os.stat_result, before: float) -> bool:
-        """Seal entry ``key`` (open as ``fd``), just hashed and found right in the state ``st``
-        (found at time ``before``, ahead of the hash), if it is still in that state and read-only;
-        True once sealed. An entry of this user's of another mode (an earlier version's, or one
-        made writable) is made read-only, and sealed by the next process that hashes it. Another
-        member's entry is sealed only if it had not changed for `SEAL_AFTER` seconds before it
-        was hashed: any change made after that, even in the same tick of a coarse clock, carries
-        a later change time than the one sealed."""
-        try:
-            now = os.fstat(fd)
-            if (now.st_ino, now.st_ctime_ns, now.st_size) != (st.st_ino, st.st_ctime_ns, st.st_size):
-                return False  # changed while it was hashed: checked again on the next open
-            if stat.S_IMODE(now.st_mode) != self.modes[2]:
-                if now.st_uid == os.geteuid():
-                    os.fchmod(fd, self.modes[2])
-                return False
-            if now.st_uid != os.geteuid() and before - now.st_ctime < SEAL_AFTER:
-                return False  # another member's entry changed just now: sealed once it has settled
-            return self._seal(dfd, key, now)
-        except OSError:
-            return False
-
-    def _seal(self, dfd: int, key: str, st: os.stat_result) -> bool:
-        """Leave this user's seal of entry ``key`` in the state ``st`` in the folder ``dfd`` (an
-        empty file, never through a link; anything else at its name is removed); False when it
-        cannot be written (a full disk: the entry is hashed again when next opened)."""
-        name = seal_name(key, st)
-        flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
-        for _ in range(3):
-            try:
-                fd = os.open(name, flags, self.modes[2], dir_fd=dfd)
-            except FileExistsError:
-                with contextlib.suppress(OSError):
-                    there = os.stat(name, dir_fd=dfd, follow_symlinks=False)
-                    if stat.S_ISREG(there.st_mode) and there.st_uid == os.geteuid():
-                        return True  # sealed by another process of this user
-                remove_name(dfd, name, None)  # a link, a FIFO, a folder: never what a link leads to
-                continue
-            except OSError:
-                return False
-            try:
-                if stat.S_IMODE(os.fstat(fd).st_mode) != self.modes[2]:
-                    os.fchmod(fd, self.modes[2])  # the umask took the group's read of a shared cache
-            except OSError:
-                return False
-            finally:
-                os.close(fd)
-            return True
-        return False
 
     def insert(self, key: str, data: Any) -> int | None:
         """Store ``data`` (verified bytes) as entry ``key``; a descriptor of it, or None when the
@@ -465,7 +367,7 @@ class BlockCache:
 
     def commit(self, tmp: TempEntry) -> int:
         """Publish the complete, verified temporary entry ``tmp`` (from `writing`): made read-only,
-        renamed into ``blocks/`` and sealed (`seal_name`). Returns its descriptor (the caller's to
+        renamed into ``blocks/`` and sealed (`seals.seal_name`). Returns its descriptor (the caller's to
         close)."""
         os.fchmod(tmp.fd, self.modes[2])
         nbytes = os.fstat(tmp.fd).st_size
@@ -480,7 +382,7 @@ class BlockCache:
                 os.replace(tmp.name, tmp.key, src_dir_fd=tmp.dir_fd, dst_dir_fd=dfd)
             tmp.committed = True
             # Its bytes are those verified: sealed as it is now, so no process hashes it again.
-            self._seal(dfd, tmp.key, os.fstat(tmp.fd))
+            write_seal(dfd, tmp.key, os.fstat(tmp.fd), self.modes[2])
         with self._lock:  # another process may have put the same bytes there: either is right
             self._pending += nbytes
             due = self._pending >= max(1, self.limit // 32)
@@ -523,47 +425,8 @@ class BlockCache:
     # -- size --------------------------------------------------------------------------------
     def entries(self) -> list[tuple[float, int, Path]]:
         """``(last use, size, path)`` of every entry (seals left out)."""
-        with self._scan_entries() as (found, _):
+        with self._dir("blocks", create=False) as blocks, scan_blocks(blocks) as (found, _):
             return [(e.last_use, e.size, self.folder / "blocks" / e.sub / e.name) for e in found]
-
-    @contextlib.contextmanager
-    def _scan_entries(self) -> Iterator[tuple[list[_Found], list[tuple[int, str]]]]:
-        """Every entry (`_Found`, with its seals), and ``(folder descriptor, name)`` of every seal
-        of no entry as it is now (its entry replaced or gone), the folders open (none through a
-        link) until the block ends."""
-        fds: list[int] = []
-        out: list[_Found] = []
-        stale: list[tuple[int, str]] = []
-        try:
-            with self._dir("blocks", create=False) as blocks:
-                if blocks is not None:
-                    for sub in names(blocks):
-                        try:
-                            sfd = os.open(sub, OPEN_DIR, dir_fd=blocks)
-                        except OSError:
-                            continue  # not a folder (a link, a file): nothing of it is an entry
-                        fds.append(sfd)
-                        here: dict[str, tuple[_Found, os.stat_result]] = {}
-                        seals: list[tuple[str, os.stat_result]] = []
-                        for name in names(sfd):
-                            with contextlib.suppress(OSError):
-                                st = os.stat(name, dir_fd=sfd, follow_symlinks=False)
-                                if name.endswith(SEAL_SUFFIX):
-                                    seals.append((name, st))
-                                else:
-                                    here[name] = (_Found(st.st_mtime, st.st_size, sub, name, sfd), st)
-                        for name, st in seals:
-                            entry = here.get(name.split(".", 1)[0])
-                            if entry is not None and _seal_matches(name, entry[0].name, entry[1]):
-                                entry[0].last_use = max(entry[0].last_use, st.st_mtime)
-                                entry[0].seals.append(name)
-                            else:
-                                stale.append((sfd, name))
-                        out += [found for found, _ in here.values()]
-            yield out, stale
-        finally:
-            for fd in fds:
-                os.close(fd)
 
     def usage(self) -> int:
         """Bytes the entries hold now."""
@@ -591,7 +454,7 @@ class BlockCache:
                         st = os.stat(name, dir_fd=tmp, follow_symlinks=False)
                         if now - st.st_mtime > STALE_SECONDS:
                             remove_name(tmp, name, st)
-            with self._scan_entries() as (found, stale):
+            with self._dir("blocks", create=False) as blocks, scan_blocks(blocks) as (found, stale):
                 for dfd, name in stale:
                     remove_name(dfd, name, None)
                 found.sort(key=lambda e: e.last_use)
@@ -611,21 +474,6 @@ class BlockCache:
                 return removed
         finally:
             os.close(lock)
-
-
-class _Found:
-    """An entry found by a scan of the cache: its last use (its own modification time or its
-    seals', the latest), size, folder name, name, folder descriptor, and its seals' names."""
-
-    __slots__ = ("dfd", "last_use", "name", "seals", "size", "sub")
-
-    def __init__(self, last_use: float, size: int, sub: str, name: str, dfd: int) -> None:
-        self.last_use = last_use
-        self.size = size
-        self.sub = sub
-        self.name = name
-        self.dfd = dfd
-        self.seals: list[str] = []
 
 
 def root_id(url: str) -> str:

@@ -70,23 +70,10 @@ MANY_PARAMETERS = {
 #: Uses of another package's private names that wait for work in flight elsewhere
 #: ("module: what" as `private_uses` reports it, less the line number -> why). The test
 #: fails once one is gone, so the entry goes with it.
-PENDING_PRIVATE = {
-    "loaders.mapped: self.shards._fd (defined in saev_shards.reader)": (
-        "pending: loaders work in flight; the reader's public name is shard_fd (its _fd alias goes with this)"
-    ),
-    "loaders.mapped: self.shards._scale_fd (defined in saev_shards.reader)": (
-        "pending: loaders work in flight; the reader's public name is scale_fd (its _scale_fd alias goes with this)"
-    ),
-    "reader.open: from saev_shards.storage.blockcache import _Unwritable": (
-        "pending: storage work in flight; the retry without the block cache's folder belongs in storage/, "
-        "behind a public function that open_remote calls"
-    ),
-}
+PENDING_PRIVATE: dict[str, str] = {}
 
 #: Docstrings that still cite the source documents ("path: hit" -> why), as `PENDING_PRIVATE`.
-PENDING_HISTORY = {
-    "saev_shards/loaders/datasets.py: Seed 000": "pending: loaders work in flight (LayerPairDataset's docstring)",
-}
+PENDING_HISTORY: dict[str, str] = {}
 
 #: Modules with logic and no mirrored test module yet ("saev_shards/pkg/mod.py", or a folder
 #: "saev_shards/pkg/" for every such module in it) -> the suites that exercise them, through

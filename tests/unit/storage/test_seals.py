@@ -14,8 +14,9 @@ import pytest
 import xxhash
 
 from saev_shards.storage import blockcache
-from saev_shards.storage.blockcache import SEAL_SUFFIX, BlockCache, seal_name
+from saev_shards.storage.blockcache import BlockCache
 from saev_shards.storage.remote import RemoteFiles
+from saev_shards.storage.seals import SEAL_AFTER, SEAL_SUFFIX, seal_name
 
 from ..test_remote_files import DATA, MemoryClient
 
@@ -148,7 +149,7 @@ def test_another_members_entry_is_sealed_only_once_it_has_settled(
     hashes = Hashes(monkeypatch)
     assert opened(BlockCache(tmp_path)) and opened(BlockCache(tmp_path)) and hashes.n == 2
     assert seals(cache) == []
-    later = time.time() + blockcache.SEAL_AFTER + 1
+    later = time.time() + SEAL_AFTER + 1
     monkeypatch.setattr(time, "time", lambda: later)
     assert opened(BlockCache(tmp_path)) and opened(BlockCache(tmp_path)) and hashes.n == 3
 
