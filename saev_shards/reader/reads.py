@@ -104,7 +104,7 @@ class RawReads(ShardHandles):
         while e < stop:  # a span is inside one shard: one descriptor
             k, local = layout.shard_of(e, eps)
             count = min(stop, (k + 1) * eps) - e
-            fd = self._fd(k)
+            fd = self.shard_fd(k)
             for i in range(local, local + count):
                 for p, n in runs:
                     offset = (i * n_layers + p) * nbytes
