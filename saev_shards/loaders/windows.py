@@ -1,5 +1,17 @@
 """Reading the windows of one epoch: their spans into slot buffers (or checked in place in the
-page cache) on a pool of threads, and each window's index beside them (`WindowLoader`)."""
+page cache) on a pool of threads, and each window's index beside them (`WindowLoader`).
+
+How a span is read (`WindowLoader.slice_reads`): every layer chosen, one ``pread`` of its
+examples; a proper subset of the layers, one ``pread`` per chosen ``(example, layer)`` slice
+after a hint that has the disk read all of the span's slices at once (`Shards.prefetch_slices`),
+so a selection costs the disk the bytes it needs and no more. Layers are interleaved within
+each example, so one layer of several is a strided walk that the kernel's readahead does not
+follow: without the hint each read thread waited for one slice at a time, and with whole
+examples read instead (what slices under `plan.MIN_SLICE_READ` used to get) the disk read
+every layer to deliver one. Slices under `MIN_HINTED_SLICE`, and remote caches (whose blocks
+are fetched whole anyway), still read whole examples; the span plan, the buffers' layout and
+so every batch are the same either way.
+"""
 
 from __future__ import annotations
 
@@ -16,6 +28,11 @@ import numpy.typing as npt
 from .plan import WindowIndex, index_window
 from .pools import Tasks
 from .schedule import Config, Epoch
+
+#: Slices of a proper subset of the layers at least this large (bytes) are read one by one,
+#: hinted, even where the span plan lays whole examples out in the buffer (slices under
+#: `plan.MIN_SLICE_READ`); smaller ones cost more in calls than reading whole examples does.
+MIN_HINTED_SLICE = 16 << 10
 
 
 class WindowLoader:
@@ -54,6 +71,15 @@ class WindowLoader:
         if pool is None:
             pool = ThreadPoolExecutor(max_workers=cfg.read_threads, thread_name_prefix="saev-loader-read")
         self.pool = Tasks(pool, owned)
+        spans, shards = cfg.spans, cfg.shards
+        md = shards.metadata
+        subset = len(spans.read_positions) < md.n_layers
+        local = not shards.files.prefetches  # a remote cache fetches each span's blocks whole
+        slice_bytes = md.tokens_per_ex * md.d_model * md.itemsize
+        #: Whether spans are read slice by slice, only the chosen layers (else whole examples).
+        self.slice_reads = subset and (not spans.whole or (local and slice_bytes >= MIN_HINTED_SLICE))
+        #: Whether each span's slices are hinted to the storage before they are read.
+        self.hint_slices = self.slice_reads and local
 
     def slot(self, w: int) -> int:
         return w % len(self.buffers)
@@ -152,18 +178,23 @@ class WindowLoader:
         first, last = row_offset * cfg.tokens, (row_offset + count * rows_per_ex) * cfg.tokens
         slices = buffer[first:last].reshape(count, rows_per_ex, cfg.tokens, cfg.d_model)
         scale_slices = None if scales is None else scales[first:last].reshape(count, rows_per_ex, cfg.tokens)
-        if spans.whole:
+        if not self.slice_reads:
             cfg.shards.read_range_raw(start, stop, slices)
             if scale_slices is not None:
                 cfg.shards.read_range_scales(start, stop, scale_slices)
             return
+        # The chosen layers only: their rows in the buffer (every layer's row when the plan
+        # lays whole examples out, else one per chosen layer) and their positions in the files.
+        pairs = list(zip(spans.slots.tolist(), spans.read_positions.tolist(), strict=True))
+        if self.hint_slices:
+            cfg.shards.prefetch_slices(start, stop, spans.read_positions.tolist())
         for e in range(count):
             if self.stop.is_set():
                 raise CancelledError
-            for s, position in enumerate(spans.read_positions.tolist()):
-                cfg.shards.read_example_raw(start + e, position, slices[e, s])
+            for row, position in pairs:
+                cfg.shards.read_example_raw(start + e, position, slices[e, row])
                 if scale_slices is not None:
-                    cfg.shards.read_example_scales(start + e, position, scale_slices[e, s])
+                    cfg.shards.read_example_scales(start + e, position, scale_slices[e, row])
 
     def close(self) -> None:
         self.stop.set()
