@@ -140,12 +140,17 @@ class TextEncoder:
 
         T = self.T
         if self.hf:
-            full = self.tokenizer(list(texts), truncation=False, add_special_tokens=True)["input_ids"]
-            true = np.array([len(x) for x in full], np.int32)
             enc = self.tokenizer(list(texts), truncation=True, max_length=T, padding="max_length", return_tensors="pt")
             inputs = dict(enc)
             ids = inputs["input_ids"]
             lengths = inputs["attention_mask"].sum(dim=1).numpy().astype(np.int32)
+            # Only an example that fills all T positions can have been cut: those alone are
+            # tokenized again, whole, for their true length (the others' is their length).
+            true = lengths.copy()
+            filled = np.flatnonzero(lengths >= T)
+            if filled.size:
+                whole = self.tokenizer([texts[i] for i in filled.tolist()], truncation=False, add_special_tokens=True)
+                true[filled] = [len(x) for x in whole["input_ids"]]
         else:
             full = [list(map(int, x)) for x in self.tokenizer(list(texts))]
             true = np.array([len(x) for x in full], np.int32)

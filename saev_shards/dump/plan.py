@@ -112,7 +112,9 @@ def plan(config: DumpConfig | Mapping[str, Any] | str | os.PathLike[str], *, wei
     """Read the corpus, load the model (weights only with ``weights``) and build the metadata.
 
     What the model's config.json declares (its blocks, its maximum positions) is checked
-    against ``layers`` and ``T`` here, so ``--dry-run`` reports those mistakes too.
+    against ``layers`` and ``T`` here, so ``--dry-run`` reports those mistakes too, and so is
+    a corpus of no examples (``budget = 0``, every line shorter than ``min_chars``, an empty
+    file): a `ConfigError`, never an empty cache.
 
     A dump of ``sites`` always loads the weights: the sites' full names come from the
     model's modules, and their width (``d_model``, which need not be the model's) from one
@@ -120,6 +122,8 @@ def plan(config: DumpConfig | Mapping[str, Any] | str | os.PathLike[str], *, wei
     """
     cfg = as_config(config)
     corpus = load_corpus(cfg)
+    if not len(corpus):
+        raise ConfigError(f"dataset: {_why_empty(cfg)}; a dump needs at least one example (nothing was written)")
     check_columns(cfg, corpus)
     loaded = load_model(cfg, weights=weights or bool(cfg.sites))
     problems = check_limits(cfg, loaded.limits)
@@ -184,6 +188,17 @@ def plan(config: DumpConfig | Mapping[str, Any] | str | os.PathLike[str], *, wei
     except ShardsError as err:
         raise ConfigError(str(err)) from None
     return Plan(cfg, corpus, loaded, md, blocks)
+
+
+def _why_empty(cfg: DumpConfig) -> str:
+    """Why `load_corpus` found no examples, for the `ConfigError`."""
+    ds = cfg.dataset
+    if cfg.budget == 0:
+        return "budget = 0 asks for no examples"
+    if ds.kind == "jsonl":
+        return f"{ds.path} holds no records"
+    where = "the standard-library corpus" if ds.kind == "stdlib" else str(ds.path)
+    return f"{where} has no text of at least min_chars = {ds.min_chars} characters"
 
 
 def _columns_for(cfg: DumpConfig) -> dict[str, tuple[Any, tuple[int, ...]]]:

@@ -246,15 +246,32 @@ class Recorder:
         if out is None or missing:
             raise RecorderError(f"layers {missing} did not run in the forward pass")
         if lengths is not None:
-            with torch.inference_mode():
-                lengths_t = torch.as_tensor(np.asarray(lengths), device=out.device).reshape(-1, 1)
-                positions = torch.arange(out.shape[2], device=out.device)
-                padding = positions[None, :] >= lengths_t  # (B, T)
-                out.masked_fill_(padding[:, None, :, None], 0)
+            _zero_padding(out, lengths)
         assert isinstance(out, torch.Tensor)
         return out
 
     __call__ = record
+
+
+def _zero_padding(out: torch.Tensor, lengths: Any) -> None:
+    """Set positions at or beyond ``lengths[b]`` of ``out`` ``(B, L, T, D)`` to zero.
+
+    On the CPU, integer lengths zero one slice per padded example, touching the padding
+    only (a mask over the whole batch reads and writes every value: ~3x the CPU time
+    here); elsewhere one masked fill (one kernel, not one per example). Both store +0.0.
+    """
+    given = np.asarray(lengths.cpu() if isinstance(lengths, torch.Tensor) else lengths)
+    with torch.inference_mode():
+        if out.device.type == "cpu" and given.dtype.kind in "iu" and given.size == out.shape[0]:
+            n_tokens = out.shape[2]
+            for b, n in enumerate(given.reshape(-1).tolist()):
+                if n < n_tokens:
+                    out[b, :, max(n, 0) :].zero_()
+            return
+        lengths_t = torch.as_tensor(given, device=out.device).reshape(-1, 1)
+        positions = torch.arange(out.shape[2], device=out.device)
+        padding = positions[None, :] >= lengths_t  # (B, T)
+        out.masked_fill_(padding[:, None, :, None], 0)
 
 
 class AsyncWriter:

@@ -1,4 +1,4 @@
-"""Per-shard statistics while writing: one `StatsAccumulator` per shard, in a thread of its own.
+"""Per-shard statistics while writing: one `StatsAccumulator` per shard, summed in threads of their own.
 
 Shard ``k``'s sums go into its part record; `finalize` adds the shards' sums in shard
 order and writes stats.json (protocol.md section 2.6) from the total. The accumulator
@@ -8,44 +8,70 @@ itself lives in `saev_shards.statistics`, where the store's stats sidecar uses i
 from __future__ import annotations
 
 import collections
+import os
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
 import numpy.typing as npt
 
-from ..statistics import StatsAccumulator
+from ..statistics import STATS_CHUNK, ExampleSums, StatsAccumulator, example_sums
 
-#: Batches that may wait for the statistics thread before the writer blocks.
+#: Batches that may wait for the statistics threads before the writer blocks.
 _STATS_BACKLOG = 2
+#: Threads summing the examples of a batch, each a contiguous share of them: one on a small
+#: machine, where the model (or the writer's caller) keeps the cores busy anyway; up to 4 on
+#: a GPU node, whose CPU work (tokenizer, statistics, writing) paces a fast model.
+_STATS_THREADS = max(1, min(4, len(os.sched_getaffinity(0)) // 4 if hasattr(os, "sched_getaffinity") else 1))
 
 
 class StatsPass:
-    """The writer's statistics: one `StatsAccumulator` per shard, updated in a thread of their own.
+    """The writer's statistics: one `StatsAccumulator` per shard, summed in threads of their own.
 
-    numpy releases the GIL, so the sums overlap the disk writes; they run in submission
-    order, and at most `_STATS_BACKLOG` batches wait for them before the writer blocks.
+    Each batch's examples are summed in up to `_STATS_THREADS` threads, a contiguous share
+    each (`example_sums`; numpy releases the GIL, so the sums overlap the disk writes and
+    each other); their sums go into the shard's totals in example order when the writer
+    takes them (`add_sums`), so the totals are the bits a single thread gives. At most
+    `_STATS_BACKLOG` batches wait before the writer blocks.
     """
 
     def __init__(self, n_layers: int, d_model: int, dtype: str) -> None:
         self.n_layers, self.d_model, self.dtype = n_layers, d_model, dtype
         #: Shard -> its sums (complete once `wait_through` has passed the shard).
         self.shards: dict[int, StatsAccumulator] = {}
-        self._pool = ThreadPoolExecutor(1, "saev-shards-stats")
-        self._pending: collections.deque[tuple[int, Future[None]]] = collections.deque()
+        self.threads = _STATS_THREADS
+        self._pool = ThreadPoolExecutor(self.threads, "saev-shards-stats")
+        self._pending: collections.deque[tuple[int, list[Future[list[ExampleSums]]]]] = collections.deque()
 
     def submit(
         self, k: int, acts: npt.NDArray[Any], lengths: npt.NDArray[Any] | None, scales: npt.NDArray[Any] | None = None
     ) -> None:
         """Add ``acts`` (examples of shard ``k``, with their scales for float8_e4m3) in the background."""
-        stats = self.shards.setdefault(k, StatsAccumulator(self.n_layers, self.d_model))
-        self._pending.append((k, self._pool.submit(stats.update, acts, self.dtype, lengths, scales)))
+        self.shards.setdefault(k, StatsAccumulator(self.n_layers, self.d_model))
+        n = len(acts)
+        step = max(STATS_CHUNK, -(-n // self.threads))
+        jobs = [
+            self._pool.submit(
+                example_sums,
+                acts[a : a + step],
+                self.dtype,
+                None if lengths is None else lengths[a : a + step],
+                None if scales is None else scales[a : a + step],
+            )
+            for a in range(0, n, step)
+        ]
+        self._pending.append((k, jobs))
         while len(self._pending) > _STATS_BACKLOG:
-            self._pending.popleft()[1].result()
+            self._add_oldest()
+
+    def _add_oldest(self) -> None:
+        k, jobs = self._pending.popleft()
+        for job in jobs:
+            self.shards[k].add_sums(job.result())
 
     def wait_through(self, k: int) -> None:
         """Wait until every batch of shards up to ``k`` is summed."""
         while self._pending and self._pending[0][0] <= k:
-            self._pending.popleft()[1].result()
+            self._add_oldest()
 
     def shutdown(self, cancel: bool = False) -> None:
         self._pool.shutdown(wait=True, cancel_futures=cancel)
