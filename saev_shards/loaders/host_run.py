@@ -41,7 +41,7 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
-from ..codecs import float8
+from ..codecs import float8, gather
 from .batch import Batch
 from .outputs import cast_into
 from .plan import WindowIndex
@@ -175,8 +175,11 @@ class HostRun:
         cfg, sched = self.cfg, self.schedule
         lo, hi = int(sched.lo[c]), int(sched.hi[c])
         n = hi - lo
-        # float8_e4m3 is gathered and dequantized into the output in one pass (float8.take_dequantize).
+        # float8_e4m3 is gathered and dequantized into the output in one pass (float8.take_dequantize),
+        # float16 and bfloat16 gathered and widened to float32 in one (gather.take_widen, compiled).
         converts = cfg.out_dtype != cfg.stored and not cfg.float8
+        widens = converts and cfg.out_dtype == "float32" and gather.kernels_in_use() and cfg.stored in gather.WIDENS
+        converts = converts and not widens
         acts, out = self._output(n, cfg.out_dtype)
         raw = self._scratch(n) if converts else out
         pieces: list[tuple[WindowIndex, int, int]] = []
@@ -189,6 +192,8 @@ class HostRun:
             dest = raw[filled : filled + b - a]
             if window_scales is not None:
                 float8.take_dequantize(values, window_scales, index.flat[a:b], dest, cfg.out_dtype)
+            elif widens:
+                gather.take_widen(values, index.flat[a:b], dest, cfg.stored)
             else:
                 # mode="clip": with the default "raise", numpy gathers into a temporary and copies.
                 np.take(values, index.flat[a:b], axis=0, out=dest, mode="clip")

@@ -1,7 +1,8 @@
 """The plan of an epoch: read spans, the windows of this rank, and each window's order.
 
-Pure numpy, no torch and no activation I/O (only the selection's label and length columns
-are read), so the order of any epoch can be computed, tested and measured from metadata.
+numpy (and compiled kernels where numba is installed: `codecs.gather`), no torch and no
+activation I/O (only the selection's label and length columns are read), so the order of any
+epoch can be computed, tested and measured from metadata.
 
 A *unit* is one row of a batch: a token vector ``(D,)``, or with stacked layers the
 ``(L, D)`` vectors of one ``(example, token)`` at every chosen layer.
@@ -16,6 +17,7 @@ from collections.abc import Callable
 import numpy as np
 import numpy.typing as npt
 
+from ..codecs import gather
 from ..reader import Shards
 from ..world import share
 from .selection import CLS_LABEL, TokenSelection
@@ -239,13 +241,26 @@ def index_window(
         labels[:, selection.cls :] = np.concatenate(rows)
     slots = spans.slots.astype(np.int32)
     n_slots = 1 if spans.stack_layers else len(slots)  # slots enumerated per unit
+    if source is None:  # the window buffer
+        ex_vector = np.arange(n_ex, dtype=np.int64) * (spans.rows_per_ex * tokens)
+        slot_vector = np.arange(spans.rows_per_ex, dtype=np.int64) * tokens
+    else:
+        ex_vector, slot_vector = source(examples, spans)
+    # Compiled (`codecs.gather`): the columns in one pass over the permuted units, the same values.
+    vectors = (ex_vector, slot_vector, slot_vector[spans.slots] if spans.stack_layers else None)
     if not selection.varies:
         # Unit u (in example, layer, token order) is example u // per_ex, slot and token from
         # the rest: computed from the permuted unit numbers, no gather of unit-sized arrays.
         chosen = selection.base_tokens.astype(np.int64)
         per_ex = n_slots * len(chosen)
         lo, hi = window.trim_lo, n_ex * per_ex - window.trim_hi
-        unit = np.arange(lo, hi, dtype=np.int64) if rng is None else rng.permutation(hi - lo) + lo
+        order = None if rng is None else rng.permutation(hi - lo)
+        columns = gather.window_index(
+            order, lo, hi - lo, per_ex, slots, chosen, vectors, examples, spans.slot_layer, labels, tokens
+        )
+        if columns is not None:
+            return WindowIndex(*columns)
+        unit = np.arange(lo, hi, dtype=np.int64) if order is None else order + lo
         ex_c, rest = np.divmod(unit, per_ex)
         s_c, t_c = np.divmod(rest, len(chosen))
         slot_c, tok_c = slots[s_c], chosen[t_c]
@@ -270,17 +285,18 @@ def index_window(
         if window.trim_lo or window.trim_hi:
             keep = slice(window.trim_lo, len(ex_c) - window.trim_hi)
             ex_c, slot_c, tok_c = ex_c[keep], slot_c[keep], tok_c[keep]
-        if rng is not None:
-            order = rng.permutation(len(ex_c))
-            ex_c, slot_c, tok_c = ex_c[order], slot_c[order], tok_c[order]
-    if source is None:  # the window buffer
-        ex_vector = np.arange(n_ex, dtype=np.int64) * (spans.rows_per_ex * tokens)
-        slot_vector = np.arange(spans.rows_per_ex, dtype=np.int64) * tokens
-    else:
-        ex_vector, slot_vector = source(examples, spans)
+        listed_order = None if rng is None else rng.permutation(len(ex_c))
+        columns = gather.window_index_listed(
+            listed_order, (ex_c, slot_c, tok_c), vectors, examples, spans.slot_layer, labels, tokens
+        )
+        if columns is not None:
+            return WindowIndex(*columns)
+        if listed_order is not None:
+            ex_c, slot_c, tok_c = ex_c[listed_order], slot_c[listed_order], tok_c[listed_order]
     first = ex_vector[ex_c]
     if spans.stack_layers:
-        flat = first[:, None] + slot_vector[spans.slots][None, :] + tok_c[:, None]
+        assert vectors[2] is not None
+        flat = first[:, None] + vectors[2][None, :] + tok_c[:, None]
         layer_col = None
     else:
         flat = first + slot_vector[slot_c] + tok_c

@@ -13,7 +13,6 @@ import contextlib
 import hashlib
 import json
 from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -22,7 +21,7 @@ import torch
 
 import saev_shards as ss
 from saev_shards import loaders
-from saev_shards.codecs import float8
+from saev_shards.codecs import float8, gather
 from saev_shards.loaders import mapped
 
 from ...support.caches import small_metadata, write_cache
@@ -96,12 +95,12 @@ EXPECTED = {
 def caches(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, ss.Shards]]:
     root = tmp_path_factory.mktemp("exact")
     opened = {}
-    for name, (changes, kwargs) in CACHES.items():
+    for name, (changes, options) in CACHES.items():
         md = small_metadata(
             n_examples=100, patches_per_ex=16, d_model=16, patches_per_shard=40 * 16, data={"name": name}, **changes
         )
         lengths = np.random.default_rng(3).integers(0, 18, md.n_examples).astype(np.int32)
-        kwargs = {**kwargs, "lengths": lengths} if kwargs.get("lengths") else kwargs
+        kwargs = {**options, "lengths": lengths} if options.get("lengths") else options
         write_cache(root, md, batches=(9,), **kwargs)
         opened[name] = ss.open(root / md.hash)
     yield opened
@@ -117,8 +116,7 @@ def acts_bytes(acts: torch.Tensor) -> bytes:
 
 def batch_bytes(batch: Any) -> list[bytes]:
     parts = [acts_bytes(batch.acts), str(tuple(batch.acts.shape)).encode(), str(batch.acts.dtype).encode()]
-    for name in ("examples", "tokens", "layers"):
-        parts.append(getattr(batch, name).contiguous().numpy().tobytes())
+    parts.extend(getattr(batch, name).contiguous().numpy().tobytes() for name in ("examples", "tokens", "layers"))
     parts.append(b"-" if batch.labels is None else batch.labels.numpy().tobytes())
     return parts
 
@@ -169,8 +167,12 @@ def test_batches_are_the_pinned_ones(caches: dict[str, ss.Shards], name: str) ->
         with windows_in_place(in_place):
             assert digest_of(shards, kwargs) == EXPECTED[name], (name, in_place)
     assert digest_of(shards, kwargs, device="cpu") == EXPECTED[name], (name, "device path")
+    assert gather.kernels_in_use(), "numba's gathers and window indexes (the `fast` extra) are not in use"
+    for in_place in (False, True):
+        with gather.numpy_only(), windows_in_place(in_place):
+            assert digest_of(shards, kwargs) == EXPECTED[name], (name, in_place, "numpy gathers and indexes")
     if cache == "float8":
-        with float8.numpy_only():
+        with float8.numpy_only(), gather.numpy_only():
             assert digest_of(shards, kwargs) == EXPECTED[name], (name, "numpy only")
 
 
