@@ -8,7 +8,9 @@ with numpy doing the same work where numba is missing: the same values either wa
   from its units' numbers, or from its listed units, in one pass.
 
 The kernels are used once they have loaded and matched the numpy code on a test input
-(`kernels_in_use`); `numpy_only` turns them off, in every thread, for comparisons and tests.
+(`kernels_in_use`); until then (a new process takes 1-3 s to import numba and load them: a
+loader starts that on a thread of its own, `load_in_background`) the same work is numpy's.
+`numpy_only` turns them off, in every thread, for comparisons and tests.
 ``SAEV_SHARDS_NUMBA=0`` turns them off for the process, as it does float8_e4m3's.
 """
 
@@ -46,19 +48,52 @@ def numpy_only() -> Iterator[None]:
         _NUMPY_ONLY.pop()
 
 
-def _kernels() -> Any:
+def _kernels(wait: bool = True) -> Any:
+    """The kernels, or None where they cannot be used. ``wait=False``: None until they have
+    loaded, loading them on a thread of their own meanwhile (`load_in_background`)."""
     if _NUMPY_ONLY:
         return None
     if not _KERNELS:
-        with _KERNELS_LOCK:
-            if not _KERNELS:
-                _KERNELS.append(_load_kernels())
+        if not wait:
+            load_in_background()
+            return None
+        _load()
     return _KERNELS[0]
 
 
+def _load() -> None:
+    with _KERNELS_LOCK:
+        if not _KERNELS:
+            _KERNELS.append(_load_kernels())
+
+
 def kernels_in_use() -> bool:
-    """True when the loaders' gathers and window indexes run numba's compiled kernels here."""
+    """True when the loaders' gathers and window indexes run numba's compiled kernels here (loading
+    them first if need be)."""
     return _kernels() is not None
+
+
+def kernels_ready() -> bool:
+    """Whether the kernels have loaded (and can be used), without waiting for them."""
+    return _kernels(wait=False) is not None
+
+
+_BACKGROUND: list[threading.Thread] = []
+
+
+def load_in_background() -> None:
+    """Start loading the kernels on a daemon thread, once per process. Importing numba and loading
+    its compiled code from the cache take 1-3 s of a new process; a loader starts this when it is
+    made and uses numpy until the kernels are there (the same batches), so its first batch never
+    waits for them."""
+    if _KERNELS or _BACKGROUND:
+        return
+    with _KERNELS_LOCK:
+        if _KERNELS or _BACKGROUND:
+            return
+        thread = threading.Thread(target=_load, name="saev-gather-kernels", daemon=True)
+        _BACKGROUND.append(thread)
+    thread.start()
 
 
 def _load_kernels() -> Any:
@@ -115,7 +150,7 @@ def take_widen(
     ``values`` ``(W, D)`` (float16 or bfloat16 bits: `WIDENS`), widened into ``out`` (C-contiguous
     float32, ``(*rows.shape, D)``) in one compiled pass. False, with nothing written, where the
     kernels are not in use (the caller gathers and casts)."""
-    kernels = _kernels()
+    kernels = _kernels(wait=False)
     if kernels is None or stored not in WIDENS:
         return False
     d_model = values.shape[-1]
@@ -156,7 +191,7 @@ def window_index(
     ``u`` is unit number ``lo + order[u]`` (``lo + u`` without ``order``) in example, slot, token
     order, ``per_ex`` units per example. ``rows``: ``(first vector of each example, offset of each
     slot, offsets of the stacked slots or None)``. None where the kernels are not in use."""
-    kernels = _kernels()
+    kernels = _kernels(wait=False)
     if kernels is None:
         return None
     outs = _outputs(n_units, rows[2], labels is not None)
@@ -187,7 +222,7 @@ def window_index_listed(
 ) -> Columns | None:
     """`window_index` from the listed units ``(example, slot, token)`` of a window (batch unit
     ``u`` is listed unit ``order[u]``, or ``u``). None where the kernels are not in use."""
-    kernels = _kernels()
+    kernels = _kernels(wait=False)
     if kernels is None:
         return None
     outs = _outputs(len(listed[0]), rows[2], labels is not None)

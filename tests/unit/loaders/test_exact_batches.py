@@ -163,11 +163,11 @@ def windows_in_place(in_place: bool) -> Iterator[None]:
 def test_batches_are_the_pinned_ones(caches: dict[str, ss.Shards], name: str) -> None:
     cache, kwargs = CASES[name]
     shards = caches[cache]
+    assert gather.kernels_in_use(), "numba's gathers and window indexes (the `fast` extra) are not in use"
     for in_place in (False, True):
         with windows_in_place(in_place):
             assert digest_of(shards, kwargs) == EXPECTED[name], (name, in_place)
     assert digest_of(shards, kwargs, device="cpu") == EXPECTED[name], (name, "device path")
-    assert gather.kernels_in_use(), "numba's gathers and window indexes (the `fast` extra) are not in use"
     for in_place in (False, True):
         with gather.numpy_only(), windows_in_place(in_place):
             assert digest_of(shards, kwargs) == EXPECTED[name], (name, in_place, "numpy gathers and indexes")
