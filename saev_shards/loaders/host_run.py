@@ -296,6 +296,7 @@ class HostRun:
         self.windows.close()
         with self.lock:
             self.loads, self.futures = {}, {}
+            self.first_load = Future()  # its callback refers back to this run: no cycle outlives it
         if self.own_pools:
             self.pools.shutdown()
 

@@ -200,6 +200,7 @@ class WindowLoader:
         self.pool.cancel()
         # Nothing of this epoch outlives it: the caller's callbacks may refer back to its run.
         self.buffers = ()
+        self.early = {}
         self.ready_to_write = self.finish = _closed
 
 

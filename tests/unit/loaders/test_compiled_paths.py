@@ -126,4 +126,3 @@ def test_window_index_matches_numpy(
             assert (a is None) == (b is None), name
             if a is not None:
                 assert a.dtype == b.dtype and np.array_equal(a, b), name
-
