@@ -362,6 +362,8 @@ OWN_ROWS: list[tuple[str, str, dict[str, Any]]] = [
     ("float8, all layers", "float8_e4m3", {"mix_layers": True}),
     ("float8, layer 11, out float32", "float8_e4m3", {"layers": 11, "out_dtype": "float32"}),
     ("1 gather thread", "float16", {"mix_layers": True, "gather_threads": 1}),
+    # Without numba (its limits too): the numpy-only path, to be within 2 x the compiled one.
+    ("all layers, out float32, numpy only", "float16", {"mix_layers": True, "out_dtype": "float32", "numpy": True}),
 ]
 #: The shuffle windows the rows are measured at: the loaders' default and a small one.
 WINDOWS = (1 << 30, 64 << 20)
@@ -488,6 +490,16 @@ def _with_cpu(fn: Callable[[], float], label: str, cpu: dict[str, list[float]]) 
     return run
 
 
+def _numpy_only(fn: Callable[[], float]) -> Callable[[], float]:
+    """``fn`` run without numba's kernels (`gather.numpy_only`, `float8.numpy_only`)."""
+
+    def run() -> float:
+        with gather.numpy_only(), float8.numpy_only():
+            return fn()
+
+    return run
+
+
 def bench_own_limits(caches: dict[str, ss.Shards], quick: bool) -> None:
     """Each shuffled loader row beside gathers of its own rows into its own output dtype, at the
     default window and a small one, page-cached."""
@@ -503,6 +515,7 @@ def bench_own_limits(caches: dict[str, ss.Shards], quick: bool) -> None:
         for name, cache, options in OWN_ROWS:
             shards = caches[cache]
             kwargs = {**options, "buffer_bytes": window}
+            numpy = bool(kwargs.pop("numpy", False))
             label = f"{name}, {window >> 20} MiB window"
             g = LoaderGather(shards, kwargs)
             gathers.append(g)
@@ -513,10 +526,13 @@ def bench_own_limits(caches: dict[str, ss.Shards], quick: bool) -> None:
                 samples.setdefault(label, []).append(s)
                 return s[0]
 
-            fns[f"{label}: loader"] = sample
-            fns[f"{label}: precomputed"] = functools.partial(g.precomputed, limit_bytes)
-            fns[f"{label}: drawn"] = _with_cpu(functools.partial(g.drawn, limit_bytes), f"{label}: drawn", cpu)
-            fns[f"{label}: plain"] = _with_cpu(functools.partial(g.plain, window, limit_bytes), f"{label}: plain", cpu)
+            row_fns: dict[str, Callable[[], float]] = {
+                "loader": sample,
+                "precomputed": functools.partial(g.precomputed, limit_bytes),
+                "drawn": _with_cpu(functools.partial(g.drawn, limit_bytes), f"{label}: drawn", cpu),
+                "plain": _with_cpu(functools.partial(g.plain, window, limit_bytes), f"{label}: plain", cpu),
+            }
+            fns.update({f"{label}: {k}": _numpy_only(fn) if numpy else fn for k, fn in row_fns.items()})
     for shards in caches.values():
         bl.warm_cache(shards.path)
     try:
@@ -576,8 +592,9 @@ def bench_own_limits(caches: dict[str, ss.Shards], quick: bool) -> None:
         "rows of an anonymous buffer of the window's size (or the cache's, if smaller), each batch's indices drawn "
         "with `Generator.integers` just before its gather. The limit is the faster of the two drawn ones; its CPU "
         f"s/GB is the process's while it ran. Median of {rounds} interleaved rounds; each loader sample runs its "
-        f"epochs until {min_bytes / 1e9:.1f} GB. Targets (issue 33): every row >= 0.8 of its limit, CPU s/GB within "
-        "1.3 x the limit's."
+        f"epochs until {min_bytes / 1e9:.1f} GB. The 'numpy only' row and its limits run without numba's "
+        "kernels. Targets (issue 33): every row >= 0.8 of its limit, CPU s/GB within 1.3 x the limit's; numpy only "
+        "within 2 x the compiled row's time."
     )
     table.emit()
 
@@ -790,6 +807,9 @@ def bench_cuda(shards: ss.Shards, quick: bool) -> None:
 def main(quick: bool = False, scale: bool = False, keep: bool = False) -> None:
     """Run every loader table; ``scale`` also builds a cache larger than RAM (minutes, ~30 GB of disk)."""
     print(f"Machine: {tables.machine()}\n", flush=True)
+    # The compiled kernels loaded before anything is timed (a loader loads them on a thread of its
+    # own, whose import of numba would otherwise be counted in the first samples' CPU time).
+    print(f"Compiled gathers and indexes (numba): {gather.kernels_in_use()}", flush=True)
     work = tables.bench_dir() / "loaders"
     work.mkdir(parents=True, exist_ok=True)
     n_examples = 600 if quick else 6_000  # 0.36 GB / 3.6 GB, both well inside RAM

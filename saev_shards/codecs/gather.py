@@ -26,6 +26,8 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
+from ._float8_passes import subnormals_kept
+
 #: Stored dtypes `take_widen` widens to float32 in one pass.
 WIDENS = ("float16", "bfloat16")
 
@@ -151,7 +153,8 @@ def take_widen(
     float32, ``(*rows.shape, D)``) in one compiled pass. False, with nothing written, where the
     kernels are not in use (the caller gathers and casts)."""
     kernels = _kernels(wait=False)
-    if kernels is None or stored not in WIDENS:
+    # float16 subnormals read as zero on a thread that flushes them: numpy's cast then.
+    if kernels is None or stored not in WIDENS or not subnormals_kept():
         return False
     d_model = values.shape[-1]
     src = values.view(np.uint16).reshape(-1, d_model)
