@@ -4,6 +4,7 @@ for any window, selection and order, and the same batches (test_exact_batches.py
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Iterator
 from typing import Any
 
@@ -126,3 +127,42 @@ def test_window_index_matches_numpy(
             assert (a is None) == (b is None), name
             if a is not None:
                 assert a.dtype == b.dtype and np.array_equal(a, b), name
+
+
+def test_kernels_are_checked_and_can_be_turned_off(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Kernels that disagree with numpy are not used (with a warning), nor are they with
+    SAEV_SHARDS_NUMBA=0: the loaders then gather and index with numpy."""
+    monkeypatch.setattr(gather, "_KERNELS", [])
+    monkeypatch.setattr(gather, "_BACKGROUND", [])
+    monkeypatch.setattr(gather, "_check_kernels", lambda kernels: "its widening of float16 differs from numpy's")
+    with pytest.warns(UserWarning, match="numba's kernels are not used .*differs"):
+        assert not gather.kernels_in_use()
+    out = np.empty((2, 4), np.float32)
+    assert not gather.take_widen(np.ones((3, 4), np.float16), np.array([0, 2]), out, "float16")
+    monkeypatch.setattr(gather, "_KERNELS", [])
+    monkeypatch.setenv("SAEV_SHARDS_NUMBA", "0")
+    assert not gather.kernels_in_use()
+
+
+def test_kernels_load_in_background(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Until the kernels have loaded, the loaders' calls do not wait for them (numpy does the work);
+    a loader starts loading them on a thread of its own, once per process."""
+    monkeypatch.setattr(gather, "_KERNELS", [])
+    monkeypatch.setattr(gather, "_BACKGROUND", [])
+    gate = threading.Event()
+    real_load = gather._load_kernels
+
+    def slow_load() -> Any:
+        assert gate.wait(timeout=20)
+        return real_load()
+
+    monkeypatch.setattr(gather, "_load_kernels", slow_load)
+    out = np.empty((2, 4), np.float32)
+    assert not gather.take_widen(np.ones((3, 4), np.float16), np.array([0, 2]), out, "float16")  # not waiting
+    assert not gather.kernels_ready()
+    assert len(gather._BACKGROUND) == 1
+    gate.set()
+    gather._BACKGROUND[0].join(timeout=20)
+    assert gather.kernels_ready()
+    assert gather.take_widen(np.ones((3, 4), np.float16), np.array([0, 2]), out, "float16")
+    assert np.array_equal(out, np.ones((2, 4), np.float32))

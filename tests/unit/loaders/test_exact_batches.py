@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
+import importlib.util
 import json
 from collections.abc import Iterator
 from typing import Any
@@ -163,7 +164,8 @@ def windows_in_place(in_place: bool) -> Iterator[None]:
 def test_batches_are_the_pinned_ones(caches: dict[str, ss.Shards], name: str) -> None:
     cache, kwargs = CASES[name]
     shards = caches[cache]
-    assert gather.kernels_in_use(), "numba's gathers and window indexes (the `fast` extra) are not in use"
+    if importlib.util.find_spec("numba") is not None:
+        assert gather.kernels_in_use(), "numba imports but its gathers and window indexes are not used"
     for in_place in (False, True):
         with windows_in_place(in_place):
             assert digest_of(shards, kwargs) == EXPECTED[name], (name, in_place)
