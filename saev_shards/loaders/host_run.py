@@ -192,7 +192,8 @@ class HostRun:
         pieces: list[tuple[WindowIndex, int, int]] = []
         filled = 0
         for w, a, b in self.plan.segments(lo, hi):
-            index = self._early_index(c, w) or loads[w].result()
+            early = self._early_index(c, w)
+            index = loads[w].result() if early is None else early
             if self.stop.is_set():
                 raise CancelledError
             values, window_scales = self.windows.source(w)
@@ -200,10 +201,10 @@ class HostRun:
             if window_scales is not None:
                 float8.take_dequantize(values, window_scales, index.flat[a:b], dest, cfg.out_dtype)
             elif widens:
-                if not gather.take_widen(values, index.flat[a:b], dest, cfg.stored):  # numpy_only since
-                    raw = self._scratch(b - a)
-                    np.take(values, index.flat[a:b], axis=0, out=raw, mode="clip")
-                    cast_into(raw, cfg.stored, cfg.out_dtype, dest)
+                if not gather.take_widen(values, index.flat[a:b], dest, cfg.stored):  # `numpy_only` meanwhile
+                    scratch = self._scratch(b - a)
+                    np.take(values, index.flat[a:b], axis=0, out=scratch, mode="clip")
+                    cast_into(scratch, cfg.stored, cfg.out_dtype, dest)
             else:
                 # mode="clip": with the default "raise", numpy gathers into a temporary and copies.
                 np.take(values, index.flat[a:b], axis=0, out=dest, mode="clip")
