@@ -1,4 +1,4 @@
-"""The dump against the model (issue 33): what recording costs next to the forward pass alone.
+"""The dump against the model: what recording costs next to the forward pass alone.
 
 `saev-shards dump` tokenizes a batch (the next one in a thread of its own), runs the model
 up to the last recorded block, and records: the hooks copy and cast each block's output,
@@ -90,7 +90,7 @@ def config(n_examples: int, dtype: str, device: str) -> dict[str, Any]:
 
 
 def plans(n_examples: int, device: str) -> dict[str, Any]:
-    """dtype -> `Plan`, sharing one loaded model."""
+    """dtype -> `DumpPlan`, sharing one loaded model."""
     _offline()
     from saev_shards import dump
 

@@ -425,7 +425,7 @@ def bench_kernels(rounds: int) -> None:
                   value / memcpy)  # fmt: skip
     table.note(
         f"Each figure: 10 calls per thread, best of 3, median of {rounds} interleaved rounds. numba: "
-        "float8_kernels.py, one compiled pass (the fast extra); numpy: numpy's passes over chunks in cache, "
+        "codecs/_float8_numba.py, one compiled pass (the fast extra); numpy: numpy's passes over chunks in cache, "
         "torch's casts to float16 and E4M3 (in pieces on the calling thread), what runs without numba. The "
         "gathers take 4,096 random vectors of a 64 MiB window, as a loader's batch does; the float16 row moves "
         "twice the bytes for the same vectors (its GB/s counts the float8 bytes of those vectors). memcpy: one "

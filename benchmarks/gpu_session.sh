@@ -146,8 +146,8 @@ if ((T > 0)); then
     XDIST=()
     "$PY" -c "import xdist" 2>/dev/null && XDIST=(-n 8)
     say "loader, recorder and float8 tests (at most ${T}s)"
-    timeout -k 5 "$T" "$PY" -m pytest "${PYTEST_OPTS[@]}" "${XDIST[@]}" tests/unit/loaders tests/unit/test_recorder.py \
-        tests/unit/test_float8.py tests/unit/test_float8_kernels.py --ignore=tests/unit/loaders/test_cuda.py \
+    timeout -k 5 "$T" "$PY" -m pytest "${PYTEST_OPTS[@]}" "${XDIST[@]}" tests/unit/loaders tests/unit/dump/test_recorder.py \
+        tests/unit/codecs/test_float8.py tests/unit/codecs/test_float8_numba.py --ignore=tests/unit/loaders/test_cuda.py \
         >"$OUT/suite.log" 2>&1
     RC=$?
     SUITE=$(grep -E '(passed|failed|error)' "$OUT/suite.log" | tail -1)

@@ -17,7 +17,7 @@ def _cache_table(
 ) -> None:
     """The caches of one root as `ls` shows them, one row each (local and remote roots alike);
     ``problem`` gives a broken cache's status text."""
-    rows = [("HASH", "MODEL", "DTYPE", "SHAPE", "SHARDS", "SIZE", "STATUS")]
+    rows = [("HASH", "MODEL", "FORMAT", "DTYPE", "SHAPE", "SHARDS", "SIZE", "STATUS")]
     for e in entries:
         md = e.metadata
         n_shards = e.n_shards
@@ -27,6 +27,7 @@ def _cache_table(
             (
                 e.hash[:12],
                 f"{md.family}:{md.ckpt}" if md else "?",
+                md.dialect if md else "?",
                 md.dtype if md else "?",
                 f"({', '.join(map(str, md.shape))})" if md else "?",
                 str(n_shards if n_shards is not None else "?"),
@@ -145,6 +146,7 @@ def _ls_remote(roots: list[str], as_json: bool) -> int:
                             "n_shards": e.n_shards,
                             "shape": list(e.metadata.shape) if e.metadata else None,
                             "dtype": e.metadata.dtype if e.metadata else None,
+                            "dialect": e.metadata.dialect if e.metadata else None,
                         }
                         for e in entries
                     ],
@@ -188,6 +190,7 @@ def _entry_json(e: store.CacheEntry) -> dict[str, Any]:
         "nbytes": e.nbytes,
         "n_shards": e.n_shards,
         "protocol": md.protocol if md else None,
+        "dialect": md.dialect if md else None,
         "family": md.family if md else None,
         "ckpt": md.ckpt if md else None,
         "dtype": md.dtype if md else None,

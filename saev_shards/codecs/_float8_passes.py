@@ -171,7 +171,7 @@ def quantize_torch(t: Any) -> tuple[Any, Any]:
 
 # -- dequantizing ----------------------------------------------------------------------------
 #
-# Two implementations of one rule, the same bits (tests/unit/test_float8_kernels.py): the
+# Two implementations of one rule, the same bits (tests/unit/codecs/test_float8_numba.py): the
 # compiled kernels of `_float8_numba` (numba, the ``fast`` extra), one pass over the bytes,
 # and numpy below, a pass per step over chunks that stay in cache. Both decode a byte by
 # moving its bits into a float32 (``q * 2**-120``, exact), multiply by the scale times

@@ -162,7 +162,7 @@ _NUMPY_ONLY: list[bool] = []
 def numpy_only() -> Iterator[None]:
     """Quantize and dequantize as without the ``fast`` extra inside this block, in every
     thread: numpy, with torch's E4M3 cast where torch is imported, else ml_dtypes'. For
-    comparisons (scripts/bench_float8.py) and tests; the results are the same bits."""
+    comparisons (benchmarks/float8.py) and tests; the results are the same bits."""
     _NUMPY_ONLY.append(True)
     try:
         yield
@@ -334,7 +334,7 @@ def take_dequantize(
     A chunk of rows at a time (`_TAKE_BYTES`) is gathered by ``numpy.take`` into a scratch
     array that stays in cache, then dequantized from there into ``out``: numpy's row copies
     keep many random rows in flight, so this is ~20% faster than one kernel that reads each
-    row where it lies (measured with numba, scripts/bench_float8.py's kernel table).
+    row where it lies (measured with numba, benchmarks/float8.py's kernel table).
     """
     want = _out_dtype(dtype)
     d_model = values.shape[-1]

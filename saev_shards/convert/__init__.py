@@ -14,12 +14,9 @@ kill (docs/convert.md). Source kinds, detected or named with ``--from``:
 >>> result.path, result.report.lines()                                                # doctest: +SKIP
 """
 
-from .base import Chunk, Options, Report, Source, SourcePlan
+from .base import Chunk, Options, Plan, Report, Source, SourcePlan
 from .registry import SOURCES, TARGETS, SourceKind, Target, detect
 from .run import ConvertOptions, Prepared, Result, convert, metadata_for, prepare, run
-
-#: The name `SourcePlan` had before (kept for imports written then).
-Plan = SourcePlan
 
 __all__ = [
     "SOURCES",

@@ -145,6 +145,10 @@ class SourcePlan:
         return max(1, CHUNK_BYTES // max(1, self.example_nbytes_float32))
 
 
+#: The name `SourcePlan` had before (kept for imports written then).
+Plan = SourcePlan
+
+
 @dataclasses.dataclass
 class Chunk:
     """Consecutive examples: activations ``(B, L, T, D)`` (any float dtype) and their streams."""

@@ -1,9 +1,9 @@
 """Load pickles that may only hold numpy arrays, dtypes and plain containers, within a size budget.
 
 A pickle is a program: unpickling calls whatever callables it names, so a pickle from
-someone else can run any code (``os.system``, ``open(..., "w")``, ...). Seed 001's shards
-only need numpy arrays, numpy scalars and dtypes inside dicts, lists, tuples, strings and
-numbers, so `load` resolves exactly the globals that rebuild those and refuses every other
+someone else can run any code (``os.system``, ``open(..., "w")``, ...). The pickle.gz
+activation shards only need numpy arrays, numpy scalars and dtypes inside dicts, lists,
+tuples, strings and numbers, so `load` resolves exactly the globals that rebuild those and refuses every other
 one with `UnsafePickleError` before it is called: nothing the pickle names runs.
 
 Even those few callables allocate what they are told: ``bytearray(2**40)``, an array

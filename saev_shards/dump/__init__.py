@@ -71,6 +71,7 @@ from .model import (
     model_dir,
 )
 from .plan import (
+    DumpPlan,
     Plan,
     batches,
     describe,
@@ -88,6 +89,7 @@ __all__ = [
     "RESERVED_TEXT",
     "DatasetConfig",
     "DumpConfig",
+    "DumpPlan",
     "Encoded",
     "Loaded",
     "ModelConfig",

@@ -391,7 +391,7 @@ def check_model(
     through the model on ``device`` with the weights' dtype, recording ``layers`` in the
     stored dtype: positions past the model's maximum, a dtype the device cannot compute
     in, or blocks whose width is not ``d_model`` fail here, not after shards were written.
-    ``recording``: what the recorder records (`Plan.recording`; default ``cfg.layers``).
+    ``recording``: what the recorder records (`DumpPlan.recording`; default ``cfg.layers``).
     """
     from . import recorder
 

@@ -83,7 +83,7 @@ def output_root(cfg: DumpConfig, root: str | os.PathLike[str] | None = None) -> 
 
 
 @dataclasses.dataclass
-class Plan:
+class DumpPlan:
     """Everything decided before any model runs: the metadata (and so the hash) and the work."""
 
     config: DumpConfig
@@ -108,7 +108,11 @@ class Plan:
         return (*RESERVED_TEXT, *self.config.dataset.text_fields)
 
 
-def plan(config: DumpConfig | Mapping[str, Any] | str | os.PathLike[str], *, weights: bool = True) -> Plan:
+#: The name `DumpPlan` had before (kept for imports written then).
+Plan = DumpPlan
+
+
+def plan(config: DumpConfig | Mapping[str, Any] | str | os.PathLike[str], *, weights: bool = True) -> DumpPlan:
     """Read the corpus, load the model (weights only with ``weights``) and build the metadata.
 
     What the model's config.json declares (its blocks, its maximum positions) is checked
@@ -187,7 +191,7 @@ def plan(config: DumpConfig | Mapping[str, Any] | str | os.PathLike[str], *, wei
         )
     except ShardsError as err:
         raise ConfigError(str(err)) from None
-    return Plan(cfg, corpus, loaded, md, blocks)
+    return DumpPlan(cfg, corpus, loaded, md, blocks)
 
 
 def _why_empty(cfg: DumpConfig) -> str:
@@ -251,7 +255,7 @@ def batches(start: int, stop: int, examples_per_shard: int, batch_size: int) -> 
         e = end
 
 
-def _text_files(the_plan: Plan, examples: Sequence[corpus_mod.Example]) -> list[int]:
+def _text_files(the_plan: DumpPlan, examples: Sequence[corpus_mod.Example]) -> list[int]:
     """Lower bounds of the text files (one per field) written for ``examples``: each line is
     a JSON string and a newline, the ids and texts as long as they are, other fields empty."""
     ids = sum(len(ex.id) + 3 for ex in examples)
@@ -259,7 +263,7 @@ def _text_files(the_plan: Plan, examples: Sequence[corpus_mod.Example]) -> list[
     return [ids, texts] + [3 * len(examples)] * (len(the_plan.text_fields) - 2)
 
 
-def space_needed(the_plan: Plan, root: Path, rank: int, world_size: int, *, restart: bool = False) -> int:
+def space_needed(the_plan: DumpPlan, root: Path, rank: int, world_size: int, *, restart: bool = False) -> int:
     """Bytes writer ``rank`` of ``world_size`` still needs under ``root`` (`writer.space_needed`);
     the text files counted at their lower bounds (ids and texts as long as they are)."""
     examples = the_plan.corpus.examples
@@ -274,7 +278,7 @@ def space_needed(the_plan: Plan, root: Path, rank: int, world_size: int, *, rest
     )
 
 
-def describe(the_plan: Plan, root: Path | Root, rank: int, world_size: int) -> str:
+def describe(the_plan: DumpPlan, root: Path | Root, rank: int, world_size: int) -> str:
     """The ``--dry-run`` report: hash, where the cache goes, shards, bytes, this writer's
     share, and the state on disk."""
     where = root if isinstance(root, Root) else Root(Path(root).absolute(), "")

@@ -31,7 +31,7 @@ from ..reader import open as open_shards
 from ..writer import ShardWriter, finalize, rank_shards, sealed_shards, world_from_env
 from .config import DumpConfig
 from .model import Encoded, check_model, device_of, load_model, record_dtype
-from .plan import Plan, batches, output_root, plan, space_needed
+from .plan import DumpPlan, batches, output_root, plan, space_needed
 
 if TYPE_CHECKING:
     import torch
@@ -40,7 +40,7 @@ if TYPE_CHECKING:
 
 
 def dump(
-    config: Plan | DumpConfig | Mapping[str, Any] | str | os.PathLike[str],
+    config: DumpPlan | DumpConfig | Mapping[str, Any] | str | os.PathLike[str],
     *,
     root: str | os.PathLike[str] | None = None,
     rank: int | None = None,
@@ -54,7 +54,7 @@ def dump(
 ) -> Path | None:
     """Record the activations of ``config`` into ``<root>/<hash>``; return its path once published.
 
-    ``config``: a `Plan` (reused when its model is loaded), a `DumpConfig`, a dict, or a file.
+    ``config``: a `DumpPlan` (reused when its model is loaded), a `DumpConfig`, a dict, or a file.
     ``root``: the folder of caches; default the config's ``root``, else the shards root
     (`output_root`).
 
@@ -72,7 +72,7 @@ def dump(
     """
     say = log or _print
     # The hash first (no weights needed for Hugging Face folders): a published cache is done.
-    the_plan = config if isinstance(config, Plan) else plan(config, weights=False)
+    the_plan = config if isinstance(config, DumpPlan) else plan(config, weights=False)
     md = the_plan.metadata
     out_root = output_root(the_plan.config, root).path
     final = out_root / md.hash
@@ -106,7 +106,7 @@ def dump(
 class _Run:
     """One writer's dump under way: the plan with its model loaded, the recorder and the writer."""
 
-    plan: Plan
+    plan: DumpPlan
     device: torch.device
     recorder: Recorder
     writer: ShardWriter
@@ -115,7 +115,7 @@ class _Run:
 
 
 def _start(
-    the_plan: Plan,
+    the_plan: DumpPlan,
     out_root: Path,
     rank: int,
     world_size: int,

@@ -36,7 +36,7 @@ def aligned_buffer(nbytes: int) -> mmap.mmap:
     to the process (shared anonymous memory, mmap's default, costs more to fault in), and in
     transparent huge pages from `HUGE_PAGE` bytes on where the system allows it: fresh memory
     is faulted in per page, and a 16 MiB buffer faults in several times faster in 2 MiB pages
-    than in 4 KiB ones (scripts/bench_remote.py, the remote_bounds table)."""
+    than in 4 KiB ones (benchmarks/remote.py, the remote_bounds table)."""
     buffer = mmap.mmap(-1, max(nbytes, DIRECT_ALIGN), flags=mmap.MAP_PRIVATE)
     if nbytes >= HUGE_PAGE:
         with contextlib.suppress(AttributeError, OSError):  # no THP: 4 KiB pages, as before

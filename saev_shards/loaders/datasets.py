@@ -229,7 +229,7 @@ class ExampleDataset(_MapDataset):
 
 
 class LayerPairDataset(_MapDataset):
-    """Seed 000's training pattern: index -> example ``i`` at 2 random distinct layers, ``(2, T, D)``.
+    """saev's own training pattern (pairs of layers): index -> example ``i`` at 2 random distinct layers, ``(2, T, D)``.
 
     The pair is drawn from ``(seed, epoch, i)``, so every worker and every rerun agrees;
     `set_epoch` draws new pairs (call it before each epoch; persistent workers keep the

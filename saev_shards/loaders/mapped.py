@@ -25,8 +25,13 @@ file of a local cache is mapped read-only, back to back, into one reserved addre
   up for the kernel to unmap before it can evict them.
 * **Lifetime.** The arrays keep the mapping alive; it is unmapped when the last is gone.
 
+A remote cache is read in place too once every block of its shards is in the block cache:
+each entry is mapped at its block's place (`Files.map_pieces`), so a warm block cache is read
+as a local cache is, through the page cache; until then (a block not fetched yet, or
+trimmed) its windows are read into buffers, and the map is tried again the next epoch.
+
 Linux only (``mmap`` at a fixed address through libc, ``mincore``, ``madvise``). Anywhere
-else, for a remote cache (`Shards.files` returns copies), for shards of less than
+else, for shards of less than
 `MIN_SHARD_BYTES` on average and for the device path (which copies whole windows to the
 device), windows are read into buffers as before. A shard file truncated in place between
 that check and the gathers makes the process fail with SIGBUS, as any memory-mapped reader
@@ -130,14 +135,22 @@ MIN_SHARD_BYTES = 1 << 20
 
 
 def available(shards: Shards) -> bool:
-    """Whether ``shards`` is read in place: a local cache on Linux, of shards of at least
-    `MIN_SHARD_BYTES` on average, whose mappings (two per file: the file and the gap after
-    it) take at most a quarter of the process's allowance (``vm.max_map_count``, 65,530 by
-    default: numpy and torch map memory too)."""
-    if not sys.platform.startswith("linux") or not shards.files.mappable or shards.n_shards == 0:
+    """Whether ``shards`` is read in place: a local cache on Linux (or a remote one, from its
+    block cache), of shards of at least `MIN_SHARD_BYTES` on average, whose mappings (one per
+    file, or per block of a remote cache, and one for the gap after each file) take at most a
+    quarter of the process's allowance (``vm.max_map_count``, 65,530 by default: numpy and
+    torch map memory too)."""
+    if not sys.platform.startswith("linux") or not shards.files.in_place or shards.n_shards == 0:
         return False
-    files = shards.n_shards * (2 if shards.metadata.dtype == FLOAT8 else 1)
-    if 2 * files > max_map_count() // 4:
+    md = shards.metadata
+    files = shards.n_shards * (2 if md.dtype == FLOAT8 else 1)
+    maps = 2 * files  # a local cache: each file, and the gap after it
+    if not shards.files.mappable:  # a remote cache: one mapping per block
+        vectors = np.array(shards.manifest.shards.counts, dtype=np.int64) * (md.n_layers * md.tokens_per_ex)
+        items = (md.d_model * md.itemsize, 4) if md.dtype == FLOAT8 else (md.d_model * md.itemsize,)
+        pieces = shards.files.pieces_of
+        maps = sum(pieces(int(n) * item) + 1 for item in items for n in vectors.tolist() if n)
+    if maps > max_map_count() // 4:
         return False
     return shards.metadata.nbytes >= MIN_SHARD_BYTES * shards.n_shards
 
@@ -149,6 +162,18 @@ def max_map_count() -> int:
             return int(f.read())
     except (OSError, ValueError):
         return 65530
+
+
+class _NotYet(Exception):
+    """A remote cache's block is not in the block cache (`Files.map_pieces` gave None)."""
+
+
+def cache_map(shards: Shards, scales: bool = False) -> CacheMap | None:
+    """`CacheMap` of ``shards``, or None while a remote cache is not all in its block cache."""
+    try:
+        return CacheMap(shards, scales)
+    except _NotYet:
+        return None
 
 
 class CacheMap:
@@ -205,11 +230,15 @@ class CacheMap:
             if n == 0:
                 continue
             name = shards.manifest.scales.names[k] if scales else shards.manifest.shards[k].name  # type: ignore[union-attr]
-            fd = shards.files.open(name)
+            pieces = shards.files.map_pieces(name, n * item)  # the file, or a remote one's blocks
+            if pieces is None:
+                raise _NotYet(name)
             try:
-                region.map_file(fd, int(self.base[k]) * item, n * item)
+                for fd, offset, nbytes in pieces:
+                    region.map_file(fd, int(self.base[k]) * item + offset, nbytes)
             finally:
-                os.close(fd)
+                for fd, _, _ in pieces:
+                    os.close(fd)
         return _array(region, 0, max(total, 1) * item, dtype, (max(total, 1), *row))
 
     def source(
@@ -310,11 +339,11 @@ class CacheMap:
         page would read as zeros."""
         k, local = divmod(start, self.eps)
         vectors = (local + stop - start) * self.vectors_per_example
-        files = [(self.shards._fd(k), vectors * self.row_nbytes, self.shards.shard_path)]
+        files = [(self.shards.shard_fd(k), vectors * self.row_nbytes, self.shards.shard_path)]
         if self.scales is not None:
-            files.append((self.shards._scale_fd(k), vectors * 4, self.shards.scale_path))
+            files.append((self.shards.scale_fd(k), vectors * 4, self.shards.scale_path))
         for fd, need, path in files:
-            size = os.fstat(fd).st_size
+            size = self.shards.files.size_now(fd)
             if size < need:
                 raise FileSizeError(
                     f"{path(k)}: expected at least {need} bytes, found {size} (file truncated after open?)"

@@ -38,12 +38,13 @@ class Spares:
 
     def cache_map(self) -> CacheMap | None:
         """The cache mapped in place for the host path (made once), or None where windows are
-        read into buffers: a remote cache, another system than Linux, or a map that could not
-        be made (`mapped`)."""
+        read into buffers: another system than Linux, a remote cache whose blocks are not all
+        in the block cache (yet), or a map that could not be made (`mapped`)."""
         with self.lock:
             if self.map is None and self.map_possible:
                 try:
-                    self.map = CacheMap(self.cfg.shards, scales=self.cfg.float8)
+                    # None: a remote cache not all in the block cache yet, tried again next epoch
+                    self.map = mapped.cache_map(self.cfg.shards, scales=self.cfg.float8)
                 except (OSError, AttributeError, ValueError):
                     self.map_possible = False
             return self.map

@@ -57,7 +57,7 @@ class Metadata:
     #: saev before 1.0.0 only (read, never written): the seed its dump ran with, one of the
     #: hashed fields of those caches. None in every other dialect.
     seed: int | None = None
-    #: How the bytes are laid out (`saev_shards.DIALECTS`): "3.2", "3.1" or "3.0"; for protocol 2.1
+    #: How the bytes are laid out (`saev_shards.protocol.DIALECTS`): "3.2", "3.1" or "3.0"; for protocol 2.1
     #: "saev" (saev's code, the default), "saev-64" (its names before 2025-10-14) or
     #: "saev-spec" (saev's protocol document, read only); saev's earlier formats (read only,
     #: protocol.md 9.5: "saev-0.1.0", ...). Empty: the protocol's default.

@@ -46,7 +46,7 @@ if TYPE_CHECKING:
 
     from .metadata import Metadata
 
-#: metadata.json's keys (protocol.md 2.1), in the seed's order.
+#: metadata.json's keys (protocol.md 2.1), in the order saev's protocol lists them.
 KEYS = (
     "family",
     "ckpt",

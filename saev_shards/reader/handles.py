@@ -2,7 +2,7 @@
 and the shared lock held on the cache folder while it is open.
 
 A float8_e4m3 cache's scale files (protocol 3.1) get the same per-process handles as its
-shards (`scale_shard`, `_scale_fd`).
+shards (`scale_shard`, `scale_fd`).
 
 A `Shards` object crosses process boundaries two ways, and neither may share a handle:
 forked (a DataLoader worker: `_check_pid` sees the new pid and drops the parent's) and
@@ -143,7 +143,10 @@ class ShardHandles:
         # A plain ndarray over the map: np.memmap's Python-level __getitem__ costs ~1 us per index.
         return mapped.view(np.ndarray)
 
-    def _fd(self, k: int) -> int:
+    def shard_fd(self, k: int) -> int:
+        """The descriptor of shard file ``k``, opened once (through `files`) and kept until
+        `close`: for reads and checks outside the reader's own (the loaders' mapped reads
+        check a file's size with it). Not to be closed by the caller."""
         self._check_pid()
         fd = self._fds.get(k)
         if fd is None:
@@ -186,7 +189,8 @@ class ShardHandles:
                     mm = self._scale_maps[k] = made
         return mm
 
-    def _scale_fd(self, k: int) -> int:
+    def scale_fd(self, k: int) -> int:
+        """The descriptor of shard ``k``'s scale file (float8_e4m3 caches only), as `shard_fd`."""
         self._check_pid()
         fd = self._scale_fds.get(k)
         if fd is None:

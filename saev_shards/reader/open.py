@@ -103,19 +103,13 @@ def open_remote(url: str, *, check_hash: bool = True) -> Shards:
     warning, and so do the blocks read; so they do when the block cache is disabled
     (``SAEV_SHARDS_BLOCK_CACHE_BYTES=0``).
     """
-    from ..storage.blockcache import BlockCache, _Unwritable
+    from ..storage.blockcache import BlockCache
+    from ..storage.remote_json import in_block_cache_or_memory
     from ..storage.url import check_url, strip
 
     url = strip(check_url(url))
     cache = BlockCache()
-    try:
-        return _open_remote_in(url, cache, False, check_hash)
-    except _Unwritable as err:
-        cache.pause_writes(err.error)  # one warning; the blocks are not written either for now
-    try:
-        return _open_remote_in(url, cache, True, check_hash)
-    except _Unwritable as err:
-        raise err.error from None
+    return in_block_cache_or_memory(cache, lambda memory: _open_remote_in(url, cache, memory, check_hash))
 
 
 def _open_remote_in(url: str, cache: BlockCache, memory: bool, check_hash: bool) -> Shards:

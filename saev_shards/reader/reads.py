@@ -66,7 +66,7 @@ class RawReads(ShardHandles):
         k, i = divmod(example, self.examples_per_shard)
         fd = self._fds.get(k) if self._pid == os.getpid() else None
         if fd is None:
-            fd = self._fd(k)
+            fd = self.shard_fd(k)
         nbytes = self._slice_nbytes
         if self._preadv(fd, [view], (i * n_layers + layer_idx) * nbytes) != nbytes:
             pread_exact(fd, view, (i * n_layers + layer_idx) * nbytes, self._preadv)  # a short read: finish it
@@ -92,7 +92,7 @@ class RawReads(ShardHandles):
             out = np.empty((stop - start, *md.shard_shape[1:]), self.numpy_dtype)
         if out.shape != (stop - start, *md.shard_shape[1:]) or out.dtype != self.numpy_dtype:
             raise ValueError(f"out must have shape {(stop - start, *md.shard_shape[1:])} and dtype {self.numpy_dtype}")
-        self._read_examples_into(start, stop, out, md.example_nbytes, self._fd)
+        self._read_examples_into(start, stop, out, md.example_nbytes, self.shard_fd)
         return out
 
     def _read_examples_into(
@@ -135,7 +135,7 @@ class RawReads(ShardHandles):
             out = np.empty((n, md.d_model), self.numpy_dtype)
         if out.shape != (n, md.d_model) or out.dtype != self.numpy_dtype or not out.flags.c_contiguous:
             raise ValueError(f"out must be a C-contiguous {self.numpy_dtype} array of shape {(n, md.d_model)}")
-        self._gather_rows(ex, li, tok, out, md.d_model, md.itemsize, self._fd, self.shard_path)
+        self._gather_rows(ex, li, tok, out, md.d_model, md.itemsize, self.shard_fd, self.shard_path)
         return out
 
     def _vector_coordinates(
@@ -209,7 +209,7 @@ class ScaleReads(RawReads):
         out = self._scales_out(out, (tokens,))
         k, i = divmod(example, self.examples_per_shard)
         nbytes = tokens * SCALES_DTYPE.itemsize
-        pread_exact(self._scale_fd(k), out.view(np.uint8).data, (i * n_layers + layer_idx) * nbytes, self._preadv)
+        pread_exact(self.scale_fd(k), out.view(np.uint8).data, (i * n_layers + layer_idx) * nbytes, self._preadv)
         if not scales_plain(out):
             self.check_scales(out, lambda: (example * n_layers + layer_idx) * tokens + np.arange(tokens))
         return out
@@ -223,7 +223,7 @@ class ScaleReads(RawReads):
             raise IndexError(f"range [{start}, {stop}) is not within [0, {self.n_examples}]")
         out = self._scales_out(out, (stop - start, md.n_layers, md.tokens_per_ex))
         per_example = md.n_layers * md.tokens_per_ex
-        self._read_examples_into(start, stop, out, per_example * SCALES_DTYPE.itemsize, self._scale_fd)
+        self._read_examples_into(start, stop, out, per_example * SCALES_DTYPE.itemsize, self.scale_fd)
         if not scales_plain(out):
             self.check_scales(out, lambda: np.arange(start * per_example, stop * per_example).reshape(out.shape))
         return out
@@ -238,7 +238,7 @@ class ScaleReads(RawReads):
         """Copy the ``(n,)`` float32 scales of the vectors of `read_vectors_raw`, in file order."""
         ex, li, tok = self._vector_coordinates(examples, layer_idx, tokens)
         out = self._scales_out(out, (ex.size,))
-        self._gather_rows(ex, li, tok, out, 1, SCALES_DTYPE.itemsize, self._scale_fd, self.scale_path)
+        self._gather_rows(ex, li, tok, out, 1, SCALES_DTYPE.itemsize, self.scale_fd, self.scale_path)
         if not scales_plain(out):
             self.check_scales(out, lambda: (ex * self.shape[1] + li) * self.shape[2] + tok)
         return out

@@ -177,10 +177,10 @@ class Shards(ReadPaths, Sidecars):
             k, local = layout.shard_of(e, eps)
             count = min(stop, (k + 1) * eps) - e
             if values:
-                self.files.prefetch(self._fd(k), local * example_nbytes, (local + count) * example_nbytes)
+                self.files.prefetch(self.shard_fd(k), local * example_nbytes, (local + count) * example_nbytes)
             if scales:
                 first, last = local * scale_nbytes, (local + count) * scale_nbytes
-                self.files.prefetch(self._scale_fd(k), first, last, scattered=True)
+                self.files.prefetch(self.scale_fd(k), first, last, scattered=True)
             e += count
 
     def layer_index(self, layer: int) -> int:

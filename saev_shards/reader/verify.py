@@ -124,7 +124,7 @@ def scale_file_problems(shards: Shards, k: int) -> list[Problem]:
     for a in range(first, first + n, step):
         b = min(first + n, a + step)
         out = buffer[: b - a]
-        shards._read_examples_into(a, b, out, per_example * SCALES_DTYPE.itemsize, shards._scale_fd)
+        shards._read_examples_into(a, b, out, per_example * SCALES_DTYPE.itemsize, shards.scale_fd)
         numbers = np.arange(a * per_example, b * per_example).reshape(out.shape)
         bad = shards.scale_problems(out, functools.partial(np.asarray, numbers))
         count += len(bad)

@@ -44,14 +44,14 @@ from ..errors import ShuffleError, WriterBusyError
 from ..fileio import remove_path, take_lock, try_flock, write_file_atomic
 from ..progress import Progress
 from ..store.roots import SHUFFLE_LOCK_FILE as LOCK_FILE
-from ..store.roots import SHUFFLE_PREFIX
+from ..store.roots import SHUFFLE_RANKS_PREFIX
 from .plan import ShufflePlan
 
 #: Seconds a rank waits for the others without progress before it gives up (``wait``).
 DEFAULT_WAIT = 1800.0
-#: Prefix of the rendezvous folder of the file path (a `SHUFFLE_PREFIX` folder: `saev-shards
-#: clean` lists it, live while a rank holds its lock).
-RENDEZVOUS_PREFIX = f"{SHUFFLE_PREFIX}ranks-"
+#: Prefix of the rendezvous folder of the file path (`saev-shards ls` and `clean` list it as
+#: the shuffle ranks' meeting folder, live while a rank holds its lock).
+RENDEZVOUS_PREFIX = SHUFFLE_RANKS_PREFIX
 #: Seconds a starting rank retries its lock (another rank may be looking at it that instant).
 _LOCK_RETRY_SECONDS = 2.0
 #: The arguments in the order differences are named (`ranks.arguments` makes them).

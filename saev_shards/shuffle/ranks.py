@@ -118,8 +118,9 @@ def run_rank(
     meeting point (torch.distributed) before it gives up with a `ShuffleError` naming the
     missing ranks. ``sync``: ``"auto"`` (torch.distributed when a process group of this rank
     and size is initialised, else files), ``"torch"`` or ``"files"``. ``on_wait`` is told,
-    in words, what the rank waits for whenever that changes. Raises `ShuffleError` at once
-    for a rank outside ``[0, world_size)`` and for arguments that differ from a running rank's.
+    in words, what the rank waits for whenever that changes. ``poll``: seconds between two
+    looks at the work folder while waiting (files only). Raises `ShuffleError` at once for a
+    rank outside ``[0, world_size)`` and for arguments that differ from a running rank's.
     """
     rank, world_size = world.check(rank, world_size, ShuffleError)
     wait = _check_wait(wait)

@@ -13,13 +13,15 @@ The calls, by what they are for:
 
 * the descriptor interface of the reader's hot paths: `open`, `preadv`, `prefetch`, `close`
   (and `close_all`, when the cache is closed);
+* files read in place: `map_pieces` (files of this machine to map, piece by piece, into one
+  address range: `loaders.mapped`), `pieces_of` and `size_now`;
 * whole files: `map` (a read-only memory map, where the storage can map files) and `load`
   (the same, or a checked copy), `read`, `open_file`, `read_json`, `stream` (the bytes as
   they come, for a transfer to hash), `verify_file`;
 * where things are, for messages and for the store: `url`, `location`, `where`, `beside`,
   `local_root`, `footprint`, `share_beside`, `lock_folder`;
-* what the storage can do (zarr's ``supports_*`` flags): `mappable`, `prefetches`,
-  `verifies_reads` and `per_block`, `streams`.
+* what the storage can do (zarr's ``supports_*`` flags): `mappable`, `in_place`,
+  `prefetches`, `verifies_reads` and `per_block`, `streams`.
 """
 
 from __future__ import annotations
@@ -39,6 +41,9 @@ if TYPE_CHECKING:
 
 #: ``(bytes, xxh3_128 of the whole, xxh3_128 of each block)`` of one file read back whole.
 Digests = tuple[int, str, list[str]]
+#: ``(descriptor, offset in the data file, bytes)``: a file of this machine holding those bytes
+#: of a data file from its own byte 0 (`Files.map_pieces`).
+Piece = tuple[int, int, int]
 
 
 class Files(abc.ABC):
@@ -49,6 +54,9 @@ class Files(abc.ABC):
     #: Data files are files of this machine that can be memory-mapped: `map` returns maps (and
     #: reads may return views of them); else `map` returns None and reads return copies.
     mappable: bool
+    #: Data files can be read in place, mapped from files of this machine (`map_pieces`): a
+    #: local cache's files, a remote cache's block cache entries (once all of a file's are there).
+    in_place: bool
     #: `prefetch` of a plain range starts something (fetches in the background); False where
     #: the kernel's readahead already serves sequential reads (a local disk).
     prefetches: bool
@@ -131,6 +139,27 @@ class Files(abc.ABC):
     def close_all(self, wait: bool = True) -> None:
         """Release what this process holds beyond its descriptors (buffers, threads): the cache
         is closed. ``wait=False`` never waits for another thread (`Shards.__del__`)."""
+
+    # -- files read in place -----------------------------------------------------------------
+    @abc.abstractmethod
+    def map_pieces(self, name: str, nbytes: int) -> list[Piece] | None:
+        """The first ``nbytes`` of data file ``name`` as files of this machine to map read-only in
+        their place, each from its own byte 0 (`Piece`; offsets are multiples of the page size):
+        the file itself, or the block cache's entries of its units (checked as they are opened).
+        The descriptors are the caller's to close. None (nothing left open) where that cannot be
+        done now: a unit of a remote cache not in the block cache yet; the caller reads the file
+        into buffers meanwhile and may ask again."""
+
+    def pieces_of(self, nbytes: int) -> int:
+        """How many pieces `map_pieces` gives for the first ``nbytes`` of a data file (one: the
+        file itself, where the storage keeps whole files)."""
+        return 1
+
+    @abc.abstractmethod
+    def size_now(self, fd: int) -> int:
+        """Bytes the data file open as ``fd`` holds now: a local file may have been cut short since
+        it was opened (``fstat``); a remote one holds what the manifest says (its block cache
+        entries are never cut short: docs/remote.md, "What the block cache trusts")."""
 
     # -- whole files -------------------------------------------------------------------------
     @abc.abstractmethod

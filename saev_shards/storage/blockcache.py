@@ -7,16 +7,23 @@ else ``~/.cache/saev-shards``)::
     blocks/<xx>/<key>     one entry per block; its key is the block's xxh3_128 digest as the
                           manifest records it (blocks.json), or ``file-<digest>`` for a whole
                           file of a cache verified per whole file
+    blocks/<xx>/<key>.<uid>.<inode>.<ctime>.seal
+                          an empty file: user ``uid`` verified entry ``key`` while it was that
+                          inode with that change time (`seals.seal_name`)
     tmp/                  entries being written; renamed into blocks/ once complete
     roots/<id>/<HASH>/    the JSON files of remote caches opened here (see `remote_json`)
     trim.lock             held by the process that trims the cache
 
 Why it is safe to share: an entry appears by one ``rename`` of a complete file (never
 half-written at its name); an entry is named by the digest of its bytes, so two processes
-that fetch the same block write the same bytes; every process checks an entry's size and
-digest when it opens it (xxh3 hashes at tens of GB/s) and discards one that fails; and
-deleting an entry (trimming) never disturbs a process that holds it open (POSIX keeps the
-file until it is closed), while one that finds it gone fetches it again.
+that fetch the same block write the same bytes; an entry is served only once its size and
+digest were checked, and deleting an entry (trimming) never disturbs a process that holds it
+open or mapped (POSIX keeps the file until then), while one that finds it gone fetches it
+again.
+
+Checked once, not by every process: an entry hashed and found right (or written from
+verified bytes) gets this user's *seal* beside it, and is trusted without reading a byte
+while it is as it was sealed (`seals`; docs/remote.md, "What the block cache trusts").
 
 Never outside its folder: the folder itself may be reached through a link (the user's
 choice of where it lives), but nothing inside it is: every folder and entry is opened
@@ -35,7 +42,9 @@ set-group-ID bit and read, write and search permission for its group and none fo
 are made 2770 and files 0660 (entries 0440).
 
 Bounded: after every ``limit / 32`` bytes a process inserts, it trims the cache back to
-90 % of the limit, oldest use first (an entry's modification time is set on each open), under
+90 % of the limit, oldest use first (on each open the modification time of the entry's seal
+is set, or the entry's own where it has none; a trim removes an entry with its seals, and
+seals of entries replaced or gone), under
 an exclusive lock that no reader waits for. Between two trims the cache can exceed the
 limit by what the processes inserted meanwhile. A limit of 0 is no disk cache at all:
 nothing is written under the folder, and the JSON files of the caches opened go to
@@ -64,7 +73,6 @@ import xxhash
 from ..errors import BlockCacheError
 from ..fileio import DISK_FULL_ERRNOS, free_bytes
 from .folders import (
-    OPEN_DIR,
     PRIVATE_MODES,
     check_folder,
     lock_file,
@@ -74,6 +82,7 @@ from .folders import (
     subdir,
     write_new_file,
 )
+from .seals import is_sealed, scan_blocks, seal_if_checked, write_seal
 
 CACHE_ENV = "SAEV_SHARDS_BLOCK_CACHE"
 LIMIT_ENV = "SAEV_SHARDS_BLOCK_CACHE_BYTES"
@@ -209,9 +218,17 @@ class BlockCache:
     def _dir(self, *names: str, create: bool = True) -> Iterator[int | None]:
         """A descriptor of ``<folder>/<names...>``, each step opened without following a link
         (made, or remade in place of a link or a file, with ``create``); None when a step is
-        missing and not ``create``."""
+        missing and not ``create``. The cache's folder itself, removed while in use (``rm -rf``
+        of it), is made again (and checked: `check_folder`) with ``create``."""
         dir_mode = self.modes[0]
-        fd: int | None = os.open(self.folder, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)  # may be a link
+        try:
+            fd: int | None = os.open(self.folder, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)  # may be a link
+        except FileNotFoundError:
+            if not create:
+                raise
+            self._modes = None
+            dir_mode = self.modes[0]
+            fd = os.open(self.folder, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
         try:
             for name in names:
                 assert fd is not None
@@ -258,8 +275,10 @@ class BlockCache:
     # -- entries -----------------------------------------------------------------------------
     def open(self, key: str, nbytes: int, digest: str) -> int | None:
         """A descriptor of entry ``key`` if it is a regular file of exactly ``nbytes`` bytes whose
-        xxh3_128 is ``digest``; None when it is missing or fails (a failing entry, or anything
-        else at its name, is removed: never through a link, and never blocking on a FIFO)."""
+        xxh3_128 is ``digest``: taken without reading a byte when this user sealed it as it is
+        now (`seals.seal_name`), else hashed now (and sealed when it matches); None when it is missing
+        or fails (a failing entry, or anything else at its name, is removed: never through a
+        link, and never blocking on a FIFO)."""
         if self.disabled:
             return None
         try:
@@ -275,17 +294,25 @@ class BlockCache:
                         remove_name(dfd, key, None)
                     return None  # unreadable here (another member's entry): fetched again
                 try:
+                    before = time.time()  # an entry of another member is sealed only if older (seals.SEAL_AFTER)
                     st = os.fstat(fd)
-                    if not stat.S_ISREG(st.st_mode) or st.st_size != nbytes or digest_of(fd, nbytes) != digest:
+                    if not stat.S_ISREG(st.st_mode) or st.st_size != nbytes:
+                        good = False
+                    elif is_sealed(dfd, key, st, self.modes[2]):
+                        return fd
+                    else:
+                        good = digest_of(fd, nbytes) == digest
+                    if not good:
                         os.close(fd)
                         remove_name(dfd, key, st)
                         return None
+                    if not seal_if_checked(fd, dfd, key, st, before, self.modes[2]):
+                        with contextlib.suppress(OSError):
+                            os.utime(fd)  # used now: trims remove the oldest first
                 except BaseException:
                     with contextlib.suppress(OSError):
                         os.close(fd)
                     raise
-                with contextlib.suppress(OSError):
-                    os.utime(fd)  # used now: trims remove the oldest first
                 return fd
         except OSError as err:
             if err.errno in (errno.EMFILE, errno.ENFILE):
@@ -339,8 +366,9 @@ class BlockCache:
                         os.unlink(name, dir_fd=tmp_fd)
 
     def commit(self, tmp: TempEntry) -> int:
-        """Publish the complete, verified temporary entry ``tmp`` (from `writing`): made read-only
-        and renamed into ``blocks/``. Returns its descriptor (the caller's to close)."""
+        """Publish the complete, verified temporary entry ``tmp`` (from `writing`): made read-only,
+        renamed into ``blocks/`` and sealed (`seals.seal_name`). Returns its descriptor (the caller's to
+        close)."""
         os.fchmod(tmp.fd, self.modes[2])
         nbytes = os.fstat(tmp.fd).st_size
         with self._dir("blocks", tmp.key[-2:]) as dfd:
@@ -352,7 +380,9 @@ class BlockCache:
                     raise
                 remove_name(dfd, tmp.key, None)  # a folder at the entry's name
                 os.replace(tmp.name, tmp.key, src_dir_fd=tmp.dir_fd, dst_dir_fd=dfd)
-        tmp.committed = True
+            tmp.committed = True
+            # Its bytes are those verified: sealed as it is now, so no process hashes it again.
+            write_seal(dfd, tmp.key, os.fstat(tmp.fd), self.modes[2])
         with self._lock:  # another process may have put the same bytes there: either is right
             self._pending += nbytes
             due = self._pending >= max(1, self.limit // 32)
@@ -394,43 +424,20 @@ class BlockCache:
 
     # -- size --------------------------------------------------------------------------------
     def entries(self) -> list[tuple[float, int, Path]]:
-        """``(last use, size, path)`` of every entry."""
-        with self._scan_entries() as found:
-            return [(mtime, size, self.folder / "blocks" / sub / name) for mtime, size, sub, name, _ in found]
-
-    @contextlib.contextmanager
-    def _scan_entries(self) -> Iterator[list[tuple[float, int, str, str, int]]]:
-        """``(last use, size, folder name, entry name, folder descriptor)`` of every entry, the
-        folders open (none through a link) until the block ends."""
-        fds: list[int] = []
-        out: list[tuple[float, int, str, str, int]] = []
-        try:
-            with self._dir("blocks", create=False) as blocks:
-                if blocks is not None:
-                    for sub in names(blocks):
-                        try:
-                            sfd = os.open(sub, OPEN_DIR, dir_fd=blocks)
-                        except OSError:
-                            continue  # not a folder (a link, a file): nothing of it is an entry
-                        fds.append(sfd)
-                        for name in names(sfd):
-                            with contextlib.suppress(OSError):
-                                st = os.stat(name, dir_fd=sfd, follow_symlinks=False)
-                                out.append((st.st_mtime, st.st_size, sub, name, sfd))
-            yield out
-        finally:
-            for fd in fds:
-                os.close(fd)
+        """``(last use, size, path)`` of every entry (seals left out)."""
+        with self._dir("blocks", create=False) as blocks, scan_blocks(blocks) as (found, _):
+            return [(e.last_use, e.size, self.folder / "blocks" / e.sub / e.name) for e in found]
 
     def usage(self) -> int:
         """Bytes the entries hold now."""
         return sum(size for _, size, _ in self.entries())
 
     def trim(self, target: float = TRIM_TO) -> int:
-        """Remove the least recently used entries until the cache holds at most ``target`` of its
-        limit (when it holds more than the limit, or ``target`` < `TRIM_TO`), and temporary files
-        left by killed processes. Returns the bytes removed; 0 when another process is trimming.
-        Only names inside the cache's own folders are removed (module docstring)."""
+        """Remove the least recently used entries (with their seals) until the cache holds at most
+        ``target`` of its limit (when it holds more than the limit, or ``target`` < `TRIM_TO`),
+        temporary files left by killed processes, and seals of entries replaced or gone. Returns
+        the bytes removed; 0 when another process is trimming. Only names inside the cache's own
+        folders are removed (module docstring)."""
         if self.disabled:
             return 0
         with self._dir() as top:
@@ -447,19 +454,23 @@ class BlockCache:
                         st = os.stat(name, dir_fd=tmp, follow_symlinks=False)
                         if now - st.st_mtime > STALE_SECONDS:
                             remove_name(tmp, name, st)
-            with self._scan_entries() as found:
-                found.sort()
-                total = sum(e[1] for e in found)
+            with self._dir("blocks", create=False) as blocks, scan_blocks(blocks) as (found, stale):
+                for dfd, name in stale:
+                    remove_name(dfd, name, None)
+                found.sort(key=lambda e: e.last_use)
+                total = sum(e.size for e in found)
                 if total <= self.limit and target >= TRIM_TO:
                     return 0
                 goal = int(self.limit * target)
                 removed = 0
-                for _, size, _, name, dfd in found:
+                for entry in found:
                     if total - removed <= goal:
                         break
                     with contextlib.suppress(FileNotFoundError):
-                        os.unlink(name, dir_fd=dfd)
-                        removed += size
+                        os.unlink(entry.name, dir_fd=entry.dfd)
+                        removed += entry.size
+                    for seal in entry.seals:
+                        remove_name(entry.dfd, seal, None)
                 return removed
         finally:
             os.close(lock)

@@ -22,7 +22,7 @@ import numpy.typing as npt
 from ..errors import CacheNotFoundError, InvalidCacheError, Problem
 from ..fileio import IO_CHUNK, BlockHasher, hash_file, hold_folder
 from ..protocol.jsonfile import load_json
-from .base import Digests, Files
+from .base import Digests, Files, Piece
 
 
 class FolderLock:
@@ -72,6 +72,7 @@ class LocalFiles(Files):
     """A local cache's data files (module docstring)."""
 
     mappable = True
+    in_place = True
     prefetches = False  # the kernel's readahead serves the loaders' sequential reads
     verifies_reads = False
     #: Earlier name of ``not mappable``.
@@ -139,6 +140,13 @@ class LocalFiles(Files):
 
     def close_all(self, wait: bool = True) -> None:
         self._spare.clear()
+
+    def map_pieces(self, name: str, nbytes: int) -> list[Piece] | None:
+        """The file itself, whole (`removed_while_open`'s error when it is gone)."""
+        return [(self.open(name), 0, nbytes)]
+
+    def size_now(self, fd: int) -> int:
+        return os.fstat(fd).st_size
 
     def map(self, name: str, dtype: np.dtype[Any], shape: tuple[int, ...]) -> npt.NDArray[Any]:
         """A read-only `np.memmap`; zeros for an empty shape (mmap cannot map 0 bytes)."""

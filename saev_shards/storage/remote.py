@@ -16,6 +16,7 @@ are about to read) starts the fetches of whole windows on a pool of
 from __future__ import annotations
 
 import io
+import mmap
 import os
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
@@ -33,7 +34,7 @@ from ..errors import (
     Problem,
 )
 from ..protocol.jsonfile import strict_json_loads
-from .base import Digests, Files
+from .base import Digests, Files, Piece
 from .blockcache import BlockCache
 from .client import Client, requests_in_flight
 from .local import FolderLock
@@ -49,6 +50,7 @@ class RemoteFiles(UnitReads, Files):
     ``folder``: the local folder its JSON files were fetched into (`remote_json.local_folder`)."""
 
     mappable = False
+    in_place = True
     prefetches = True
     verifies_reads = True
     #: Earlier name of ``not mappable``.
@@ -219,6 +221,39 @@ class RemoteFiles(UnitReads, Files):
         bs = self.block_size
         first, last = start // bs, (max(start, stop - 1)) // bs
         return [Unit(name, digests[i], digests[i], i * bs, min(bs, size - i * bs), i) for i in range(first, last + 1)]
+
+    # -- files read in place -----------------------------------------------------------------
+    def map_pieces(self, name: str, nbytes: int) -> list[Piece] | None:
+        """The block cache's entries of the units holding the first ``nbytes`` of ``name``, each
+        checked as `BlockCache.open` checks it (its seal, else its digest); None when one
+        is not there (not fetched yet, trimmed, a block cache of size 0): nothing is fetched here.
+        Blocks are powers of two of at least 64 KiB (protocol 3.1), so each lands on a page."""
+        self._check_pid()
+        pieces: list[Piece] = []
+        try:
+            for unit in self.units(name, 0, nbytes) if nbytes else []:
+                fd = (
+                    None
+                    if unit.start % mmap.ALLOCATIONGRANULARITY
+                    else self.cache.open(unit.key, unit.nbytes, unit.digest)
+                )
+                if fd is None:  # not fetched yet, trimmed, or off a page: read into buffers
+                    for held, _, _ in pieces:
+                        os.close(held)
+                    return None
+                pieces.append((fd, unit.start, min(unit.nbytes, nbytes - unit.start)))
+        except BaseException:
+            for fd, _, _ in pieces:
+                os.close(fd)
+            raise
+        return pieces
+
+    def pieces_of(self, nbytes: int) -> int:
+        """One per block (one per file for a cache verified per whole file)."""
+        return 1 if self.block_size is None else max(1, -(-nbytes // self.block_size))
+
+    def size_now(self, fd: int) -> int:
+        return self.files[self._names[fd]][0]
 
     # -- whole files ---------------------------------------------------------------------------
     def map(self, name: str, dtype: np.dtype[Any], shape: tuple[int, ...]) -> npt.NDArray[Any] | None:

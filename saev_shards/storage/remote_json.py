@@ -7,13 +7,33 @@ from __future__ import annotations
 
 import contextlib
 import os
+from collections.abc import Callable
 from pathlib import Path
+from typing import TypeVar
 
 from ..errors import CacheRefError, NotRegularFileError, RemoteBucketError
 from ..fileio import open_regular, write_file_atomic
 from .blockcache import BlockCache, _Unwritable
 from .client import Client
 from .url import check_url, split_url, strip
+
+T = TypeVar("T")
+
+
+def in_block_cache_or_memory(cache: BlockCache, attempt: Callable[[bool], T]) -> T:
+    """``attempt(memory)`` with the JSON files in the block cache (``memory`` False); where
+    they cannot be written there (a full disk, a folder that cannot be written), once more
+    with them in memory (`folders.memory_folder`), after one warning that pauses the block
+    cache's writes, so the blocks read are kept in memory too. The `OSError` itself when
+    even memory cannot take them."""
+    try:
+        return attempt(False)
+    except _Unwritable as err:
+        cache.pause_writes(err.error)
+    try:
+        return attempt(True)
+    except _Unwritable as err:
+        raise err.error from None
 
 
 def fetch_json(client: Client, folder: Path, name: str, max_bytes: int, mode: int = 0o600) -> bool:

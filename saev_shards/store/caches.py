@@ -37,6 +37,7 @@ from .roots import (
     COPY_PREFIX,
     SHUFFLE_LOCK_FILE,
     SHUFFLE_PREFIX,
+    SHUFFLE_RANKS_PREFIX,
     PathLike,
     Roots,
     _cache_names,
@@ -104,18 +105,25 @@ def list_unpublished(root: PathLike) -> list[Path]:
 
 
 #: What each kind of `Unpublished` folder is, in words.
-KIND_NAMES = {"staging": "staging", "copy": "partial copy", "shuffle": "shuffle scratch", "lock": "lock file"}
+KIND_NAMES = {
+    "staging": "staging",
+    "copy": "partial copy",
+    "shuffle": "shuffle scratch",
+    "ranks": "shuffle ranks' meeting folder",
+    "lock": "lock file",
+}
 
 
 @dataclasses.dataclass(frozen=True)
 class Unpublished:
     """A folder (or lock file) in a root that is not a cache: a writer's staging folder
     (``.staging-<hash>``), a partial copy (``.copying-<hash>``), the scratch folder of a
-    shuffle (``.shuffle-<hash>``, its buckets and runs), or a staging lock file whose folder is
-    gone (``.staging-<hash>.lock``)."""
+    shuffle (``.shuffle-<hash>``, its buckets and runs), the folder where a shuffle's ranks meet
+    (``.shuffle-ranks-<hash>``, their records), or a staging lock file whose folder is gone
+    (``.staging-<hash>.lock``)."""
 
     path: Path
-    #: "staging", "copy", "shuffle" or "lock" (`KIND_NAMES` says each in words).
+    #: "staging", "copy", "shuffle", "ranks" or "lock" (`KIND_NAMES` says each in words).
     kind: str
     #: Bytes of the regular files in it (the file itself for a lock).
     nbytes: int
@@ -140,9 +148,12 @@ class Unpublished:
     def state(self) -> str:
         """In words: live, interrupted and resumable (what is kept, how to resume), or abandoned."""
         if self.live:
-            return {"staging": "a writer holds it", "copy": "a copy holds it", "shuffle": "a shuffle holds it"}.get(
-                self.kind, "a live process holds it"
-            )
+            return {
+                "staging": "a writer holds it",
+                "copy": "a copy holds it",
+                "shuffle": "a shuffle holds it",
+                "ranks": "a shuffle's ranks are meeting in it",
+            }.get(self.kind, "a live process holds it")
         if not self.resumable:
             return "stale, nothing to resume: `saev-shards clean` removes it"
         kept = {
@@ -181,6 +192,8 @@ def unpublished(root: PathLike) -> list[Unpublished]:
             kind = "staging"
         elif e.name.startswith(COPY_PREFIX) and e.is_dir(follow_symlinks=False):
             kind = "copy"
+        elif e.name.startswith(SHUFFLE_RANKS_PREFIX) and e.is_dir(follow_symlinks=False):
+            kind = "ranks"
         elif e.name.startswith(SHUFFLE_PREFIX) and e.is_dir(follow_symlinks=False):
             kind = "shuffle"
         else:
@@ -233,7 +246,7 @@ def _lock_of(path: Path, kind: str) -> tuple[Path, bool]:
     file inside a shuffle's scratch folder, or the folder of a copy itself (``directory``)."""
     if kind == "staging":
         return path.with_name(path.name + LOCK_SUFFIX), False
-    if kind == "shuffle":
+    if kind in ("shuffle", "ranks"):
         return path / SHUFFLE_LOCK_FILE, False
     return path, kind == "copy"
 
@@ -278,7 +291,7 @@ def remove_unpublished(item: Unpublished) -> bool:
     try:
         if item.kind == "staging" and _held(item.path / OLD_LOCK_FILE, directory=False):  # an older writer's
             return False
-        if item.kind in ("staging", "copy", "shuffle") and item.path.is_dir():
+        if item.kind in ("staging", "copy", "shuffle", "ranks") and item.path.is_dir():
             make_writable(item.path)  # a writer killed while publishing leaves it read-only
             shutil.rmtree(item.path)
         if item.kind in ("staging", "lock"):

@@ -1,6 +1,6 @@
 """Roots and resolution: where caches and runs live, and which cache a path, hash or prefix names.
 
-Roots (seed 004, documented in docs/cli.md), each resolved as *argument > own variable >
+Roots (saev's storage layout, documented in docs/store.md), each resolved as *argument > own variable >
 shared variable*:
 
 * shards roots: ``roots=`` > ``$SAEV_SHARDS_ROOT`` (several roots separated by ``:``,
@@ -53,6 +53,9 @@ COPY_PREFIX = ".copying-"
 #: running shuffle holds inside it (`saev_shards.shuffle`; `clean` judges liveness by it).
 SHUFFLE_PREFIX = ".shuffle-"
 SHUFFLE_LOCK_FILE = ".lock"
+#: Prefix of the folder where the ranks of a multi-process shuffle meet without a process
+#: group (`saev_shards.shuffle.meeting`): rank records only, nothing a rerun resumes.
+SHUFFLE_RANKS_PREFIX = f"{SHUFFLE_PREFIX}ranks-"
 _HEX_RE = re.compile(r"[0-9a-fA-F]+")
 #: Candidates listed in an ambiguous-prefix error before "and N more".
 _MAX_CANDIDATES = 20

@@ -24,9 +24,9 @@ from ..protocol.jsonfile import read_json_file
 from ..protocol.metadata import Metadata, parse_metadata
 from .roots import PathLike, Roots, _scan, resolve, runs_root
 
-#: The links a run folder holds (seed 004): the caches and the datasets they came from.
+#: The links a run folder holds (saev's run layout): the caches and the datasets they came from.
 LINK_NAMES = ("train-shards", "train-dataset", "val-shards", "val-dataset")
-#: The seed's resolution example calls the training links ``shards`` and ``dataset``.
+#: saev's own run layout calls the training links ``shards`` and ``dataset``.
 LINK_ALIASES = {"train-shards": "shards", "train-dataset": "dataset"}
 #: What training writes into ``checkpoint/``.
 CHECKPOINT_FILES = ("sae.pt", "config.json")
@@ -39,7 +39,7 @@ _RUN_ID_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._+=@-]{0,199}")
 
 @dataclasses.dataclass(frozen=True)
 class Run:
-    """A run folder; every other path is resolved from it (seed 004, ``--run <path>``).
+    """A run folder; every other path is resolved from it (saev's ``--run <path>``).
 
     >>> run = open_run("/nfs/saev/runs/sae-16k")   # doctest: +SKIP
     >>> run.train_shards                          # doctest: +SKIP
@@ -80,7 +80,7 @@ class Run:
         return self.inference_root / shard_hash
 
     def link(self, name: str) -> Path:
-        """The link ``links/<name>`` itself (the seed's older alias when only that exists)."""
+        """The link ``links/<name>`` itself (saev's older alias when only that exists)."""
         if name not in LINK_NAMES:
             raise KeyError(f"unknown link {name!r}; a run has {list(LINK_NAMES)}")
         path = self.links_dir / name
@@ -212,8 +212,8 @@ def create_run(
     train_dataset: PathLike | None = None,
     val_dataset: PathLike | None = None,
 ) -> Run:
-    """Create ``<runs root>/<run_id>/`` with ``links/``, ``checkpoint/`` and ``inference/`` (seed 004;
-    saev's own ``Run`` opens it).
+    """Create ``<runs root>/<run_id>/`` with ``links/``, ``checkpoint/`` and ``inference/`` (saev's
+    own ``Run`` opens it).
 
     ``train`` and ``val`` are cache references (paths, hashes or prefixes); each must open.
     A val cache that is the train cache, or differs in what training relies on

@@ -247,6 +247,37 @@ def test_clean_removes_the_scratch_folder_of_a_shuffle_that_died_and_keeps_a_liv
     assert sorted(p.name for p in root.iterdir()) == [md.hash]
 
 
+def test_a_stale_ranks_meeting_folder_is_named_as_such_and_has_nothing_to_resume(tmp_path: Path):
+    """The folder where a multi-process shuffle's ranks meet (rank records, no buckets or runs):
+    `ls` names it for what it is, a rerun resumes nothing from it, `clean` keeps it while a
+    rank holds its lock and removes it once none does."""
+    from saev_shards.shuffle.meeting import RENDEZVOUS_PREFIX
+
+    env = environment(tmp_path)
+    root = tmp_path / "scratch" / "saev" / "shards"
+    md = small_metadata(n_examples=8, d_model=4)
+    write_cache(root, md)
+    meeting = root / f"{RENDEZVOUS_PREFIX}{md.hash}"
+    meeting.mkdir()
+    (meeting / "rank-1.json").write_text('{"rank": 1, "arguments": {}}')
+    (meeting / ".lock").touch()
+    code, out, _ = run(env, "ls")
+    assert code == 0 and f"{meeting.name}  shuffle ranks' meeting folder, " in out, out
+    assert "stale, nothing to resume" in out and "shuffle scratch" not in out, out
+    held = os.open(meeting / ".lock", os.O_RDWR)
+    try:
+        assert fileio.try_flock(held)
+        code, out, _ = run(env, "ls")
+        assert "a shuffle's ranks are meeting in it" in out, out
+        code, out, _ = run(env, "clean", "--yes")
+        assert code == 0 and f"keeping {meeting}: a live process holds its lock" in out and meeting.is_dir()
+    finally:
+        os.close(held)
+    code, out, _ = run(env, "clean", "--yes")
+    assert code == 0 and f"removed {meeting}\n" in out and not meeting.exists(), out
+    assert sorted(p.name for p in root.iterdir()) == [md.hash]
+
+
 # --------------------------------------------------------------------------------------
 # caches in use: rm against live readers in other processes
 

@@ -185,10 +185,10 @@ def test_ls_lists_caches_sizes_and_unpublished_folders(st: Store, tmp_path: Path
     assert r.code == 0, r.err
     lines = r.out.splitlines()
     assert lines[0].startswith(f"{st.shards_root} (SAEV_SCRATCH): 2 caches, ")
-    assert lines[1].split() == ["HASH", "MODEL", "DTYPE", "SHAPE", "SHARDS", "SIZE", "STATUS"]
+    assert lines[1].split() == ["HASH", "MODEL", "FORMAT", "DTYPE", "SHAPE", "SHARDS", "SIZE", "STATUS"]
     rows = {line.split()[0]: line.split() for line in lines[2:]}
-    assert rows[st.full.hash[:12]][1:6] == ["clip:test/ckpt", "float16", "(23,", "2,", "5,"]
-    assert rows[st.plain.hash[:12]][-1] == "ok" and rows[st.plain.hash[:12]][2] == "bfloat16"
+    assert rows[st.full.hash[:12]][1:7] == ["clip:test/ckpt", ss.PROTOCOL, "float16", "(23,", "2,", "5,"]
+    assert rows[st.plain.hash[:12]][-1] == "ok" and rows[st.plain.hash[:12]][3] == "bfloat16"
     # Another root, given on the command line, holding an interrupted copy.
     (tmp_path / ".copying-abcd").mkdir()
     r = st.run("ls", str(tmp_path), "--json")

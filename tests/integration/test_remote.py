@@ -53,7 +53,7 @@ from ..support.remote_servers import (
     range_server,
     s3_environment,
 )
-from ..unit.test_indexing import keys, outcome
+from ..unit.reader.test_indexing import keys, outcome
 
 torch = pytest.importorskip("torch")
 
@@ -94,10 +94,11 @@ WHOLE_FILE_PROTOCOL = PROTOCOL_30
 @pytest.fixture
 def local(tmp_path: Path, request: pytest.FixtureRequest) -> tuple[ss.Shards, Any]:
     """A local cache with labels, a lengths column, text and statistics (23 examples, 5 shards),
-    in the protocol this library writes (a test may ask for another with ``indirect``)."""
+    in the protocol this library writes (a test may ask for another, or "float8", with ``indirect``)."""
     root = tmp_path / "shards"
     root.mkdir()
-    md = small_metadata(protocol=getattr(request, "param", ss.PROTOCOL))
+    param = getattr(request, "param", ss.PROTOCOL)
+    md = small_metadata(dtype="float8_e4m3") if param == "float8" else small_metadata(protocol=param)
     lengths = np.arange(md.n_examples) % md.tokens_per_ex + 1
     logical = write_cache(root, md, labels=True, lengths=lengths, text=True, stats=True)
     return ss.open(root / md.hash), logical
@@ -231,6 +232,57 @@ def test_loaders_give_the_same_batches_from_remote_and_local(
     resumed = TokenLoader(remote, **common)
     resumed.load_state_dict(state)
     assert same(batches(resumed), want[2:])
+
+
+@pytest.mark.parametrize("local", [ss.PROTOCOL, WHOLE_FILE_PROTOCOL, "float8"], indirect=True)
+def test_a_warm_block_cache_is_read_in_place_with_the_same_batches(
+    s3: S3, local: tuple[ss.Shards, Any], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The first epoch reads into buffers (blocks not stored yet); once every block is in the
+    block cache the loader maps them in place (a float8 cache's scale files too), in this
+    process and in a newly opened cache, whose entries are taken on their seals (not hashed
+    again), with the batches of the local cache."""
+    from saev_shards.loaders import ShuffledLoader, mapped
+    from saev_shards.storage import blockcache
+
+    monkeypatch.setattr(mapped, "MIN_SHARD_BYTES", 1)  # the small test shards are mapped too
+    folder = fresh_block_cache(tmp_path, monkeypatch)
+    shards, _ = local
+    remote = pushed(s3, local)
+    common: dict[str, Any] = {"batch_size": 7, "layers": [6, 11], "mix_layers": True, "buffer_bytes": 1200, "seed": 3}
+    local_loader = ShuffledLoader(shards, **common)
+    want, want_next, want_third = batches(local_loader), batches(local_loader), batches(local_loader)
+    loader = ShuffledLoader(remote, **common)
+
+    def in_place(loader: Any) -> bool:
+        return loader._spares.map is not None
+
+    assert same(batches(loader), want) and not in_place(loader)  # cold: read into buffers
+    remote.files.flush()  # type: ignore[attr-defined]
+    assert same(batches(loader), want_next) and in_place(loader)  # warm: in place
+    # Every entry trimmed away: the map keeps the files it maps, and reads them still.
+    assert BlockCache(folder).trim(target=0.0) > 0 and BlockCache(folder).entries() == []
+    s3.faults.clear()
+    assert same(batches(loader), want_third) and s3.faults.count("/acts") == 0
+    refill = ss.open(remote.location)
+    refill[:]
+    refill.files.flush()  # type: ignore[attr-defined]
+
+    def never(fd: int, nbytes: int) -> str:
+        raise AssertionError("a sealed entry was hashed again")
+
+    monkeypatch.setattr(blockcache, "digest_of", never)
+    loader = ShuffledLoader(ss.open(remote.location), **common)
+    assert same(batches(loader), want) and in_place(loader)
+    # Exact resume in place: a state taken after 2 batches continues as the local run does.
+    loader = ShuffledLoader(ss.open(remote.location), **common)
+    it = iter(loader)
+    next(it), next(it)
+    state = loader.state_dict()
+    del it
+    resumed = ShuffledLoader(ss.open(remote.location), **common)
+    resumed.load_state_dict(state)
+    assert same(batches(resumed), want[2:]) and in_place(resumed)
 
 
 def test_remote_reads_go_through_the_block_cache(

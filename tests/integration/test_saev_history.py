@@ -358,6 +358,10 @@ def test_cli_reads_every_fixture_in_a_read_only_root(open_folder: Path) -> None:
     code, listing, err = next(results)
     assert code == 0, err
     assert f"{len(FIXTURES)} caches" in listing and listing.count(" ok") == len(FIXTURES)
+    # `ls` names each cache's format (its dialect), as `info` does.
+    rows = {line.split()[0]: line.split() for line in listing.splitlines()[2:] if line.strip()}
+    for _, cache, _ in FIXTURES:
+        assert rows[cache.name[:12]][2] == open_quietly(cache).metadata.dialect
     for _, cache, _ in FIXTURES:
         (code, found, err), (code_info, info, err_info), (code_verify, verify, err_verify) = (
             next(results) for _ in "abc"

@@ -1,4 +1,4 @@
-"""Pickle shards (seed 001) -> cache: every value, length, column and text; checksums; unsafe pickles."""
+"""Pickle shards (pickle.gz activations) -> cache: every value, length, column and text; checksums; unsafe pickles."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Zarr logs (seed 000), SAELens caches and .npy -> cache: every value, length, column and text; detection."""
+"""Zarr activation logs, SAELens caches and .npy -> cache: every value, length, column and text; detection."""
 
 from __future__ import annotations
 

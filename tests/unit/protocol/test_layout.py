@@ -10,7 +10,7 @@ from hypothesis import strategies as st
 import saev_shards as ss
 from saev_shards.protocol import layout
 
-from ..support import strategies
+from ...support import strategies
 
 
 def flat_position(md: ss.Metadata, example: int, layer_idx: int, token: int) -> tuple[int, int]:

@@ -19,7 +19,7 @@ from saev_shards.codecs import _float8_passes, float8
 from saev_shards.codecs.bfloat16 import float32_to_bf16
 from saev_shards.protocol.float8 import FLOAT8_DTYPE, reference_dequantize, reference_quantize
 
-from ..support.caches import small_metadata
+from ...support.caches import small_metadata
 
 #: Every finite E4M3 value (ml_dtypes'), for the reference checks.
 FINITE = np.arange(256, dtype=np.uint8)[(np.arange(256) & 0x7F) != 0x7F].view(FLOAT8_DTYPE).astype(np.float32)
@@ -332,7 +332,7 @@ def test_reading_float8_without_the_fast_extra_says_so_once(tmp_path: Path, how:
     import subprocess
     import sys
 
-    from ..support.caches import write_cache
+    from ...support.caches import write_cache
 
     md = small_metadata(dtype="float8_e4m3")
     write_cache(tmp_path, md)

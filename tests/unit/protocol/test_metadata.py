@@ -16,8 +16,8 @@ import saev_shards as ss
 from saev_shards.protocol.metadata import KEYS, parse_metadata
 from saev_shards.protocol.v3 import pretty_json
 
-from ..support.caches import small_metadata, write_cache
-from ..support.strategies import metadata
+from ...support.caches import small_metadata, write_cache
+from ...support.strategies import metadata
 
 
 def seed_hash(md: dict[str, Any]) -> str:

@@ -18,8 +18,8 @@ import saev_shards as ss
 from saev_shards.codecs import float8
 from saev_shards.reader.indexing import CACHE_RANGE, wrap_index
 
-from ..support import strategies
-from ..support.caches import float_input, small_metadata, write_cache
+from ...support import strategies
+from ...support.caches import float_input, small_metadata, write_cache
 
 
 @pytest.fixture(scope="module")

@@ -14,8 +14,8 @@ import saev_shards as ss
 from saev_shards.dump.recorder import AsyncWriter, Recorder, find_blocks, resolve_modules
 from saev_shards.errors import RecorderError
 
-from ..support.caches import small_metadata, tree_bytes
-from ..support.models import TinyTextModel, TinyViT
+from ...support.caches import small_metadata, tree_bytes
+from ...support.models import TinyTextModel, TinyViT
 
 
 def _ids(batch: int = 3, T: int = 10, seed: int = 0) -> tuple[Any, Any]:

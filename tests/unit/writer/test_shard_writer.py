@@ -27,7 +27,7 @@ from saev_shards.codecs.bfloat16 import float32_to_bf16
 from saev_shards.protocol.staging import lock_path, staging_dir
 from saev_shards.writer import direct as direct_module
 
-from ..support.caches import float_input, labels_for, logical_tensor, small_metadata, tree_bytes, write_cache
+from ...support.caches import float_input, labels_for, logical_tensor, small_metadata, tree_bytes, write_cache
 
 
 def test_publishes_read_only(root: Path) -> None:
@@ -398,7 +398,7 @@ KILL_SCRIPT = textwrap.dedent(
 
 
 def run_writer(root: Path, resume: bool, pause: bool) -> subprocess.Popen[str]:
-    repo = str(Path(__file__).resolve().parents[2])
+    repo = str(Path(__file__).resolve().parents[3])
     code = KILL_SCRIPT.format(repo=repo, root=str(root), resume=resume, pause=pause)
     return subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
 
@@ -456,7 +456,7 @@ def test_stats_need_lengths_with_the_activations(root: Path) -> None:
 @settings(max_examples=30, suppress_health_check=[HealthCheck.function_scoped_fixture])  # the block size is constant
 def test_sequential_file_writes_exact_bytes(monkeypatch_block: None, chunks: list[int], direct: bool) -> None:
     """O_DIRECT blocks, short remainders and the buffered tail add up to exactly the bytes given."""
-    with tempfile.TemporaryDirectory(dir=Path(__file__).resolve().parents[1]) as tmp:
+    with tempfile.TemporaryDirectory(dir=Path(__file__).resolve().parents[2]) as tmp:
         path = Path(tmp) / "f.bin"
         rng = np.random.default_rng(len(chunks))
         data = [rng.integers(0, 256, n, dtype=np.uint8).tobytes() for n in chunks]

@@ -19,7 +19,7 @@ import saev_shards as ss
 from saev_shards.protocol import v31
 from saev_shards.protocol.common import BLOCK_SIZE
 
-from ..support.caches import float_input, logical_tensor, small_metadata, tree_bytes, writable_copy, write_cache
+from ...support.caches import float_input, logical_tensor, small_metadata, tree_bytes, writable_copy, write_cache
 
 #: The smallest block size a reader accepts: small test caches span several blocks.
 SMALL_BLOCK = 64 << 10

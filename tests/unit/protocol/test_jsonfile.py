@@ -23,8 +23,8 @@ from saev_shards.protocol.jsonfile import (
     strict_json_loads,
 )
 
-from ..support.caches import small_metadata, write_cache
-from ..support.hostile import Raw, render, writable
+from ...support.caches import small_metadata, write_cache
+from ...support.hostile import Raw, render, writable
 
 
 @pytest.mark.parametrize(

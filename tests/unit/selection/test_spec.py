@@ -18,7 +18,7 @@ from saev_shards.errors import LoaderError, ShuffleError
 from saev_shards.selection import SelectionSpec, choose_layers, parse_selection
 from saev_shards.shuffle import plan_shuffle
 
-from ..support.caches import small_metadata, write_cache
+from ...support.caches import small_metadata, write_cache
 
 RECORDED = (6, 11)
 

@@ -23,9 +23,9 @@ import saev_shards as ss
 from saev_shards import store
 from saev_shards.errors import HashMismatchError, InvalidCacheError, MetadataError
 
-from ..support.caches import tree_bytes
+from ...support.caches import tree_bytes
 
-DATA = Path(__file__).resolve().parents[1] / "data"
+DATA = Path(__file__).resolve().parents[2] / "data"
 PARTIAL = DATA / "saev-code-partial" / "saev" / "shards" / "e2f8cd3a"
 EXACT = DATA / "saev-code-exact" / "saev" / "shards" / "3a3c1749"
 SAEV_KEYS = (

@@ -14,7 +14,7 @@ import pytest
 import saev_shards as ss
 from saev_shards.reader import report as report_mod
 
-from ..support.caches import small_metadata
+from ...support.caches import small_metadata
 
 pytest.importorskip("matplotlib")
 

@@ -13,7 +13,7 @@ import saev_shards as ss
 from saev_shards.errors import MissingDependencyError, ShardsError
 from saev_shards.reader.views import write_zarr_references, zarr_references
 
-from ..support.caches import small_metadata, write_cache
+from ...support.caches import small_metadata, write_cache
 
 dask_array = pytest.importorskip("dask.array")
 xr = pytest.importorskip("xarray")
@@ -107,7 +107,7 @@ def test_missing_extra_names_it(root: Path, monkeypatch: pytest.MonkeyPatch) -> 
 def test_views_of_the_reference_dialect_with_a_padded_last_shard() -> None:
     zarr = pytest.importorskip("zarr")
     pytest.importorskip("fsspec")
-    data = Path(__file__).resolve().parents[1] / "data" / "legacy-2.1-padded"
+    data = Path(__file__).resolve().parents[2] / "data" / "legacy-2.1-padded"
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", ss.ProtocolWarning)
         shards = ss.open(next(data.iterdir()))
@@ -118,7 +118,7 @@ def test_views_of_the_reference_dialect_with_a_padded_last_shard() -> None:
 
 
 def test_xarray_names_the_sites_of_a_cache_of_sites() -> None:
-    golden = Path(__file__).resolve().parents[1] / "data" / "golden-3.2"
+    golden = Path(__file__).resolve().parents[2] / "data" / "golden-3.2"
     (cache,) = golden.iterdir()
     arr = ss.open(cache).to_xarray()
     assert list(arr.site.values) == ["blocks.1.mlp:input", "blocks.1.mlp:output"]

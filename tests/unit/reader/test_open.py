@@ -14,7 +14,7 @@ import pytest
 import saev_shards as ss
 from saev_shards import reader, store
 
-from ..support.caches import small_metadata, write_cache
+from ...support.caches import small_metadata, write_cache
 
 PACKAGE = Path(ss.__file__).parent
 READER = PACKAGE / "reader"

@@ -1,4 +1,4 @@
-"""Dequantizing float8_e4m3 two ways, numba's compiled kernels (`float8_kernels`) and numpy's
+"""Dequantizing float8_e4m3 two ways, numba's compiled kernels (`codecs._float8_numba`) and numpy's
 passes, each bit for bit ml_dtypes' value of every byte times its scale (protocol.md 5:
 ``RN32(float32(q) * s)``, then rounded to the output dtype), for every byte, scales across
 float32's range, NaN codes and NaN scales, gathers of rows, and a thread that flushes

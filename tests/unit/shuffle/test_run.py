@@ -33,9 +33,9 @@ from saev_shards.shuffle import (
 from saev_shards.shuffle.order import GOLDEN
 from saev_shards.shuffle.scratch import run_file
 
-from ..support import strategies
-from ..support.caches import labels_for, small_metadata, tree_bytes, write_cache
-from ..support.shuffle import check_shuffled, expected_shuffle
+from ...support import strategies
+from ...support.caches import labels_for, small_metadata, tree_bytes, write_cache
+from ...support.shuffle import check_shuffled, expected_shuffle
 
 # -- the order ----------------------------------------------------------------------------
 
