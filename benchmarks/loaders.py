@@ -593,7 +593,7 @@ def bench_own_limits(caches: dict[str, ss.Shards], quick: bool) -> None:
         "with `Generator.integers` just before its gather. The limit is the faster of the two drawn ones; its CPU "
         f"s/GB is the process's while it ran. Median of {rounds} interleaved rounds; each loader sample runs its "
         f"epochs until {min_bytes / 1e9:.1f} GB. The 'numpy only' row and its limits run without numba's "
-        "kernels. Targets (issue 33): every row >= 0.8 of its limit, CPU s/GB within 1.3 x the limit's; numpy only "
+        "kernels. Targets: every row >= 0.8 of its limit, CPU s/GB within 1.3 x the limit's; numpy only "
         "within 2 x the compiled row's time."
     )
     table.emit()

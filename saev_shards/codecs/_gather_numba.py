@@ -76,29 +76,21 @@ def _divide(n: Any, d: Any, inverse: Any) -> Any:
     return q
 
 
+# The index kernels take their arrays in groups (tuples): ``units`` ``(lo, per_ex, slots,
+# chosen)`` or ``listed`` ``(example, slot, token)`` of each unit; ``rows`` ``(first vector of each
+# example, offset of each slot, offsets of the stacked slots or empty, global example of each
+# example, layer of each slot, labels (flat) or empty, tokens per example)``; ``out`` ``(flat,
+# examples, tokens, layers or empty, labels or empty)``.
+
+
 @numba.njit(nogil=True, cache=True, error_model="numpy")
-def window_index(
-    order: Any,
-    lo: Any,
-    per_ex: Any,
-    slots: Any,
-    chosen: Any,
-    ex_vector: Any,
-    slot_vector: Any,
-    stack_offsets: Any,
-    examples: Any,
-    slot_layer: Any,
-    labels: Any,
-    tokens_per_ex: Any,
-    flat: Any,
-    ex_out: Any,
-    tok_out: Any,
-    layer_out: Any,
-    label_out: Any,
-) -> None:
+def window_index(order: Any, units: Any, rows: Any, out: Any) -> None:
     """The index of a window whose examples all hold the ``chosen`` tokens: unit ``u`` of the
     batches is unit number ``lo + order[u]`` (``lo + u`` when ``order`` is empty), in example,
     slot, token order."""
+    lo, per_ex, slots, chosen = units
+    ex_vector, slot_vector, stack_offsets, examples, slot_layer, labels, tokens_per_ex = rows
+    flat, ex_out, tok_out, layer_out, label_out = out
     n_chosen = np.int64(chosen.shape[0])
     per_ex_inverse, chosen_inverse = 1.0 / per_ex, 1.0 / n_chosen
     ordered = order.shape[0] != 0
@@ -108,8 +100,7 @@ def window_index(
         ex = _divide(unit, per_ex, per_ex_inverse)
         rest = unit - ex * per_ex
         s = _divide(rest, n_chosen, chosen_inverse)
-        t = rest - s * n_chosen
-        tok = chosen[t]
+        tok = chosen[rest - s * n_chosen]
         first = ex_vector[ex] + tok
         if stacked:
             for k in range(stack_offsets.shape[0]):
@@ -125,26 +116,12 @@ def window_index(
 
 
 @numba.njit(nogil=True, cache=True, error_model="numpy")
-def window_index_listed(
-    order: Any,
-    ex_c: Any,
-    slot_c: Any,
-    tok_c: Any,
-    ex_vector: Any,
-    slot_vector: Any,
-    stack_offsets: Any,
-    examples: Any,
-    slot_layer: Any,
-    labels: Any,
-    tokens_per_ex: Any,
-    flat: Any,
-    ex_out: Any,
-    tok_out: Any,
-    layer_out: Any,
-    label_out: Any,
-) -> None:
+def window_index_listed(order: Any, listed: Any, rows: Any, out: Any) -> None:
     """The index of a window from its listed units ``(ex_c, slot_c, tok_c)``: unit ``u`` of the
     batches is listed unit ``order[u]`` (``u`` when ``order`` is empty)."""
+    ex_c, slot_c, tok_c = listed
+    ex_vector, slot_vector, stack_offsets, examples, slot_layer, labels, tokens_per_ex = rows
+    flat, ex_out, tok_out, layer_out, label_out = out
     ordered = order.shape[0] != 0
     stacked, labelled = stack_offsets.shape[0] != 0, label_out.shape[0] != 0
     for u in range(flat.shape[0]):

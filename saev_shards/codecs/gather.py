@@ -21,7 +21,7 @@ import os
 import threading
 import warnings
 from collections.abc import Iterator
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 import numpy.typing as npt
@@ -171,9 +171,32 @@ Columns = tuple[
     npt.NDArray[np.uint8] | None,
 ]
 
-#: An empty array: "no order" (units in their listed order) and "no labels" to the kernels.
+#: An empty array: "no order" (units in their listed order), "not stacked" and "no labels" to the kernels.
 _NONE = np.empty(0, dtype=np.int64)
 _NO_LABELS = np.empty(0, dtype=np.uint8)
+
+
+class Rows(NamedTuple):
+    """Where a window's units are and what the batches say of them (`loaders.plan.index_window`)."""
+
+    #: The first vector of each of the window's examples, in the array its gathers read.
+    ex_vector: npt.NDArray[np.int64]
+    #: The offset in vectors of each slot (a layer position of an example).
+    slot_vector: npt.NDArray[np.int64]
+    #: With stacked layers, the offsets of the stacked slots (each unit a row of them); else None.
+    stacked: npt.NDArray[np.int64] | None
+    #: The global index of each of the window's examples.
+    examples: npt.NDArray[np.int64]
+    #: The layer value of each slot.
+    slot_layer: npt.NDArray[np.int64]
+    #: ``(examples, T)`` labels.bin values of the window's examples, or None without labels.bin.
+    labels: npt.NDArray[np.uint8] | None
+    tokens_per_ex: int
+
+    def kernel_args(self) -> tuple[Any, ...]:
+        labels = _NO_LABELS if self.labels is None else self.labels.reshape(-1)
+        stacked = _NONE if self.stacked is None else self.stacked
+        return (self.ex_vector, self.slot_vector, stacked, self.examples, self.slot_layer, labels, self.tokens_per_ex)
 
 
 def window_index(
@@ -183,81 +206,54 @@ def window_index(
     per_ex: int,
     slots: npt.NDArray[Any],
     chosen: npt.NDArray[np.int64],
-    rows: tuple[npt.NDArray[np.int64], npt.NDArray[np.int64], npt.NDArray[np.int64] | None],
-    examples: npt.NDArray[np.int64],
-    slot_layer: npt.NDArray[np.int64],
-    labels: npt.NDArray[np.uint8] | None,
-    tokens_per_ex: int,
+    rows: Rows,
 ) -> Columns | None:
-    """The columns ``(flat, examples, tokens, layers or None, labels or None)`` of a window's
-    index whose examples all hold the ``chosen`` tokens (`loaders.plan.index_window`): batch unit
-    ``u`` is unit number ``lo + order[u]`` (``lo + u`` without ``order``) in example, slot, token
-    order, ``per_ex`` units per example. ``rows``: ``(first vector of each example, offset of each
-    slot, offsets of the stacked slots or None)``. None where the kernels are not in use."""
+    """The columns of the index of a window whose examples all hold the ``chosen`` tokens: batch
+    unit ``u`` is unit number ``lo + order[u]`` (``lo + u`` without ``order``) in example, slot,
+    token order, ``per_ex`` units per example (``slots``: the slot of each layer position). None
+    where the kernels are not in use."""
     kernels = _kernels(wait=False)
     if kernels is None:
         return None
-    outs = _outputs(n_units, rows[2], labels is not None)
-    kernels.window_index(
-        _NONE if order is None else order,
-        np.int64(lo),
-        np.int64(per_ex),
-        slots,
-        chosen,
-        *_row_args(rows),
-        examples,
-        slot_layer,
-        _NO_LABELS if labels is None else labels.reshape(-1),
-        np.int64(tokens_per_ex),
-        *outs,
-    )
-    return _columns(outs, rows[2] is not None, labels is not None)
+    outs = _outputs(n_units, rows)
+    units = (np.int64(lo), np.int64(per_ex), slots, chosen)
+    kernels.window_index(_NONE if order is None else order, units, rows.kernel_args(), outs)
+    return _columns(outs, rows)
 
 
 def window_index_listed(
     order: npt.NDArray[np.int64] | None,
     listed: tuple[npt.NDArray[np.int64], npt.NDArray[Any], npt.NDArray[np.int64]],
-    rows: tuple[npt.NDArray[np.int64], npt.NDArray[np.int64], npt.NDArray[np.int64] | None],
-    examples: npt.NDArray[np.int64],
-    slot_layer: npt.NDArray[np.int64],
-    labels: npt.NDArray[np.uint8] | None,
-    tokens_per_ex: int,
+    rows: Rows,
 ) -> Columns | None:
     """`window_index` from the listed units ``(example, slot, token)`` of a window (batch unit
     ``u`` is listed unit ``order[u]``, or ``u``). None where the kernels are not in use."""
     kernels = _kernels(wait=False)
     if kernels is None:
         return None
-    outs = _outputs(len(listed[0]), rows[2], labels is not None)
-    kernels.window_index_listed(
-        _NONE if order is None else order,
-        *listed,
-        *_row_args(rows),
-        examples,
-        slot_layer,
-        _NO_LABELS if labels is None else labels.reshape(-1),
-        np.int64(tokens_per_ex),
-        *outs,
-    )
-    return _columns(outs, rows[2] is not None, labels is not None)
+    outs = _outputs(len(listed[0]), rows)
+    kernels.window_index_listed(_NONE if order is None else order, listed, rows.kernel_args(), outs)
+    return _columns(outs, rows)
 
 
-def _row_args(rows: tuple[Any, Any, Any]) -> tuple[Any, Any, Any]:
-    ex_vector, slot_vector, stacked = rows
-    return ex_vector, slot_vector, _NONE if stacked is None else stacked
-
-
-def _outputs(n: int, stacked: npt.NDArray[np.int64] | None, labelled: bool) -> tuple[npt.NDArray[Any], ...]:
-    width = 1 if stacked is None else len(stacked)
+def _outputs(n: int, rows: Rows) -> tuple[npt.NDArray[Any], ...]:
+    width = 1 if rows.stacked is None else len(rows.stacked)
     return (
         np.empty((n, width), np.int64),
         np.empty(n, np.int64),
         np.empty(n, np.int64),
-        np.empty(n if stacked is None else 0, np.int64),
-        np.empty(n if labelled else 0, np.uint8),
+        np.empty(n if rows.stacked is None else 0, np.int64),
+        np.empty(n if rows.labels is not None else 0, np.uint8),
     )
 
 
-def _columns(outs: tuple[npt.NDArray[Any], ...], stacked: bool, labelled: bool) -> Columns:
+def _columns(outs: tuple[npt.NDArray[Any], ...], rows: Rows) -> Columns:
     flat, ex, tok, layer, label = outs
-    return (flat if stacked else flat[:, 0], ex, tok, None if stacked else layer, label if labelled else None)
+    stacked = rows.stacked is not None
+    return (
+        flat if stacked else flat[:, 0],
+        ex,
+        tok,
+        None if stacked else layer,
+        None if rows.labels is None else label,
+    )

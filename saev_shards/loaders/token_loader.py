@@ -133,8 +133,7 @@ class TokenLoader:
         import torch
 
         self.shards = as_shards(shards)
-        # numba's compiled indexes and gathers, loaded meanwhile: numpy's (the same batches) until then.
-        gather.load_in_background()
+        gather.load_in_background()  # numba's kernels; numpy's code (the same batches) until they load
         choice = choose_sites(self.shards, sites, layers)
         if choice is not None:
             layers = choice.layers if choice.stacked else choice.layers[0]
