@@ -1,10 +1,9 @@
-"""The loaders' compiled gathers and window indexes (`saev_shards.codecs.gather`) against the numpy
-code they replace: the same bits for every float16 and bfloat16 pattern, the same index columns
-for any window, selection and order, and the same batches (test_exact_batches.py pins those)."""
+"""The loaders' compiled window indexes (`saev_shards.codecs.gather`) against the numpy code they
+replace: the same index columns for any window, selection and order, and so the same batches
+(test_exact_batches.py pins those; tests/unit/codecs/test_gather.py tests the kernels alone)."""
 
 from __future__ import annotations
 
-import threading
 from collections.abc import Iterator
 from typing import Any
 
@@ -16,38 +15,11 @@ from hypothesis import strategies as st
 import saev_shards as ss
 from saev_shards import loaders
 from saev_shards.codecs import gather
-from saev_shards.loaders.outputs import cast_into
 from saev_shards.loaders.plan import ReadSpans, index_window
 
 from ...support.caches import small_metadata, write_cache
 
 pytestmark = pytest.mark.skipif(not gather.kernels_in_use(), reason="numba (the `fast` extra) is not installed")
-
-
-@pytest.mark.parametrize("stored", gather.WIDENS)
-def test_take_widen_gives_the_casts_bits(stored: str) -> None:
-    """Every bit pattern (zeros, subnormals, normals, inf, NaN of both signs), rows out of range
-    clipped as ``numpy.take(mode="clip")``: the bits of the numpy gather and the loaders' cast."""
-    bits = np.arange(1 << 16, dtype=np.uint32).astype(np.uint16).reshape(-1, 128)
-    values = bits.view(np.float16) if stored == "float16" else bits
-    rows = np.concatenate([np.arange(len(bits)), [-3, len(bits) + 9, 7]]).astype(np.int64)
-    got = np.full((len(rows), 128), np.nan, np.float32)
-    assert gather.take_widen(values, rows, got, stored)
-    want = np.empty_like(got)
-    cast_into(np.take(values, rows, axis=0, mode="clip"), stored, "float32", want)
-    assert np.array_equal(got.view(np.uint32), want.view(np.uint32))
-
-
-def test_take_widen_stacked_rows_and_numpy_only() -> None:
-    values = np.random.default_rng(0).standard_normal((50, 8)).astype(np.float16)
-    rows = np.random.default_rng(1).integers(0, 50, (6, 3))
-    out = np.empty((6, 3, 8), np.float32)
-    assert gather.take_widen(values, rows, out, "float16")
-    assert np.array_equal(out, values[rows].astype(np.float32))
-    with gather.numpy_only():
-        assert not gather.kernels_in_use()
-        assert not gather.take_widen(values, rows, out, "float16")
-    assert not gather.take_widen(values.astype(np.float32), rows, out, "float32")
 
 
 @pytest.fixture(scope="module")
@@ -127,42 +99,3 @@ def test_window_index_matches_numpy(
             assert (a is None) == (b is None), name
             if a is not None:
                 assert a.dtype == b.dtype and np.array_equal(a, b), name
-
-
-def test_kernels_are_checked_and_can_be_turned_off(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Kernels that disagree with numpy are not used (with a warning), nor are they with
-    SAEV_SHARDS_NUMBA=0: the loaders then gather and index with numpy."""
-    monkeypatch.setattr(gather, "_KERNELS", [])
-    monkeypatch.setattr(gather, "_BACKGROUND", [])
-    monkeypatch.setattr(gather, "_check_kernels", lambda kernels: "its widening of float16 differs from numpy's")
-    with pytest.warns(UserWarning, match="numba's kernels are not used .*differs"):
-        assert not gather.kernels_in_use()
-    out = np.empty((2, 4), np.float32)
-    assert not gather.take_widen(np.ones((3, 4), np.float16), np.array([0, 2]), out, "float16")
-    monkeypatch.setattr(gather, "_KERNELS", [])
-    monkeypatch.setenv("SAEV_SHARDS_NUMBA", "0")
-    assert not gather.kernels_in_use()
-
-
-def test_kernels_load_in_background(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Until the kernels have loaded, the loaders' calls do not wait for them (numpy does the work);
-    a loader starts loading them on a thread of its own, once per process."""
-    monkeypatch.setattr(gather, "_KERNELS", [])
-    monkeypatch.setattr(gather, "_BACKGROUND", [])
-    gate = threading.Event()
-    real_load = gather._load_kernels
-
-    def slow_load() -> Any:
-        assert gate.wait(timeout=20)
-        return real_load()
-
-    monkeypatch.setattr(gather, "_load_kernels", slow_load)
-    out = np.empty((2, 4), np.float32)
-    assert not gather.take_widen(np.ones((3, 4), np.float16), np.array([0, 2]), out, "float16")  # not waiting
-    assert not gather.kernels_ready()
-    assert len(gather._BACKGROUND) == 1
-    gate.set()
-    gather._BACKGROUND[0].join(timeout=20)
-    assert gather.kernels_ready()
-    assert gather.take_widen(np.ones((3, 4), np.float16), np.array([0, 2]), out, "float16")
-    assert np.array_equal(out, np.ones((2, 4), np.float32))
