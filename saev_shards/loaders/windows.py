@@ -67,6 +67,12 @@ class WindowLoader:
         self.finish = finish
         #: Whether each window loading or loaded is read in place (else into its slot's buffer).
         self.in_place: dict[int, bool] = {}
+        #: `early_window`, when read in place for the first time: ``(index, gatherable)`` futures, the second
+        #: true once every page the window's gathers read is found in the page cache and its shards
+        #: checked (`_gatherable`): its gathers may start then, while its pages are still being mapped.
+        self.early: dict[int, tuple[Future[WindowIndex], Future[bool]]] = {}
+        #: The window that may be gathered early if read in place (the host run's first), or None.
+        self.early_window: int | None = None
         owned = pool is None
         if pool is None:
             pool = ThreadPoolExecutor(max_workers=cfg.read_threads, thread_name_prefix="saev-loader-read")
@@ -106,6 +112,10 @@ class WindowLoader:
         # The index first: it needs no data, so it is ready by the time the reads are.
         index = self.pool.submit(self._index, w)
         parts: list[Future[Any]] = [index]
+        if w == self.early_window and self.in_place[w] and mapped is not None:
+            first_time = not all(mapped.populated[int(spans.start[b]) : int(spans.stop[b])].all() for b in window.spans)
+            if first_time:  # else its load is as quick as the check: nothing to gain
+                self.early[w] = (index, self.pool.submit(self._gatherable, w))
         # One task per read thread, each taking the next block in window order until none is
         # left: as balanced as a task per block (no thread idles while others read the last
         # spans of a window), with a handful of futures per window instead of one per block.
@@ -131,6 +141,26 @@ class WindowLoader:
             return index_window(cfg.selection, cfg.spans, window, rng)
         assert cfg.mapped is not None
         return index_window(cfg.selection, cfg.spans, window, rng, cfg.mapped.source)
+
+    def _gatherable(self, w: int) -> bool:
+        """Whether window ``w`` (read in place) can be gathered before it is loaded: its shards still
+        hold its examples and a float8_e4m3 cache's scales are valid (`FileSizeError` and
+        `check_scales`'s error otherwise, as its load would raise), and every page of its examples is
+        in the page cache (one ``mincore`` per block), so that its gathers read memory, not the disk.
+        Its load maps those pages once per loader (``MADV_POPULATE_READ``): on a new loader's first
+        window, about as long as the index; the gathers fault them in meanwhile."""
+        mapped, spans = self.cfg.mapped, self.cfg.spans
+        assert mapped is not None
+        kinds = (False, True) if mapped.scales is not None else (False,)
+        for b in self.plan.windows[w].spans.tolist():
+            if self.stop.is_set():
+                raise CancelledError
+            start, stop = int(spans.start[b]), int(spans.stop[b])
+            mapped.check_size(start, stop)
+            if not all(mapped.resident(*mapped.byte_range(start, stop, scales=scales)) for scales in kinds):
+                return False
+            mapped.check_scales(start, stop, spans)
+        return True
 
     def source(self, w: int) -> tuple[npt.NDArray[Any], npt.NDArray[np.float32] | None]:
         """The arrays window ``w``'s index points into: the cache read in place, or its slot's
@@ -201,6 +231,7 @@ class WindowLoader:
         self.pool.cancel()
         # Nothing of this epoch outlives it: the caller's callbacks may refer back to its run.
         self.buffers = ()
+        self.early = {}
         self.ready_to_write = self.finish = _closed
 
 
