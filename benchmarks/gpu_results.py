@@ -174,7 +174,7 @@ def _md_table(columns: list[str], rows: list[list[str]]) -> list[str]:
 #: The stack sampler's stages (`STAGES`), in words.
 PLACES = {
     "read": "reading (pread)",
-    "upload wait": "waiting for an upload before refilling a staging slot",
+    "upload wait": "waiting for an upload before refilling a host slot",
     "index": "computing window indexes",
     "upload": "queueing uploads",
     "gather": "gathering rows",

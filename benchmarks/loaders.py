@@ -33,7 +33,9 @@ from benchmarks import benchlib as bl
 from benchmarks import tables
 from benchmarks.core import make_metadata
 from saev_shards import loaders
+from saev_shards.codecs import float8, gather
 from saev_shards.loaders.mapped import CacheMap
+from saev_shards.loaders.outputs import cast_into
 from saev_shards.loaders.plan import index_window
 from saev_shards.protocol.manifest import Manifest, ShardEntry, ShardList
 
@@ -347,6 +349,256 @@ def bench_page_cached(shards: ss.Shards, quick: bool) -> None:
     table.emit()
 
 
+# --------------------------------------------------------------------------------------
+# each shuffled loader row against gathers of its own rows and output dtype
+
+#: The page-cached loader rows measured against their own limits: ``(label, cache, loader
+#: keywords)``; ``cache`` is the float16 cache or the same values stored as float8_e4m3.
+OWN_ROWS: list[tuple[str, str, dict[str, Any]]] = [
+    ("all layers", "float16", {"mix_layers": True}),
+    ("layer 11", "float16", {"layers": 11}),
+    ("all layers, out float32", "float16", {"mix_layers": True, "out_dtype": "float32"}),
+    ("stack_layers", "float16", {"stack_layers": True}),
+    ("float8, all layers", "float8_e4m3", {"mix_layers": True}),
+    ("float8, layer 11, out float32", "float8_e4m3", {"layers": 11, "out_dtype": "float32"}),
+    ("1 gather thread", "float16", {"mix_layers": True, "gather_threads": 1}),
+    # Without numba (its limits too): the numpy-only path, to be within 2 x the compiled one.
+    ("all layers, out float32, numpy only", "float16", {"mix_layers": True, "out_dtype": "float32", "numpy": True}),
+]
+#: The shuffle windows the rows are measured at: the loaders' default and a small one.
+WINDOWS = (1 << 30, 64 << 20)
+
+
+class LoaderGather:
+    """What one loader's gathers do, alone: its rows (in its order, from the cache mapped in place
+    as it reads a page-cached cache) gathered, cast and dequantized into batch-sized outputs of its
+    output dtype by the same call it makes (`numpy.take`, `gather.take_widen`,
+    `float8.take_dequantize`, or a gather and a cast), as many outputs as it keeps in flight."""
+
+    def __init__(self, shards: ss.Shards, options: dict[str, Any]) -> None:
+        self.loader = loaders.ShuffledLoader(shards, BATCH, **options)
+        cfg = self.cfg = self.loader._config
+        md = shards.metadata
+        self.cache = CacheMap(shards, scales=cfg.float8)
+        self.plan = self.loader.plan(0)
+        spans = self.loader._spans
+        for w in self.plan.windows:  # in the page cache and mapped, as the loader leaves them
+            for b in w.spans.tolist():
+                for in_scales in (False, True) if cfg.float8 else (False,):
+                    self.cache.populate(
+                        *self.cache.byte_range(int(spans.start[b]), int(spans.stop[b]), None, in_scales)
+                    )
+        out_np = np.dtype(np.uint16) if cfg.out_dtype == "bfloat16" else np.dtype(cfg.out_dtype)
+        n_out = cfg.gather_threads + cfg.prefetch + 4
+        self.outs = [np.ones((BATCH, *cfg.row_shape), out_np) for _ in range(n_out)]
+        self.raw = [np.ones((BATCH, *cfg.row_shape), cfg.numpy_dtype) for _ in range(n_out)]
+        #: Stored bytes of one output row (what the loaders' GB/s count).
+        self.row_bytes = int(np.prod(cfg.row_shape)) * md.itemsize
+        self.threads = 2
+
+    def index(self, w: int) -> Any:
+        window = self.plan.windows[w]
+        rng = self.loader._window_rng(0, w)
+        return index_window(self.loader.selection, self.loader._spans, window, rng, self.cache.source)
+
+    def take(
+        self, values: np.ndarray[Any, Any], scales: np.ndarray[Any, Any] | None, rows: np.ndarray[Any, Any], o: int
+    ) -> None:
+        """The loader's gather of ``rows`` into output ``o`` (the same call as `HostRun._chunk`)."""
+        cfg = self.cfg
+        out = self.outs[o][: len(rows)]
+        if scales is not None:
+            float8.take_dequantize(values, scales, rows, out, cfg.out_dtype)
+        elif cfg.out_dtype == cfg.stored:
+            np.take(values, rows, axis=0, out=out, mode="clip")
+        elif not (cfg.out_dtype == "float32" and gather.take_widen(values, rows, out, cfg.stored)):
+            raw = self.raw[o][: len(rows)]
+            np.take(values, rows, axis=0, out=raw, mode="clip")
+            cast_into(raw, cfg.stored, cfg.out_dtype, out)
+
+    def precomputed(self, min_bytes: float) -> float:
+        """GB/s of the first window's rows, its index computed beforehand (not timed)."""
+        flat = self.index(0).flat
+        batches = [flat[i : i + BATCH] for i in range(0, max(1, len(flat) - BATCH + 1), BATCH)]
+        passes = max(1, int(-(-min_bytes // max(1, sum(len(b) for b in batches) * self.row_bytes))))
+        work = [(b, i % len(self.outs)) for i, b in enumerate(batches * passes)]
+        values, scales = self.cache.values, self.cache.scales
+
+        def run(t: int) -> None:
+            for b, o in work[t :: self.threads]:
+                self.take(values, scales, b, o)
+
+        dt = bl.in_threads(self.threads, run)
+        return sum(len(b) for b, _ in work) * self.row_bytes / dt / 1e9
+
+    def drawn(self, min_bytes: float) -> float:
+        """GB/s of the epoch's windows, each thread indexing its windows (the loader's permutation
+        and columns, `index_window`) and gathering their batches: the order drawn as it goes."""
+        n_windows = len(self.plan.windows)
+        values, scales = self.cache.values, self.cache.scales
+        done = [0] * self.threads
+
+        def run(t: int) -> None:
+            w, o = t, t
+            while done[t] * self.threads < min_bytes:
+                flat = self.index(w % n_windows).flat
+                for i in range(0, len(flat), BATCH):
+                    rows = flat[i : i + BATCH]
+                    self.take(values, scales, rows, o % len(self.outs))
+                    o += self.threads
+                    done[t] += len(rows) * self.row_bytes
+                w += self.threads
+
+        dt = bl.in_threads(self.threads, run)
+        return sum(done) / dt / 1e9
+
+    def plain(self, window_bytes: int, min_bytes: float) -> float:
+        """GB/s of random rows of an anonymous window-sized buffer, the indices drawn batch by batch
+        (``Generator.integers``), into the same outputs by the same call."""
+        cfg = self.cfg
+        md = self.loader.shards.metadata
+        n_rows = max(1, min(window_bytes, md.nbytes) // (md.d_model * md.itemsize))
+        values = np.ones((n_rows, md.d_model), cfg.numpy_dtype)
+        scales = np.ones(n_rows, np.float32) if cfg.float8 else None
+        shape = (BATCH, *cfg.row_shape[:-1])
+        done = [0] * self.threads
+
+        def run(t: int) -> None:
+            rng = np.random.default_rng(t)
+            o = t
+            while done[t] * self.threads < min_bytes:
+                self.take(values, scales, rng.integers(0, n_rows, shape), o % len(self.outs))
+                o += self.threads
+                done[t] += BATCH * self.row_bytes
+
+        dt = bl.in_threads(self.threads, run)
+        return sum(done) / dt / 1e9
+
+    def close(self) -> None:
+        self.loader.close()
+
+
+def _with_cpu(fn: Callable[[], float], label: str, cpu: dict[str, list[float]]) -> Callable[[], float]:
+    """``fn`` (GB/s), recording the process CPU seconds per GB it spent under ``cpu[label]``."""
+
+    def run() -> float:
+        c, t = time.process_time(), time.perf_counter()
+        gbps = fn()
+        cpu.setdefault(label, []).append((time.process_time() - c) / max(gbps * (time.perf_counter() - t), 1e-9))
+        return gbps
+
+    return run
+
+
+def _numpy_only(fn: Callable[[], float]) -> Callable[[], float]:
+    """``fn`` run without numba's kernels (`gather.numpy_only`, `float8.numpy_only`)."""
+
+    def run() -> float:
+        with gather.numpy_only(), float8.numpy_only():
+            return fn()
+
+    return run
+
+
+def bench_own_limits(caches: dict[str, ss.Shards], quick: bool) -> None:
+    """Each shuffled loader row beside gathers of its own rows into its own output dtype, at the
+    default window and a small one, page-cached."""
+    rounds = 1 if quick else 3
+    min_bytes = 0.5e9 if quick else PAGE_CACHED_BYTES
+    limit_bytes = 0.25e9 if quick else 1e9
+    fns: dict[str, Callable[[], float]] = {}
+    samples: dict[str, list[tuple[float, float, float, float, float]]] = {}
+    cpu: dict[str, list[float]] = {}
+    gathers: list[LoaderGather] = []
+    rows = []
+    for window in WINDOWS:
+        for name, cache, options in OWN_ROWS:
+            shards = caches[cache]
+            kwargs = {**options, "buffer_bytes": window}
+            numpy = bool(kwargs.pop("numpy", False))
+            label = f"{name}, {window >> 20} MiB window"
+            g = LoaderGather(shards, kwargs)
+            gathers.append(g)
+            rows.append((label, g))
+
+            def sample(label: str = label, shards: ss.Shards = shards, kwargs: dict[str, Any] = kwargs) -> float:
+                s = epoch_rate(lambda: loaders.ShuffledLoader(shards, BATCH, **kwargs), min_bytes=min_bytes)
+                samples.setdefault(label, []).append(s)
+                return s[0]
+
+            row_fns: dict[str, Callable[[], float]] = {
+                "loader": sample,
+                "precomputed": functools.partial(g.precomputed, limit_bytes),
+                "drawn": _with_cpu(functools.partial(g.drawn, limit_bytes), f"{label}: drawn", cpu),
+                "plain": _with_cpu(functools.partial(g.plain, window, limit_bytes), f"{label}: plain", cpu),
+            }
+            fns.update({f"{label}: {k}": _numpy_only(fn) if numpy else fn for k, fn in row_fns.items()})
+    for shards in caches.values():
+        bl.warm_cache(shards.path)
+    try:
+        medians = bl.interleaved(fns, rounds=rounds)
+    finally:
+        for g in gathers:
+            g.close()
+    table = tables.Table(
+        "loaders_page_cached_own_limits",
+        "ShuffledLoader rows, page-cached, against gathers of their own rows and output dtype (GB/s of stored bytes)",
+        [
+            "ShuffledLoader",
+            "GB/s",
+            "tokens/s",
+            "own rows, precomputed (reference)",
+            "own rows, order drawn as it goes",
+            "random rows, drawn as it goes",
+            "ratio to the limit",
+            "ratio to precomputed",
+            "first batch (s)",
+            "CPU s/GB",
+            "limit CPU s/GB",
+        ],
+    )
+    for label, _ in rows:
+        loader = medians[f"{label}: loader"]
+        own, drawn, plain = (medians[f"{label}: {k}"] for k in ("precomputed", "drawn", "plain"))
+        best = "drawn" if drawn >= plain else "plain"
+        tokens, startup, loader_cpu = (float(np.median([s[i] for s in samples[label]])) for i in (1, 2, 3))
+        limit_cpu = float(np.median(cpu[f"{label}: {best}"]))
+        table.add(
+            label,
+            loader,
+            tokens,
+            own,
+            drawn,
+            plain,
+            loader / max(drawn, plain),
+            loader / own,
+            startup,
+            loader_cpu,
+            limit_cpu,
+        )
+    md = caches["float16"].metadata
+    table.note(
+        f"Caches of {md.nbytes / 1e9:.2f} GB (float16) and of the same values as float8_e4m3, in the page "
+        f"cache; batches of {BATCH} rows; GB/s counts the stored bytes delivered (a stacked row is "
+        f"{len(md.layers)} vectors), whatever the output dtype; windows of {WINDOWS[0] >> 20} MiB (the default) "
+        f"and {WINDOWS[1] >> 20} MiB. Every limit gathers with "
+        "the loader's own call into its output dtype (`numpy.take`; float16 to float32 in one compiled pass, "
+        "`codecs.gather.take_widen`, where numba is installed; float8_e4m3 `float8.take_dequantize`), 2 threads, into "
+        "as many batch-sized outputs as the loader keeps in flight, and includes nothing else: no reads, no residency "
+        "checks, no batches' metadata handed out. 'own rows, precomputed' (a reference, not reachable): the loader's "
+        "first window's rows in its order from the cache mapped in place, its index computed before the clock starts. "
+        "'own rows, order drawn as it goes': every window of the loader's epoch, each thread computing a window's "
+        "index (the permutation and the rows, `index_window`) and then gathering it. 'random rows, drawn as it goes': "
+        "rows of an anonymous buffer of the window's size (or the cache's, if smaller), each batch's indices drawn "
+        "with `Generator.integers` just before its gather. The limit is the faster of the two drawn ones; its CPU "
+        f"s/GB is the process's while it ran. Median of {rounds} interleaved rounds; each loader sample runs its "
+        f"epochs until {min_bytes / 1e9:.1f} GB. The 'numpy only' row and its limits run without numba's "
+        "kernels. Targets: every row >= 0.8 of its limit, CPU s/GB within 1.3 x the limit's; numpy only "
+        "within 2 x the compiled row's time."
+    )
+    table.emit()
+
+
 def disk_limits(shards: ss.Shards, limit: int) -> dict[str, Limit]:
     """The cold loaders' limits on the cache's own files: sequential O_DIRECT reads (one 8 MiB
     request at a time), and buffered preads in file order with the kernel's readahead, 1, 2 and
@@ -555,20 +807,28 @@ def bench_cuda(shards: ss.Shards, quick: bool) -> None:
 def main(quick: bool = False, scale: bool = False, keep: bool = False) -> None:
     """Run every loader table; ``scale`` also builds a cache larger than RAM (minutes, ~30 GB of disk)."""
     print(f"Machine: {tables.machine()}\n", flush=True)
+    # The compiled kernels loaded before anything is timed (a loader loads them on a thread of its
+    # own, whose import of numba would otherwise be counted in the first samples' CPU time).
+    print(f"Compiled gathers and indexes (numba): {gather.kernels_in_use()}", flush=True)
     work = tables.bench_dir() / "loaders"
     work.mkdir(parents=True, exist_ok=True)
     n_examples = 600 if quick else 6_000  # 0.36 GB / 3.6 GB, both well inside RAM
     md = make_metadata(n_examples, "loaders", patches_per_shard=200_000)  # 507 examples (307 MB) per shard
     shards = build_cache(work, md)
+    md8 = md.replace(dtype="float8_e4m3", data={**md.data, "stored": "float8_e4m3"})
+    shards8 = build_cache(work, md8)
     try:
         bench_page_cached(shards, quick)
+        bench_own_limits({"float16": shards, "float8_e4m3": shards8}, quick)
         bench_cold(shards, quick, big=False)
         bench_datasets(shards, quick)
         bench_cuda(shards, quick)
     finally:
         shards.close()
+        shards8.close()
         if not keep:
             shutil.rmtree(work / md.hash, ignore_errors=True)
+            shutil.rmtree(work / md8.hash, ignore_errors=True)
     bench_quality(quick)
     if scale:
         ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")

@@ -2,7 +2,7 @@
 
     .venv/bin/python benchmarks/run_all.py [--quick] [--scale] [--suite core,loaders,...] [--page PATH]
 
-Suites, in this order: core, loaders, writers, dump, shuffle, peers, convert, float8, remote.
+Suites, in this order: core, loaders, writers, dump, shuffle, scale, peers, convert, float8, remote.
 
 Tables print to stdout as each suite goes and are saved, with plots, under results/. The
 runner also writes every table of the run, whole, as one page: docs/bench/latest.md after a
@@ -38,6 +38,7 @@ SUITES = [
     ("writers", "benchmarks.writers"),
     ("dump", "benchmarks.dump"),
     ("shuffle", "benchmarks.shuffle"),
+    ("scale", "benchmarks.scale"),
     ("peers", "benchmarks.peers.main"),
     ("convert", "benchmarks.convert"),
     ("float8", "benchmarks.float8"),

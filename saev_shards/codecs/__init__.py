@@ -5,6 +5,8 @@ disk become numbers and back, as fast as this process can (the rules themselves 
 * `float8`: float8_e4m3 quantizing and dequantizing by protocol.md 5's rule, with numba's
   compiled kernels (`_float8_numba`, the ``fast`` extra) or numpy and torch passes
   (`_float8_passes`), chosen per process; a loader's gather (`take_dequantize`);
+* `gather`: a loader's gathers and window indexes, compiled by numba (`_gather_numba`) where
+  it is installed, numpy otherwise;
 * `bfloat16`: bfloat16 held as its uint16 bits, rounded and widened;
 * `dtypes`: stored values to the dtypes they are read as (`convert`, `to_float32`),
   activations to the stored dtype (`to_stored`), and non-finite checks by bits.

@@ -1,6 +1,6 @@
 """The device-side shuffle: whole windows go to the device, the permutation and gather run there.
 
-The CPU only reads spans into reusable page-locked *staging* slots (no per-row work) and
+The CPU only reads spans into reusable page-locked *host* slots (no per-row work) and
 computes each window's index, exactly as the host path does; then, on a side stream, the
 window and its index are copied into device slots in a few large transfers. Each batch is
 one ``index_select`` (plus two small copies of its metadata) issued on the consumer's
@@ -11,7 +11,7 @@ Synchronisation, all by events (no host waits on the training loop's path):
 * the consumer's stream waits for a window's ``uploaded`` event before its first gather;
 * a device slot is reused (the side stream waits) only after the ``consumed`` event the
   consumer recorded after its last gather from the slot's previous window;
-* a staging slot is refilled (the read threads wait on the host) only after the upload
+* a host slot is refilled (the read threads wait on the host) only after the upload
   that read it is done.
 
 A float8_e4m3 cache crosses to the device as it is stored, one byte per value, with a
@@ -55,7 +55,7 @@ if TYPE_CHECKING:
 class Slots:
     """The buffers of the device path, made once per loader and reused by every epoch.
 
-    Per slot: a staging window on the host (pinned with CUDA) and its copy on the device,
+    Per slot: a window on the host (pinned with CUDA) and its copy on the device,
     the gather index and the metadata, on both sides.
     """
 
@@ -73,8 +73,8 @@ class Slots:
         def host(shape: tuple[int, ...], dt: torch.dtype) -> torch.Tensor:
             return pinned_empty(shape, dt) if cuda else torch.empty(shape, dtype=dt)
 
-        self.staging = [host((vectors, cfg.d_model), dtype) for _ in range(n_slots)]
-        self.staging_np = [as_numpy(t, cfg.stored) for t in self.staging]
+        self.windows = [host((vectors, cfg.d_model), dtype) for _ in range(n_slots)]
+        self.windows_np = [as_numpy(t, cfg.stored) for t in self.windows]
         self.acts = [torch.empty((vectors, cfg.d_model), dtype=dtype, device=device) for _ in range(n_slots)]
         # The gather index (flattened (units, L) when stacked) and the metadata
         # (examples, tokens, layers as int64 rows; labels as uint8).
@@ -171,12 +171,12 @@ class DeviceRun:
         self.sync = _Sync(slots.device)
         self.stop = threading.Event()
         self.n_slots = self.schedule.n_slots
-        self.uploaded: list[Any] = [None] * self.n_slots  # last upload out of each staging slot
+        self.uploaded: list[Any] = [None] * self.n_slots  # last upload out of each host slot
         self.consumed: list[Any] = [None] * self.n_slots  # last gather from each device slot
         self.windows = WindowLoader(
             cfg,
             epoch,
-            slots.staging_np[: self.n_slots],
+            slots.windows_np[: self.n_slots],
             self.stop,
             ready_to_write=lambda slot: self.sync.host_waits(self.uploaded[slot]),
             finish=self._upload,
@@ -192,7 +192,7 @@ class DeviceRun:
         vectors = int(cfg.spans.rows[window.spans].sum()) * cfg.tokens
         n = len(index)
         flat = index.flat.reshape(-1)
-        # The index into pinned staging first (host copies of a few MB), then every copy at once.
+        # The index into pinned host slots first (host copies of a few MB), then every copy at once.
         s.flat_host[slot][: len(flat)].numpy()[:] = flat
         meta = s.meta_host[slot].numpy()
         meta[0, :n] = index.examples
@@ -206,7 +206,7 @@ class DeviceRun:
             np.fmax.reduce(picked, axis=1, out=s.unit_max[slot][:n])  # NaN scales (NaN vectors) skipped
         with self.sync.side_stream():
             self.sync.side_waits(self.consumed[slot])
-            s.acts[slot][:vectors].copy_(s.staging[slot][:vectors], non_blocking=True)
+            s.acts[slot][:vectors].copy_(s.windows[slot][:vectors], non_blocking=True)
             if cfg.float8:
                 s.scales[slot][:vectors].copy_(s.scales_host[slot][:vectors], non_blocking=True)
             s.flat[slot][: len(flat)].copy_(s.flat_host[slot][: len(flat)], non_blocking=True)

@@ -41,7 +41,7 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
-from ..codecs import float8
+from ..codecs import float8, gather
 from .batch import Batch
 from .outputs import cast_into
 from .plan import WindowIndex
@@ -103,6 +103,9 @@ class HostRun:
         self.next_chunk = 0
         self.consumed = 0
         self.first_watched = False  # whether the second window's load waits on the first's
+        self.first_load: Future[WindowIndex] = Future()  # the first window's load, once `_pump` submits it
+        # The first window, read in place, may be gathered before it is loaded (`WindowLoader.early`).
+        self.windows.early_window = self.next_load
         for c in range(n_chunks):
             if self._stopped():
                 return
@@ -111,10 +114,10 @@ class HostRun:
                     self.consumed = c
                     self._pump()
                     future = self.futures.pop(c, None)
-                    first_load = self.loads.get(int(sched.w_first[0]))
+                    first_load = self.first_load
                 if future is not None:
                     break
-                if self._stopped() or first_load is None:
+                if self._stopped():
                     return
                 # Its windows wait for the first one's load (`_pump`): wait for it too, then pump.
                 concurrent.futures.wait([first_load])
@@ -122,6 +125,8 @@ class HostRun:
                 if self._stopped():
                     return
                 yield batch
+            if c == 0 and self.windows.early and not self._stopped():
+                self.first_load.result()  # gathered early: its load's failure, if any, is the epoch's
 
     def _pump(self) -> None:
         """Start the loads whose slot is free and the chunks whose windows are loading (lock held)."""
@@ -135,12 +140,14 @@ class HostRun:
             # The first window read in place is indexed and checked before the second starts: on
             # its own it is ready sooner (on 2 cores, side by side they took twice as long), and
             # the second still has the first's gathers to load in.
-            if self.next_load == first + 1 and self.windows.in_place[first] and not self.loads[first].done():
+            if self.next_load == first + 1 and self.windows.in_place[first] and not self.first_load.done():
                 if not self.first_watched:
                     self.first_watched = True
-                    self.loads[first].add_done_callback(self._first_loaded)
+                    self.first_load.add_done_callback(self._first_loaded)
                 break
             self.loads[self.next_load] = self.windows.submit(self.next_load)
+            if self.next_load == first:
+                self.first_load = self.loads[first]
             self.next_load += 1
         while (
             self.next_chunk < len(sched)
@@ -175,20 +182,29 @@ class HostRun:
         cfg, sched = self.cfg, self.schedule
         lo, hi = int(sched.lo[c]), int(sched.hi[c])
         n = hi - lo
-        # float8_e4m3 is gathered and dequantized into the output in one pass (float8.take_dequantize).
+        # float8_e4m3 is gathered and dequantized into the output in one pass (float8.take_dequantize),
+        # float16 and bfloat16 gathered and widened to float32 in one (gather.take_widen, compiled).
         converts = cfg.out_dtype != cfg.stored and not cfg.float8
+        widens = converts and cfg.out_dtype == "float32" and cfg.stored in gather.WIDENS and gather.kernels_ready()
+        converts = converts and not widens
         acts, out = self._output(n, cfg.out_dtype)
         raw = self._scratch(n) if converts else out
         pieces: list[tuple[WindowIndex, int, int]] = []
         filled = 0
         for w, a, b in self.plan.segments(lo, hi):
-            index = loads[w].result()
+            early = self._early_index(c, w)
+            index = loads[w].result() if early is None else early
             if self.stop.is_set():
                 raise CancelledError
             values, window_scales = self.windows.source(w)
             dest = raw[filled : filled + b - a]
             if window_scales is not None:
                 float8.take_dequantize(values, window_scales, index.flat[a:b], dest, cfg.out_dtype)
+            elif widens:
+                if not gather.take_widen(values, index.flat[a:b], dest, cfg.stored):  # `numpy_only` meanwhile
+                    scratch = self._scratch(b - a)
+                    np.take(values, index.flat[a:b], axis=0, out=scratch, mode="clip")
+                    cast_into(scratch, cfg.stored, cfg.out_dtype, dest)
             else:
                 # mode="clip": with the default "raise", numpy gathers into a temporary and copies.
                 np.take(values, index.flat[a:b], axis=0, out=dest, mode="clip")
@@ -198,6 +214,16 @@ class HostRun:
         if converts:
             cast_into(raw, cfg.stored, cfg.out_dtype, out)
         return self._batches(c, acts, pieces)
+
+    def _early_index(self, c: int, w: int) -> WindowIndex | None:
+        """The index of window ``w`` if the first chunk may gather it before it is loaded (the epoch's
+        first window, read in place, found in the page cache: `WindowLoader.early`), else None.
+        Its first batch then waits for the window's index and checks, not for its pages' mapping."""
+        early = self.windows.early.get(w) if c == 0 else None
+        if early is None:
+            return None
+        index, gatherable = early
+        return index.result() if gatherable.result() else None
 
     def _batches(self, c: int, acts: Any, pieces: list[tuple[WindowIndex, int, int]]) -> list[Batch]:
         import torch
@@ -271,6 +297,7 @@ class HostRun:
         self.windows.close()
         with self.lock:
             self.loads, self.futures = {}, {}
+            self.first_load = Future()  # its callback refers back to this run: no cycle outlives it
         if self.own_pools:
             self.pools.shutdown()
 

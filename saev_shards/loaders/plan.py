@@ -1,7 +1,8 @@
 """The plan of an epoch: read spans, the windows of this rank, and each window's order.
 
-Pure numpy, no torch and no activation I/O (only the selection's label and length columns
-are read), so the order of any epoch can be computed, tested and measured from metadata.
+numpy (and compiled kernels where numba is installed: `codecs.gather`), no torch and no
+activation I/O (only the selection's label and length columns are read), so the order of any
+epoch can be computed, tested and measured from metadata.
 
 A *unit* is one row of a batch: a token vector ``(D,)``, or with stacked layers the
 ``(L, D)`` vectors of one ``(example, token)`` at every chosen layer.
@@ -16,6 +17,7 @@ from collections.abc import Callable
 import numpy as np
 import numpy.typing as npt
 
+from ..codecs import gather
 from ..reader import Shards
 from ..world import share
 from .selection import CLS_LABEL, TokenSelection
@@ -239,51 +241,76 @@ def index_window(
         labels[:, selection.cls :] = np.concatenate(rows)
     slots = spans.slots.astype(np.int32)
     n_slots = 1 if spans.stack_layers else len(slots)  # slots enumerated per unit
+    if source is None:  # the window buffer
+        ex_vector = np.arange(n_ex, dtype=np.int64) * (spans.rows_per_ex * tokens)
+        slot_vector = np.arange(spans.rows_per_ex, dtype=np.int64) * tokens
+    else:
+        ex_vector, slot_vector = source(examples, spans)
+    stacked = slot_vector[spans.slots] if spans.stack_layers else None
+    # Compiled (`codecs.gather`): the columns in one pass over the permuted units, the same values.
+    where = gather.Rows(ex_vector, slot_vector, stacked, examples, spans.slot_layer, labels, tokens)
     if not selection.varies:
         # Unit u (in example, layer, token order) is example u // per_ex, slot and token from
         # the rest: computed from the permuted unit numbers, no gather of unit-sized arrays.
         chosen = selection.base_tokens.astype(np.int64)
         per_ex = n_slots * len(chosen)
         lo, hi = window.trim_lo, n_ex * per_ex - window.trim_hi
-        unit = np.arange(lo, hi, dtype=np.int64) if rng is None else rng.permutation(hi - lo) + lo
+        order = None if rng is None else rng.permutation(hi - lo)
+        columns = gather.window_index(order, lo, hi - lo, per_ex, slots, chosen, where)
+        if columns is not None:
+            return WindowIndex(*columns)
+        unit = np.arange(lo, hi, dtype=np.int64) if order is None else order + lo
         ex_c, rest = np.divmod(unit, per_ex)
         s_c, t_c = np.divmod(rest, len(chosen))
         slot_c, tok_c = slots[s_c], chosen[t_c]
     else:
-        mask = selection.mask(examples, None if labels is None else labels[:, selection.cls :])
-        counts = mask.sum(axis=1).astype(np.int64)
-        ex_j, tok_j = np.nonzero(mask)
-        first_of_ex = np.zeros(n_ex, dtype=np.int64)
-        np.cumsum(counts[:-1], out=first_of_ex[1:])
-        rank_j = np.arange(len(ex_j), dtype=np.int64) - first_of_ex[ex_j]
-        # Position in (example, layer, token) order of entry j at the s-th chosen layer.
-        position = (first_of_ex[ex_j] * n_slots + rank_j)[None, :] + (
-            np.arange(n_slots, dtype=np.int64)[:, None] * counts[ex_j][None, :]
-        )
-        position = position.ravel()
-        ex_c = np.empty(len(position), dtype=np.int64)
-        tok_c = np.empty(len(position), dtype=np.int64)
-        slot_c = np.empty(len(position), dtype=np.int32)
-        ex_c[position] = np.tile(ex_j, n_slots)
-        tok_c[position] = np.tile(tok_j.astype(np.int64), n_slots)
-        slot_c[position] = np.repeat(slots[:n_slots], len(ex_j))
-        if window.trim_lo or window.trim_hi:
-            keep = slice(window.trim_lo, len(ex_c) - window.trim_hi)
-            ex_c, slot_c, tok_c = ex_c[keep], slot_c[keep], tok_c[keep]
-        if rng is not None:
-            order = rng.permutation(len(ex_c))
-            ex_c, slot_c, tok_c = ex_c[order], slot_c[order], tok_c[order]
-    if source is None:  # the window buffer
-        ex_vector = np.arange(n_ex, dtype=np.int64) * (spans.rows_per_ex * tokens)
-        slot_vector = np.arange(spans.rows_per_ex, dtype=np.int64) * tokens
-    else:
-        ex_vector, slot_vector = source(examples, spans)
+        ex_c, slot_c, tok_c = _listed_units(selection, window, examples, labels, slots[:n_slots])
+        listed_order = None if rng is None else rng.permutation(len(ex_c))
+        columns = gather.window_index_listed(listed_order, (ex_c, slot_c, tok_c), where)
+        if columns is not None:
+            return WindowIndex(*columns)
+        if listed_order is not None:
+            ex_c, slot_c, tok_c = ex_c[listed_order], slot_c[listed_order], tok_c[listed_order]
     first = ex_vector[ex_c]
-    if spans.stack_layers:
-        flat = first[:, None] + slot_vector[spans.slots][None, :] + tok_c[:, None]
+    if stacked is not None:
+        flat = first[:, None] + stacked[None, :] + tok_c[:, None]
         layer_col = None
     else:
         flat = first + slot_vector[slot_c] + tok_c
         layer_col = spans.slot_layer[slot_c]
     label_col = None if labels is None else labels.ravel()[ex_c * tokens + tok_c]
     return WindowIndex(flat, examples[ex_c], tok_c, layer_col, label_col)
+
+
+def _listed_units(
+    selection: TokenSelection,
+    window: Window,
+    examples: npt.NDArray[np.int64],
+    labels: npt.NDArray[np.uint8] | None,
+    slots: npt.NDArray[np.int32],
+) -> tuple[npt.NDArray[np.int64], npt.NDArray[np.int32], npt.NDArray[np.int64]]:
+    """The units of a window whose examples hold different tokens, ``(example in the window, slot,
+    token)``, in example, slot, token order (``slots``: those enumerated per unit), trimmed to the
+    rank's share."""
+    n_ex, n_slots = len(examples), len(slots)
+    mask = selection.mask(examples, None if labels is None else labels[:, selection.cls :])
+    counts = mask.sum(axis=1).astype(np.int64)
+    ex_j, tok_j = np.nonzero(mask)
+    first_of_ex = np.zeros(n_ex, dtype=np.int64)
+    np.cumsum(counts[:-1], out=first_of_ex[1:])
+    rank_j = np.arange(len(ex_j), dtype=np.int64) - first_of_ex[ex_j]
+    # Position in (example, layer, token) order of entry j at the s-th chosen layer.
+    position = (first_of_ex[ex_j] * n_slots + rank_j)[None, :] + (
+        np.arange(n_slots, dtype=np.int64)[:, None] * counts[ex_j][None, :]
+    )
+    position = position.ravel()
+    ex_c = np.empty(len(position), dtype=np.int64)
+    tok_c = np.empty(len(position), dtype=np.int64)
+    slot_c = np.empty(len(position), dtype=np.int32)
+    ex_c[position] = np.tile(ex_j, n_slots)
+    tok_c[position] = np.tile(tok_j.astype(np.int64), n_slots)
+    slot_c[position] = np.repeat(slots, len(ex_j))
+    if window.trim_lo or window.trim_hi:
+        keep = slice(window.trim_lo, len(ex_c) - window.trim_hi)
+        ex_c, slot_c, tok_c = ex_c[keep], slot_c[keep], tok_c[keep]
+    return ex_c, slot_c, tok_c

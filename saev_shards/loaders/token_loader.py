@@ -21,6 +21,7 @@ import numpy as np
 import numpy.typing as npt
 
 from .. import world
+from ..codecs import gather
 from ..errors import LoaderError
 from ..humanize import html_table
 from ..protocol.jsonfile import is_int, short_repr
@@ -132,6 +133,7 @@ class TokenLoader:
         import torch
 
         self.shards = as_shards(shards)
+        gather.load_in_background()  # numba's kernels; numpy's code (the same batches) until they load
         choice = choose_sites(self.shards, sites, layers)
         if choice is not None:
             layers = choice.layers if choice.stacked else choice.layers[0]

@@ -1,5 +1,17 @@
 """Reading the windows of one epoch: their spans into slot buffers (or checked in place in the
-page cache) on a pool of threads, and each window's index beside them (`WindowLoader`)."""
+page cache) on a pool of threads, and each window's index beside them (`WindowLoader`).
+
+How a span is read (`WindowLoader.slice_reads`): every layer chosen, one ``pread`` of its
+examples; a proper subset of the layers, one ``pread`` per chosen ``(example, layer)`` slice
+after a hint that has the disk read all of the span's slices at once (`Shards.prefetch_slices`),
+so a selection costs the disk the bytes it needs and no more. Layers are interleaved within
+each example, so one layer of several is a strided walk that the kernel's readahead does not
+follow: without the hint each read thread waited for one slice at a time, and with whole
+examples read instead (what slices under `plan.MIN_SLICE_READ` used to get) the disk read
+every layer to deliver one. Slices under `MIN_HINTED_SLICE`, and remote caches (whose blocks
+are fetched whole anyway), still read whole examples; the span plan, the buffers' layout and
+so every batch are the same either way.
+"""
 
 from __future__ import annotations
 
@@ -16,6 +28,11 @@ import numpy.typing as npt
 from .plan import WindowIndex, index_window
 from .pools import Tasks
 from .schedule import Config, Epoch
+
+#: Slices of a proper subset of the layers at least this large (bytes) are read one by one,
+#: hinted, even where the span plan lays whole examples out in the buffer (slices under
+#: `plan.MIN_SLICE_READ`); smaller ones cost more in calls than reading whole examples does.
+MIN_HINTED_SLICE = 16 << 10
 
 
 class WindowLoader:
@@ -50,10 +67,25 @@ class WindowLoader:
         self.finish = finish
         #: Whether each window loading or loaded is read in place (else into its slot's buffer).
         self.in_place: dict[int, bool] = {}
+        #: `early_window`, when read in place for the first time: ``(index, gatherable)`` futures, the second
+        #: true once every page the window's gathers read is found in the page cache and its shards
+        #: checked (`_gatherable`): its gathers may start then, while its pages are still being mapped.
+        self.early: dict[int, tuple[Future[WindowIndex], Future[bool]]] = {}
+        #: The window that may be gathered early if read in place (the host run's first), or None.
+        self.early_window: int | None = None
         owned = pool is None
         if pool is None:
             pool = ThreadPoolExecutor(max_workers=cfg.read_threads, thread_name_prefix="saev-loader-read")
         self.pool = Tasks(pool, owned)
+        spans, shards = cfg.spans, cfg.shards
+        md = shards.metadata
+        subset = len(spans.read_positions) < md.n_layers
+        local = not shards.files.prefetches  # a remote cache fetches each span's blocks whole
+        slice_bytes = md.tokens_per_ex * md.d_model * md.itemsize
+        #: Whether spans are read slice by slice, only the chosen layers (else whole examples).
+        self.slice_reads = subset and (not spans.whole or (local and slice_bytes >= MIN_HINTED_SLICE))
+        #: Whether each span's slices are hinted to the storage before they are read.
+        self.hint_slices = self.slice_reads and local
 
     def slot(self, w: int) -> int:
         return w % len(self.buffers)
@@ -80,6 +112,10 @@ class WindowLoader:
         # The index first: it needs no data, so it is ready by the time the reads are.
         index = self.pool.submit(self._index, w)
         parts: list[Future[Any]] = [index]
+        if w == self.early_window and self.in_place[w] and mapped is not None:
+            first_time = not all(mapped.populated[int(spans.start[b]) : int(spans.stop[b])].all() for b in window.spans)
+            if first_time:  # else its load is as quick as the check: nothing to gain
+                self.early[w] = (index, self.pool.submit(self._gatherable, w))
         # One task per read thread, each taking the next block in window order until none is
         # left: as balanced as a task per block (no thread idles while others read the last
         # spans of a window), with a handful of futures per window instead of one per block.
@@ -105,6 +141,26 @@ class WindowLoader:
             return index_window(cfg.selection, cfg.spans, window, rng)
         assert cfg.mapped is not None
         return index_window(cfg.selection, cfg.spans, window, rng, cfg.mapped.source)
+
+    def _gatherable(self, w: int) -> bool:
+        """Whether window ``w`` (read in place) can be gathered before it is loaded: its shards still
+        hold its examples and a float8_e4m3 cache's scales are valid (`FileSizeError` and
+        `check_scales`'s error otherwise, as its load would raise), and every page of its examples is
+        in the page cache (one ``mincore`` per block), so that its gathers read memory, not the disk.
+        Its load maps those pages once per loader (``MADV_POPULATE_READ``): on a new loader's first
+        window, about as long as the index; the gathers fault them in meanwhile."""
+        mapped, spans = self.cfg.mapped, self.cfg.spans
+        assert mapped is not None
+        kinds = (False, True) if mapped.scales is not None else (False,)
+        for b in self.plan.windows[w].spans.tolist():
+            if self.stop.is_set():
+                raise CancelledError
+            start, stop = int(spans.start[b]), int(spans.stop[b])
+            mapped.check_size(start, stop)
+            if not all(mapped.resident(*mapped.byte_range(start, stop, scales=scales)) for scales in kinds):
+                return False
+            mapped.check_scales(start, stop, spans)
+        return True
 
     def source(self, w: int) -> tuple[npt.NDArray[Any], npt.NDArray[np.float32] | None]:
         """The arrays window ``w``'s index points into: the cache read in place, or its slot's
@@ -152,24 +208,30 @@ class WindowLoader:
         first, last = row_offset * cfg.tokens, (row_offset + count * rows_per_ex) * cfg.tokens
         slices = buffer[first:last].reshape(count, rows_per_ex, cfg.tokens, cfg.d_model)
         scale_slices = None if scales is None else scales[first:last].reshape(count, rows_per_ex, cfg.tokens)
-        if spans.whole:
+        if not self.slice_reads:
             cfg.shards.read_range_raw(start, stop, slices)
             if scale_slices is not None:
                 cfg.shards.read_range_scales(start, stop, scale_slices)
             return
+        # The chosen layers only: their rows in the buffer (every layer's row when the plan
+        # lays whole examples out, else one per chosen layer) and their positions in the files.
+        pairs = list(zip(spans.slots.tolist(), spans.read_positions.tolist(), strict=True))
+        if self.hint_slices:
+            cfg.shards.prefetch_slices(start, stop, spans.read_positions.tolist())
         for e in range(count):
             if self.stop.is_set():
                 raise CancelledError
-            for s, position in enumerate(spans.read_positions.tolist()):
-                cfg.shards.read_example_raw(start + e, position, slices[e, s])
+            for row, position in pairs:
+                cfg.shards.read_example_raw(start + e, position, slices[e, row])
                 if scale_slices is not None:
-                    cfg.shards.read_example_scales(start + e, position, scale_slices[e, s])
+                    cfg.shards.read_example_scales(start + e, position, scale_slices[e, row])
 
     def close(self) -> None:
         self.stop.set()
         self.pool.cancel()
         # Nothing of this epoch outlives it: the caller's callbacks may refer back to its run.
         self.buffers = ()
+        self.early = {}
         self.ready_to_write = self.finish = _closed
 
 

@@ -9,7 +9,8 @@ values in the caller's dtype: dequantized for float8_e4m3 (float16 by default,
 `Shards.read_dtype`), the stored values otherwise unless another dtype is asked for.
 
 `read_example_raw` is the loaders' hot path (one ``preadv`` per ``(example, layer)`` slice
-into a reused buffer; keep its common case free of calls), `read_range_raw` streams whole
+into a reused buffer; keep its common case free of calls; `prefetch_slices` hints a span's
+slices to the storage before a layer selection reads them), `read_range_raw` streams whole
 examples (one sequential ``pread`` per shard touched), `read_vectors_raw` gathers single
 vectors in file order, coalescing neighbours into one ``preadv``.
 """
@@ -17,7 +18,7 @@ vectors in file order, coalescing neighbours into one ``preadv``.
 from __future__ import annotations
 
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -81,6 +82,34 @@ class RawReads(ShardHandles):
         view = out.reshape(-1).view(np.uint8).data
         self._out_cache = (out, view)
         return view
+
+    def prefetch_slices(self, start: int, stop: int, positions: Sequence[int]) -> None:
+        """Hint that the ``(example, layer)`` slices at layer ``positions`` of examples
+        ``[start, stop)`` are about to be read one by one (a layer selection: a strided walk,
+        one slice of every ``L`` in each file). The storage has each run of neighbouring
+        slices start reading now (`Files.prefetch`, scattered: POSIX_FADV_WILLNEED on a local
+        cache), so the disk has every slice of the span in flight at once instead of one
+        ``pread`` per read thread: the kernel's readahead does not follow a strided walk."""
+        md = self.metadata
+        nbytes, n_layers, eps = self._slice_nbytes, md.n_layers, self.examples_per_shard
+        ordered = sorted({int(p) for p in positions})
+        runs: list[tuple[int, int]] = []  # (first position, slices) of neighbouring positions
+        for p in ordered:
+            if runs and runs[-1][0] + runs[-1][1] == p:
+                runs[-1] = (runs[-1][0], runs[-1][1] + 1)
+            else:
+                runs.append((p, 1))
+        prefetch = self.files.prefetch
+        e, stop = max(0, start), min(stop, self.n_examples)
+        while e < stop:  # a span is inside one shard: one descriptor
+            k, local = layout.shard_of(e, eps)
+            count = min(stop, (k + 1) * eps) - e
+            fd = self.shard_fd(k)
+            for i in range(local, local + count):
+                for p, n in runs:
+                    offset = (i * n_layers + p) * nbytes
+                    prefetch(fd, offset, offset + n * nbytes, scattered=True)
+            e += count
 
     def read_range_raw(self, start: int, stop: int, out: npt.NDArray[Any] | None = None) -> npt.NDArray[Any]:
         """Copy the stored values of examples ``[start, stop)`` ``(stop - start, L, T, D)`` into

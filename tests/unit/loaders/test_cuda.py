@@ -117,7 +117,7 @@ def float8_cache(root: Path, n_examples: int = 23, seed: int = 0) -> tuple[ss.Sh
 def test_pinned_memory_is_page_locked(
     make_cache: Any, monkeypatch: pytest.MonkeyPatch, dtype: str, kwargs: dict[str, Any]
 ) -> None:
-    """``pin_memory=True`` batches (host path) and the device path's staging slots are
+    """``pin_memory=True`` batches (host path) and the device path's host slots are
     page-locked, not just allocated by the function that asks for it."""
     assert pinned_empty((1000,), torch.float16).is_pinned()
     shards, _ = make_cache(small_metadata(dtype=dtype), labels=True)
@@ -128,7 +128,7 @@ def test_pinned_memory_is_page_locked(
     made = capture_slots(monkeypatch)
     on_device = list(ShuffledLoader(shards, batch_size=7, device="cuda", **kwargs))
     [slots] = made
-    host_side = [*slots.staging, *slots.flat_host, *slots.meta_host, *slots.labels_host, *slots.scales_host]
+    host_side = [*slots.windows, *slots.flat_host, *slots.meta_host, *slots.labels_host, *slots.scales_host]
     assert all(t.is_pinned() for t in host_side)
     assert (len(slots.scales_host) > 0) == (dtype == "float8_e4m3")
     device_side = [*slots.acts, *slots.flat, *slots.meta, *slots.labels, *slots.scales]

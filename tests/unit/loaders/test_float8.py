@@ -87,7 +87,7 @@ def test_one_byte_per_value_is_read_and_moved(cache8: tuple[ss.Shards, Any], mon
     monkeypatch.setattr(spares, "Slots", keeping)
     list(ShuffledLoader(shards, batch_size=8, device="cpu", mix_layers=True))
     [slots] = made
-    assert slots.acts[0].dtype == torch.uint8 and slots.staging[0].dtype == torch.uint8
+    assert slots.acts[0].dtype == torch.uint8 and slots.windows[0].dtype == torch.uint8
     assert slots.scales[0].dtype == torch.float32 and len(slots.scales[0]) == len(slots.acts[0])
 
 
