@@ -248,11 +248,14 @@ def lower_bounds(wheel: Path) -> dict[str, str]:
 #: The unit tests of the core that need neither torch nor an optional extra; they run in the
 #: oldest environment from a copy of tests/ (no checkout beside it: the wheel is imported).
 CORE_TESTS = [
-    "test_corruption.py", "test_errors.py", "test_fileio.py", "protocol/test_jsonfile.py", "test_golden.py",
+    "test_corruption.py", "test_errors.py", "fileio/test_locks.py", "fileio/test_publish.py", "fileio/test_space.py",
+    "fileio/test_direct.py", "protocol/test_jsonfile.py", "test_golden.py",
     "test_hostile_input.py", "reader/test_indexing.py", "protocol/test_layout.py",
     "protocol/test_manifest.py", "protocol/test_metadata.py", "protocol/test_v31.py", "test_reader_errors.py",
-    "test_reader_names.py", "reader/test_open.py", "test_roundtrip.py", "protocol/test_saev_code.py",
-    "test_world.py", "convert/test_cache.py", "convert/test_pickle.py",
+    "reader/test_manifest_checks.py", "reader/test_verify.py", "reader/test_shards.py", "reader/test_sidecars.py",
+    "reader/test_open.py", "test_roundtrip.py", "reader/test_reads.py", "protocol/test_saev_code.py",
+    "test_world.py", "convert/test_cache.py", "convert/test_pickle_shards.py", "convert/test_safe_pickle.py",
+    "convert/test_pickle_records.py",
 ]  # fmt: skip
 
 FLOAT8_BYTES = """

@@ -15,7 +15,7 @@ from hypothesis import strategies as st
 import saev_shards as ss
 from saev_shards import loaders, selection
 from saev_shards.errors import LoaderError, ShuffleError
-from saev_shards.selection import SelectionSpec, choose_layers, parse_selection
+from saev_shards.selection import SelectionSpec, parse_selection
 from saev_shards.shuffle import plan_shuffle
 
 from ...support.caches import small_metadata, write_cache
@@ -71,11 +71,6 @@ def test_every_spelling_of_layers_is_taken_alike(shards: ss.Shards, layers: Any)
     planned = plan_shuffle(shards, layers=layers).selection.layers
     expected = RECORDED if layers is None else tuple(v for v in RECORDED if v in np.ravel(layers))
     assert chosen == planned == expected
-
-
-def test_choose_layers_keeps_the_order_asked() -> None:
-    assert choose_layers(RECORDED, [11, 6], ShuffleError) == (11, 6)
-    assert choose_layers(RECORDED, None, ShuffleError) == RECORDED
 
 
 @pytest.mark.parametrize("tokens", selection.TOKEN_CHOICES)

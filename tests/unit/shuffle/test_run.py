@@ -1,10 +1,8 @@
-"""`saev_shards.shuffle`: the order's definition and uniformity, and shuffled caches against a numpy model."""
+"""`saev_shards.shuffle`: shuffled caches against a numpy model, the work folder, and reading the result
+(the order itself: test_order.py)."""
 
 from __future__ import annotations
 
-import dataclasses
-import inspect
-import itertools
 import os
 import tempfile
 from collections.abc import Callable
@@ -19,16 +17,10 @@ from hypothesis import strategies as st
 
 import saev_shards as ss
 from saev_shards.loaders import OrderedLoader, ShuffledLoader
-from saev_shards.selection import SelectionSpec
 from saev_shards.shuffle import (
-    ShuffleOptions,
-    bucket_of,
-    make_plan,
     plan_shuffle,
     run_plan,
     shuffle_cache,
-    shuffle_order,
-    sort_keys,
 )
 from saev_shards.shuffle.order import GOLDEN
 from saev_shards.shuffle.scratch import run_file
@@ -36,8 +28,6 @@ from saev_shards.shuffle.scratch import run_file
 from ...support import strategies
 from ...support.caches import labels_for, small_metadata, tree_bytes, write_cache
 from ...support.shuffle import check_shuffled, expected_shuffle
-
-# -- the order ----------------------------------------------------------------------------
 
 
 def splitmix64(seed: int, ordinal: int) -> int:
@@ -52,30 +42,6 @@ def splitmix64(seed: int, ordinal: int) -> int:
     return mix((mix(seed) + (ordinal + 1) * GOLDEN) & mask)
 
 
-def test_sort_keys_follow_their_definition() -> None:
-    ordinals = np.array([0, 1, 2, 1000, 2**40, 2**62], dtype=np.int64)
-    for seed in (0, 1, 12345, 2**63 - 1):
-        got = sort_keys(seed, ordinals).tolist()
-        assert got == [splitmix64(seed, int(i)) for i in ordinals]
-    # Pinned: the order of every shuffled cache is this function; changing it needs a new ORDER_NAME.
-    assert sort_keys(0, np.arange(3, dtype=np.int64)).tolist() == [
-        splitmix64(0, 0), splitmix64(0, 1), splitmix64(0, 2),
-    ]  # fmt: skip
-    assert shuffle_order(5, 0).tolist() == np.argsort([splitmix64(0, i) for i in range(5)]).tolist()
-    with pytest.raises(ValueError, match="seed"):
-        sort_keys(-1, ordinals)
-
-
-@given(keys=st.lists(st.integers(0, 2**64 - 1), min_size=1, max_size=200), n_buckets=st.integers(1, 5000))
-def test_buckets_are_monotone_in_the_key(keys: list[int], n_buckets: int) -> None:
-    k = np.sort(np.array(keys, dtype=np.uint64))
-    b = bucket_of(k, n_buckets)
-    assert (np.diff(b) >= 0).all()
-    assert b.min() >= 0 and b.max() < n_buckets
-    # Bucket b covers [b * 2**64 / K, (b + 1) * 2**64 / K) up to the key's low 32 bits.
-    assert all(int(bi) == ((int(ki) >> 32) * n_buckets) >> 32 for ki, bi in zip(k, b, strict=True))
-
-
 # Critical values of the chi-square distribution at p = 1e-6 (scipy.stats.chi2.isf(1e-6, df)):
 # the seeds are fixed, so the tests are deterministic; a correct order fails them with
 # probability 1e-6 per fixed seed set, and this one passes.
@@ -85,26 +51,6 @@ CHI2_1E6 = {49: 111.136, 23: 70.550, 25: 73.895}
 def chi_square(counts: np.ndarray[Any, Any]) -> float:
     expected = counts.sum() / counts.size
     return float(((counts - expected) ** 2 / expected).sum())
-
-
-def test_positions_are_uniform_chi_square() -> None:
-    """Over 4,000 seeds, each of 8 tokens lands at each of 8 rows equally often."""
-    n, seeds = 8, 4000
-    counts = np.zeros((n, n), dtype=np.int64)
-    for seed in range(seeds):
-        order = shuffle_order(n, seed)
-        counts[order, np.arange(n)] += 1  # token order[j] is at row j
-    assert counts.sum(axis=1).tolist() == [seeds] * n
-    assert chi_square(counts) < CHI2_1E6[(n - 1) ** 2]
-
-
-def test_permutations_are_uniform_chi_square() -> None:
-    """Over 24,000 seeds, each of the 24 orders of 4 tokens appears equally often (not just marginals)."""
-    perms = {p: i for i, p in enumerate(itertools.permutations(range(4)))}
-    counts = np.zeros(len(perms), dtype=np.int64)
-    for seed in range(24_000):
-        counts[perms[tuple(shuffle_order(4, seed).tolist())]] += 1
-    assert chi_square(counts) < CHI2_1E6[len(perms) - 1]
 
 
 @pytest.mark.slow
@@ -122,13 +68,6 @@ def test_shuffled_caches_are_uniform_chi_square(tmp_path: Path) -> None:
         out.close()
         ss.store.remove(out.path)
     assert chi_square(counts) < CHI2_1E6[25]
-
-
-def test_seeds_give_unrelated_orders() -> None:
-    """Neighbouring seeds are not shifted copies of one stream (SplitMix64 scrambles the seed)."""
-    a, b = shuffle_order(10_000, 0), shuffle_order(10_000, 1)
-    assert abs(np.corrcoef(a, b)[0, 1]) < 0.05
-    assert (a != b).mean() > 0.99
 
 
 # -- shuffled caches against the numpy model ---------------------------------------------
@@ -291,43 +230,6 @@ def test_nonfinite_after_the_cast_is_refused_unless_allowed(root: Path) -> None:
     assert not [p.name for p in root.iterdir() if p.name.startswith(".")]
     out = shuffle_cache(root / md.hash, dtype="float16", allow_nonfinite=True, durable=False)
     assert np.isinf(out[:]).sum() == 1
-
-
-@pytest.mark.parametrize(
-    ("kwargs", "message"),
-    [
-        (dict(layers=7), r"layers: expected values among the recorded layers \[6, 11\], found 7"),
-        (dict(layers=[]), "layers: expected at least one"),
-        (dict(layers=[6, 6]), r"layers: expected distinct values, found \[6, 6\]"),
-        (dict(tokens="patches"), r"tokens: expected one of \['content', 'cls', 'all'\], found 'patches'"),
-        (dict(seed=-1), r"seed: expected an integer in \[0, 2\*\*63\), found -1"),
-        (dict(dtype="int8"), "dtype: expected one of"),
-        (dict(memory_bytes=1000), "memory: 1,000 bytes is too small for this source: one example needs"),
-        (dict(workers=0), "workers: expected an integer >= 1, found 0"),
-        (dict(patches_per_shard=1), r"patches_per_shard: expected at least 2 \(one token at every chosen layer\)"),
-    ],
-)
-def test_bad_arguments(root: Path, kwargs: dict[str, Any], message: str) -> None:
-    src, _, _ = source(root)
-    with pytest.raises(ss.ShuffleError, match=message):
-        plan_shuffle(src, **kwargs)
-
-
-def test_the_keywords_are_the_selection_and_the_options(root: Path) -> None:
-    """`plan_shuffle` and `shuffle_cache` take the fields of `SelectionSpec` and `ShuffleOptions` as
-    keywords (their signatures say so), refuse any other as Python does, and plan what `make_plan`
-    plans from the two objects."""
-    src, _, _ = source(root)
-    fields = [f.name for cls in (SelectionSpec, ShuffleOptions) for f in dataclasses.fields(cls)]
-    for fn, own in ((plan_shuffle, ["progress"]), (shuffle_cache, ["progress", "durable"])):
-        names = list(inspect.signature(fn).parameters)
-        assert names == ["source", "root", *fields, *own]
-        with pytest.raises(TypeError, match=rf"^{fn.__name__}\(\) got an unexpected keyword argument 'seeds'$"):
-            fn(src, seeds=1)
-    made = make_plan(src, src.path.parent, SelectionSpec(layers=[11]), ShuffleOptions(seed=3, dtype="float32"))
-    assert made.to_json() == plan_shuffle(src, layers=[11], seed=3, dtype="float32").to_json()
-    with pytest.raises(ss.ShuffleError, match="workers: expected an integer >= 1, found 0"):
-        ShuffleOptions(workers=0)
 
 
 def test_cls_tokens_need_a_cls_source(root: Path) -> None:

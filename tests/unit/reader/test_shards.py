@@ -1,4 +1,5 @@
-"""Layer values against layer positions, and columns and text fields by name, in the notebook API."""
+"""reader.shards: `Shards` takes layer positions where numpy would and layer values where it
+names them, and says which when one is given for the other."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ import pytest
 
 import saev_shards as ss
 
-from ..support.caches import small_metadata, write_cache
+from ...support.caches import small_metadata, write_cache
 
 
 @pytest.fixture
@@ -50,26 +51,3 @@ def test_a_position_given_as_a_layer_value_is_named(cache: tuple[ss.Shards, np.n
         shards.example(3, 1)
     with pytest.raises(KeyError, match=r"layer 7 was not recorded; recorded layer values are \[6, 11\]$"):
         shards.get(3, 7, 0)
-
-
-def test_columns_and_text_are_mappings_by_name(cache: tuple[ss.Shards, np.ndarray]) -> None:
-    shards, _ = cache
-    assert list(shards.columns) == ["lengths"] and list(shards.text) == ["prompt"]
-    assert shards.text["prompt"][2] == "example 2: é"
-    assert shards.text("prompt")[2] == "example 2: é"  # the spelling of earlier versions
-    assert shards.columns("lengths") is shards.columns["lengths"]
-    assert "nope" not in shards.columns and shards.columns.get("nope") is None
-    with pytest.raises(ss.NameNotFoundError, match=r"no column 'nope'; this cache has columns \['lengths'\]") as err:
-        shards.columns["nope"]
-    assert isinstance(err.value, KeyError) and str(err.value).startswith(str(shards.path))
-    with pytest.raises(ss.NameNotFoundError, match=r"no text field 'id'; this cache has text fields \['prompt'\]"):
-        shards.text["id"]
-
-
-def test_a_cache_without_columns_says_so(tmp_path: Path) -> None:
-    md = small_metadata(n_examples=3)
-    write_cache(tmp_path, md)
-    shards = ss.open(tmp_path / md.hash)
-    with pytest.raises(KeyError, match="this cache has no columns"):
-        shards.columns["lengths"]
-    assert shards.lengths is None
