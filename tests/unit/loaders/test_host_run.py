@@ -41,7 +41,9 @@ def test_pinned_path_allocates_every_batch_pinned(
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(host_run, "pinned_empty", fake_pinned)
-    loader = loaders.ShuffledLoader(shards, mix_layers=True, batch_size=300, pin_memory=True, out_dtype=out_dtype, buffer_bytes=20_000)
+    loader = loaders.ShuffledLoader(
+        shards, mix_layers=True, batch_size=300, pin_memory=True, out_dtype=out_dtype, buffer_bytes=20_000
+    )
     assert loader.pin_memory
     seen = []
     for b in loader:

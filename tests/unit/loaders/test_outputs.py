@@ -15,7 +15,6 @@ from saev_shards.loaders import outputs
 from saev_shards.loaders.outputs import Recycler
 from saev_shards.loaders.tensors import torch_dtype
 
-
 finite_or_not = st.one_of(
     st.floats(width=32, allow_nan=True, allow_infinity=True), st.sampled_from([0.0, -0.0, 1e-40, -1e-45, 65504.0, 7e4])
 )

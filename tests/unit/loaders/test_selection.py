@@ -91,7 +91,7 @@ def test_selection_arguments_are_checked(shards: ss.Shards, tmp_path: Path) -> N
     plain = ss.open(tmp_path / md.hash)
     with pytest.raises(LoaderError, match=r"ignore_labels=\[3\]: expected a cache with labels\.bin"):
         TokenSelection(plain, ignore_labels=[3])
-    with pytest.raises(LoaderError, match="labels: expected a cache with labels.bin"):
+    with pytest.raises(LoaderError, match=r"labels: expected a cache with labels\.bin"):
         TokenSelection(plain).labels_of(np.arange(2))
     assert as_shards(plain) is plain
     assert as_shards(tmp_path / md.hash).metadata.hash == md.hash
@@ -122,7 +122,9 @@ def test_the_output_dtype(shards: ss.Shards) -> None:
     assert parse_out_dtype(shards, torch.bfloat16) == "bfloat16"
     assert parse_out_dtype(shards, "float32") == "float32"
     for bad in ("float64", torch.int8, 3):
-        with pytest.raises(LoaderError, match=r"out_dtype: expected None or one of \['float16', 'bfloat16', 'float32'\]"):
+        with pytest.raises(
+            LoaderError, match=r"out_dtype: expected None or one of \['float16', 'bfloat16', 'float32'\]"
+        ):
             parse_out_dtype(shards, bad)
 
 

@@ -21,7 +21,9 @@ from ...support.caches import small_metadata, write_cache
 def spares_of(root: Path, dtype: str = "float16") -> Spares:
     md = small_metadata(dtype=dtype)
     write_cache(root, md)
-    loader = loaders.TokenLoader(ss.open(root / md.hash), batch_size=4, mix_layers=True, read_threads=2, gather_threads=2)
+    loader = loaders.TokenLoader(
+        ss.open(root / md.hash), batch_size=4, mix_layers=True, read_threads=2, gather_threads=2
+    )
     return Spares(loader._config)
 
 

@@ -68,7 +68,9 @@ def test_every_bad_field_is_named_at_once() -> None:
     "bad", [[], "state", None, {"epoch": 0}, {**state(), "extra": 1}, {k: 0 for k in ("epoch", "batch", "seed")}]
 )
 def test_a_state_without_its_keys_is_refused(bad: object) -> None:
-    with pytest.raises(LoaderError, match=r"^state: expected keys \['batch', 'epoch', 'fingerprint', 'seed', 'settings'\]"):
+    with pytest.raises(
+        LoaderError, match=r"^state: expected keys \['batch', 'epoch', 'fingerprint', 'seed', 'settings'\]"
+    ):
         check_state(bad, 5)
     assert {"epoch", "batch", "seed", "fingerprint"} == KEYS
 

@@ -49,7 +49,8 @@ def test_the_local_folder_is_laid_out_like_a_shards_root(tmp_path: Path) -> None
 
 
 @pytest.mark.parametrize(
-    ("url", "words"), [("s3://bucket", "found a bucket or server alone"), ("s3://bucket/root/..", "names a folder above")]
+    ("url", "words"),
+    [("s3://bucket", "found a bucket or server alone"), ("s3://bucket/root/..", "names a folder above")],
 )
 def test_a_url_that_names_no_cache_is_refused(tmp_path: Path, url: str, words: str) -> None:
     with pytest.raises(CacheRefError, match=words):
