@@ -28,7 +28,7 @@ from saev_shards.loaders.selection import (
 from ...support.caches import labels_for, small_metadata, write_cache
 
 MD = small_metadata(n_examples=13, patches_per_shard=5 * 2 * 5)  # CLS + 4 content tokens, layers (6, 11)
-LENGTHS = (np.arange(MD.n_examples, dtype=np.int32) * 3) % 7  # 0 to 6 tokens, CLS counted
+LENGTHS = (np.arange(MD.n_examples, dtype=np.int32) * 5) % 6  # 0 to 5 tokens, CLS counted
 
 
 @pytest.fixture(scope="module")
