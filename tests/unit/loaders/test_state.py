@@ -31,7 +31,7 @@ def test_every_state_within_range_is_accepted(epoch: int, n_batches: int, data: 
     seed = data.draw(st.integers(-(2**70), 2**70))
     fingerprint = data.draw(hex16)
     settings = data.draw(st.none() | st.dictionaries(st.text(max_size=5), st.integers()))
-    given_state = {"epoch": epoch, "batch": batch, "seed": seed, "fingerprint": fingerprint}
+    given_state: dict[str, Any] = {"epoch": epoch, "batch": batch, "seed": seed, "fingerprint": fingerprint}
     if settings is not None:
         given_state["settings"] = settings
     assert check_state(given_state, n_batches) == (epoch, batch)
