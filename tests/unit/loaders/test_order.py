@@ -12,7 +12,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from saev_shards.errors import LoaderError
-from saev_shards.loaders.order import ORDERS, Sequential, ShuffledWindows, parse_order
+from saev_shards.loaders.order import ORDERS, Order, Sequential, ShuffledWindows, parse_order
 
 seeds = st.integers(0, 2**32 - 1)
 
@@ -32,7 +32,8 @@ def test_the_shuffled_order_permutes_every_span_the_same_way_for_the_same_seed_a
 def test_the_ordered_walk_is_the_same_every_epoch(n: int, seed: int, epoch: int) -> None:
     order = Sequential().block_order(n, seed, epoch)
     assert order.dtype == np.int64 and order.tolist() == list(range(n))
-    assert Sequential().window_rng(seed, epoch, 0, 0, 1) is None
+    ordered: Order = Sequential()
+    assert ordered.window_rng(seed, epoch, 0, 0, 1) is None
 
 
 @given(seeds, st.integers(0, 100), st.integers(0, 100), st.integers(1, 8), st.data())
@@ -68,7 +69,7 @@ def test_an_order_is_taken_by_name_or_as_an_object() -> None:
         def fingerprint(self, buffer_bytes: int, block_bytes: int) -> dict[str, Any]:
             return {"reversed": True}
 
-    mine = Reversed()
+    mine: Any = Reversed()
     assert parse_order(mine) is mine
 
 

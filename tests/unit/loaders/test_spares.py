@@ -13,6 +13,7 @@ import pytest
 import saev_shards as ss
 from saev_shards import loaders
 from saev_shards.loaders import mapped
+from saev_shards.loaders.pools import Pools
 from saev_shards.loaders.spares import Spares
 
 from ...support.caches import small_metadata, write_cache
@@ -25,6 +26,14 @@ def spares_of(root: Path, dtype: str = "float16") -> Spares:
         ss.open(root / md.hash), batch_size=4, mix_layers=True, read_threads=2, gather_threads=2
     )
     return Spares(loader._config)
+
+
+def kept(spares: Spares) -> Pools | None:
+    return spares.pools
+
+
+def closed(pools: Pools) -> bool:
+    return pools.closed
 
 
 @pytest.mark.parametrize("dtype", ["float16", "float8_e4m3"])
@@ -52,20 +61,20 @@ def test_threads_are_kept_for_the_next_epoch_in_this_process_only(
 ) -> None:
     spares = spares_of(tmp_path)
     first = spares.take_pools()
-    assert spares.pools is None and first.fits(spares.cfg)
+    assert kept(spares) is None and first.fits(spares.cfg)
     spares.give_pools(first)
     assert spares.take_pools() is first
     second = spares.take_pools()  # none kept now: new ones
     assert second is not first
     spares.give_pools(first)
     spares.give_pools(second)  # one set is kept: the second is let go of
-    assert spares.pools is first and second.closed and not first.closed
+    assert kept(spares) is first and second.closed and not closed(first)
     monkeypatch.setattr(os, "getpid", lambda: -1)  # a forked child: its parent's threads are not its own
     child = spares.take_pools()
-    assert child is not first and first.closed
+    assert child is not first and closed(first)
     monkeypatch.undo()
     spares.give_pools(child)
-    assert spares.pools is None and child.closed  # made in another process: not kept here
+    assert kept(spares) is None and child.closed  # made in another process: not kept here
 
 
 def test_clear_lets_go_of_everything(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:

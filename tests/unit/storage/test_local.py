@@ -80,9 +80,13 @@ def test_where_things_are(folder: Path) -> None:
     assert copy.path == folder and copy._spare == []
 
 
+def held(lock: FolderLock) -> int | None:
+    return lock.fd
+
+
 def test_the_folder_lock_is_given_back_once(folder: Path) -> None:
     lock = LocalFiles(folder).lock_folder()
     assert isinstance(lock, FolderLock) and lock.fd is not None
     lock.release()
-    assert lock.fd is None
+    assert held(lock) is None
     lock.release()  # twice: nothing more to do
