@@ -87,18 +87,6 @@ TESTED_ELSEWHERE: dict[str, tuple[str, ...]] = {
     "saev_shards/demo/run.py": ("tests/integration/test_demo.py",),
     # Finds a dumped model's tokenizer offline: needs a model's files (the demo's bundled one).
     "saev_shards/dump/tokenizer.py": ("tests/integration/test_dump_tokenizer.py",),
-    "saev_shards/loaders/": (
-        "tests/unit/loaders/test_token_loader.py",
-        "tests/unit/loaders/test_pipeline.py",
-        "tests/unit/loaders/test_readahead.py",
-        "tests/unit/loaders/test_masks.py",
-    ),
-    "saev_shards/storage/": (
-        "tests/unit/storage/test_base.py",
-        "tests/unit/test_remote_files.py",
-        "tests/integration/test_remote.py",
-        "tests/integration/test_remote_hostile.py",
-    ),
 }
 
 #: Statements a package ``__init__`` may hold besides a docstring, imports and ``__all__``

@@ -79,3 +79,26 @@ def test_a_forked_child_never_uses_its_parents_descriptors(opened: tuple[ss.Shar
     os.waitpid(pid, 0)
     assert os.read(read, 1) == b"1"
     os.close(read)
+
+
+def test_a_collected_reader_never_waits_for_the_block_cache_writer() -> None:
+    """`Shards.__del__` may run inside the garbage collector on any thread, even inside
+    threading's bookkeeping; joining the writer there once deadlocked the suite, so it closes
+    without waiting (the queued writes finish on their own thread)."""
+    from saev_shards.reader.handles import ShardHandles
+
+    calls: list[bool] = []
+
+    class Files:
+        url = "s3://bucket/root/x"
+
+        def close_all(self, wait: bool = True) -> None:
+            calls.append(wait)
+
+    handles = ShardHandles.__new__(ShardHandles)
+    handles.files = Files()  # type: ignore[assignment]
+    handles._pid, handles._fds, handles._scale_fds = -1, {}, {}
+    handles._reset = lambda: None  # type: ignore[method-assign]
+    handles.__del__()
+    handles.close()
+    assert calls == [False, True]

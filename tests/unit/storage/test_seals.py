@@ -18,7 +18,7 @@ from saev_shards.storage.blockcache import BlockCache
 from saev_shards.storage.remote import RemoteFiles
 from saev_shards.storage.seals import SEAL_AFTER, SEAL_SUFFIX, seal_name
 
-from ..test_remote_files import DATA, MemoryClient
+from .test_remote import DATA, MemoryClient
 
 BODY = bytes(range(256)) * 16
 KEY = xxhash.xxh3_128_hexdigest(BODY)

@@ -1,4 +1,4 @@
-"""Cold reads of a layer selection (`windows.WindowLoader.slice_reads`): a proper subset of the
+"""loaders.windows: cold reads of a layer selection (`WindowLoader.slice_reads`): a proper subset of the
 layers is read slice by slice, each span's slices hinted to the storage first, so the disk
 reads only the bytes a selection needs; the batches, their order and the loader's state are
 exactly those of the whole-example reads it replaces."""
