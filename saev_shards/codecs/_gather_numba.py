@@ -83,36 +83,43 @@ def _divide(n: Any, d: Any, inverse: Any) -> Any:
 # examples, tokens, layers or empty, labels or empty)``.
 
 
+@numba.njit(nogil=True, inline="always")
+def _put_unit(u: Any, ex: Any, tok: Any, slot_of: Any, j: Any, rows: Any, out: Any) -> None:
+    """Row ``u`` of a window's index: token ``tok`` of example ``ex`` (in the window) at slot
+    ``slot_of[j]`` (every stacked slot when ``rows`` has stacked offsets: ``slot_of`` is not
+    read then), with its example, token, layer and label."""
+    ex_vector, slot_vector, stack_offsets, examples, slot_layer, labels, tokens_per_ex = rows
+    flat, ex_out, tok_out, layer_out, label_out = out
+    first = ex_vector[ex] + tok
+    if stack_offsets.shape[0] != 0:
+        for k in range(stack_offsets.shape[0]):
+            flat[u, k] = first + stack_offsets[k]
+    else:
+        slot = slot_of[j]
+        flat[u, 0] = first + slot_vector[slot]
+        layer_out[u] = slot_layer[slot]
+    ex_out[u] = examples[ex]
+    tok_out[u] = tok
+    if label_out.shape[0] != 0:
+        label_out[u] = labels[ex * tokens_per_ex + tok]
+
+
 @numba.njit(nogil=True, cache=True, error_model="numpy")
 def window_index(order: Any, units: Any, rows: Any, out: Any) -> None:
     """The index of a window whose examples all hold the ``chosen`` tokens: unit ``u`` of the
     batches is unit number ``lo + order[u]`` (``lo + u`` when ``order`` is empty), in example,
     slot, token order."""
     lo, per_ex, slots, chosen = units
-    ex_vector, slot_vector, stack_offsets, examples, slot_layer, labels, tokens_per_ex = rows
-    flat, ex_out, tok_out, layer_out, label_out = out
+    flat = out[0]
     n_chosen = np.int64(chosen.shape[0])
     per_ex_inverse, chosen_inverse = 1.0 / per_ex, 1.0 / n_chosen
     ordered = order.shape[0] != 0
-    stacked, labelled = stack_offsets.shape[0] != 0, label_out.shape[0] != 0
     for u in range(flat.shape[0]):
         unit = lo + (order[u] if ordered else u)
         ex = _divide(unit, per_ex, per_ex_inverse)
         rest = unit - ex * per_ex
         s = _divide(rest, n_chosen, chosen_inverse)
-        tok = chosen[rest - s * n_chosen]
-        first = ex_vector[ex] + tok
-        if stacked:
-            for k in range(stack_offsets.shape[0]):
-                flat[u, k] = first + stack_offsets[k]
-        else:
-            slot = slots[s]
-            flat[u, 0] = first + slot_vector[slot]
-            layer_out[u] = slot_layer[slot]
-        ex_out[u] = examples[ex]
-        tok_out[u] = tok
-        if labelled:
-            label_out[u] = labels[ex * tokens_per_ex + tok]
+        _put_unit(u, ex, chosen[rest - s * n_chosen], slots, s, rows, out)
 
 
 @numba.njit(nogil=True, cache=True, error_model="numpy")
@@ -120,22 +127,8 @@ def window_index_listed(order: Any, listed: Any, rows: Any, out: Any) -> None:
     """The index of a window from its listed units ``(ex_c, slot_c, tok_c)``: unit ``u`` of the
     batches is listed unit ``order[u]`` (``u`` when ``order`` is empty)."""
     ex_c, slot_c, tok_c = listed
-    ex_vector, slot_vector, stack_offsets, examples, slot_layer, labels, tokens_per_ex = rows
-    flat, ex_out, tok_out, layer_out, label_out = out
+    flat = out[0]
     ordered = order.shape[0] != 0
-    stacked, labelled = stack_offsets.shape[0] != 0, label_out.shape[0] != 0
     for u in range(flat.shape[0]):
         i = order[u] if ordered else u
-        ex, tok = ex_c[i], tok_c[i]
-        first = ex_vector[ex] + tok
-        if stacked:
-            for k in range(stack_offsets.shape[0]):
-                flat[u, k] = first + stack_offsets[k]
-        else:
-            slot = slot_c[i]
-            flat[u, 0] = first + slot_vector[slot]
-            layer_out[u] = slot_layer[slot]
-        ex_out[u] = examples[ex]
-        tok_out[u] = tok
-        if labelled:
-            label_out[u] = labels[ex * tokens_per_ex + tok]
+        _put_unit(u, ex_c[i], tok_c[i], slot_c, i, rows, out)

@@ -146,6 +146,12 @@ def writable(path: Path) -> Path:
     return path
 
 
+def edit_json(path: Path, fn: Callable[[Any], Any]) -> None:
+    """Rewrite the JSON file ``path`` as ``fn`` changes its value."""
+    obj = json.loads(path.read_text())
+    path.write_text(json.dumps(fn(obj)))
+
+
 @contextlib.contextmanager
 def intact_afterwards(path: Path) -> Iterator[None]:
     """Whatever the body does to the cache at ``path``, it is as it was afterwards."""

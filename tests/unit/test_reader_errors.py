@@ -6,7 +6,6 @@ import json
 import os
 import shutil
 import tempfile
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -17,15 +16,7 @@ from hypothesis import strategies as st
 import saev_shards as ss
 
 from ..support.caches import small_metadata, write_cache
-
-
-def writable(path: Path) -> Path:
-    """Undo the read-only permissions of a published cache so a test can damage it."""
-    os.chmod(path, 0o755)
-    for p in path.iterdir():
-        if p.is_file():
-            os.chmod(p, 0o644)
-    return path
+from ..support.hostile import edit_json, writable
 
 
 @pytest.fixture
@@ -33,11 +24,6 @@ def cache(root: Path) -> Path:
     md = small_metadata()
     write_cache(root, md, labels=True, lengths=None, text=True, stats=True)
     return writable(root / md.hash)
-
-
-def edit_json(path: Path, fn: Callable[[Any], Any]) -> None:
-    obj = json.loads(path.read_text())
-    path.write_text(json.dumps(fn(obj)))
 
 
 def test_missing_directory(tmp_path: Path) -> None:

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 
 import pytest
@@ -10,15 +9,7 @@ import pytest
 import saev_shards as ss
 
 from ...support.caches import small_metadata, write_cache
-
-
-def writable(path: Path) -> Path:
-    """Undo the read-only permissions of a published cache so a test can damage it."""
-    os.chmod(path, 0o755)
-    for p in path.iterdir():
-        if p.is_file():
-            os.chmod(p, 0o644)
-    return path
+from ...support.hostile import writable
 
 
 @pytest.fixture
