@@ -6,7 +6,7 @@ numpy otherwise: the same values either way.
   and widened to float32 in one pass, where numpy gathers into a scratch array and casts it in
   a second pass over the output. float16 is widened by the hardware conversion (exact; NaN made
   quiet, as torch's cast), bfloat16 by a shift.
-* ``window_index`` and ``window_index_listed``: a window's units, in the order the batches take
+* ``window_index``: a window's units, in the order the batches take
   them, to the columns of its index (the row each is gathered from, its example, token, layer
   and label), one pass over the units, from their numbers (a window whose examples all hold the
   same tokens) or from the listed units of a window whose examples differ. numpy needs a pass
@@ -76,59 +76,55 @@ def _divide(n: Any, d: Any, inverse: Any) -> Any:
     return q
 
 
-# The index kernels take their arrays in groups (tuples): ``units`` ``(lo, per_ex, slots,
-# chosen)`` or ``listed`` ``(example, slot, token)`` of each unit; ``rows`` ``(first vector of each
-# example, offset of each slot, offsets of the stacked slots or empty, global example of each
-# example, layer of each slot, labels (flat) or empty, tokens per example)``; ``out`` ``(flat,
-# examples, tokens, layers or empty, labels or empty)``.
+# The index kernel takes its arrays in groups (tuples): ``units`` ``(lo, per_ex, slots, chosen)``
+# (a window whose examples all hold the same tokens) and ``listed`` ``(example, slot, token)`` of
+# each unit (empty arrays unless the units are listed); ``rows`` ``(first vector of each example,
+# offset of each slot, offsets of the stacked slots or empty, global example of each example,
+# layer of each slot, labels (flat) or empty, tokens per example)``; ``out`` ``(flat, examples,
+# tokens, layers or empty, labels or empty)``.
+#
+# Every tuple is unpacked once, before the loop, and the loop's body is written out in it: an
+# array unpacked from a tuple, or passed to a function (even one inlined), inside the loop costs
+# a reference count taken and dropped per array and per unit (atomic operations numba does not
+# prune), which made this kernel about 12 times slower (65 ms against 5 ms for a 1 GiB window
+# of 696,192 units on this machine).
 
 
-@numba.njit(nogil=True, inline="always")
-def _put_unit(u: Any, ex: Any, tok: Any, slot_of: Any, j: Any, rows: Any, out: Any) -> None:
-    """Row ``u`` of a window's index: token ``tok`` of example ``ex`` (in the window) at slot
-    ``slot_of[j]`` (every stacked slot when ``rows`` has stacked offsets: ``slot_of`` is not
-    read then), with its example, token, layer and label."""
+@numba.njit(nogil=True, cache=True, error_model="numpy")
+def window_index(order: Any, units: Any, listed: Any, rows: Any, out: Any) -> None:
+    """The index of a window: batch unit ``u`` is unit ``i = order[u]`` (``u`` when ``order`` is
+    empty): listed unit ``i`` where ``listed`` has units, else unit number ``lo + i`` in example,
+    slot, token order of a window whose examples all hold the ``chosen`` tokens."""
+    lo, per_ex, slots, chosen = units
+    ex_c, slot_c, tok_c = listed
     ex_vector, slot_vector, stack_offsets, examples, slot_layer, labels, tokens_per_ex = rows
     flat, ex_out, tok_out, layer_out, label_out = out
-    first = ex_vector[ex] + tok
-    if stack_offsets.shape[0] != 0:
-        for k in range(stack_offsets.shape[0]):
-            flat[u, k] = first + stack_offsets[k]
-    else:
-        slot = slot_of[j]
-        flat[u, 0] = first + slot_vector[slot]
-        layer_out[u] = slot_layer[slot]
-    ex_out[u] = examples[ex]
-    tok_out[u] = tok
-    if label_out.shape[0] != 0:
-        label_out[u] = labels[ex * tokens_per_ex + tok]
-
-
-@numba.njit(nogil=True, cache=True, error_model="numpy")
-def window_index(order: Any, units: Any, rows: Any, out: Any) -> None:
-    """The index of a window whose examples all hold the ``chosen`` tokens: unit ``u`` of the
-    batches is unit number ``lo + order[u]`` (``lo + u`` when ``order`` is empty), in example,
-    slot, token order."""
-    lo, per_ex, slots, chosen = units
-    flat = out[0]
     n_chosen = np.int64(chosen.shape[0])
-    per_ex_inverse, chosen_inverse = 1.0 / per_ex, 1.0 / n_chosen
+    per_ex_inverse = 1.0 / per_ex if per_ex > 0 else 0.0
+    chosen_inverse = 1.0 / n_chosen if n_chosen > 0 else 0.0
     ordered = order.shape[0] != 0
-    for u in range(flat.shape[0]):
-        unit = lo + (order[u] if ordered else u)
-        ex = _divide(unit, per_ex, per_ex_inverse)
-        rest = unit - ex * per_ex
-        s = _divide(rest, n_chosen, chosen_inverse)
-        _put_unit(u, ex, chosen[rest - s * n_chosen], slots, s, rows, out)
-
-
-@numba.njit(nogil=True, cache=True, error_model="numpy")
-def window_index_listed(order: Any, listed: Any, rows: Any, out: Any) -> None:
-    """The index of a window from its listed units ``(ex_c, slot_c, tok_c)``: unit ``u`` of the
-    batches is listed unit ``order[u]`` (``u`` when ``order`` is empty)."""
-    ex_c, slot_c, tok_c = listed
-    flat = out[0]
-    ordered = order.shape[0] != 0
+    is_listed = ex_c.shape[0] != 0
+    n_stacked = stack_offsets.shape[0]
+    has_labels = label_out.shape[0] != 0
     for u in range(flat.shape[0]):
         i = order[u] if ordered else u
-        _put_unit(u, ex_c[i], tok_c[i], slot_c, i, rows, out)
+        if is_listed:
+            ex, tok, slot = ex_c[i], tok_c[i], slot_c[i]
+        else:
+            unit = lo + i
+            ex = _divide(unit, per_ex, per_ex_inverse)
+            rest = unit - ex * per_ex
+            s = _divide(rest, n_chosen, chosen_inverse)
+            tok = chosen[rest - s * n_chosen]
+            slot = slots[s]
+        first = ex_vector[ex] + tok
+        if n_stacked != 0:  # every stacked slot: the unit's own slot is not read
+            for k in range(n_stacked):
+                flat[u, k] = first + stack_offsets[k]
+        else:
+            flat[u, 0] = first + slot_vector[slot]
+            layer_out[u] = slot_layer[slot]
+        ex_out[u] = examples[ex]
+        tok_out[u] = tok
+        if has_labels:
+            label_out[u] = labels[ex * tokens_per_ex + tok]

@@ -174,6 +174,9 @@ Columns = tuple[
 #: An empty array: "no order" (units in their listed order), "not stacked" and "no labels" to the kernels.
 _NONE = np.empty(0, dtype=np.int64)
 _NO_LABELS = np.empty(0, dtype=np.uint8)
+#: No slots, and no listed units ``(example, slot, token)``: the index kernel's other mode.
+_NO_SLOTS = np.empty(0, dtype=np.int32)
+_NOT_LISTED = (_NONE, _NO_SLOTS, _NONE)
 
 
 class Rows(NamedTuple):
@@ -217,7 +220,7 @@ def window_index(
         return None
     outs = _outputs(n_units, rows)
     units = (np.int64(lo), np.int64(per_ex), slots, chosen)
-    kernels.window_index(_NONE if order is None else order, units, rows.kernel_args(), outs)
+    kernels.window_index(_NONE if order is None else order, units, _NOT_LISTED, rows.kernel_args(), outs)
     return _columns(outs, rows)
 
 
@@ -232,7 +235,14 @@ def window_index_listed(
     if kernels is None:
         return None
     outs = _outputs(len(listed[0]), rows)
-    kernels.window_index_listed(_NONE if order is None else order, listed, rows.kernel_args(), outs)
+    ex_c, slot_c, tok_c = listed
+    units = (np.int64(0), np.int64(0), _NO_SLOTS, _NONE)
+    listed_args = (
+        ex_c.astype(np.int64, copy=False),
+        slot_c.astype(np.int32, copy=False),
+        tok_c.astype(np.int64, copy=False),
+    )
+    kernels.window_index(_NONE if order is None else order, units, listed_args, rows.kernel_args(), outs)
     return _columns(outs, rows)
 
 
