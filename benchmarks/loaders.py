@@ -220,6 +220,24 @@ def window_gather(
     return source, scales, batches, outs
 
 
+def ordered_copy(shards: ss.Shards, threads: int) -> float:
+    """GB/s of what the OrderedLoader's gathers do, alone: the rows of its first window (runs of
+    consecutive rows, in the cache's order) from the cache mapped in place, populated, by its
+    own call (``numpy.take``) into as many batch-sized outputs as it keeps in flight."""
+    loader = loaders.OrderedLoader(shards, BATCH, mix_layers=True)
+    cfg, spans = loader._config, loader._spans
+    window = loader.plan(0).windows[0]
+    cache = CacheMap(shards)
+    for b in window.spans.tolist():
+        cache.populate(*cache.byte_range(int(spans.start[b]), int(spans.stop[b])))
+    flat = index_window(loader.selection, spans, window, None, cache.source).flat
+    batches = [flat[i : i + BATCH] for i in range(0, len(flat) - BATCH + 1, BATCH)]
+    n_out = cfg.gather_threads + cfg.prefetch + 4
+    outs = [np.ones((BATCH, shards.metadata.d_model), shards.numpy_dtype) for _ in range(n_out)]
+    loader.close()
+    return bl.gather_gbps(cache.values, batches, outs, threads)
+
+
 def gather_limits(
     shards: ss.Shards,
     buffer: int,
@@ -311,6 +329,13 @@ def bench_page_cached(shards: ss.Shards, quick: bool) -> None:
     limits: dict[str, Limit] = {
         "memcpy, 256 MiB buffers (limit)": ("memcpy", bl.memcpy_gbps),
         **gather_limits(shards, buffer, cpu=limit_cpu),
+        **{
+            f"the OrderedLoader's rows copied from the cache mapped in place: numpy take, {t} thread{'s' * (t > 1)}": (
+                "",
+                functools.partial(ordered_copy, shards, t),
+            )
+            for t in (1, 2)
+        },
         "page-cache read: pread of the shards, 4 MiB blocks, 1 thread": (
             "",
             lambda: bl.buffered_read_gbps(files, 1, limit=read_limit),
@@ -342,8 +367,12 @@ def bench_page_cached(shards: ss.Shards, quick: bool) -> None:
         "its order, from a buffer of its window's size (numpy and torch) or from the cache mapped in place as the "
         "loader reads it (numpy), into as many batch-sized outputs as it keeps in flight, nothing else (no reads, "
         "no Python between gathers); their CPU s/GB is the process's while they ran. The page-cache read rows "
-        "(pread into a reused 4 MiB buffer) are what reading windows into buffers cost before. Target: the "
-        "shuffled loader at >= 0.9 of the gather limit."
+        "(pread into a reused 4 MiB buffer) are what reading windows into buffers cost before. The OrderedLoader's "
+        "rows copied alone are what its gathers do with nothing else: its first window's rows (whole examples, in "
+        "the cache's order) from the cache mapped in place into batch-sized outputs by its own call; a copy out of "
+        "the page cache's pages is not a copy between two anonymous buffers, so memcpy stays the target's limit "
+        "and these rows say what a loader's copy reaches here. Targets: the shuffled loader at >= 0.9 of the gather "
+        "limit, the OrderedLoader at >= 0.9 of memcpy."
     )
     table.note(gather_gap_note(table.values, limit_cpu))
     table.emit()
@@ -394,7 +423,8 @@ class LoaderGather:
         self.raw = [np.ones((BATCH, *cfg.row_shape), cfg.numpy_dtype) for _ in range(n_out)]
         #: Stored bytes of one output row (what the loaders' GB/s count).
         self.row_bytes = int(np.prod(cfg.row_shape)) * md.itemsize
-        self.threads = 2
+        #: As many threads as the loader gathers with (2 here by default; 1 for the '1 gather thread' row).
+        self.threads = cfg.gather_threads
 
     def index(self, w: int) -> Any:
         window = self.plan.windows[w]
@@ -458,8 +488,11 @@ class LoaderGather:
         cfg = self.cfg
         md = self.loader.shards.metadata
         n_rows = max(1, min(window_bytes, md.nbytes) // (md.d_model * md.itemsize))
-        values = np.ones((n_rows, md.d_model), cfg.numpy_dtype)
-        scales = np.ones(n_rows, np.float32) if cfg.float8 else None
+        # The cache's own vectors (its first window's, repeated to fill the buffer): a float8_e4m3
+        # row's dequantizing costs what its bytes and scale make it cost, as in the loader.
+        own = np.resize(self.index(0).flat.reshape(-1), n_rows)
+        values = np.take(self.cache.values, own, axis=0)
+        scales = None if self.cache.scales is None else np.take(self.cache.scales, own)
         shape = (BATCH, *cfg.row_shape[:-1])
         done = [0] * self.threads
 
@@ -583,14 +616,16 @@ def bench_own_limits(caches: dict[str, ss.Shards], quick: bool) -> None:
         f"{len(md.layers)} vectors), whatever the output dtype; windows of {WINDOWS[0] >> 20} MiB (the default) "
         f"and {WINDOWS[1] >> 20} MiB. Every limit gathers with "
         "the loader's own call into its output dtype (`numpy.take`; float16 to float32 in one compiled pass, "
-        "`codecs.gather.take_widen`, where numba is installed; float8_e4m3 `float8.take_dequantize`), 2 threads, into "
-        "as many batch-sized outputs as the loader keeps in flight, and includes nothing else: no reads, no residency "
-        "checks, no batches' metadata handed out. 'own rows, precomputed' (a reference, not reachable): the loader's "
-        "first window's rows in its order from the cache mapped in place, its index computed before the clock starts. "
-        "'own rows, order drawn as it goes': every window of the loader's epoch, each thread computing a window's "
-        "index (the permutation and the rows, `index_window`) and then gathering it. 'random rows, drawn as it goes': "
-        "rows of an anonymous buffer of the window's size (or the cache's, if smaller), each batch's indices drawn "
-        "with `Generator.integers` just before its gather. The limit is the faster of the two drawn ones; its CPU "
+        "`codecs.gather.take_widen`, where numba is installed; float8_e4m3 `float8.take_dequantize`), with as many "
+        "threads as the loader gathers with (2; 1 for the '1 gather thread' row), into as many batch-sized outputs "
+        "as the loader keeps in flight, and includes nothing else: no reads, no residency checks, no batches' "
+        "metadata handed out. 'own rows, precomputed' (a reference, not reachable): the loader's first window's rows "
+        "in its order from the cache mapped in place, its index computed before the clock starts. 'own rows, order "
+        "drawn as it goes': every window of the loader's epoch, each thread computing a window's index (the "
+        "permutation and the rows, `index_window`) and then gathering it. 'random rows, drawn as it goes': rows of "
+        "an anonymous buffer of the window's size (or the cache's, if smaller) holding the cache's own vectors (and "
+        "scales), each batch's indices drawn with `Generator.integers` just before its gather. The limit is the "
+        "faster of the two drawn ones; its CPU "
         f"s/GB is the process's while it ran. Median of {rounds} interleaved rounds; each loader sample runs its "
         f"epochs until {min_bytes / 1e9:.1f} GB. The 'numpy only' row and its limits run without numba's "
         "kernels. Targets: every row >= 0.8 of its limit, CPU s/GB within 1.3 x the limit's; numpy only "
