@@ -274,19 +274,21 @@ class CacheMap:
         shards = self.shards
         self.check_size(start, stop)
         kinds = (False, True) if self.scales is not None else (False,)
-        # Mapped before, and every layer still in the page cache (one mincore of the block, not one
-        # per slice: a block holds a dozen or more): nothing to do.
-        if (
-            not spans.whole
-            and self.populated[start:stop].all()
-            and all(self.resident(*self.byte_range(start, stop, scales=scales)) for scales in kinds)
-        ):
-            return
         ranges: list[tuple[int, int, int | None]]
         if spans.whole:
             ranges = [(start, stop, None)]
         else:
             ranges = [(e, e + 1, p) for e in range(start, stop) for p in spans.read_positions.tolist()]
+            # Every layer of the block in the page cache (one mincore of the block, not one per
+            # slice: a block holds a dozen or more): mapped before, nothing to do; else its chosen
+            # slices mapped, without asking about each.
+            if all(self.resident(*self.byte_range(start, stop, scales=scales)) for scales in kinds):
+                if not self.populated[start:stop].all():
+                    for a, _, position in ranges:
+                        for scales in kinds:
+                            self.populate(*self.byte_range(a, a + 1, position, scales))
+                    self.populated[start:stop] = True
+                return
         shape = shards.metadata.shard_shape[1:]
         for a, b, position in ranges:
             if stop_event.is_set():
