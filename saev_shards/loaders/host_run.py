@@ -162,7 +162,9 @@ class HostRun:
             self.next_chunk += 1
 
     def _first_loaded(self, _: Future[Any]) -> None:
-        with self.lock:
+        # A callback of the read pool: at the interpreter's exit its pools may be shut down
+        # before this run is closed (`Tasks.submit`); nothing is waiting for the next loads then.
+        with self.lock, contextlib.suppress(CancelledError):
             self._pump()
 
     def _taken(self, w: int) -> None:

@@ -9,7 +9,7 @@ import os
 import threading
 from collections.abc import Callable
 from collections.abc import Set as AbstractSet
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import CancelledError, Future, ThreadPoolExecutor
 from typing import Any
 
 from .outputs import Recycler
@@ -94,7 +94,13 @@ class Tasks:
         self.lock = threading.Lock()
 
     def submit(self, fn: Callable[..., Any], *args: Any) -> Future[Any]:
-        future = self.pool.submit(fn, *args)
+        """``pool.submit(fn, *args)``; `CancelledError` once the pool is shut down (by its loader,
+        or by the interpreter's exit, which shuts every pool down before ``atexit`` closes the
+        epochs still running: a window loaded in between must not start the next)."""
+        try:
+            future = self.pool.submit(fn, *args)
+        except RuntimeError as err:  # "cannot schedule new futures after (interpreter) shutdown"
+            raise CancelledError(str(err)) from err
         with self.lock:
             self.pending.add(future)
         future.add_done_callback(self._done)

@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 from saev_shards import loaders
-from saev_shards.loaders import pools, schedule
+from saev_shards.loaders import host_run, pools, schedule
 
 from ...support.caches import expected_vectors, small_metadata
 from ...support.loaders import check_batch
@@ -101,3 +101,41 @@ def test_no_join_inside_the_garbage_collector() -> None:
     assert seen == [False]
     assert pools.joinable(set())  # outside the collector a join is fine
     assert not pools.joinable({threading.current_thread()})  # never this thread itself
+
+
+def test_a_task_for_a_shut_down_pool_is_cancelled_not_a_runtime_error() -> None:
+    """At the interpreter's exit every pool is shut down before ``atexit`` closes the epochs still
+    running; a task submitted in between (a window's load finishing starts the next) is a
+    `CancelledError` for the run to stop on, not a RuntimeError printed from a callback."""
+    from concurrent.futures import CancelledError, ThreadPoolExecutor
+
+    executor = ThreadPoolExecutor(1)
+    tasks = pools.Tasks(executor)
+    assert tasks.submit(lambda: 7).result() == 7
+    executor.shutdown(wait=True)
+    with pytest.raises(CancelledError, match="after shutdown"):
+        tasks.submit(lambda: 7)
+
+
+def test_an_iterator_left_open_at_exit_stops_without_noise(make_cache: Any) -> None:
+    """The first window's load, finished after its pools were shut down (as the interpreter's
+    exit does), starts nothing and raises nothing in its callback; closing the run still works."""
+    from concurrent.futures import Future
+
+    md = small_metadata(n_examples=400, patches_per_shard=100)
+    shards, logical = make_cache(md, batches=(50,))
+    loader = ShuffledLoader(shards, batch_size=64, buffer_bytes=20_000, block_bytes=4000)
+    it = iter(loader)
+    check_batch(next(it), md, logical)
+    (run,) = list(loader._runs)
+    assert isinstance(run, host_run.HostRun)
+    run.pools.read.shutdown(wait=True)
+    run.pools.gather.shutdown(wait=True)
+    with run.lock:  # as if the last window had not been submitted yet, its slot free
+        run.next_load = run.release_below = int(run.schedule.w_last[-1])
+        first: Future[Any] = Future()
+        first.set_result(None)
+        run.first_load = first
+    run._first_loaded(run.first_load)  # the callback a finished first load runs: no RuntimeError
+    loader.close()
+    assert run.closed
