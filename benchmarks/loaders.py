@@ -584,6 +584,7 @@ def bench_own_limits(caches: dict[str, ss.Shards], quick: bool) -> None:
             "own rows, order drawn as it goes",
             "random rows, drawn as it goes",
             "ratio to the limit",
+            "ratio to own rows drawn",
             "ratio to precomputed",
             "first batch (s)",
             "CPU s/GB",
@@ -604,6 +605,7 @@ def bench_own_limits(caches: dict[str, ss.Shards], quick: bool) -> None:
             drawn,
             plain,
             loader / max(drawn, plain),
+            loader / drawn,
             loader / own,
             startup,
             loader_cpu,
@@ -625,7 +627,8 @@ def bench_own_limits(caches: dict[str, ss.Shards], quick: bool) -> None:
         "permutation and the rows, `index_window`) and then gathering it. 'random rows, drawn as it goes': rows of "
         "an anonymous buffer of the window's size (or the cache's, if smaller) holding the cache's own vectors (and "
         "scales), each batch's indices drawn with `Generator.integers` just before its gather. The limit is the "
-        "faster of the two drawn ones; its CPU "
+        "faster of the two drawn ones ('ratio to own rows drawn' is the loader against the rows it reads, where "
+        "it reads them: a page-cached window is not one anonymous buffer); its CPU "
         f"s/GB is the process's while it ran. Median of {rounds} interleaved rounds; each loader sample runs its "
         f"epochs until {min_bytes / 1e9:.1f} GB. The 'numpy only' row and its limits run without numba's "
         "kernels. Targets: every row >= 0.8 of its limit, CPU s/GB within 1.3 x the limit's; numpy only "
