@@ -6,7 +6,8 @@ chosen tokens in source order, give each its sort key and bucket (`order`), grou
 by bucket with one stable counting sort, gather every row's activations at the chosen
 layers (one vectorised ``take`` per piece) and its source example, token, label and
 per-token columns, then write the run front to back and seal it with its record. One
-thread reads the next chunk and another writes the previous run while a chunk is gathered.
+thread reads the next chunk and another writes the previous run while a chunk is gathered;
+a third seals the runs written (fsync, then the record) while the next ones are written.
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ from ..fileio import BlockHasher, aligned_buffer
 from ..protocol.float8 import FLOAT8_DTYPE
 from .order import bucket_of, sort_keys
 from .plan import SOURCE_EXAMPLE, SOURCE_TOKEN, ShufflePlan
-from .scratch import RunRecord, run_file, write_record, write_run
+from .scratch import RunRecord, run_file, sync_run, write_record, write_run_data
 from .source import SourceReader
 
 #: Label a [CLS] token gets in the shuffled cache (labels.bin has no CLS column; the loaders' CLS_LABEL).
@@ -66,7 +67,9 @@ def scatter(
     run_buffers = [aligned_buffer(run_nbytes) for _ in range(2)]
     reads = ThreadPoolExecutor(1, "saev-shuffle-read")
     writes = ThreadPoolExecutor(1, "saev-shuffle-write")
-    pending: list[Future[None]] = []
+    seals = ThreadPoolExecutor(1, "saev-shuffle-seal")
+    pending: list[Future[Future[None]]] = []  # runs being written, newest last: each gives its sealing
+    sealing: list[Future[None]] = []
     failed = True
     try:
         next_read = reads.submit(_read, reader, plan, chunks[0], read_buffers[0])
@@ -75,12 +78,15 @@ def scatter(
             if i + 1 < len(chunks):
                 next_read = reads.submit(_read, reader, plan, chunks[i + 1], read_buffers[(i + 1) % 2])
             if len(pending) >= 2:
-                pending.pop(0).result()  # the run buffer we are about to fill is written
+                sealing.append(pending.pop(0).result())  # the run buffer we are about to fill is written
+            while sealing and sealing[0].done():
+                sealing.pop(0).result()  # a run that failed to seal stops the pass
             buffer = run_buffers[i % 2]
             record = _gather(plan, reader, data, buffer)
-            pending.append(writes.submit(_write, plan, record, buffer, durable, on_rows, after_run))
-        for fut in pending:
-            fut.result()
+            pending.append(writes.submit(_write, plan, record, buffer, durable, seals, on_rows, after_run))
+        sealing += [fut.result() for fut in pending]
+        for seal in sealing:
+            seal.result()
         failed = False
     finally:
         for fut in pending:  # never unmap a buffer a write is still using
@@ -90,6 +96,7 @@ def scatter(
         # waited for (its buffer stays referenced by the thread; the command ends anyway).
         reads.shutdown(wait=not failed, cancel_futures=True)
         writes.shutdown(wait=True, cancel_futures=True)
+        seals.shutdown(wait=True)  # every written run is sealed or removed: its descriptor closed
         for mm in run_buffers:
             with contextlib.suppress(BufferError):  # a view still held by a traceback: freed with it
                 mm.close()
@@ -246,10 +253,12 @@ def _write(
     record: RunRecord,
     buffer: Any,
     durable: bool,
+    seals: ThreadPoolExecutor,
     on_rows: Callable[[int], None],
     after_run: Callable[[int], None],
-) -> None:
-    """Hash each piece (its regions' bytes, padding excluded), write the run, then seal it with its record."""
+) -> Future[None]:
+    """Hash each piece (its regions' bytes, padding excluded) and write the run; return its
+    sealing (`_seal`), started in ``seals``, so that the buffer is free while the run is fsynced."""
     offsets = plan.layout.piece_offsets(record.counts)
     view = memoryview(buffer)
     try:
@@ -260,9 +269,27 @@ def _write(
                 start = int(offsets[k]) + offset
                 h.update(view[start : start + nbytes])
             digests.append(h.hexdigest())
-        write_run(plan.work / run_file(record.chunk), view[: record.nbytes], durable)
+        path = plan.work / run_file(record.chunk)
+        fd = write_run_data(path, view[: record.nbytes])
     finally:
         view.release()
-    write_record(plan.work, dataclasses.replace(record, digests=tuple(digests)), durable)
+    record = dataclasses.replace(record, digests=tuple(digests))
+    return seals.submit(_seal, plan, record, fd, durable, on_rows, after_run)
+
+
+def _seal(
+    plan: ShufflePlan,
+    record: RunRecord,
+    fd: int,
+    durable: bool,
+    on_rows: Callable[[int], None],
+    after_run: Callable[[int], None],
+) -> None:
+    """Make the run written through ``fd`` durable, then seal it with its record.
+
+    An fsync waits for the disk's cache (tens of milliseconds per run here): done here, in a
+    thread of its own, it overlaps the next run's writes instead of holding them up."""
+    sync_run(plan.work / run_file(record.chunk), fd, record.nbytes, durable)
+    write_record(plan.work, record, durable)
     on_rows(sum(record.counts))
     after_run(record.chunk)

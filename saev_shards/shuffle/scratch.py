@@ -9,7 +9,7 @@ published) holds:
   piece ``1``... Piece ``k`` holds the chunk's tokens of bucket ``k`` in source order, one
   region per field (activations, then sort key, source example, source token, label,
   per-token columns), each region padded to `REGION_ALIGN` bytes. Written front to back in
-  large O_DIRECT requests, then fsynced.
+  large O_DIRECT requests, then fsynced (while the next run is written).
 * ``run<06d>.json``: its record, written (atomically) only after the run is complete and
   durable: the chunk's examples, rows per piece and each piece's xxh3_128. A run without a
   record is redone; a piece whose digest differs when it is read back is an error.
@@ -164,17 +164,34 @@ def write_record(work: Path, record: RunRecord, durable: bool) -> None:
     )
 
 
-def write_run(path: Path, data: memoryview, durable: bool) -> None:
+def write_run_data(path: Path, data: memoryview) -> int:
     """Write ``data`` (page-aligned) to ``path``: whole 4 KiB blocks with O_DIRECT where the
     filesystem allows it (the disk's sequential rate, no page-cache pollution), `DIRECT_IN_FLIGHT`
     requests at a time (`fileio.pwrite_direct`: a request O_DIRECT refuses, and the tail, go
-    through the page cache); fsync when ``durable``.
+    through the page cache). Returns the file's descriptor, still open: `sync_run` makes it
+    durable and closes it (an fsync through the descriptor that wrote sees every write error).
 
     A full disk raises `DiskFullError` naming ``path``; on any error the unfinished run
     file is removed (it has no record, so it would only hold space)."""
     try:
         with naming_disk_full(path, data.nbytes, RUN_DISK_FULL_NOTE):
-            _write_run(path, data, durable)
+            return _write_run(path, data)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(path)
+        raise
+
+
+def sync_run(path: Path, fd: int, nbytes: int, durable: bool) -> None:
+    """fsync (when ``durable``) and close ``fd``, the run at ``path`` of ``nbytes`` as `write_run_data`
+    left it; on any error the run file is removed."""
+    try:
+        with naming_disk_full(path, nbytes, RUN_DISK_FULL_NOTE):
+            try:
+                if durable:
+                    os.fsync(fd)
+            finally:
+                os.close(fd)
     except BaseException:
         with contextlib.suppress(OSError):
             os.unlink(path)
@@ -188,16 +205,18 @@ RUN_DISK_FULL_NOTE = (
 )
 
 
-def _write_run(path: Path, data: memoryview, durable: bool) -> None:
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
-    direct_fd = open_direct(path) if data.nbytes >= DIRECT_ALIGN else None
+def _write_run(path: Path, data: memoryview) -> int:
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o644)
+    direct_fd = None
     try:
+        direct_fd = open_direct(path) if data.nbytes >= DIRECT_ALIGN else None
         offsets = range(0, data.nbytes, DIRECT_WRITE)
         with ThreadPoolExecutor(DIRECT_IN_FLIGHT, "saev-shuffle-run") as pool:
             list(pool.map(lambda off: pwrite_direct(direct_fd, fd, data[off : off + DIRECT_WRITE], off), offsets))
-        if durable:
-            os.fsync(fd)
+    except BaseException:
+        os.close(fd)
+        raise
     finally:
-        for f in (direct_fd, fd):
-            if f is not None:
-                os.close(f)
+        if direct_fd is not None:
+            os.close(direct_fd)
+    return fd
