@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 
 import saev_shards as ss
-from saev_shards.shuffle import plan_shuffle, run_plan
+from saev_shards.shuffle import plan_shuffle, run_plan, source
 
 from ...support.caches import small_metadata, tree_bytes, write_cache
 
@@ -62,14 +62,23 @@ def digest(path: Path) -> str:
     return h.hexdigest()
 
 
+@pytest.mark.parametrize("slices", [False, True], ids=["as-chosen", "slice-reads"])
 @pytest.mark.parametrize("name", list(CASES))
-def test_output_bytes_are_the_pinned_ones(tmp_path: Path, name: str) -> None:
+def test_output_bytes_are_the_pinned_ones(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, name: str, slices: bool
+) -> None:
+    """``slice-reads``: a proper subset of the layers is read slice by slice, hinted, whatever
+    the slices' size (these are far under `source.MIN_HINTED_SLICE`)."""
+    if slices:
+        monkeypatch.setattr(source, "MIN_HINTED_SLICE", 1)
     md_changes, how, keywords, expected = CASES[name]
     md = small_metadata(**md_changes)
     lengths = np.array([i % 6 for i in range(md.n_examples)]) if how.get("lengths") else None
     write_cache(tmp_path, md, lengths=lengths, labels=bool(how.get("labels")))
     plan = plan_shuffle(ss.open(tmp_path / md.hash), tmp_path / "out", seed=5, **keywords)
     assert plan.n_chunks >= 5 and plan.n_buckets >= 4  # several runs, each cut into several pieces
+    chosen = plan.selection.layers
+    assert source.SourceReader(plan.source, plan.selection).whole == (not slices or len(chosen) == md.n_layers)
     out = run_plan(plan, durable=False)
     assert digest(out.path) == expected
     out.close()
