@@ -23,11 +23,11 @@ import numpy.typing as npt
 
 from ..codecs import dtypes, float8
 from ..errors import NonFiniteError, ShuffleError
-from ..fileio import BlockHasher, aligned_buffer
+from ..fileio import BlockHasher
 from ..protocol.float8 import FLOAT8_DTYPE
 from .order import bucket_of, sort_keys
 from .plan import SOURCE_EXAMPLE, SOURCE_TOKEN, ShufflePlan
-from .scratch import RunRecord, run_file, sync_run, write_record, write_run_data
+from .scratch import Buffers, RunRecord, run_file, sync_run, write_record, write_run_data
 from .source import SourceReader
 
 #: Label a [CLS] token gets in the shuffled cache (labels.bin has no CLS column; the loaders' CLS_LABEL).
@@ -54,17 +54,25 @@ def scatter(
     on_rows: Callable[[int], None],
     after_run: Callable[[int], None],
     durable: bool,
+    buffers: Buffers | None = None,
 ) -> None:
-    """Write the runs of ``chunks``; ``on_rows(n)`` after each run, ``after_run(chunk)`` once it is sealed."""
+    """Write the runs of ``chunks``; ``on_rows(n)`` after each run, ``after_run(chunk)`` once it is sealed.
+
+    ``buffers``: where the read and run buffers are carved from (the write pass reuses
+    them); None: a mapping of this call's own."""
     if not chunks:
         return
     reader = SourceReader(plan.source, plan.selection)
     most_examples = max(plan.chunk_range(c)[1] - plan.chunk_range(c)[0] for c in chunks)
     most_rows = max(plan.chunk_first[c + 1] - plan.chunk_first[c] for c in chunks)
-    # np.empty and anonymous mmaps take no memory until touched: a short last chunk costs less.
-    read_buffers = [np.empty(max(1, most_examples * reader.example_nbytes), np.uint8) for _ in range(2)]
+    # Anonymous memory takes none until touched: a short last chunk costs less.
+    read_nbytes = max(1, most_examples * reader.example_nbytes)
     run_nbytes = plan.layout.piece_nbytes(most_rows) + plan.n_buckets * len(plan.layout.fields) * 64
-    run_buffers = [aligned_buffer(run_nbytes) for _ in range(2)]
+    own = buffers is None
+    carved = Buffers() if buffers is None else buffers
+    views = carved.carve([read_nbytes, read_nbytes, run_nbytes, run_nbytes])
+    read_buffers = [np.frombuffer(v, np.uint8) for v in views[:2]]
+    run_buffers = views[2:]
     reads = ThreadPoolExecutor(1, "saev-shuffle-read")
     writes = ThreadPoolExecutor(1, "saev-shuffle-write")
     seals = ThreadPoolExecutor(1, "saev-shuffle-seal")
@@ -97,9 +105,8 @@ def scatter(
         reads.shutdown(wait=not failed, cancel_futures=True)
         writes.shutdown(wait=True, cancel_futures=True)
         seals.shutdown(wait=True)  # every written run is sealed or removed: its descriptor closed
-        for mm in run_buffers:
-            with contextlib.suppress(BufferError):  # a view still held by a traceback: freed with it
-                mm.close()
+        if own:
+            carved.close()
 
 
 def _read(reader: SourceReader, plan: ShufflePlan, chunk: int, buffer: npt.NDArray[np.uint8]) -> _Chunk:

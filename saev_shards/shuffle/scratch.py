@@ -20,6 +20,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import math
+import mmap
 import os
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -31,6 +32,7 @@ import numpy.typing as npt
 
 from ..fileio import (
     DIRECT_ALIGN,
+    aligned_buffer,
     naming_disk_full,
     open_direct,
     pwrite_direct,
@@ -220,3 +222,44 @@ def _write_run(path: Path, data: memoryview) -> int:
         if direct_fd is not None:
             os.close(direct_fd)
     return fd
+
+
+class Buffers:
+    """The large buffers of one process's shuffle, carved from one mapping that both passes reuse.
+
+    Fresh memory is faulted in page by page, each zeroed by the kernel first: a pass that
+    allocated its own buffers (a quarter-gigabyte under a 256 MiB budget) paid for that
+    again after the scatter pass had freed as much, and several times more than the
+    zeroing itself in a virtual machine whose host backs freed guest memory lazily. The
+    write pass carves its buckets and batches from the mapping the scatter pass carved its
+    read and run buffers from (a larger one replaces it when it needs more).
+    """
+
+    def __init__(self) -> None:
+        self._mm: mmap.mmap | None = None
+
+    def carve(self, sizes: Sequence[int]) -> list[memoryview]:
+        """One view of ``sizes[i]`` bytes each, page-aligned (O_DIRECT), none overlapping; views
+        from an earlier call must no longer be in use."""
+        starts = []
+        total = 0
+        for n in sizes:
+            starts.append(total)
+            total += -(-int(n) // DIRECT_ALIGN) * DIRECT_ALIGN
+        if self._mm is None or len(self._mm) < total:
+            self.close()
+            self._mm = aligned_buffer(total)
+        elif len(self._mm) > total and hasattr(mmap, "MADV_DONTNEED"):
+            # What this call does not use is given back (the budget counts each pass alone).
+            with contextlib.suppress(OSError):
+                self._mm.madvise(mmap.MADV_DONTNEED, total, len(self._mm) - total)
+        whole = memoryview(self._mm)
+        return [whole[a : a + int(n)] for a, n in zip(starts, sizes, strict=True)]
+
+    def close(self) -> None:
+        """Unmap the buffers (left to the garbage collector while a view is still held, e.g. by
+        a read abandoned after an error)."""
+        mm, self._mm = self._mm, None
+        if mm is not None:
+            with contextlib.suppress(BufferError):
+                mm.close()

@@ -13,12 +13,13 @@ buckets before it are skipped, the bucket holding it is sorted again and cut.
 from __future__ import annotations
 
 import contextlib
+import math
 import mmap
 import os
 import queue
 import sys
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
@@ -30,7 +31,7 @@ from ..errors import ShuffleError
 from ..fileio import BlockHasher
 from ..writer import ShardWriter
 from .plan import SOURCE_EXAMPLE, SOURCE_TOKEN, WRITE_QUEUE, ShufflePlan
-from .scratch import REGION_ALIGN, RunRecord, load_record, run_file
+from .scratch import REGION_ALIGN, Buffers, RunRecord, load_record, run_file
 from .source import READ_THREADS
 
 #: The page size: the unit of the page cache a dropped range is rounded to.
@@ -66,8 +67,12 @@ def write_buckets(
     writer: ShardWriter,
     on_rows: Callable[[int], None],
     after_bucket: Callable[[int], None],
+    buffers: Buffers | None = None,
 ) -> None:
-    """Append output rows ``[writer.next_example, writer.stop)`` to ``writer`` (opened with ``background=False``)."""
+    """Append output rows ``[writer.next_example, writer.stop)`` to ``writer`` (opened with ``background=False``).
+
+    ``buffers``: where the buckets and batches are carved from (the scatter pass's, reused);
+    None: a mapping of this call's own."""
     start, stop = writer.next_example, writer.stop
     if start >= stop:
         return
@@ -75,10 +80,17 @@ def write_buckets(
     first = index.bucket_first
     buckets = range(int(np.searchsorted(first, start, side="right")) - 1, int(np.searchsorted(first, stop)))
     most = max(index.rows(k) for k in buckets)
-    sets = [_BucketArrays(plan, most) for _ in range(2)]
+    own = buffers is None
+    carved = Buffers() if buffers is None else buffers
+    fields = plan.layout.fields
+    sizes = [most * f.row_nbytes for _ in range(2) for f in fields]
+    sizes += [plan.batch_rows * f.row_nbytes for _ in range(WRITE_QUEUE + 2) for f in fields]
+    views = iter(carved.carve(sizes))
+    sets = [_BucketArrays(plan, most, views) for _ in range(2)]
+    batches = [_arrays(plan, plan.batch_rows, views) for _ in range(WRITE_QUEUE + 2)]
     runs = RunFiles(plan)
     loads = ThreadPoolExecutor(1, "saev-shuffle-load")
-    sink = _WriterThread(plan, writer)
+    sink = _WriterThread(plan, writer, batches)
     written: list[tuple[int, int]] = []  # (batches put up to the end of a bucket, bucket) not yet reported
     failed = True
     loading: Future[_BucketArrays] | None = None
@@ -109,6 +121,9 @@ def write_buckets(
             runs.close()
         else:  # after an error a load may still be reading: the descriptors are closed once it ends
             loading.add_done_callback(lambda _: runs.close())
+        del sets, batches, views
+        if own:
+            carved.close()
 
 
 def _fire(pending: list[tuple[int, int]], sink: _WriterThread, after_bucket: Callable[[int], None]) -> None:
@@ -118,12 +133,18 @@ def _fire(pending: list[tuple[int, int]], sink: _WriterThread, after_bucket: Cal
 
 
 class _BucketArrays(dict[str, npt.NDArray[Any]]):
-    """One array per run field, sized for the largest bucket."""
+    """One array per run field, sized for the largest bucket, on the next of ``views``."""
 
-    def __init__(self, plan: ShufflePlan, rows: int) -> None:
-        super().__init__()
-        for field in plan.layout.fields:
-            self[field.name] = np.empty((rows, *field.shape), field.dtype)
+    def __init__(self, plan: ShufflePlan, rows: int, views: Iterator[memoryview]) -> None:
+        super().__init__(_arrays(plan, rows, views))
+
+
+def _arrays(plan: ShufflePlan, rows: int, views: Iterator[memoryview]) -> dict[str, npt.NDArray[Any]]:
+    """One array of ``rows`` rows per run field, each on the next of ``views`` (as many bytes)."""
+    return {
+        f.name: np.frombuffer(next(views), f.dtype, count=rows * math.prod(f.shape)).reshape(rows, *f.shape)
+        for f in plan.layout.fields
+    }
 
 
 class RunFiles:
@@ -235,13 +256,13 @@ class _WriterThread:
     ``WRITE_QUEUE`` batches wait while one is written; their buffers are recycled.
     """
 
-    def __init__(self, plan: ShufflePlan, writer: ShardWriter) -> None:
+    def __init__(self, plan: ShufflePlan, writer: ShardWriter, batches: list[dict[str, npt.NDArray[Any]]]) -> None:
         self.plan = plan
         self.writer = writer
         self.batch_rows = plan.batch_rows
         self.free: queue.Queue[dict[str, npt.NDArray[Any]]] = queue.Queue()
-        for _ in range(WRITE_QUEUE + 2):
-            self.free.put({f.name: np.empty((self.batch_rows, *f.shape), f.dtype) for f in plan.layout.fields})
+        for batch in batches:  # WRITE_QUEUE + 2 of `batch_rows` rows
+            self.free.put(batch)
         self.todo: queue.Queue[tuple[dict[str, npt.NDArray[Any]], int] | None] = queue.Queue(WRITE_QUEUE)
         self.error: BaseException | None = None
         self.idle = threading.Condition()
