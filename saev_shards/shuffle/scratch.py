@@ -13,6 +13,9 @@ published) holds:
 * ``run<06d>.json``: its record, written (atomically) only after the run is complete and
   durable: the chunk's examples, rows per piece and each piece's xxh3_128. A run without a
   record is redone; a piece whose digest differs when it is read back is an error.
+
+`Buffers`: the memory the runs pass through, one mapping both passes of a process carve
+their large buffers from.
 """
 
 from __future__ import annotations

@@ -2,7 +2,8 @@
 
 Bucket ``k`` is piece ``k`` of every run, read in run order (one ``preadv`` per piece that
 scatters its regions straight into the bucket's field arrays, checked against the piece's
-digest), so its rows are in source order; a stable sort by key gives the global order
+digest; the runs without readahead, each piece's pages dropped once read: `RunFiles`), so
+its rows are in source order; a stable sort by key gives the global order
 (`order`). Rows are gathered in that order into batches of ``plan.batch_rows`` and a
 writer thread appends them. One thread loads the next bucket meanwhile.
 
@@ -153,7 +154,7 @@ class RunFiles:
     Each run is read in `n_buckets` requests far apart in time (one per bucket), so the
     kernel's readahead (up to the disk's ``read_ahead_kb``, 8 MiB on the development machine)
     only reads bytes of the next pieces that are evicted again before their bucket comes
-    when the page cache is small (a memory limit): 1.4 x the runs' bytes were read from disk.
+    when the page cache is small (a memory limit): 1.3-1.7 x the runs' bytes were read from disk.
     The descriptors are opened with POSIX_FADV_RANDOM (no readahead), and the pages of a
     piece are dropped once it is read (POSIX_FADV_DONTNEED: they are never read again), so
     the page cache holds no scratch for the kernel to reclaim under memory pressure.
