@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import os
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
@@ -295,8 +296,16 @@ def _seal(
     """Make the run written through ``fd`` durable, then seal it with its record.
 
     An fsync waits for the disk's cache (tens of milliseconds per run here): done here, in a
-    thread of its own, it overlaps the next run's writes instead of holding them up."""
-    sync_run(plan.work / run_file(record.chunk), fd, record.nbytes, durable)
-    write_record(plan.work, record, durable)
+    thread of its own, it overlaps the next run's writes instead of holding them up. A run
+    whose fsync or record fails is removed: every run left in the folder is sealed. After
+    an error elsewhere the runs already written are still sealed (or removed), in order."""
+    path = plan.work / run_file(record.chunk)
+    sync_run(path, fd, record.nbytes, durable)
+    try:
+        write_record(plan.work, record, durable)
+    except BaseException:  # a run without its record would only hold space (a full disk, often)
+        with contextlib.suppress(OSError):
+            os.unlink(path)
+        raise
     on_rows(sum(record.counts))
     after_run(record.chunk)
