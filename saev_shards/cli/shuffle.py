@@ -138,9 +138,9 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser], invoked: 
     p.add_argument(
         "--memory",
         type=parse_size,
-        default=DEFAULT_MEMORY,
         metavar="SIZE",
-        help=f"memory budget of all processes together, e.g. 2G, 512M (default: {DEFAULT_MEMORY >> 30}G)",
+        help=f"memory budget of all processes together, e.g. 2G, 512M (default: {DEFAULT_MEMORY >> 30}G, or half "
+        "the memory limit of this process's cgroup where that is lower)",
     )
     p.add_argument("--workers", type=int, default=1, metavar="N", help="processes sharing the work (default: 1)")
     p.add_argument("--work-dir", metavar="DIR", help="where the scratch runs go (default: the output's root)")

@@ -22,7 +22,7 @@ from ..reader import Shards
 from ..selection import Selection, SelectionSpec, parse_selection
 from ..store.roots import SHUFFLE_PREFIX as WORK_PREFIX
 from ..writer import DIRECT_BLOCK, DIRECT_IN_FLIGHT
-from .options import ShuffleOptions
+from .options import ShuffleOptions, default_memory
 from .order import MAX_BUCKETS
 from .scratch import REGION_ALIGN, Field, RowLayout
 from .source import SourceReader, per_token_columns
@@ -230,7 +230,7 @@ def _memory(
 ) -> _Memory:
     """Every large buffer either pass holds at once, per process (a test measures real runs against it)."""
     md = source.metadata
-    per_process = int(options.memory_bytes) // int(options.workers)
+    per_process = _budget(options) // int(options.workers)
     slack = min(SLACK, per_process // 8)
     row = layout.row_nbytes
     acts_row = layout.fields[0].row_nbytes
@@ -321,7 +321,7 @@ def make_plan(
     room = mem.per_process - fixed_scatter
     if room < mem.per_example:
         raise ShuffleError(
-            f"memory: {_mib(options.memory_bytes)} is too small for this source: one example needs "
+            f"memory: {_mib(_budget(options))} is too small for this source: one example needs "
             f"{_mib(mem.per_example + fixed_scatter)} in the scatter pass"
             + (f" per process ({options.workers} processes)" if options.workers > 1 else "")
         )
@@ -365,6 +365,11 @@ def _n_buckets(output: Metadata, per_process: int, fixed_write: int, per_bucket_
     if n_buckets > MAX_BUCKETS:
         raise ShuffleError(f"memory: {_mib(per_process)} per process needs more than {MAX_BUCKETS} buckets; raise it")
     return n_buckets, int(bucket_rows)
+
+
+def _budget(options: ShuffleOptions) -> int:
+    """The memory all processes together may hold: the options', else `default_memory`."""
+    return default_memory() if options.memory_bytes is None else int(options.memory_bytes)
 
 
 def _mib(n: int) -> str:

@@ -35,7 +35,7 @@ from ..writer import ShardWriter, finalize
 from .options import ShuffleOptions, split_keywords, takes_keywords
 from .plan import SOURCE_EXAMPLE, SOURCE_TOKEN, ShufflePlan, make_plan
 from .scatter import scatter
-from .scratch import PLAN_FILE, RUN_DISK_FULL_NOTE, load_record, run_file, run_record_file
+from .scratch import PLAN_FILE, RUN_DISK_FULL_NOTE, Buffers, load_record, run_file, run_record_file
 from .write_pass import write_buckets
 
 __all__ = [
@@ -167,9 +167,13 @@ def run_plan(
 def _carry_out(plan: ShufflePlan, progress: bool | None, durable: bool, step: StepHook) -> None:
     _adopt_plan(plan, durable)
     check_space(plan)
-    _scatter_pass(plan, progress, durable, step)
-    step("scattered", 0)
-    _write_pass(plan, progress, durable, step)
+    buffers = Buffers()  # one mapping for both passes, in this process (`scratch.Buffers`)
+    try:
+        _scatter_pass(plan, progress, durable, step, buffers)
+        step("scattered", 0)
+        _write_pass(plan, progress, durable, step, buffers)
+    finally:
+        buffers.close()
     step("published", 0)
 
 
@@ -273,21 +277,21 @@ def check_space(plan: ShufflePlan) -> None:
 # the two passes, in this process or in several
 
 
-def _scatter_pass(plan: ShufflePlan, progress: bool | None, durable: bool, step: StepHook) -> None:
+def _scatter_pass(plan: ShufflePlan, progress: bool | None, durable: bool, step: StepHook, buffers: Buffers) -> None:
     todo = [c for c in range(plan.n_chunks) if load_record(plan.work, c, plan.n_buckets, plan.layout) is None]
     row_bytes = plan.layout.fields[0].row_nbytes
     done_rows = plan.n_tokens - sum(plan.chunk_first[c + 1] - plan.chunk_first[c] for c in todo)
     with Progress(plan.n_tokens * row_bytes, "shuffle 1/2 scatter", enabled=progress) as bar:
         bar.update(done_rows * row_bytes)
         if plan.workers == 1 or len(todo) <= 1:
-            scatter(plan, todo, lambda n: bar.update(n * row_bytes), lambda c: step("run", c), durable)
+            scatter(plan, todo, lambda n: bar.update(n * row_bytes), lambda c: step("run", c), durable, buffers)
         else:
             shares = [todo[r :: plan.workers] for r in range(plan.workers)]
             jobs = [(_scatter_worker, (plan, share, durable)) for share in shares if share]
             _in_processes(plan, bar, row_bytes, jobs)
 
 
-def _write_pass(plan: ShufflePlan, progress: bool | None, durable: bool, step: StepHook) -> None:
+def _write_pass(plan: ShufflePlan, progress: bool | None, durable: bool, step: StepHook, buffers: Buffers) -> None:
     row_bytes = plan.layout.fields[0].row_nbytes
     remover: threading.Thread | None = None
     try:
@@ -295,7 +299,9 @@ def _write_pass(plan: ShufflePlan, progress: bool | None, durable: bool, step: S
             if plan.workers == 1 or plan.output.n_shards <= 1:
                 with open_writer(plan, 0, 1, durable) as writer:
                     bar.update(writer.next_example * row_bytes)
-                    write_buckets(plan, writer, lambda n: bar.update(n * row_bytes), lambda k: step("bucket", k))
+                    write_buckets(
+                        plan, writer, lambda n: bar.update(n * row_bytes), lambda k: step("bucket", k), buffers
+                    )
                     remover = _remove_runs(plan)  # while the writer finalizes (see _remove_runs)
                 return
             world = min(plan.workers, plan.output.n_shards)
@@ -339,7 +345,9 @@ def open_writer(plan: ShufflePlan, rank: int, world_size: int, durable: bool) ->
         rank=rank,
         world_size=world_size,
         resume=True,
-        allow_nonfinite=plan.allow_nonfinite,
+        # The scatter pass checked every value it wrote (unless allowed) and the write pass reads
+        # them back against their digests: checking again would cost a pass over every byte.
+        allow_nonfinite=True,
         labels=any(f.name == "label" for f in plan.layout.fields),
         columns=columns,
         background=False,  # write_buckets runs the writer in a thread of its own

@@ -6,13 +6,15 @@ chosen tokens in source order, give each its sort key and bucket (`order`), grou
 by bucket with one stable counting sort, gather every row's activations at the chosen
 layers (one vectorised ``take`` per piece) and its source example, token, label and
 per-token columns, then write the run front to back and seal it with its record. One
-thread reads the next chunk and another writes the previous run while a chunk is gathered.
+thread reads the next chunk and another writes the previous run while a chunk is gathered;
+a third seals the runs written (fsync, then the record) while the next ones are written.
 """
 
 from __future__ import annotations
 
 import contextlib
 import dataclasses
+import os
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
@@ -22,11 +24,11 @@ import numpy.typing as npt
 
 from ..codecs import dtypes, float8
 from ..errors import NonFiniteError, ShuffleError
-from ..fileio import BlockHasher, aligned_buffer
+from ..fileio import BlockHasher
 from ..protocol.float8 import FLOAT8_DTYPE
 from .order import bucket_of, sort_keys
 from .plan import SOURCE_EXAMPLE, SOURCE_TOKEN, ShufflePlan
-from .scratch import RunRecord, run_file, write_record, write_run
+from .scratch import Buffers, RunRecord, run_file, sync_run, write_record, write_run_data
 from .source import SourceReader
 
 #: Label a [CLS] token gets in the shuffled cache (labels.bin has no CLS column; the loaders' CLS_LABEL).
@@ -53,20 +55,30 @@ def scatter(
     on_rows: Callable[[int], None],
     after_run: Callable[[int], None],
     durable: bool,
+    buffers: Buffers | None = None,
 ) -> None:
-    """Write the runs of ``chunks``; ``on_rows(n)`` after each run, ``after_run(chunk)`` once it is sealed."""
+    """Write the runs of ``chunks``; ``on_rows(n)`` after each run, ``after_run(chunk)`` once it is sealed.
+
+    ``buffers``: where the read and run buffers are carved from (the write pass reuses
+    them); None: a mapping of this call's own."""
     if not chunks:
         return
     reader = SourceReader(plan.source, plan.selection)
     most_examples = max(plan.chunk_range(c)[1] - plan.chunk_range(c)[0] for c in chunks)
     most_rows = max(plan.chunk_first[c + 1] - plan.chunk_first[c] for c in chunks)
-    # np.empty and anonymous mmaps take no memory until touched: a short last chunk costs less.
-    read_buffers = [np.empty(max(1, most_examples * reader.example_nbytes), np.uint8) for _ in range(2)]
+    # Anonymous memory takes none until touched: a short last chunk costs less.
+    read_nbytes = max(1, most_examples * reader.example_nbytes)
     run_nbytes = plan.layout.piece_nbytes(most_rows) + plan.n_buckets * len(plan.layout.fields) * 64
-    run_buffers = [aligned_buffer(run_nbytes) for _ in range(2)]
+    own = buffers is None
+    carved = Buffers() if buffers is None else buffers
+    views = carved.carve([read_nbytes, read_nbytes, run_nbytes, run_nbytes])
+    read_buffers = [np.frombuffer(v, np.uint8) for v in views[:2]]
+    run_buffers = views[2:]
     reads = ThreadPoolExecutor(1, "saev-shuffle-read")
     writes = ThreadPoolExecutor(1, "saev-shuffle-write")
-    pending: list[Future[None]] = []
+    seals = ThreadPoolExecutor(1, "saev-shuffle-seal")
+    pending: list[Future[Future[None]]] = []  # runs being written, newest last: each gives its sealing
+    sealing: list[Future[None]] = []
     failed = True
     try:
         next_read = reads.submit(_read, reader, plan, chunks[0], read_buffers[0])
@@ -75,12 +87,15 @@ def scatter(
             if i + 1 < len(chunks):
                 next_read = reads.submit(_read, reader, plan, chunks[i + 1], read_buffers[(i + 1) % 2])
             if len(pending) >= 2:
-                pending.pop(0).result()  # the run buffer we are about to fill is written
+                sealing.append(pending.pop(0).result())  # the run buffer we are about to fill is written
+            while sealing and sealing[0].done():
+                sealing.pop(0).result()  # a run that failed to seal stops the pass
             buffer = run_buffers[i % 2]
             record = _gather(plan, reader, data, buffer)
-            pending.append(writes.submit(_write, plan, record, buffer, durable, on_rows, after_run))
-        for fut in pending:
-            fut.result()
+            pending.append(writes.submit(_write, plan, record, buffer, durable, seals, on_rows, after_run))
+        sealing += [fut.result() for fut in pending]
+        for seal in sealing:
+            seal.result()
         failed = False
     finally:
         for fut in pending:  # never unmap a buffer a write is still using
@@ -90,9 +105,9 @@ def scatter(
         # waited for (its buffer stays referenced by the thread; the command ends anyway).
         reads.shutdown(wait=not failed, cancel_futures=True)
         writes.shutdown(wait=True, cancel_futures=True)
-        for mm in run_buffers:
-            with contextlib.suppress(BufferError):  # a view still held by a traceback: freed with it
-                mm.close()
+        seals.shutdown(wait=True)  # every written run is sealed or removed: its descriptor closed
+        if own:
+            carved.close()
 
 
 def _read(reader: SourceReader, plan: ShufflePlan, chunk: int, buffer: npt.NDArray[np.uint8]) -> _Chunk:
@@ -246,10 +261,12 @@ def _write(
     record: RunRecord,
     buffer: Any,
     durable: bool,
+    seals: ThreadPoolExecutor,
     on_rows: Callable[[int], None],
     after_run: Callable[[int], None],
-) -> None:
-    """Hash each piece (its regions' bytes, padding excluded), write the run, then seal it with its record."""
+) -> Future[None]:
+    """Hash each piece (its regions' bytes, padding excluded) and write the run; return its
+    sealing (`_seal`), started in ``seals``, so that the buffer is free while the run is fsynced."""
     offsets = plan.layout.piece_offsets(record.counts)
     view = memoryview(buffer)
     try:
@@ -260,9 +277,35 @@ def _write(
                 start = int(offsets[k]) + offset
                 h.update(view[start : start + nbytes])
             digests.append(h.hexdigest())
-        write_run(plan.work / run_file(record.chunk), view[: record.nbytes], durable)
+        path = plan.work / run_file(record.chunk)
+        fd = write_run_data(path, view[: record.nbytes])
     finally:
         view.release()
-    write_record(plan.work, dataclasses.replace(record, digests=tuple(digests)), durable)
+    record = dataclasses.replace(record, digests=tuple(digests))
+    return seals.submit(_seal, plan, record, fd, durable, on_rows, after_run)
+
+
+def _seal(
+    plan: ShufflePlan,
+    record: RunRecord,
+    fd: int,
+    durable: bool,
+    on_rows: Callable[[int], None],
+    after_run: Callable[[int], None],
+) -> None:
+    """Make the run written through ``fd`` durable, then seal it with its record.
+
+    An fsync waits for the disk's cache (tens of milliseconds per run here): done here, in a
+    thread of its own, it overlaps the next run's writes instead of holding them up. A run
+    whose fsync or record fails is removed: every run left in the folder is sealed. After
+    an error elsewhere the runs already written are still sealed (or removed), in order."""
+    path = plan.work / run_file(record.chunk)
+    sync_run(path, fd, record.nbytes, durable)
+    try:
+        write_record(plan.work, record, durable)
+    except BaseException:  # a run without its record would only hold space (a full disk, often)
+        with contextlib.suppress(OSError):
+            os.unlink(path)
+        raise
     on_rows(sum(record.counts))
     after_run(record.chunk)

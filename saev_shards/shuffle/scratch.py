@@ -9,10 +9,13 @@ published) holds:
   piece ``1``... Piece ``k`` holds the chunk's tokens of bucket ``k`` in source order, one
   region per field (activations, then sort key, source example, source token, label,
   per-token columns), each region padded to `REGION_ALIGN` bytes. Written front to back in
-  large O_DIRECT requests, then fsynced.
+  large O_DIRECT requests, then fsynced (while the next run is written).
 * ``run<06d>.json``: its record, written (atomically) only after the run is complete and
   durable: the chunk's examples, rows per piece and each piece's xxh3_128. A run without a
   record is redone; a piece whose digest differs when it is read back is an error.
+
+`Buffers`: the memory the runs pass through, one mapping both passes of a process carve
+their large buffers from.
 """
 
 from __future__ import annotations
@@ -20,6 +23,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import math
+import mmap
 import os
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -31,6 +35,7 @@ import numpy.typing as npt
 
 from ..fileio import (
     DIRECT_ALIGN,
+    aligned_buffer,
     naming_disk_full,
     open_direct,
     pwrite_direct,
@@ -164,17 +169,34 @@ def write_record(work: Path, record: RunRecord, durable: bool) -> None:
     )
 
 
-def write_run(path: Path, data: memoryview, durable: bool) -> None:
+def write_run_data(path: Path, data: memoryview) -> int:
     """Write ``data`` (page-aligned) to ``path``: whole 4 KiB blocks with O_DIRECT where the
     filesystem allows it (the disk's sequential rate, no page-cache pollution), `DIRECT_IN_FLIGHT`
     requests at a time (`fileio.pwrite_direct`: a request O_DIRECT refuses, and the tail, go
-    through the page cache); fsync when ``durable``.
+    through the page cache). Returns the file's descriptor, still open: `sync_run` makes it
+    durable and closes it (an fsync through the descriptor that wrote sees every write error).
 
     A full disk raises `DiskFullError` naming ``path``; on any error the unfinished run
     file is removed (it has no record, so it would only hold space)."""
     try:
         with naming_disk_full(path, data.nbytes, RUN_DISK_FULL_NOTE):
-            _write_run(path, data, durable)
+            return _write_run(path, data)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(path)
+        raise
+
+
+def sync_run(path: Path, fd: int, nbytes: int, durable: bool) -> None:
+    """fsync (when ``durable``) and close ``fd``, the run at ``path`` of ``nbytes`` as `write_run_data`
+    left it; on any error the run file is removed."""
+    try:
+        with naming_disk_full(path, nbytes, RUN_DISK_FULL_NOTE):
+            try:
+                if durable:
+                    os.fsync(fd)
+            finally:
+                os.close(fd)
     except BaseException:
         with contextlib.suppress(OSError):
             os.unlink(path)
@@ -188,16 +210,59 @@ RUN_DISK_FULL_NOTE = (
 )
 
 
-def _write_run(path: Path, data: memoryview, durable: bool) -> None:
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
-    direct_fd = open_direct(path) if data.nbytes >= DIRECT_ALIGN else None
+def _write_run(path: Path, data: memoryview) -> int:
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o644)
+    direct_fd = None
     try:
+        direct_fd = open_direct(path) if data.nbytes >= DIRECT_ALIGN else None
         offsets = range(0, data.nbytes, DIRECT_WRITE)
         with ThreadPoolExecutor(DIRECT_IN_FLIGHT, "saev-shuffle-run") as pool:
             list(pool.map(lambda off: pwrite_direct(direct_fd, fd, data[off : off + DIRECT_WRITE], off), offsets))
-        if durable:
-            os.fsync(fd)
+    except BaseException:
+        os.close(fd)
+        raise
     finally:
-        for f in (direct_fd, fd):
-            if f is not None:
-                os.close(f)
+        if direct_fd is not None:
+            os.close(direct_fd)
+    return fd
+
+
+class Buffers:
+    """The large buffers of one process's shuffle, carved from one mapping that both passes reuse.
+
+    Fresh memory is faulted in page by page, each zeroed by the kernel first: a pass that
+    allocated its own buffers (a quarter-gigabyte under a 256 MiB budget) paid for that
+    again after the scatter pass had freed as much, and several times more than the
+    zeroing itself in a virtual machine whose host backs freed guest memory lazily. The
+    write pass carves its buckets and batches from the mapping the scatter pass carved its
+    read and run buffers from (a larger one replaces it when it needs more).
+    """
+
+    def __init__(self) -> None:
+        self._mm: mmap.mmap | None = None
+
+    def carve(self, sizes: Sequence[int]) -> list[memoryview]:
+        """One view of ``sizes[i]`` bytes each, page-aligned (O_DIRECT), none overlapping; views
+        from an earlier call must no longer be in use."""
+        starts = []
+        total = 0
+        for n in sizes:
+            starts.append(total)
+            total += -(-int(n) // DIRECT_ALIGN) * DIRECT_ALIGN
+        if self._mm is None or len(self._mm) < total:
+            self.close()
+            self._mm = aligned_buffer(total)
+        elif len(self._mm) > total and hasattr(mmap, "MADV_DONTNEED"):
+            # What this call does not use is given back (the budget counts each pass alone).
+            with contextlib.suppress(OSError):
+                self._mm.madvise(mmap.MADV_DONTNEED, total, len(self._mm) - total)
+        whole = memoryview(self._mm)
+        return [whole[a : a + int(n)] for a, n in zip(starts, sizes, strict=True)]
+
+    def close(self) -> None:
+        """Unmap the buffers (left to the garbage collector while a view is still held, e.g. by
+        a read abandoned after an error)."""
+        mm, self._mm = self._mm, None
+        if mm is not None:
+            with contextlib.suppress(BufferError):
+                mm.close()

@@ -20,6 +20,7 @@ from ..reader import Shards
 from ..selection import TOKEN_CHOICES, Selection
 
 __all__ = [
+    "MIN_HINTED_SLICE",
     "MIN_SLICE_READ",
     "READ_THREADS",
     "SCAN_EXAMPLES",
@@ -29,9 +30,15 @@ __all__ = [
     "per_token_columns",
 ]
 
-#: Bytes of one (example, layer) slice from which chosen layers are read slice by slice
-#: rather than as whole examples (the loaders' rule: smaller slices cost a request each).
+#: Bytes of one (example, layer) slice from which a proper subset of the layers is read slice
+#: by slice rather than as whole examples, on any storage (the loaders' `plan.MIN_SLICE_READ`).
 MIN_SLICE_READ = 128 << 10
+#: The same on a local cache, where the slices are hinted before they are read
+#: (`Shards.prefetch_slices`, POSIX_FADV_WILLNEED): the disk then reads only the chosen layers'
+#: bytes, all of a part's slices in flight at once (the loaders' `windows.MIN_HINTED_SLICE`).
+#: Smaller slices cost more in requests than reading whole examples does; a remote cache
+#: fetches its blocks whole anyway.
+MIN_HINTED_SLICE = 16 << 10
 #: Requests in flight when the shuffle reads the source and its runs (the loaders' default):
 #: the development machine's disk serves 1.3-1.5 x more than with one at a time.
 READ_THREADS = 4
@@ -64,9 +71,24 @@ class SourceReader:
         self.d_model = md.d_model
         self.dtype = shards.numpy_dtype
         slice_nbytes = md.tokens_per_ex * md.d_model * md.itemsize
-        #: Whole examples are read when every layer is chosen or slices are small.
-        self.whole = self.n_layers == md.n_layers or slice_nbytes < MIN_SLICE_READ
+        local = not shards.files.prefetches
+        #: Whole examples are read when every layer is chosen or slices are small, else the
+        #: chosen layers' slices alone (`MIN_SLICE_READ`, `MIN_HINTED_SLICE`).
+        self.whole = self.n_layers == md.n_layers or (
+            slice_nbytes < MIN_SLICE_READ and not (local and slice_nbytes >= MIN_HINTED_SLICE)
+        )
+        #: Whether a part's slices are hinted to the storage before they are read.
+        self.hint = not self.whole and local
         self.layer_positions = np.array(selection.layer_positions, dtype=np.int64)
+        #: ``(first row, first position, count)`` of each run of chosen layers that are neighbours
+        #: both in the files and in a read buffer: one ``pread`` per run and example.
+        self.slice_runs: list[tuple[int, int, int]] = []
+        for row, position in enumerate(self.layer_positions.tolist()):
+            last = self.slice_runs[-1] if self.slice_runs else None
+            if last is not None and last[0] + last[2] == row and last[1] + last[2] == position:
+                self.slice_runs[-1] = (last[0], last[1], last[2] + 1)
+            else:
+                self.slice_runs.append((row, position, 1))
         #: Bytes of one example as held in a read buffer.
         self.example_nbytes = (md.n_layers if self.whole else self.n_layers) * slice_nbytes
         #: A float8_e4m3 source: bytes of one example's scales as read beside it (else 0).
@@ -95,20 +117,25 @@ class SourceReader:
         return out
 
     def _read_slices(self, start: int, stop: int, out: npt.NDArray[Any]) -> None:
-        """One ``pread`` per chosen ``(example, layer)`` slice, through descriptors of our own
-        (`Shards.read_example` keeps its last output buffer referenced, which would pin a
-        whole read buffer beyond the scatter pass)."""
+        """The chosen ``(example, layer)`` slices of examples ``[start, stop)``, hinted first on a
+        local cache (`hint`), then one ``pread`` per run of neighbouring chosen layers
+        (`slice_runs`) and example, through descriptors of our own (`Shards.read_example`
+        keeps its last output buffer referenced, which would pin a whole read buffer beyond
+        the scatter pass)."""
+        if self.hint:
+            self.shards.prefetch_slices(start, stop, self.layer_positions.tolist())
         layers = self.shards.metadata.layers
         files = self.shards.files  # local descriptors, or a remote cache's verified reads
         fds: dict[int, int] = {}
         try:
             for j in range(stop - start):
-                for r, position in enumerate(self.layer_positions.tolist()):
+                for row, position, count in self.slice_runs:
                     shard, offset = self.shards.locate(start + j, layers[position], 0)
                     fd = fds.get(shard)
                     if fd is None:
                         fd = fds[shard] = files.open(self.shards.manifest.shards[shard].name)
-                    pread_exact(fd, out[j, r].reshape(-1).view(np.uint8).data, offset, files.preadv)
+                    view = out[j, row : row + count].reshape(-1).view(np.uint8).data
+                    pread_exact(fd, view, offset, files.preadv)
         finally:
             for fd in fds.values():
                 files.close(fd)

@@ -2,7 +2,8 @@
 
 Bucket ``k`` is piece ``k`` of every run, read in run order (one ``preadv`` per piece that
 scatters its regions straight into the bucket's field arrays, checked against the piece's
-digest), so its rows are in source order; a stable sort by key gives the global order
+digest; the runs without readahead, each piece's pages dropped once read: `RunFiles`), so
+its rows are in source order; a stable sort by key gives the global order
 (`order`). Rows are gathered in that order into batches of ``plan.batch_rows`` and a
 writer thread appends them. One thread loads the next bucket meanwhile.
 
@@ -12,12 +13,15 @@ buckets before it are skipped, the bucket holding it is sorted again and cut.
 
 from __future__ import annotations
 
+import contextlib
+import math
+import mmap
 import os
 import queue
 import sys
 import threading
-from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
+from collections.abc import Callable, Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
 import numpy as np
@@ -28,8 +32,11 @@ from ..errors import ShuffleError
 from ..fileio import BlockHasher
 from ..writer import ShardWriter
 from .plan import SOURCE_EXAMPLE, SOURCE_TOKEN, WRITE_QUEUE, ShufflePlan
-from .scratch import REGION_ALIGN, RunRecord, load_record, run_file
+from .scratch import REGION_ALIGN, Buffers, RunRecord, load_record, run_file
 from .source import READ_THREADS
+
+#: The page size: the unit of the page cache a dropped range is rounded to.
+PAGE = mmap.PAGESIZE
 
 
 class RunIndex:
@@ -61,8 +68,12 @@ def write_buckets(
     writer: ShardWriter,
     on_rows: Callable[[int], None],
     after_bucket: Callable[[int], None],
+    buffers: Buffers | None = None,
 ) -> None:
-    """Append output rows ``[writer.next_example, writer.stop)`` to ``writer`` (opened with ``background=False``)."""
+    """Append output rows ``[writer.next_example, writer.stop)`` to ``writer`` (opened with ``background=False``).
+
+    ``buffers``: where the buckets and batches are carved from (the scatter pass's, reused);
+    None: a mapping of this call's own."""
     start, stop = writer.next_example, writer.stop
     if start >= stop:
         return
@@ -70,17 +81,26 @@ def write_buckets(
     first = index.bucket_first
     buckets = range(int(np.searchsorted(first, start, side="right")) - 1, int(np.searchsorted(first, stop)))
     most = max(index.rows(k) for k in buckets)
-    sets = [_BucketArrays(plan, most) for _ in range(2)]
+    own = buffers is None
+    carved = Buffers() if buffers is None else buffers
+    fields = plan.layout.fields
+    sizes = [most * f.row_nbytes for _ in range(2) for f in fields]
+    sizes += [plan.batch_rows * f.row_nbytes for _ in range(WRITE_QUEUE + 2) for f in fields]
+    views = iter(carved.carve(sizes))
+    sets = [_BucketArrays(plan, most, views) for _ in range(2)]
+    batches = [_arrays(plan, plan.batch_rows, views) for _ in range(WRITE_QUEUE + 2)]
+    runs = RunFiles(plan)
     loads = ThreadPoolExecutor(1, "saev-shuffle-load")
-    sink = _WriterThread(plan, writer)
+    sink = _WriterThread(plan, writer, batches)
     written: list[tuple[int, int]] = []  # (batches put up to the end of a bucket, bucket) not yet reported
     failed = True
+    loading: Future[_BucketArrays] | None = None
     try:
-        loading = loads.submit(_load, plan, index, buckets[0], sets[0])
+        loading = loads.submit(_load, plan, index, runs, buckets[0], sets[0])
         for i, k in enumerate(buckets):
             arrays = loading.result()
             if i + 1 < len(buckets):
-                loading = loads.submit(_load, plan, index, buckets[i + 1], sets[(i + 1) % 2])
+                loading = loads.submit(_load, plan, index, runs, buckets[i + 1], sets[(i + 1) % 2])
             n = index.rows(k)
             order = np.argsort(arrays["key"][:n], kind="stable")  # ties keep source order
             lo = max(0, start - int(first[k]))
@@ -98,6 +118,13 @@ def write_buckets(
     finally:
         sink.stop()
         loads.shutdown(wait=not failed, cancel_futures=True)  # a blocked read is not waited for after an error
+        if loading is None:
+            runs.close()
+        else:  # after an error a load may still be reading: the descriptors are closed once it ends
+            loading.add_done_callback(lambda _: runs.close())
+        del sets, batches, views
+        if own:
+            carved.close()
 
 
 def _fire(pending: list[tuple[int, int]], sink: _WriterThread, after_bucket: Callable[[int], None]) -> None:
@@ -107,25 +134,73 @@ def _fire(pending: list[tuple[int, int]], sink: _WriterThread, after_bucket: Cal
 
 
 class _BucketArrays(dict[str, npt.NDArray[Any]]):
-    """One array per run field, sized for the largest bucket."""
+    """One array per run field, sized for the largest bucket, on the next of ``views``."""
 
-    def __init__(self, plan: ShufflePlan, rows: int) -> None:
-        super().__init__()
-        for field in plan.layout.fields:
-            self[field.name] = np.empty((rows, *field.shape), field.dtype)
+    def __init__(self, plan: ShufflePlan, rows: int, views: Iterator[memoryview]) -> None:
+        super().__init__(_arrays(plan, rows, views))
 
 
-def _load(plan: ShufflePlan, index: RunIndex, bucket: int, arrays: _BucketArrays) -> _BucketArrays:
+def _arrays(plan: ShufflePlan, rows: int, views: Iterator[memoryview]) -> dict[str, npt.NDArray[Any]]:
+    """One array of ``rows`` rows per run field, each on the next of ``views`` (as many bytes)."""
+    return {
+        f.name: np.frombuffer(next(views), f.dtype, count=rows * math.prod(f.shape)).reshape(rows, *f.shape)
+        for f in plan.layout.fields
+    }
+
+
+class RunFiles:
+    """The run files, each opened once for the whole write pass and read piece by piece.
+
+    Each run is read in `n_buckets` requests far apart in time (one per bucket), so the
+    kernel's readahead (up to the disk's ``read_ahead_kb``, 8 MiB on the development machine)
+    only reads bytes of the next pieces that are evicted again before their bucket comes
+    when the page cache is small (a memory limit): 1.3-1.7 x the runs' bytes were read from disk.
+    The descriptors are opened with POSIX_FADV_RANDOM (no readahead), and the pages of a
+    piece are dropped once it is read (POSIX_FADV_DONTNEED: they are never read again), so
+    the page cache holds no scratch for the kernel to reclaim under memory pressure.
+    """
+
+    def __init__(self, plan: ShufflePlan) -> None:
+        self.plan = plan
+        self.fds: dict[int, int] = {}
+        self.lock = threading.Lock()
+
+    def fd(self, chunk: int) -> int:
+        with self.lock:
+            fd = self.fds.get(chunk)
+            if fd is None:
+                fd = self.fds[chunk] = os.open(self.plan.work / run_file(chunk), os.O_RDONLY | os.O_CLOEXEC)
+                _advise(fd, 0, 0, "POSIX_FADV_RANDOM")
+            return fd
+
+    def close(self) -> None:
+        with self.lock:
+            for fd in self.fds.values():
+                os.close(fd)
+            self.fds.clear()
+
+
+def _advise(fd: int, offset: int, length: int, name: str) -> None:
+    """``posix_fadvise`` where the system has it (a hint: any refusal is ignored)."""
+    advice = getattr(os, name, None)
+    if advice is not None and length >= 0:
+        with contextlib.suppress(OSError):
+            os.posix_fadvise(fd, offset, length, advice)
+
+
+def _load(plan: ShufflePlan, index: RunIndex, runs: RunFiles, bucket: int, arrays: _BucketArrays) -> _BucketArrays:
     """Read bucket ``bucket`` (piece ``bucket`` of every run, in run order) into ``arrays``,
     `READ_THREADS` pieces at a time."""
     rows = np.concatenate([[0], np.cumsum(index.counts[:, bucket])]).tolist()
     pieces = [(c, rows[c]) for c in range(len(index.records)) if index.counts[c, bucket]]
     with ThreadPoolExecutor(READ_THREADS, "saev-shuffle-piece") as pool:
-        list(pool.map(lambda piece: _load_piece(plan, index, bucket, arrays, *piece), pieces))
+        list(pool.map(lambda piece: _load_piece(plan, index, runs, bucket, arrays, *piece), pieces))
     return arrays
 
 
-def _load_piece(plan: ShufflePlan, index: RunIndex, bucket: int, arrays: _BucketArrays, c: int, row: int) -> None:
+def _load_piece(
+    plan: ShufflePlan, index: RunIndex, runs: RunFiles, bucket: int, arrays: _BucketArrays, c: int, row: int
+) -> None:
     """Piece ``bucket`` of run ``c`` into ``arrays`` from row ``row``, checked against its digest."""
     record = index.records[c]
     pad = bytearray(REGION_ALIGN)
@@ -136,11 +211,12 @@ def _load_piece(plan: ShufflePlan, index: RunIndex, bucket: int, arrays: _Bucket
         if nbytes % REGION_ALIGN:
             views.append(memoryview(pad)[: REGION_ALIGN - nbytes % REGION_ALIGN])
     path = plan.work / run_file(c)
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        _preadv_exact(fd, views, int(index.offsets[c][bucket]), path)
-    finally:
-        os.close(fd)
+    fd = runs.fd(c)
+    start, stop = int(index.offsets[c][bucket]), int(index.offsets[c][bucket + 1])
+    _preadv_exact(fd, views, start, path)
+    # Its pages, but for a last one it shares with the next piece (read with the next bucket).
+    first = start - start % PAGE
+    _advise(fd, first, stop - stop % PAGE - first, "POSIX_FADV_DONTNEED")
     h = BlockHasher()
     for field, _, _ in plan.layout.regions(n):
         h.update(arrays[field.name][row : row + n].reshape(-1).view(np.uint8).data)
@@ -181,13 +257,13 @@ class _WriterThread:
     ``WRITE_QUEUE`` batches wait while one is written; their buffers are recycled.
     """
 
-    def __init__(self, plan: ShufflePlan, writer: ShardWriter) -> None:
+    def __init__(self, plan: ShufflePlan, writer: ShardWriter, batches: list[dict[str, npt.NDArray[Any]]]) -> None:
         self.plan = plan
         self.writer = writer
         self.batch_rows = plan.batch_rows
         self.free: queue.Queue[dict[str, npt.NDArray[Any]]] = queue.Queue()
-        for _ in range(WRITE_QUEUE + 2):
-            self.free.put({f.name: np.empty((self.batch_rows, *f.shape), f.dtype) for f in plan.layout.fields})
+        for batch in batches:  # WRITE_QUEUE + 2 of `batch_rows` rows
+            self.free.put(batch)
         self.todo: queue.Queue[tuple[dict[str, npt.NDArray[Any]], int] | None] = queue.Queue(WRITE_QUEUE)
         self.error: BaseException | None = None
         self.idle = threading.Condition()

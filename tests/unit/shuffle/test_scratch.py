@@ -1,5 +1,5 @@
 """shuffle.scratch: the layout of a run's pieces, and a run's record kept only while its run
-file matches it."""
+file matches it; the buffers both passes carve from."""
 
 from __future__ import annotations
 
@@ -48,3 +48,27 @@ def test_a_record_is_kept_only_while_its_run_file_matches(tmp_path: Path) -> Non
     (tmp_path / scratch.run_record_file(2)).write_bytes(b"{not json")
     assert scratch.load_record(tmp_path, 2, 3, LAYOUT) is None
     assert (scratch.run_file(2), scratch.run_record_file(2)) == ("run000002.bin", "run000002.json")
+
+
+def test_buffers_are_carved_page_aligned_and_reused_by_the_next_pass() -> None:
+    buffers = scratch.Buffers()
+    try:
+        first = buffers.carve([10, 5000, 4096])
+        addresses = [np.frombuffer(v, np.uint8).ctypes.data for v in first]
+        assert [v.nbytes for v in first] == [10, 5000, 4096]
+        assert all(a % 4096 == 0 for a in addresses) and addresses[1] - addresses[0] == 4096
+        assert addresses[2] - addresses[1] == 8192  # none overlapping
+        for i, v in enumerate(first):
+            np.frombuffer(v, np.uint8)[:] = i + 1
+        del v
+        base = addresses[0]
+        del first
+        second = buffers.carve([8192])  # fits: the same pages, the rest given back
+        assert np.frombuffer(second[0], np.uint8).ctypes.data == base
+        del second
+        third = buffers.carve([1 << 20])  # more than the mapping holds: a new one
+        assert np.frombuffer(third[0], np.uint8).nbytes == 1 << 20
+        np.frombuffer(third[0], np.uint8)[:] = 7
+        del third
+    finally:
+        buffers.close()
