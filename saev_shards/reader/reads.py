@@ -8,11 +8,13 @@ scale files (offset arithmetic of protocol.md 4: the scale of the vector at
 values in the caller's dtype: dequantized for float8_e4m3 (float16 by default,
 `Shards.read_dtype`), the stored values otherwise unless another dtype is asked for.
 
-`read_example_raw` is the loaders' hot path (one ``preadv`` per ``(example, layer)`` slice
-into a reused buffer; keep its common case free of calls; `prefetch_slices` hints a span's
-slices to the storage before a layer selection reads them), `read_range_raw` streams whole
-examples (one sequential ``pread`` per shard touched), `read_vectors_raw` gathers single
-vectors in file order, coalescing neighbours into one ``preadv``.
+`read_slices_raw` is the loaders' cold path for a layer selection (a span's chosen
+``(example, layer)`` slices into a window buffer: checked once, then one ``preadv`` per example
+for each run of neighbouring layers; `prefetch_slices` hints them to the storage first),
+`read_example_raw` reads one slice (one ``preadv`` into a reused buffer; keep its common case
+free of calls), `read_range_raw` streams whole examples (one sequential ``pread`` per shard
+touched), `read_vectors_raw` gathers single vectors in file order, coalescing neighbours into
+one ``preadv``.
 """
 
 from __future__ import annotations
@@ -148,7 +150,8 @@ class RawReads(ShardHandles):
         if out.ndim != 2 + len(slice_shape) or out.shape[0] != stop - start or out.shape[2:] != slice_shape:
             raise ValueError(f"out must have shape {(stop - start, 'R', *slice_shape)}, found {out.shape}")
         if out.dtype != dtype or not out.flags.c_contiguous:
-            raise ValueError(f"out must be a C-contiguous {dtype} array, found {out.dtype}")
+            layout_ = "" if out.flags.c_contiguous else " non-contiguous"
+            raise ValueError(f"out must be a C-contiguous {dtype} array, found a{layout_} {out.dtype} array")
         n_rows = out.shape[1]
         if rows is not None:
             if len(rows) != len(positions):
@@ -554,7 +557,9 @@ class ReadPaths(ScaleReads):
         return check_read_dtype(self.dtype, dtype)
 
 
-def _finish(fd: int, parts: list[memoryview], offset: int, got: int, preadv: Callable[[int, list[memoryview], int], int]) -> None:
+def _finish(
+    fd: int, parts: list[memoryview], offset: int, got: int, preadv: Callable[[int, list[memoryview], int], int]
+) -> None:
     """Finish a ``preadv`` of ``parts`` from ``offset`` that read ``got`` bytes short of them
     all (`pread_exact` each rest: `FileSizeError` where the file ends first)."""
     for part in parts:
