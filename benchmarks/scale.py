@@ -311,7 +311,8 @@ def child_loader(path: str, order: str, layers: int | None, before: bool, window
 def child_slices(path: str, layer: int, threads: int) -> dict[str, float]:
     """The loader's cold read path for one layer alone, no gather: its 4 MiB spans in a random
     order, ``threads`` threads each taking the next span, hinting its slices
-    (`Shards.prefetch_slices`) and reading them one by one, as `WindowLoader` does."""
+    (`Shards.prefetch_slices`) and reading them into a span's buffer (`Shards.read_slices_raw`),
+    as `WindowLoader` does."""
     import itertools
     import threading
 
@@ -330,12 +331,12 @@ def child_slices(path: str, layer: int, threads: int) -> dict[str, float]:
     taken = itertools.count()
 
     def work() -> None:
-        out = np.empty((md.tokens_per_ex, md.d_model), shards.numpy_dtype)
+        out = np.empty((per_span, rows, md.tokens_per_ex, md.d_model), shards.numpy_dtype)
+        row = position if rows > 1 else 0  # the chosen layer's row in the span's buffer
         while (i := next(taken)) < len(order):
             a, b = spans[order[i]]
             shards.prefetch_slices(a, b, [position])
-            for e in range(a, b):
-                shards.read_example_raw(e, position, out)
+            shards.read_slices_raw(a, b, [position], out[: b - a], [row])
 
     start, cpu = time.perf_counter(), time.process_time()
     workers = [threading.Thread(target=work) for _ in range(threads)]
