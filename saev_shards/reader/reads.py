@@ -172,8 +172,8 @@ class RawReads(ShardHandles):
         slice_nbytes: int,
         fd_of: Callable[[int], int],
     ) -> None:
-        """The slices of `read_slices_raw` (or of their scales: ``slice_nbytes`` each, in the
-        files ``fd_of(k)``) into ``out``, checked already. Each run of neighbouring positions is
+        """The slices of `read_slices_raw` (``slice_nbytes`` each, in the files ``fd_of(k)``) into
+        ``out``, checked already. Each run of neighbouring positions is
         one ``preadv`` per example, its rows in ``out`` (neighbours merged) its buffers."""
         n_layers, n_rows, eps = self.shape[1], out.shape[1], self.examples_per_shard
         chosen = range(len(positions)) if rows is None else rows
@@ -373,19 +373,27 @@ class ScaleReads(RawReads):
     ) -> npt.NDArray[np.float32]:
         """Copy the float32 scales of the slices of `read_slices_raw` into ``out`` ``(stop - start,
         R, T)`` (position ``positions[j]`` of example ``start + e`` into ``out[e, rows[j]]``), then
-        check those it read (`check_scales`)."""
+        check those (`check_scales`).
+
+        The span's scales are read whole, every layer's (one ``pread`` per shard touched; they
+        are 4 bytes a vector, and the loaders hint them whole, `prefetch`), and the chosen ones
+        copied into their rows: a read per slice cost more in calls than those few bytes. So a
+        scale file cut short anywhere in the span's examples is a `FileSizeError`.
+        """
         if self.metadata.dtype != FLOAT8:
             raise ValueError(f"{self.path}: a {self.metadata.dtype} cache has no scales (float8_e4m3 caches have)")
-        tokens = self.shape[2]
+        n_layers, tokens = self.shape[1], self.shape[2]
         self._check_slices(start, stop, positions, out, rows, np.dtype(SCALES_DTYPE), (tokens,))
-        self._read_slices_into(start, stop, positions, rows, out, tokens * SCALES_DTYPE.itemsize, self.scale_fd)
-        chosen_rows = list(range(len(positions))) if rows is None else [int(r) for r in rows]
-        read = out if chosen_rows == list(range(out.shape[1])) else out[:, chosen_rows]  # the scales read
+        chosen = [int(p) for p in positions]
+        whole = np.empty((stop - start, n_layers, tokens), SCALES_DTYPE)
+        self._read_examples_into(start, stop, whole, n_layers * tokens * SCALES_DTYPE.itemsize, self.scale_fd)
+        read = whole[:, chosen]  # the chosen scales, in the order of positions
+        out[:, list(range(len(chosen))) if rows is None else [int(r) for r in rows]] = read
         if not scales_plain(read):
-            n_layers, chosen = self.shape[1], np.asarray(list(positions), np.int64)
+            numbers = np.asarray(chosen, np.int64)
             self.check_scales(
                 read,
-                lambda: ((np.arange(start, stop)[:, None, None] * n_layers + chosen[None, :, None]) * tokens
+                lambda: ((np.arange(start, stop)[:, None, None] * n_layers + numbers[None, :, None]) * tokens
                          + np.arange(tokens)[None, None, :]),
             )  # fmt: skip
         return out
