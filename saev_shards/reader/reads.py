@@ -180,7 +180,7 @@ class RawReads(ShardHandles):
         # (first position, [(first row, rows)]) of each run of neighbouring positions, in file order.
         runs: list[tuple[int, int, list[tuple[int, int]]]] = []
         for p, r in sorted(zip((int(p) for p in positions), (int(r) for r in chosen), strict=True)):
-            if runs and runs[-1][0] + runs[-1][1] == p:
+            if runs and runs[-1][0] + runs[-1][1] == p and len(runs[-1][2]) < _IOV_MAX:
                 first, n, segments = runs[-1]
                 runs[-1] = (first, n + 1, segments)
                 if segments[-1][0] + segments[-1][1] == r:
