@@ -173,8 +173,8 @@ class RawReads(ShardHandles):
         fd_of: Callable[[int], int],
     ) -> None:
         """The slices of `read_slices_raw` (``slice_nbytes`` each, in the files ``fd_of(k)``) into
-        ``out``, checked already. Each run of neighbouring positions is
-        one ``preadv`` per example, its rows in ``out`` (neighbours merged) its buffers."""
+        ``out``, checked already. Each run of neighbouring positions is one ``preadv`` per example,
+        its rows in ``out`` (neighbours merged) its buffers."""
         n_layers, n_rows, eps = self.shape[1], out.shape[1], self.examples_per_shard
         chosen = range(len(positions)) if rows is None else rows
         # (first position, [(first row, rows)]) of each run of neighbouring positions, in file order.
