@@ -9,12 +9,12 @@ The span's slices are one call to the reader (`Shards.read_slices_raw`, and
 `read_slices_scales` for float8_e4m3: arguments checked once, nothing but ``preadv`` in the
 loop); where one of those raises (`FileSizeError`, `ScaleError`), the span is read again slice
 by slice, so the error is the first slice at fault's, its values before its scales, as it
-always was. Layers are interleaved within each example, so one layer of several is a strided walk that the kernel's readahead does not
-follow: without the hint each read thread waited for one slice at a time, and with whole
-examples read instead (what slices under `plan.MIN_SLICE_READ` used to get) the disk read
-every layer to deliver one. Slices under `MIN_HINTED_SLICE`, and remote caches (whose blocks
-are fetched whole anyway), still read whole examples; the span plan, the buffers' layout and
-so every batch are the same either way.
+always was. Layers are interleaved within each example, so one layer of several is a strided
+walk that the kernel's readahead does not follow: without the hint each read thread waited for
+one slice at a time, and with whole examples read instead (what slices under
+`plan.MIN_SLICE_READ` used to get) the disk read every layer to deliver one. Slices under
+`MIN_HINTED_SLICE`, and remote caches (whose blocks are fetched whole anyway), still read whole
+examples; the span plan, the buffers' layout and so every batch are the same either way.
 """
 
 from __future__ import annotations
