@@ -279,9 +279,16 @@ def child_loader(path: str, order: str, layers: int | None, before: bool, window
     as before `WindowLoader.slice_reads` (whole examples under 128 KiB slices, else slices
     without hints)."""
     from saev_shards import loaders
+    from saev_shards.codecs import gather
     from saev_shards.loaders import windows
     from saev_shards.reader.shards import Shards
 
+    # numba's gather kernels loaded before the clocks start, as torch is imported: a process's
+    # one-time cost (importing numba, its cached code, the kernels' check: 0.4-0.6 CPU s here,
+    # and the garbage collector's full pass the import sets off), which a loader takes on a
+    # thread of its own while its first windows use numpy. In an epoch of a second, as here, it
+    # was half the loader's CPU time; in a training run it is nothing.
+    gather.kernels_in_use()
     if before:
         windows.MIN_HINTED_SLICE = 1 << 62
         Shards.prefetch_slices = lambda self, start, stop, positions: None  # type: ignore[method-assign]
@@ -311,7 +318,8 @@ def child_loader(path: str, order: str, layers: int | None, before: bool, window
 def child_slices(path: str, layer: int, threads: int) -> dict[str, float]:
     """The loader's cold read path for one layer alone, no gather: its 4 MiB spans in a random
     order, ``threads`` threads each taking the next span, hinting its slices
-    (`Shards.prefetch_slices`) and reading them one by one, as `WindowLoader` does."""
+    (`Shards.prefetch_slices`) and reading them into a span's buffer (`Shards.read_slices_raw`),
+    as `WindowLoader` does."""
     import itertools
     import threading
 
@@ -330,12 +338,12 @@ def child_slices(path: str, layer: int, threads: int) -> dict[str, float]:
     taken = itertools.count()
 
     def work() -> None:
-        out = np.empty((md.tokens_per_ex, md.d_model), shards.numpy_dtype)
+        out = np.empty((per_span, rows, md.tokens_per_ex, md.d_model), shards.numpy_dtype)
+        row = position if rows > 1 else 0  # the chosen layer's row in the span's buffer
         while (i := next(taken)) < len(order):
             a, b = spans[order[i]]
             shards.prefetch_slices(a, b, [position])
-            for e in range(a, b):
-                shards.read_example_raw(e, position, out)
+            shards.read_slices_raw(a, b, [position], out[: b - a], [row])
 
     start, cpu = time.perf_counter(), time.process_time()
     workers = [threading.Thread(target=work) for _ in range(threads)]
@@ -545,7 +553,8 @@ def bench_cold(caches: list[ss.Shards], sizes: Sizes) -> None:
         f"Each row is a child process under {how} of the largest cache, the cache's pages dropped before it "
         f"(POSIX_FADV_DONTNEED); windows of {window >> 20} MiB, batches of 4096, median of {sizes.rounds} round(s). "
         "GB/s counts the stored bytes delivered in batches over one epoch (layer 11 alone is half of each example), "
-        "from the first batch on; disk bytes / byte is the bytes the process had read from storage "
+        "from the first batch on (numba's gather kernels loaded before the clocks start, as torch is imported: "
+        "a one-time cost of a process); disk bytes / byte is the bytes the process had read from storage "
         "(/proc/self/io, readahead included) per byte delivered. 'read as before' is the read path before the "
         "hinted slice reads: whole examples for slices under 128 KiB, else one slice per read thread at a time. "
         "The slice reads alone are the loaders' read path for layer 11 with nothing else (its spans in a random "

@@ -2,15 +2,19 @@
 page cache) on a pool of threads, and each window's index beside them (`WindowLoader`).
 
 How a span is read (`WindowLoader.slice_reads`): every layer chosen, one ``pread`` of its
-examples; a proper subset of the layers, one ``pread`` per chosen ``(example, layer)`` slice
-after a hint that has the disk read all of the span's slices at once (`Shards.prefetch_slices`),
-so a selection costs the disk the bytes it needs and no more. Layers are interleaved within
-each example, so one layer of several is a strided walk that the kernel's readahead does not
-follow: without the hint each read thread waited for one slice at a time, and with whole
-examples read instead (what slices under `plan.MIN_SLICE_READ` used to get) the disk read
-every layer to deliver one. Slices under `MIN_HINTED_SLICE`, and remote caches (whose blocks
-are fetched whole anyway), still read whole examples; the span plan, the buffers' layout and
-so every batch are the same either way.
+examples; a proper subset of the layers, one ``preadv`` per example for each run of
+neighbouring chosen layers, after a hint that has the disk read all of the span's slices at
+once (`Shards.prefetch_slices`), so a selection costs the disk the bytes it needs and no more.
+The span's slices are one call to the reader (`Shards.read_slices_raw`, and
+`read_slices_scales` for float8_e4m3: arguments checked once, nothing but ``preadv`` in the
+loop); where one of those raises (`FileSizeError`, `ScaleError`), the span is read again slice
+by slice, so the error is the first slice at fault's, its values before its scales, as it
+always was. Layers are interleaved within each example, so one layer of several is a strided
+walk that the kernel's readahead does not follow: without the hint each read thread waited for
+one slice at a time, and with whole examples read instead (what slices under
+`plan.MIN_SLICE_READ` used to get) the disk read every layer to deliver one. Slices under
+`MIN_HINTED_SLICE`, and remote caches (whose blocks are fetched whole anyway), still read whole
+examples; the span plan, the buffers' layout and so every batch are the same either way.
 """
 
 from __future__ import annotations
@@ -25,6 +29,7 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
+from ..errors import FileSizeError, ScaleError
 from .plan import WindowIndex, index_window
 from .pools import Tasks
 from .schedule import Config, Epoch
@@ -86,6 +91,9 @@ class WindowLoader:
         self.slice_reads = subset and (not spans.whole or (local and slice_bytes >= MIN_HINTED_SLICE))
         #: Whether each span's slices are hinted to the storage before they are read.
         self.hint_slices = self.slice_reads and local
+        #: The chosen layers' rows in a span's buffer and their positions in the files.
+        self.slice_rows: list[int] = spans.slots.tolist()
+        self.slice_positions: list[int] = spans.read_positions.tolist()
 
     def slot(self, w: int) -> int:
         return w % len(self.buffers)
@@ -215,16 +223,29 @@ class WindowLoader:
             return
         # The chosen layers only: their rows in the buffer (every layer's row when the plan
         # lays whole examples out, else one per chosen layer) and their positions in the files.
-        pairs = list(zip(spans.slots.tolist(), spans.read_positions.tolist(), strict=True))
+        rows, positions = self.slice_rows, self.slice_positions
         if self.hint_slices:
-            cfg.shards.prefetch_slices(start, stop, spans.read_positions.tolist())
+            cfg.shards.prefetch_slices(start, stop, positions)
+        try:  # the span's slices at once: its arguments checked once, nothing but preadv in the loop
+            cfg.shards.read_slices_raw(start, stop, positions, slices, rows)
+            if scale_slices is not None:
+                cfg.shards.read_slices_scales(start, stop, positions, scale_slices, rows)
+        except (FileSizeError, ScaleError):
+            # Slice by slice, as before: the error of the first slice at fault (its values, then
+            # its scales), whichever of the span's reads raised first above.
+            self._read_slice_by_slice(start, count, slices, scale_slices)
+
+    def _read_slice_by_slice(
+        self, start: int, count: int, slices: npt.NDArray[Any], scale_slices: npt.NDArray[np.float32] | None
+    ) -> None:
+        shards = self.cfg.shards
         for e in range(count):
             if self.stop.is_set():
                 raise CancelledError
-            for row, position in pairs:
-                cfg.shards.read_example_raw(start + e, position, slices[e, row])
+            for row, position in zip(self.slice_rows, self.slice_positions, strict=True):
+                shards.read_example_raw(start + e, position, slices[e, row])
                 if scale_slices is not None:
-                    cfg.shards.read_example_scales(start + e, position, scale_slices[e, row])
+                    shards.read_example_scales(start + e, position, scale_slices[e, row])
 
     def close(self) -> None:
         self.stop.set()

@@ -8,6 +8,8 @@
 * `handles`: per-process memmaps and file descriptors, and pickling;
 * `reads`: the ``pread`` fast paths (`read_example`, `read_range`, `read_vectors`), the
   stored values and a float8_e4m3 cache's scales;
+* `slices`: a span's chosen ``(example, layer)`` slices into a buffer at once (the loaders'
+  cold path for a layer selection);
 * `sidecars`: labels, columns, text fields (`Fields`, `TextColumn`) and statistics,
   including the stats sidecar beside a cache (`find_stats`);
 * `verify`: every file read again and checked (`Shards.verify`);

@@ -8,11 +8,11 @@ scale files (offset arithmetic of protocol.md 4: the scale of the vector at
 values in the caller's dtype: dequantized for float8_e4m3 (float16 by default,
 `Shards.read_dtype`), the stored values otherwise unless another dtype is asked for.
 
-`read_example_raw` is the loaders' hot path (one ``preadv`` per ``(example, layer)`` slice
-into a reused buffer; keep its common case free of calls; `prefetch_slices` hints a span's
-slices to the storage before a layer selection reads them), `read_range_raw` streams whole
-examples (one sequential ``pread`` per shard touched), `read_vectors_raw` gathers single
-vectors in file order, coalescing neighbours into one ``preadv``.
+`read_example_raw` reads one ``(example, layer)`` slice (one ``preadv`` into a reused buffer;
+keep its common case free of calls; a layer selection's loaders read a span's slices at once,
+`slices.SliceReads`, after `prefetch_slices` hints them to the storage), `read_range_raw`
+streams whole examples (one sequential ``pread`` per shard touched), `read_vectors_raw` gathers
+single vectors in file order, coalescing neighbours into one ``preadv``.
 """
 
 from __future__ import annotations

@@ -26,10 +26,11 @@ from ..storage.local import LocalFiles
 from .indexing import CACHE_RANGE, getitem, wrap_index
 from .reads import ReadPaths, check_read_dtype
 from .sidecars import Sidecars
+from .slices import SliceReads
 from .summary import describe, summary_html, summary_rows
 
 
-class Shards(ReadPaths, Sidecars):
+class Shards(ReadPaths, SliceReads, Sidecars):
     """An open cache: the logical tensor ``(n_examples, L, T, D)`` and everything beside it.
 
     Layers are named two ways, and each method says which it takes:
@@ -58,9 +59,10 @@ class Shards(ReadPaths, Sidecars):
     data and no handles, and a forked or unpickled copy opens its own.
 
     The class is a facade: handles and pickling are `handles.ShardHandles`, the ``pread``
-    paths `reads.ReadPaths`, labels, columns, text and statistics `sidecars.Sidecars`,
-    `verify` is `verify.verify`, the repr and the notebook table `summary`, the views
-    `views` and the picture `report`; this module keeps the indexing of the logical tensor.
+    paths `reads.ReadPaths` (a span's slices at once `slices.SliceReads`), labels, columns,
+    text and statistics `sidecars.Sidecars`, `verify` is `verify.verify`, the repr and the
+    notebook table `summary`, the views `views` and the picture `report`; this module keeps
+    the indexing of the logical tensor.
     """
 
     def __init__(

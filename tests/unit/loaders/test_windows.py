@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import os
 import re
+import shutil
 from pathlib import Path
 from typing import Any
 
@@ -16,6 +17,7 @@ import torch
 
 import saev_shards as ss
 from saev_shards import loaders
+from saev_shards.errors import FileSizeError
 from saev_shards.loaders import plan, windows
 from saev_shards.storage import local
 
@@ -189,3 +191,111 @@ def test_every_layer_is_read_whole(root: Path, monkeypatch: pytest.MonkeyPatch) 
         pass
     assert reads.bytes == md.n_examples * md.n_layers * md.tokens_per_ex * md.d_model * 2
     assert not [h for h in reads.hints if h[0].startswith("acts")]
+
+
+@pytest.mark.parametrize("dtype", ["float16", "float8_e4m3"])
+@pytest.mark.parametrize("d_model", [8, 24])
+@pytest.mark.parametrize("laid_out", ["whole examples", "chosen layers"])
+@pytest.mark.parametrize("layers", [11, [6, 2], [11, 2]])
+def test_a_span_read_at_once_gives_the_batches_of_slice_by_slice_reads(
+    root: Path, monkeypatch: pytest.MonkeyPatch, dtype: str, d_model: int, laid_out: str, layers: Any
+) -> None:
+    """Each span's slices in one reader call (`Shards.read_slices_raw`, and `read_slices_scales`
+    for float8_e4m3) give exactly the batches and state of reading them one by one, as the
+    loader did before, whether the buffer lays whole examples out or the chosen layers only,
+    for slices of 80 to 240 bytes (and 40 to 120 of float8_e4m3)."""
+    md = small_metadata(layers=(2, 6, 11), d_model=d_model, dtype=dtype)
+    write_cache(root, md)
+    shards = ss.open(root / md.hash)
+    monkeypatch.setattr(windows, "MIN_HINTED_SLICE", 0)
+    monkeypatch.setattr(plan, "MIN_SLICE_READ", 0 if laid_out == "chosen layers" else WHOLE)
+    chosen = dict(layers=layers, seed=5, mix_layers=True, out_dtype="float32")
+    calls: list[int] = []
+    real = windows.WindowLoader._read_slice_by_slice
+
+    def one_by_one(self: windows.WindowLoader, start: int, count: int, *args: Any) -> None:
+        calls.append(count)
+        real(self, start, count, *args)
+
+    monkeypatch.setattr(windows.WindowLoader, "_read_slice_by_slice", one_by_one)
+    at_once, at_once_state = run(shards, **chosen)
+    assert not calls
+
+    def never(*args: Any) -> None:
+        raise FileSizeError("the span's reads gave up")
+
+    monkeypatch.setattr(ss.Shards, "read_slices_raw", never)  # every span slice by slice
+    sliced, sliced_state = run(shards, **chosen)
+    assert calls
+    same(at_once, sliced)
+    assert at_once_state == sliced_state
+
+
+def cut_short(path: Path, nbytes: int) -> None:
+    os.chmod(path, 0o644)
+    with open(path, "r+b") as f:
+        f.truncate(nbytes)
+
+
+@pytest.mark.parametrize("order", ["shuffled", "ordered"])
+def test_a_shard_cut_short_after_open_is_the_error_of_its_first_slice(
+    root: Path, monkeypatch: pytest.MonkeyPatch, order: str
+) -> None:
+    """Read into buffers slice by slice, a shard truncated after the cache was opened is the
+    `FileSizeError` that `read_example_raw` gives for the first slice past its end."""
+    md = three_layers()
+    write_cache(root, md)
+    shards = ss.open(root / md.hash)
+    monkeypatch.setattr(windows, "MIN_HINTED_SLICE", 0)
+    eps = shards.examples_per_shard
+    assert eps >= 2
+    cut = (1 * md.n_layers + 1) * shards._slice_nbytes + 7  # inside shard 1's second example, layer 6
+    cut_short(shards.shard_path(1), cut)
+    with pytest.raises(FileSizeError) as expected:
+        shards.read_example_raw(eps + 1, 1, np.empty((md.tokens_per_ex, md.d_model), np.float16))
+    loader = loaders.TokenLoader(shards, layers=6, order=order, **{**SIZES, "read_threads": 1})
+    with pytest.raises(FileSizeError) as err:
+        list(loader)
+    assert str(err.value) == str(expected.value)
+
+
+def test_a_bad_scale_before_a_cut_in_one_span_is_still_the_first_error(
+    root: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A float8_e4m3 span whose example 7 has a scale the rule cannot give and whose shard ends
+    inside example 8: the `ScaleError` of example 7, as slice-by-slice reads met it first (the
+    span's values are read before its scales, so the span's own reads hit the cut first)."""
+    md = small_metadata(dtype="float8_e4m3")  # 23 examples (5 per shard), layers (6, 11), 5 x 8
+    x = np.random.default_rng(0).standard_normal(md.shape).astype(np.float32)
+    with ss.ShardWriter(root, md, durable=False) as w:
+        w.write(x)
+    shards = ss.open(root / md.hash)
+    monkeypatch.setattr(windows, "MIN_HINTED_SLICE", 0)
+    scale_file = root / md.hash / "scales000001.bin"
+    os.chmod(scale_file, 0o644)
+    vector = (2 * 2 + 1) * 5 + 2  # example 7 (shard 1's third), position 1, token 2
+    with open(scale_file, "r+b") as f:
+        f.seek(4 * vector)
+        f.write(np.array([np.inf], np.float32).tobytes())
+    cut_short(shards.shard_path(1), (3 * 2 + 1) * shards._slice_nbytes + 3)  # inside example 8's layer 11
+    loader = loaders.OrderedLoader(
+        shards, batch_size=4, layers=11, block_bytes=400, buffer_bytes=4000, read_threads=1
+    )  # fmt: skip
+    assert loader.read_threads == 1
+    with pytest.raises(
+        ss.ScaleError, match=r"scales000001\.bin: vector 27 \(example 7, layer 11, token 2\): scale inf"
+    ):
+        list(loader)
+
+
+def test_a_cache_removed_before_its_first_read_is_named(root: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    md = three_layers()
+    write_cache(root, md)
+    shards = ss.open(root / md.hash)
+    monkeypatch.setattr(windows, "MIN_HINTED_SLICE", 0)
+    loader = loaders.TokenLoader(shards, layers=[11, 2], mix_layers=True, **SIZES)
+    for entry in (root / md.hash).iterdir():
+        os.chmod(entry, 0o644)
+    shutil.rmtree(root / md.hash)
+    with pytest.raises(ss.CacheNotFoundError, match="the cache was removed while open"):
+        list(loader)
