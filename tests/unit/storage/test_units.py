@@ -5,7 +5,10 @@ of; a unit is described by its bytes and copied out from memory or from its entr
 
 from __future__ import annotations
 
+import ctypes
+import mmap
 import os
+import sys
 from pathlib import Path
 
 import pytest
@@ -134,3 +137,29 @@ def test_an_entry_that_ends_early_is_a_file_size_error(tmp_path: Path) -> None:
             copy_out(units._Entry(fd), memoryview(bytearray(50)), 60)
     finally:
         os.close(fd)
+
+
+def _resident_pages(buffer: mmap.mmap) -> int:
+    """Pages of ``buffer`` in memory (``mincore``)."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.mincore.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p]
+    pages = -(-len(buffer) // mmap.PAGESIZE)
+    vec = (ctypes.c_ubyte * pages)()
+    assert libc.mincore(ctypes.addressof(ctypes.c_char.from_buffer(buffer)), len(buffer), vec) == 0
+    return sum(v & 1 for v in vec)
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="mincore and MADV_POPULATE_WRITE are Linux's")
+@pytest.mark.parametrize("madvise", [True, False])
+def test_a_new_buffer_of_the_pool_has_every_page_in_memory(monkeypatch: pytest.MonkeyPatch, madvise: bool) -> None:
+    """A buffer is reused for blocks of every size: faulted in whole once, when made, so that a
+    file's short last block does not leave it with pages each later full block faults in."""
+    if not madvise:  # a kernel before 5.14: one byte written per page instead
+        monkeypatch.setattr(units, "_MADV_POPULATE_WRITE", -1)
+    pool = units._Pool(4 << 20, keep=2)
+    buffer = pool.take()
+    assert _resident_pages(buffer) == len(buffer) // mmap.PAGESIZE
+    assert bytes(buffer[:: mmap.PAGESIZE]) == bytes(len(buffer) // mmap.PAGESIZE)  # still zeros
+    pool.give(buffer)
+    assert pool.take() is buffer
+    pool.clear()
