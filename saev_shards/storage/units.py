@@ -355,8 +355,9 @@ class UnitReads:
         buffer = pool.take()
         try:
             view = memoryview(buffer)[: unit.nbytes]
-            got = self.client.read_into(unit.name, unit.start, view)
-            found = xxhash.xxh3_128_hexdigest(view) if got == unit.nbytes else ""
+            hasher = xxhash.xxh3_128()  # each piece hashed as it lands, while in the cache
+            got = self.client.read_into(unit.name, unit.start, view, hasher)
+            found = hasher.hexdigest() if got == unit.nbytes else ""
         except BaseException:
             pool.give(buffer)
             raise
