@@ -61,8 +61,6 @@ MAX_PENDING_WRITES = 256 << 20
 #: Bytes per piece when a whole file is streamed (verify, whole-file units).
 STREAM_CHUNK = 8 << 20
 
-#: madvise's "fault every page in for writing" (Linux 5.14; Python's mmap module names it from 3.13).
-_MADV_POPULATE_WRITE = 23
 #: Refusals a new request would get again (the others are worth a new attempt).
 _FINAL = (RemoteCredentialsError, RemoteAccessDeniedError, RemoteBucketError, RemoteRegionError)
 
@@ -117,45 +115,54 @@ class _Entry:
 class _Pool:
     """Page-aligned buffers of one size that fetched blocks land in, handed out again as soon
     as their block is let go of: touching fresh memory costs more than the copy into it (page
-    faults, pages zeroed), and aligned memory is what O_DIRECT writes need."""
+    faults, pages zeroed), and aligned memory is what O_DIRECT writes need.
+
+    A buffer's pages are faulted in as far as blocks have filled it, and blocks are not all
+    of one size (a file's last one is shorter): `take` hands out a buffer already faulted in
+    as far as the block needs where one is free, so that a buffer first filled by a short
+    block is not then filled by full ones, faulting in fresh pages each time (a reader's first
+    cold epochs cost a fifth more CPU here that way), and no page is faulted in that no block
+    needs (faulting a whole buffer in when made cost a new process more: fresh memory)."""
 
     def __init__(self, nbytes: int, keep: int) -> None:
         self.nbytes = nbytes
         self.keep = keep
-        self._free: list[mmap.mmap] = []
+        #: Free buffers, the last given back last, each with how far it has been filled.
+        self._free: list[tuple[mmap.mmap, int]] = []
+        self._filled: dict[int, int] = {}  # id of a buffer handed out -> how far it was filled
         self._lock = threading.Lock()
 
-    def take(self) -> mmap.mmap:
+    def take(self, nbytes: int) -> mmap.mmap:
+        """A buffer for a block of ``nbytes``: the last given back of those filled that far
+        already, else the one filled furthest, else a new one."""
         with self._lock:
-            if self._free:
-                return self._free.pop()
-        return _populated(aligned_buffer(self.nbytes))
+            best = -1
+            for i in range(len(self._free) - 1, -1, -1):
+                if self._free[i][1] >= nbytes:
+                    best = i
+                    break
+                if best < 0 or self._free[i][1] > self._free[best][1]:
+                    best = i
+            if best >= 0:
+                buffer, filled = self._free.pop(best)
+            else:
+                buffer, filled = aligned_buffer(self.nbytes), 0
+            self._filled[id(buffer)] = max(filled, nbytes)
+            return buffer
 
     def give(self, buffer: mmap.mmap) -> None:
         with self._lock:
+            filled = self._filled.pop(id(buffer), self.nbytes)
             if len(self._free) < self.keep:
-                self._free.append(buffer)
+                self._free.append((buffer, filled))
                 return
         _unmap(buffer)
 
     def clear(self) -> None:
         with self._lock:
             free, self._free = self._free, []
-        for buffer in free:
+        for buffer, _ in free:
             _unmap(buffer)
-
-
-def _populated(buffer: mmap.mmap) -> mmap.mmap:
-    """``buffer`` with every page faulted in now, once (``MADV_POPULATE_WRITE``, else a byte
-    written per page): a buffer is reused for blocks of every size, and one first filled by a
-    file's short last block had only those pages; each later full block faulted in the rest
-    (fresh memory, zeroed by the kernel: the first cold epochs of a reader cost a fifth more
-    CPU, less in each next one as its buffers filled up)."""
-    try:
-        buffer.madvise(_MADV_POPULATE_WRITE)
-    except (AttributeError, OSError):  # before Linux 5.14, or another system
-        buffer[:: mmap.PAGESIZE] = bytes(-(-len(buffer) // mmap.PAGESIZE))
-    return buffer
 
 
 def _unmap(buffer: mmap.mmap) -> None:
@@ -352,7 +359,7 @@ class UnitReads:
         """Fetch a block into a buffer of the pool; served from there once its length and digest
         match, and queued for the block cache (`_store_later`)."""
         pool = self._buffer_pool()
-        buffer = pool.take()
+        buffer = pool.take(unit.nbytes)
         try:
             view = memoryview(buffer)[: unit.nbytes]
             hasher = xxhash.xxh3_128()  # each piece hashed as it lands, while in the cache

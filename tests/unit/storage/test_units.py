@@ -5,10 +5,7 @@ of; a unit is described by its bytes and copied out from memory or from its entr
 
 from __future__ import annotations
 
-import ctypes
-import mmap
 import os
-import sys
 from pathlib import Path
 
 import pytest
@@ -139,27 +136,26 @@ def test_an_entry_that_ends_early_is_a_file_size_error(tmp_path: Path) -> None:
         os.close(fd)
 
 
-def _resident_pages(buffer: mmap.mmap) -> int:
-    """Pages of ``buffer`` in memory (``mincore``)."""
-    libc = ctypes.CDLL(None, use_errno=True)
-    libc.mincore.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p]
-    pages = -(-len(buffer) // mmap.PAGESIZE)
-    vec = (ctypes.c_ubyte * pages)()
-    assert libc.mincore(ctypes.addressof(ctypes.c_char.from_buffer(buffer)), len(buffer), vec) == 0
-    return sum(v & 1 for v in vec)
-
-
-@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="mincore and MADV_POPULATE_WRITE are Linux's")
-@pytest.mark.parametrize("madvise", [True, False])
-def test_a_new_buffer_of_the_pool_has_every_page_in_memory(monkeypatch: pytest.MonkeyPatch, madvise: bool) -> None:
-    """A buffer is reused for blocks of every size: faulted in whole once, when made, so that a
-    file's short last block does not leave it with pages each later full block faults in."""
-    if not madvise:  # a kernel before 5.14: one byte written per page instead
-        monkeypatch.setattr(units, "_MADV_POPULATE_WRITE", -1)
-    pool = units._Pool(4 << 20, keep=2)
-    buffer = pool.take()
-    assert _resident_pages(buffer) == len(buffer) // mmap.PAGESIZE
-    assert bytes(buffer[:: mmap.PAGESIZE]) == bytes(len(buffer) // mmap.PAGESIZE)  # still zeros
-    pool.give(buffer)
-    assert pool.take() is buffer
+def test_the_pool_hands_out_a_buffer_filled_as_far_as_the_block_needs() -> None:
+    """A buffer's pages are faulted in as far as blocks have filled it: a full block gets one
+    filled that far where one is free (not the last given back, first filled by a file's short
+    last block), a short one the last given back, and a new buffer only when none is free."""
+    mib = 1 << 20
+    pool = units._Pool(4 * mib, keep=4)
+    full, short = pool.take(4 * mib), pool.take(mib)
+    assert full is not short
+    pool.give(full)
+    pool.give(short)  # given back last
+    assert pool.take(4 * mib) is full
+    assert pool.take(mib) is short
+    pool.give(short)
+    assert pool.take(2 * mib) is short  # none filled that far free: the one filled furthest
+    pool.give(short)
+    pool.give(full)
+    assert pool.take(2 * mib) is full  # both filled that far now: the last given back
+    assert pool.take(4 * mib) is short
+    fresh = pool.take(mib)
+    assert fresh is not full and fresh is not short and len(fresh) == 4 * mib
+    for buffer in (full, short, fresh):
+        pool.give(buffer)
     pool.clear()
