@@ -104,10 +104,6 @@ class WindowLoader:
         window = self.plan.windows[w]
         slot = self.slot(w)
         rows = cfg.spans.rows[window.spans]
-        # A remote cache starts fetching the whole window's spans now, a float8_e4m3 one its scales.
-        if cfg.shards.files.prefetches or cfg.float8:
-            for b in window.spans.tolist():
-                cfg.shards.prefetch(int(cfg.spans.start[b]), int(cfg.spans.stop[b]))
         offsets = np.zeros(len(rows), dtype=np.int64)
         np.cumsum(rows[:-1], out=offsets[1:])
         # Read in place when the page cache holds the window (its spans' first pages say so),
@@ -117,6 +113,11 @@ class WindowLoader:
         self.in_place[w] = mapped is not None and all(
             mapped.probably_resident(int(spans.start[b]), position) for b in window.spans.tolist()
         )
+        # A remote cache starts fetching the whole window's spans now (unless read in place: its
+        # blocks are mapped from the block cache), a float8_e4m3 one its scales.
+        if (cfg.shards.files.prefetches and not self.in_place[w]) or cfg.float8:
+            for b in window.spans.tolist():
+                cfg.shards.prefetch(int(cfg.spans.start[b]), int(cfg.spans.stop[b]))
         # The index first: it needs no data, so it is ready by the time the reads are.
         index = self.pool.submit(self._index, w)
         parts: list[Future[Any]] = [index]

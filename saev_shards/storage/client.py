@@ -236,11 +236,13 @@ class Client:
         ob = _obstore()
         return self.call_sized(end - start, "read", name, ob.get_range, start=start, end=end)
 
-    def read_into(self, name: str, start: int, view: memoryview) -> int:
+    def read_into(self, name: str, start: int, view: memoryview, hasher: Any = None) -> int:
         """Bytes ``[start, start + len(view))`` of ``name`` copied into ``view`` as they arrive
-        (not checked: `units` checks them). Returns how many bytes the server sent: fewer than
-        asked for when its body was short; one more than asked for, with ``view`` full, when it
-        sent more (the rest is not read)."""
+        (not checked: `units` checks them), and each piece given to ``hasher.update`` while it
+        is still in the processor's cache (the caller's digest of them, without reading the
+        whole of ``view`` again). Returns how many bytes the server sent: fewer than asked for
+        when its body was short; one more than asked for, with ``view`` full, when it sent more
+        (the rest is not read)."""
         got = 0
         for piece in self.stream(name, start, start + view.nbytes, READ_PIECE):
             data = memoryview(piece)
@@ -248,6 +250,8 @@ class Client:
                 view[got:] = data[: view.nbytes - got]
                 return view.nbytes + 1
             view[got : got + data.nbytes] = data
+            if hasher is not None:
+                hasher.update(data)
             got += data.nbytes
         return got
 

@@ -9,8 +9,8 @@ A read is served in *units* (`units`: blocks of blocks.json, or whole files), ea
 against the manifest's digests before a byte of it is handed out, kept in memory and in the
 block cache (`blockcache`) for the next reads. Requests in flight: a read needing several
 units fetches them in parallel, and `prefetch` (called by the loaders for every window they
-are about to read) starts the fetches of whole windows on a pool of
-`client.requests_in_flight` threads.
+are about to read into buffers, not for one read in place) starts the fetches of whole
+windows on a pool of `client.requests_in_flight` threads.
 """
 
 from __future__ import annotations

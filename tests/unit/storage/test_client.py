@@ -9,6 +9,7 @@ from collections.abc import Iterator
 from typing import Any
 
 import pytest
+import xxhash
 from hypothesis import given
 from hypothesis import strategies as st
 
@@ -83,11 +84,14 @@ def test_a_client_checks_its_root_and_joins_names() -> None:
 @given(st.binary(max_size=40), st.integers(0, 45), st.integers(1, 9))
 def test_read_into_copies_what_came_and_says_when_more_came(body: bytes, want: int, piece: int) -> None:
     view = memoryview(bytearray(want))
-    got = Pieces(body, piece).read_into("f", 0, view)
+    hasher = xxhash.xxh3_128()
+    got = Pieces(body, piece).read_into("f", 0, view, hasher)
     if len(body) > want:
         assert got == want + 1 and bytes(view) == body[:want]
     else:
         assert got == len(body) and bytes(view[:got]) == body
+        # Hashed as it came: the digest of the whole of what was copied.
+        assert hasher.hexdigest() == xxhash.xxh3_128_hexdigest(body)
 
 
 def test_a_missing_object_or_bucket_is_named() -> None:

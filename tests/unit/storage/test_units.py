@@ -134,3 +134,28 @@ def test_an_entry_that_ends_early_is_a_file_size_error(tmp_path: Path) -> None:
             copy_out(units._Entry(fd), memoryview(bytearray(50)), 60)
     finally:
         os.close(fd)
+
+
+def test_the_pool_hands_out_a_buffer_filled_as_far_as_the_block_needs() -> None:
+    """A buffer's pages are faulted in as far as blocks have filled it: a full block gets one
+    filled that far where one is free (not the last given back, first filled by a file's short
+    last block), a short one the last given back, and a new buffer only when none is free."""
+    mib = 1 << 20
+    pool = units._Pool(4 * mib, keep=4)
+    full, short = pool.take(4 * mib), pool.take(mib)
+    assert full is not short
+    pool.give(full)
+    pool.give(short)  # given back last
+    assert pool.take(4 * mib) is full
+    assert pool.take(mib) is short
+    pool.give(short)
+    assert pool.take(2 * mib) is short  # none filled that far free: the one filled furthest
+    pool.give(short)
+    pool.give(full)
+    assert pool.take(2 * mib) is full  # both filled that far now: the last given back
+    assert pool.take(4 * mib) is short
+    fresh = pool.take(mib)
+    assert fresh is not full and fresh is not short and len(fresh) == 4 * mib
+    for buffer in (full, short, fresh):
+        pool.give(buffer)
+    pool.clear()
