@@ -107,8 +107,6 @@ class SliceReads(ScaleReads):
         # In bytes: (offset in an example, bytes, [(offset in an example's rows, bytes)]).
         in_bytes = [(p * slice_nbytes, n * slice_nbytes, [(r * slice_nbytes, m * slice_nbytes) for r, m in seg])
                     for p, n, seg in runs]  # fmt: skip
-        single = [(off, nbytes, seg[0][0]) for off, nbytes, seg in in_bytes if len(seg) == 1]
-        scattered = [(off, nbytes, seg) for off, nbytes, seg in in_bytes if len(seg) > 1]
         view = out.reshape(-1).view(np.uint8).data
         preadv = self._preadv
         file_example, out_example = n_layers * slice_nbytes, n_rows * slice_nbytes
@@ -119,12 +117,7 @@ class SliceReads(ScaleReads):
             fd = fd_of(k)
             for i in range(count):
                 at, base = (local + i) * file_example, (done + i) * out_example
-                for off, nbytes, row in single:
-                    part = view[base + row : base + row + nbytes]
-                    got = preadv(fd, [part], at + off)
-                    if got != nbytes:
-                        _finish(fd, [part], at + off, got, preadv)
-                for off, nbytes, segments in scattered:
+                for off, nbytes, segments in in_bytes:
                     parts = [view[base + row : base + row + m] for row, m in segments]
                     got = preadv(fd, parts, at + off)
                     if got != nbytes:
