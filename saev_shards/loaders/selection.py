@@ -242,11 +242,12 @@ class TokenSelection:
         return {}
 
     def labels_of(self, examples: npt.NDArray[np.int64]) -> npt.NDArray[np.uint8]:
-        """``(len(examples), patches_per_ex)`` labels of ``examples`` (sorted runs read fastest)."""
+        """``(len(examples), patches_per_ex)`` labels of ``examples``, in any order, repeats
+        allowed (one ascending run of consecutive examples is read as one slice)."""
         labels = self.shards.labels
         if labels is None:
             raise LoaderError(f"labels: expected a cache with labels.bin, found none at {self.shards.path}")
-        if len(examples) and examples[-1] - examples[0] + 1 == len(examples):  # one contiguous run
+        if len(examples) and examples[-1] - examples[0] + 1 == len(examples) and (np.diff(examples) == 1).all():
             return np.array(labels[int(examples[0]) : int(examples[-1]) + 1])
         return np.asarray(labels[examples])
 

@@ -78,9 +78,26 @@ def test_the_chosen_positions_are_numpys_filtering(
 def test_labels_of_reads_runs_and_scattered_examples(shards: ss.Shards) -> None:
     sel = TokenSelection(shards)
     labels = labels_for(MD)
-    for examples in ([3, 4, 5], [2, 7, 9], []):  # ascending, as its callers pass them
+    # A run, scattered, none, and orders whose ends span as many examples as they hold but
+    # which are not one ascending run (read as one slice, they gave the run's rows).
+    for examples in ([3, 4, 5], [2, 7, 9], [], [0, 2, 1, 3], [4, 4, 6], [5, 4, 3]):
         got = sel.labels_of(np.array(examples, dtype=np.int64))
         assert got.tolist() == labels[examples].tolist()
+
+
+@settings(max_examples=60)
+@given(
+    examples=st.one_of(
+        st.lists(st.integers(0, MD.n_examples - 1), max_size=20),
+        st.integers(0, MD.n_examples - 1).flatmap(lambda a: st.permutations(range(a, min(MD.n_examples, a + 6)))),
+    )
+)
+def test_labels_of_is_numpys_indexing_in_any_order(shards: ss.Shards, examples: list[int]) -> None:
+    sel = TokenSelection(shards, ignore_labels={1, 2}, skip_padding=True)
+    index = np.array(examples, dtype=np.int64)
+    assert sel.labels_of(index).tolist() == labels_for(MD)[examples].tolist()
+    want = expected_mask("content", {1, 2}, True)[examples]
+    assert np.array_equal(sel.mask(index), want)
 
 
 def test_selection_arguments_are_checked(shards: ss.Shards, tmp_path: Path) -> None:
