@@ -3,7 +3,9 @@
 `saev-shards dump` tokenizes a batch (the next one in a thread of its own), runs the model
 up to the last recorded block, and records: the hooks copy and cast each block's output,
 padding is zeroed, float8_e4m3 caches are quantized, and the writer's threads compute the
-statistics, hash and write the shards while the next batch runs. This suite times the
+statistics, hash and write the shards while the next batch runs (a CPU model with a torch
+thread on every core, as in the one-process rows here, leaves them no core: the dump then
+tokenizes and writes between forward passes, in its own thread). This suite times the
 whole `dump` call (from the loaded model to the published cache: the trial pass, the
 writer, finalize and the truncation report included) against the plain forward pass over
 the same batches of the same texts, in the same run: one tokenizer call per batch
@@ -486,9 +488,9 @@ def stage_table(device: str) -> tables.Table:
             for kind, extra in hooks.items():
                 table.add(f"  the hooks alone, {kind} (record - model only, paired)", extra * 1e9, extra / base)
     table.note(
-        "CPU time of one thread on this machine, median of repeated calls. The writer's threads compute the "
-        "statistics, hash and write while the next batch's forward pass runs: on cores the model keeps busy "
-        "they cost their CPU time all the same, so the dump keeps about 1 / (1 + the sum of its stages' shares) "
+        "CPU time of one thread on this machine, median of repeated calls. Done beside the forward pass (the "
+        "writer's threads) or between two (a CPU model on every core), on cores the model keeps busy these "
+        "stages cost their CPU time all the same, so the dump keeps about 1 / (1 + the sum of its stages' shares) "
         "of the model's speed. The hooks' rows are differences of two forward passes: on a busy machine their "
         "noise (a few percent of the forward pass) is larger than they are."
     )

@@ -29,6 +29,7 @@ torch is imported when this module is imported; ``import saev_shards`` never imp
 from __future__ import annotations
 
 import contextlib
+import os
 import queue
 import threading
 from collections.abc import Mapping, Sequence
@@ -274,6 +275,19 @@ def _zero_padding(out: torch.Tensor, lengths: Any) -> None:
         out.masked_fill_(padding[:, None, :, None], 0)
 
 
+def model_takes_every_core(device: torch.device) -> bool:
+    """Whether a model on ``device`` computes with a thread on every core this process may
+    use (the CPU, with as many torch threads as cores): then the dump tokenizes and writes
+    between forward passes instead of beside them. Threads beside the model's take a core
+    from one of its threads, and the others wait for it at each parallel region's end: on 2
+    cores a few percent of work done beside the model cost about 10 % of its speed, done
+    between its passes their own few percent."""
+    if device.type != "cpu":
+        return False
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    return torch.get_num_threads() >= cores
+
+
 class AsyncWriter:
     """Feed a `ShardWriter` from a background thread, in submission order.
 
@@ -282,20 +296,28 @@ class AsyncWriter:
     CUDA tensors are copied on a side stream into pinned memory; the thread waits for that
     copy alone, never for the forward passes queued after it. All of the writer's methods
     are called from the thread, until `close` (which joins it).
+
+    ``background=False`` writes each batch in `submit`, in the caller's thread (for a model
+    on the CPU that keeps every core busy: `model_takes_every_core`).
     """
 
-    def __init__(self, writer: ShardWriter, depth: int = 2) -> None:
+    def __init__(self, writer: ShardWriter, depth: int = 2, *, background: bool = True) -> None:
         self.writer = writer
         self.error: BaseException | None = None
         self._queue: queue.Queue[tuple[Any, Any, dict[str, Any]] | None] = queue.Queue(maxsize=depth)
         self._streams: dict[torch.device, Any] = {}
-        self._thread = threading.Thread(target=self._run, name="saev-shards-recorder", daemon=True)
-        self._thread.start()
+        self._thread: threading.Thread | None = None
+        if background:
+            self._thread = threading.Thread(target=self._run, name="saev-shards-recorder", daemon=True)
+            self._thread.start()
 
     def submit(self, acts: torch.Tensor, **extras: Any) -> None:
         """Queue ``writer.write(acts, **extras)``; ``acts`` (and a tensor of ``scales``) must not
         be changed afterwards."""
         self._check()
+        if self._thread is None:
+            self.writer.write(acts.cpu(), **extras)
+            return
         event = None
         if acts.is_cuda:
             stream = self._streams.get(acts.device)
@@ -342,12 +364,12 @@ class AsyncWriter:
     def _check(self) -> None:
         if self.error is not None:
             raise self.error
-        if not self._thread.is_alive():
+        if self._thread is not None and not self._thread.is_alive():
             raise WriterError("the recorder's writer thread has stopped")
 
     def join(self) -> None:
         """Wait until every submitted batch is handed to the writer; raise the first error."""
-        if self._thread.is_alive():
+        if self._thread is not None and self._thread.is_alive():
             self._queue.put(None)
             self._thread.join()
         if self.error is not None:
@@ -360,7 +382,7 @@ class AsyncWriter:
 
     def abort(self) -> None:
         """Stop without publishing; sealed shards stay for a resumed run."""
-        if self._thread.is_alive():
+        if self._thread is not None and self._thread.is_alive():
             self.error = self.error or WriterError("aborted")
             self._queue.put(None)
             self._thread.join()

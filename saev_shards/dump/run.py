@@ -110,6 +110,8 @@ class _Run:
     device: torch.device
     recorder: Recorder
     writer: ShardWriter
+    #: Tokenize and write between forward passes, in this thread (`model_takes_every_core`).
+    inline: bool
     #: ``"rank r of W: "`` with several writers, for messages.
     who: str
 
@@ -130,8 +132,9 @@ def _start(
     if the_plan.loaded.model is None:
         the_plan = dataclasses.replace(the_plan, loaded=load_model(cfg))
     check_model(cfg, the_plan.loaded, device, md.d_model, the_plan.recording)
-    from .recorder import Recorder
+    from .recorder import Recorder, model_takes_every_core
 
+    inline = model_takes_every_core(device)
     model = the_plan.loaded.model.to(device)
     recorder = Recorder(model, the_plan.recording, blocks=cfg.model.blocks, dtype=record_dtype(cfg.dtype))
     writer = ShardWriter(
@@ -145,6 +148,7 @@ def _start(
         columns=the_plan.columns,
         text=the_plan.text_fields,
         durable=durable,
+        background=not inline,
     )
     start, stop, resume_at = writer.start, writer.stop, writer.next_example
     who = f"rank {rank} of {world_size}: " if world_size > 1 else ""
@@ -155,7 +159,7 @@ def _start(
         + (f"layers {list(md.layers)}" if md.sites is None else "sites")
         + f" x {md.tokens_per_ex} tokens x {md.d_model} ({md.dtype}) -> {writer.staging}"
     )
-    return _Run(the_plan, device, recorder, writer, who)
+    return _Run(the_plan, device, recorder, writer, inline, who)
 
 
 def _record_all(run: _Run, progress: bool | None) -> int:
@@ -164,6 +168,8 @@ def _record_all(run: _Run, progress: bool | None) -> int:
     Three stages overlap: the next batch is tokenized in a thread of its own (`_tokenize`;
     on a GPU the tokenizer, not the model, would otherwise pace the dump) while this one
     runs through the model, and the previous one is written by a third (`AsyncWriter`).
+    A model on the CPU with a thread on every core (``run.inline``) leaves no core for
+    them: each batch is then tokenized, recorded and written in turn, in this thread.
     On any error or interruption the writer is aborted: sealed shards stay in staging for
     the next run, and the caller reports the reason once (the command line: one line, with
     the resume hint).
@@ -175,16 +181,19 @@ def _record_all(run: _Run, progress: bool | None) -> int:
     grid = list(batches(writer.next_example, writer.stop, md.examples_per_shard, cfg.batch_size))
     done = 0
     t0 = time.perf_counter()
-    sink = AsyncWriter(writer)
+    sink = AsyncWriter(writer, background=not run.inline)
     tokenizer = ThreadPoolExecutor(1, "saev-shards-tokenizer")
     try:
         with Progress(writer.stop - writer.next_example, "dump", unit="ex", enabled=progress) as bar:
-            upcoming = tokenizer.submit(_tokenize, run, *grid[0]) if grid else None
+            upcoming = tokenizer.submit(_tokenize, run, *grid[0]) if grid and not run.inline else None
             for i, (a, b) in enumerate(grid):
-                assert upcoming is not None
-                enc = upcoming.result()
-                if i + 1 < len(grid):
-                    upcoming = tokenizer.submit(_tokenize, run, *grid[i + 1])
+                if run.inline:
+                    enc = _tokenize(run, a, b)
+                else:
+                    assert upcoming is not None
+                    enc = upcoming.result()
+                    if i + 1 < len(grid):
+                        upcoming = tokenizer.submit(_tokenize, run, *grid[i + 1])
                 acts, extras = _record_batch(run, a, b, enc)
                 sink.submit(acts, **extras)
                 done += b - a

@@ -76,7 +76,9 @@ class ShardWriter:
             `COLUMN_DTYPES`: bool, (u)int8-64, float16-64) and the shape of one example's
             value, ``()`` for a scalar: ``{"lengths": ("int32", ()), "token_ids":
             ("int32", (T,))}``. Anything else raises `WriterError` saying so.
-        background: write and hash in a background thread, overlapping the caller.
+        background: write, hash and sum the statistics in background threads, overlapping
+            the caller; without it every batch's work is done in `write` (for a caller whose
+            own work keeps every core busy, where threads beside it only slow it down).
         durable: fsync files and folders (turn off only for throwaway tests).
     """
 
@@ -129,7 +131,7 @@ class ShardWriter:
         # Examples accepted per stream (caller thread), as global example indices.
         self._next: dict[str, int] = {}
 
-        self._stats = StatsPass(md.n_layers, md.d_model, md.dtype) if stats else None
+        self._stats = StatsPass(md.n_layers, md.d_model, md.dtype, background=background) if stats else None
         keys = set(self._specs) | ({SCALES} if md.dtype == FLOAT8 else set())  # scales seal with their shard
         self._parts = Parts(md, self.staging, keys, self._stats, durable)
 

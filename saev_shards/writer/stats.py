@@ -34,12 +34,13 @@ class StatsPass:
     `_STATS_BACKLOG` batches wait before the writer blocks.
     """
 
-    def __init__(self, n_layers: int, d_model: int, dtype: str) -> None:
+    def __init__(self, n_layers: int, d_model: int, dtype: str, *, background: bool = True) -> None:
         self.n_layers, self.d_model, self.dtype = n_layers, d_model, dtype
         #: Shard -> its sums (complete once `wait_through` has passed the shard).
         self.shards: dict[int, StatsAccumulator] = {}
-        self.threads = _STATS_THREADS
-        self._pool = ThreadPoolExecutor(self.threads, "saev-shards-stats")
+        #: Without ``background`` the sums are computed by the caller, in `submit`.
+        self.threads = _STATS_THREADS if background else 1
+        self._pool = ThreadPoolExecutor(self.threads, "saev-shards-stats") if background else None
         self._pending: collections.deque[tuple[int, list[Future[list[ExampleSums]]]]] = collections.deque()
 
     def submit(
@@ -50,10 +51,8 @@ class StatsPass:
         n = len(acts)
         step = max(STATS_CHUNK, -(-n // self.threads))
         jobs = [
-            self._pool.submit(
-                example_sums,
+            self._sums(
                 acts[a : a + step],
-                self.dtype,
                 None if lengths is None else lengths[a : a + step],
                 None if scales is None else scales[a : a + step],
             )
@@ -62,6 +61,15 @@ class StatsPass:
         self._pending.append((k, jobs))
         while len(self._pending) > _STATS_BACKLOG:
             self._add_oldest()
+
+    def _sums(
+        self, acts: npt.NDArray[Any], lengths: npt.NDArray[Any] | None, scales: npt.NDArray[Any] | None
+    ) -> Future[list[ExampleSums]]:
+        if self._pool is not None:
+            return self._pool.submit(example_sums, acts, self.dtype, lengths, scales)
+        done: Future[list[ExampleSums]] = Future()
+        done.set_result(example_sums(acts, self.dtype, lengths, scales))
+        return done
 
     def _add_oldest(self) -> None:
         k, jobs = self._pending.popleft()
@@ -74,4 +82,5 @@ class StatsPass:
             self._add_oldest()
 
     def shutdown(self, cancel: bool = False) -> None:
-        self._pool.shutdown(wait=True, cancel_futures=cancel)
+        if self._pool is not None:
+            self._pool.shutdown(wait=True, cancel_futures=cancel)

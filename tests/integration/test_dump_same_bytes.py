@@ -10,6 +10,7 @@ every file. Also: a corpus of no examples is a `ConfigError` before anything is 
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -26,6 +27,7 @@ import saev_shards as ss
 from saev_shards import dump as dump_mod
 from saev_shards.codecs import dtypes, float8
 from saev_shards.dump import TextEncoder
+from saev_shards.dump import recorder as recorder_mod
 from saev_shards.dump.recorder import Recorder
 from saev_shards.errors import ConfigError, DumpError, NameNotFoundError
 from saev_shards.statistics import StatsAccumulator
@@ -245,24 +247,49 @@ def test_statistics_summed_in_several_threads_are_the_bits_of_one(
 # -- whole dumps, both ways ----------------------------------------------------------------
 
 
+def every_core(monkeypatch: pytest.MonkeyPatch, taken: bool) -> None:
+    """Whether the dump takes its model to keep every core busy (then it tokenizes and writes
+    between forward passes, in its own thread), whatever this machine's cores."""
+    monkeypatch.setattr(recorder_mod, "model_takes_every_core", lambda device: taken)
+
+
 def _dump_both_ways(cfg: dict[str, Any], tmp_path: Path, world: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The faster paths, with the writer's and the tokenizer's threads and without them, and
+    the reference paths: the same bytes in every file."""
     md = dump_mod.plan(cfg, weights=False).metadata
     roots = {}
-    for name in ("faster", "reference"):
-        if name == "faster":
-            monkeypatch.setattr(writer_stats, "_STATS_THREADS", 3)  # a GPU node's: each batch split
-        else:
+    for name in ("threads", "inline", "reference"):
+        if name == "reference":
             use_reference_paths(monkeypatch)
+        else:
+            monkeypatch.setattr(writer_stats, "_STATS_THREADS", 3)  # a GPU node's: each batch split
+            every_core(monkeypatch, name == "inline")
         root = roots[name] = tmp_path / name
         paths = [
             dump_mod.dump(cfg, root=root, rank=r, world_size=world, durable=False, log=quiet) for r in range(world)
         ]
         assert paths[-1] == root / md.hash and all(p is None for p in paths[:-1])
     monkeypatch.undo()
-    faster, reference = tree_bytes(roots["faster"] / md.hash), tree_bytes(roots["reference"] / md.hash)
-    assert faster.keys() == reference.keys() and "stats.json" in faster
-    assert faster == reference
-    ss.open(roots["faster"] / md.hash).verify()
+    trees = {name: tree_bytes(root / md.hash) for name, root in roots.items()}
+    assert trees["threads"].keys() == trees["reference"].keys() and "stats.json" in trees["threads"]
+    assert trees["threads"] == trees["reference"]
+    assert trees["inline"] == trees["reference"]
+    ss.open(roots["threads"] / md.hash).verify()
+
+
+def test_the_dump_writes_between_forward_passes_only_when_its_model_takes_every_core() -> None:
+    cores = len(os.sched_getaffinity(0))
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(cores)
+        assert recorder_mod.model_takes_every_core(torch.device("cpu"))
+        assert not recorder_mod.model_takes_every_core(torch.device("cuda"))  # a GPU leaves the cores free
+        assert not recorder_mod.model_takes_every_core(torch.device("meta"))
+        if cores > 1:
+            torch.set_num_threads(cores - 1)
+            assert not recorder_mod.model_takes_every_core(torch.device("cpu"))
+    finally:
+        torch.set_num_threads(before)
 
 
 @pytest.mark.parametrize("world", [1, 2])
@@ -360,12 +387,15 @@ def test_truncation_of_a_cache_not_written_by_dump_names_its_columns(tmp_path: P
 # -- the tokenizer's thread ------------------------------------------------------------------
 
 
+@pytest.mark.parametrize("inline", [False, True])
 def test_a_tokenizer_failure_in_its_thread_names_the_batch_and_the_rerun_resumes(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    inline: bool, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """The next batch is tokenized in a thread of its own: its failure reaches the caller as a
-    `DumpError` naming the batch, after the batches before it were handed to the writer; the
-    rerun resumes after the sealed shards and gives the bytes of a dump that never failed."""
+    """The next batch is tokenized in a thread of its own (or, with a model on every core,
+    in the dump's thread before the batch): its failure reaches the caller as a `DumpError`
+    naming the batch, after the batches before it were handed to the writer; the rerun
+    resumes after the sealed shards and gives the bytes of a dump that never failed."""
+    every_core(monkeypatch, inline)
     cfg = make_config(tmp_path, n=23)  # shards of 5 examples, batches of 3 cut at shard ends
     md = dump_mod.plan(cfg, weights=False).metadata
     bad = json.loads((tmp_path / "data.jsonl").read_text().splitlines()[12])["text"]
@@ -382,7 +412,7 @@ def test_a_tokenizer_failure_in_its_thread_names_the_batch_and_the_rerun_resumes
     # Shards 0 and 1 were handed to the writer; those it sealed before the abort stay (an
     # abort drops batches still queued for the writer's thread, so 1 may not be among them).
     sealed = dump_mod.sealed_shards(Path(cfg["root"]), md)
-    assert sealed in ([0], [0, 1]), sealed
+    assert sealed in ([[0, 1]] if inline else [[0], [0, 1]]), sealed
     monkeypatch.undo()
     lines: list[str] = []
     path = dump_mod.dump(cfg, durable=False, log=lines.append)
