@@ -346,6 +346,7 @@ def bench_page_cached(shards: ss.Shards, quick: bool) -> None:
         ),
     }
     bl.warm_cache(shards.path)
+    huge_note = bl.mapped_huge_note([shards.path])
     table = loader_table(
         "loaders_page_cached",
         f"Training loaders, page-cached cache ({shards.metadata.nbytes / 1e9:.1f} GB): ratio to memcpy and to the "
@@ -372,7 +373,7 @@ def bench_page_cached(shards: ss.Shards, quick: bool) -> None:
         "the cache's order) from the cache mapped in place into batch-sized outputs by its own call; a copy out of "
         "the page cache's pages is not a copy between two anonymous buffers, so memcpy stays the target's limit "
         "and these rows say what a loader's copy reaches here. Targets: the shuffled loader at >= 0.9 of the gather "
-        "limit, the OrderedLoader at >= 0.9 of memcpy."
+        "limit, the OrderedLoader at >= 0.9 of memcpy. " + huge_note
     )
     table.note(gather_gap_note(table.values, limit_cpu))
     table.emit()
@@ -568,6 +569,7 @@ def bench_own_limits(caches: dict[str, ss.Shards], quick: bool) -> None:
             fns.update({f"{label}: {k}": _numpy_only(fn) if numpy else fn for k, fn in row_fns.items()})
     for shards in caches.values():
         bl.warm_cache(shards.path)
+    huge_note = bl.mapped_huge_note([shards.path for shards in caches.values()])
     try:
         medians = bl.interleaved(fns, rounds=rounds)
     finally:
@@ -632,7 +634,7 @@ def bench_own_limits(caches: dict[str, ss.Shards], quick: bool) -> None:
         f"s/GB is the process's while it ran. Median of {rounds} interleaved rounds; each loader sample runs its "
         f"epochs until {min_bytes / 1e9:.1f} GB. The 'numpy only' row and its limits run without numba's "
         "kernels. Targets: every row >= 0.8 of its limit, CPU s/GB within 1.3 x the limit's; numpy only "
-        "within 2 x the compiled row's time."
+        "within 2 x the compiled row's time. " + huge_note
     )
     table.emit()
 

@@ -1,0 +1,36 @@
+"""benchmarks/benchlib.py: how much of a cache the page cache maps with huge pages."""
+
+from __future__ import annotations
+
+import mmap
+from pathlib import Path
+
+import numpy as np
+
+from benchmarks import benchlib as bl
+
+
+def test_mapped_huge_counts_the_shard_files_and_never_more_than_them(tmp_path: Path) -> None:
+    sizes = {"acts000000.bin": 5 << 20, "acts000001.bin": 3 << 20, "acts000002.bin": 0}
+    for name, size in sizes.items():
+        (tmp_path / name).write_bytes(np.arange(size, dtype=np.uint8).tobytes())
+    (tmp_path / "labels.bin").write_bytes(b"\1" * (1 << 20))  # not a shard: not counted
+    huge, total = bl.mapped_huge(tmp_path)
+    assert total == sum(sizes.values())
+    assert 0 <= huge <= total and huge % (2 << 20) == 0  # whole 2 MiB pages, if any
+    note = bl.mapped_huge_note([tmp_path])
+    assert f"{total / 1e9:.2f} GB" in note and "huge pages" in note
+
+
+def test_smaps_field_of_a_mapping_found_by_its_start(tmp_path: Path) -> None:
+    f = tmp_path / "acts000000.bin"
+    f.write_bytes(b"\0" * (1 << 20))
+    with open(f, "rb") as fh:
+        m = mmap.mmap(fh.fileno(), 1 << 20, prot=mmap.PROT_READ)
+    try:
+        start = np.frombuffer(m, dtype=np.uint8).ctypes.data
+        assert bl._smaps_kib(start, "Size") == 1024  # the mapping's own entry, in kB
+        assert bl._smaps_kib(start, "NoSuchField") == 0
+        assert bl._smaps_kib(1, "Size") == 0  # no mapping starts there
+    finally:
+        m.close()
