@@ -455,6 +455,23 @@ def warm_cache(paths: Path | Sequence[Path]) -> None:
                     pass
 
 
+def settle_memory() -> str:
+    """Give the caches written next the page cache of a machine with memory to spare: the
+    clean page cache (what earlier suites left) dropped and free memory compacted, so that
+    the kernel finds 2 MiB blocks for large folios (a page cache crowded by earlier suites
+    leaves few, and a cache written then is held in small folios: docs/loaders.md, "Large
+    folios"). Needs root; elsewhere nothing is done. Returns what was done, for a note."""
+    os.sync()
+    done = []
+    for knob, what in (("drop_caches", "dropped the clean page cache"), ("compact_memory", "compacted free memory")):
+        try:
+            Path("/proc/sys/vm", knob).write_text("1")  # drop_caches 1: the page cache only
+            done.append(what)
+        except OSError:
+            pass
+    return " and ".join(done)
+
+
 def mapped_huge(path: Path) -> tuple[int, int]:
     """Bytes of a cache's shard files that a mapping of each maps with huge pages once its
     pages are mapped (the page cache's large folios: docs/loaders.md, "Large folios"), and
@@ -504,11 +521,16 @@ def mapped_huge_note(paths: Sequence[Path]) -> str:
     for p in paths:
         h, t = mapped_huge(p)
         huge, total = huge + h, total + t
+    settled = f" (before they were written the suite {SETTLED[0]})" if SETTLED else ""
     return (
         f"Of the caches' {total / 1e9:.2f} GB, {huge / 1e9:.2f} GB were mapped with huge pages when the tables "
-        "started (the page cache's large folios: gathers read in place pay TLB misses on the rest; docs/loaders.md, "
-        "'Large folios')."
+        f"started{settled}: the page cache's large folios; gathers read in place pay TLB misses on the rest "
+        "(docs/loaders.md, 'Large folios')."
     )
+
+
+#: What `settle_memory` did before a suite wrote its caches (empty: nothing), for the notes.
+SETTLED: list[str] = []
 
 
 # --------------------------------------------------------------------------------------

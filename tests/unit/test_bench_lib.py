@@ -6,6 +6,7 @@ import mmap
 from pathlib import Path
 
 import numpy as np
+import pytest
 
 from benchmarks import benchlib as bl
 
@@ -34,3 +35,27 @@ def test_smaps_field_of_a_mapping_found_by_its_start(tmp_path: Path) -> None:
         assert bl._smaps_kib(1, "Size") == 0  # no mapping starts there
     finally:
         m.close()
+
+
+def test_settle_memory_says_what_it_did_and_skips_what_it_may_not(monkeypatch: pytest.MonkeyPatch) -> None:
+    written: list[str] = []
+
+    def write_text(self: Path, text: str) -> int:
+        if self.name == "compact_memory":
+            raise PermissionError(13, "not root")
+        written.append(f"{self}={text}")
+        return len(text)
+
+    monkeypatch.setattr("os.sync", lambda: None)
+    monkeypatch.setattr(Path, "write_text", write_text)
+    assert bl.settle_memory() == "dropped the clean page cache"
+    assert written == ["/proc/sys/vm/drop_caches=1"]  # 1: the page cache only, never dentries and inodes
+    monkeypatch.setattr(Path, "write_text", lambda self, text: (_ for _ in ()).throw(PermissionError(13, "no")))
+    assert bl.settle_memory() == ""
+    bl.SETTLED[:] = []
+    assert "before they were written" not in bl.mapped_huge_note([])
+    bl.SETTLED[:] = ["compacted free memory"]
+    try:
+        assert "(before they were written the suite compacted free memory)" in bl.mapped_huge_note([])
+    finally:
+        bl.SETTLED[:] = []
