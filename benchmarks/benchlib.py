@@ -181,6 +181,12 @@ def odirect_random_read_files(
 
 def in_threads(threads: int, work: Callable[[int], None]) -> float:
     """Seconds for ``threads`` threads to each run ``work(i)``, started together (GIL released inside)."""
+    return in_threads_cpu(threads, work)[0]
+
+
+def in_threads_cpu(threads: int, work: Callable[[int], None]) -> tuple[float, float]:
+    """``(seconds, process CPU seconds)`` for ``threads`` threads to each run ``work(i)``, started
+    together: the CPU time over the same stretch as the wall time, nothing of the set-up before."""
     barrier = threading.Barrier(threads + 1)
 
     def run(i: int) -> None:
@@ -191,10 +197,10 @@ def in_threads(threads: int, work: Callable[[int], None]) -> float:
     for th in pool:
         th.start()
     barrier.wait()
-    t = time.perf_counter()
+    t, cpu = time.perf_counter(), time.process_time()
     for th in pool:
         th.join()
-    return time.perf_counter() - t
+    return time.perf_counter() - t, time.process_time() - cpu
 
 
 def buffered_read_gbps(paths: Sequence[Path], threads: int, block: int = 4 << 20, limit: int | None = None) -> float:

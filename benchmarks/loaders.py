@@ -426,6 +426,16 @@ class LoaderGather:
         self.row_bytes = int(np.prod(cfg.row_shape)) * md.itemsize
         #: As many threads as the loader gathers with (2 here by default; 1 for the '1 gather thread' row).
         self.threads = cfg.gather_threads
+        #: Process CPU seconds per GB of each sample, by kind ('precomputed', 'drawn', 'plain'):
+        #: over the gathers' stretch only, as their GB/s (not their set-up, such as `plain`'s buffer).
+        self.cpu: dict[str, list[float]] = {}
+
+    def _timed(self, kind: str, run: Callable[[int], None], nbytes: Callable[[], float]) -> float:
+        """GB/s of ``run`` on this many threads, recording its CPU seconds per GB under ``kind``."""
+        dt, cpu = bl.in_threads_cpu(self.threads, run)
+        gb = nbytes() / 1e9
+        self.cpu.setdefault(kind, []).append(cpu / max(gb, 1e-9))
+        return gb / dt
 
     def index(self, w: int) -> Any:
         window = self.plan.windows[w]
@@ -459,8 +469,7 @@ class LoaderGather:
             for b, o in work[t :: self.threads]:
                 self.take(values, scales, b, o)
 
-        dt = bl.in_threads(self.threads, run)
-        return sum(len(b) for b, _ in work) * self.row_bytes / dt / 1e9
+        return self._timed("precomputed", run, lambda: sum(len(b) for b, _ in work) * self.row_bytes)
 
     def drawn(self, min_bytes: float) -> float:
         """GB/s of the epoch's windows, each thread indexing its windows (the loader's permutation
@@ -480,8 +489,7 @@ class LoaderGather:
                     done[t] += len(rows) * self.row_bytes
                 w += self.threads
 
-        dt = bl.in_threads(self.threads, run)
-        return sum(done) / dt / 1e9
+        return self._timed("drawn", run, lambda: sum(done))
 
     def plain(self, window_bytes: int, min_bytes: float) -> float:
         """GB/s of random rows of an anonymous window-sized buffer, the indices drawn batch by batch
@@ -505,23 +513,10 @@ class LoaderGather:
                 o += self.threads
                 done[t] += BATCH * self.row_bytes
 
-        dt = bl.in_threads(self.threads, run)
-        return sum(done) / dt / 1e9
+        return self._timed("plain", run, lambda: sum(done))
 
     def close(self) -> None:
         self.loader.close()
-
-
-def _with_cpu(fn: Callable[[], float], label: str, cpu: dict[str, list[float]]) -> Callable[[], float]:
-    """``fn`` (GB/s), recording the process CPU seconds per GB it spent under ``cpu[label]``."""
-
-    def run() -> float:
-        c, t = time.process_time(), time.perf_counter()
-        gbps = fn()
-        cpu.setdefault(label, []).append((time.process_time() - c) / max(gbps * (time.perf_counter() - t), 1e-9))
-        return gbps
-
-    return run
 
 
 def _numpy_only(fn: Callable[[], float]) -> Callable[[], float]:
@@ -542,7 +537,6 @@ def bench_own_limits(caches: dict[str, ss.Shards], quick: bool) -> None:
     limit_bytes = 0.25e9 if quick else 1e9
     fns: dict[str, Callable[[], float]] = {}
     samples: dict[str, list[tuple[float, float, float, float, float]]] = {}
-    cpu: dict[str, list[float]] = {}
     gathers: list[LoaderGather] = []
     rows = []
     for window in WINDOWS:
@@ -563,8 +557,8 @@ def bench_own_limits(caches: dict[str, ss.Shards], quick: bool) -> None:
             row_fns: dict[str, Callable[[], float]] = {
                 "loader": sample,
                 "precomputed": functools.partial(g.precomputed, limit_bytes),
-                "drawn": _with_cpu(functools.partial(g.drawn, limit_bytes), f"{label}: drawn", cpu),
-                "plain": _with_cpu(functools.partial(g.plain, window, limit_bytes), f"{label}: plain", cpu),
+                "drawn": functools.partial(g.drawn, limit_bytes),
+                "plain": functools.partial(g.plain, window, limit_bytes),
             }
             fns.update({f"{label}: {k}": _numpy_only(fn) if numpy else fn for k, fn in row_fns.items()})
     for shards in caches.values():
@@ -593,12 +587,12 @@ def bench_own_limits(caches: dict[str, ss.Shards], quick: bool) -> None:
             "limit CPU s/GB",
         ],
     )
-    for label, _ in rows:
+    for label, g in rows:
         loader = medians[f"{label}: loader"]
         own, drawn, plain = (medians[f"{label}: {k}"] for k in ("precomputed", "drawn", "plain"))
         best = "drawn" if drawn >= plain else "plain"
         tokens, startup, loader_cpu = (float(np.median([s[i] for s in samples[label]])) for i in (1, 2, 3))
-        limit_cpu = float(np.median(cpu[f"{label}: {best}"]))
+        limit_cpu = float(np.median(g.cpu[best]))
         table.add(
             label,
             loader,
@@ -631,7 +625,8 @@ def bench_own_limits(caches: dict[str, ss.Shards], quick: bool) -> None:
         "scales), each batch's indices drawn with `Generator.integers` just before its gather. The limit is the "
         "faster of the two drawn ones ('ratio to own rows drawn' is the loader against the rows it reads, where "
         "it reads them: a page-cached window is not one anonymous buffer); its CPU "
-        f"s/GB is the process's while it ran. Median of {rounds} interleaved rounds; each loader sample runs its "
+        "s/GB is the process's while its gathers ran (not its set-up: the anonymous buffer's fill). "
+        f"Median of {rounds} interleaved rounds; each loader sample runs its "
         f"epochs until {min_bytes / 1e9:.1f} GB. The 'numpy only' row and its limits run without numba's "
         "kernels. Targets: every row >= 0.8 of its limit, CPU s/GB within 1.3 x the limit's; numpy only "
         "within 2 x the compiled row's time. " + huge_note

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import mmap
+import time
 from pathlib import Path
 
 import numpy as np
@@ -59,3 +60,22 @@ def test_settle_memory_says_what_it_did_and_skips_what_it_may_not(monkeypatch: p
         assert "(before they were written the suite compacted free memory)" in bl.mapped_huge_note([])
     finally:
         bl.SETTLED[:] = []
+
+
+def test_in_threads_cpu_counts_the_threads_work_and_nothing_before_it() -> None:
+    """The CPU seconds beside a timed run are its threads' (a limit's CPU s/GB once counted its
+    set-up, the buffer it filled before the clock started, and came out at half the real cost)."""
+
+    def spin(_: int) -> None:
+        start = time.thread_time()
+        while time.thread_time() - start < 0.05:
+            pass
+
+    def rest(_: int) -> None:
+        time.sleep(0.05)
+
+    spin(0)  # set-up before the call: not counted
+    _, busy = bl.in_threads_cpu(2, spin)
+    _, idle = bl.in_threads_cpu(2, rest)
+    assert busy >= 0.1  # both threads' CPU, whatever the wall time was
+    assert idle < 0.05 <= busy
