@@ -397,6 +397,12 @@ OWN_ROWS: list[tuple[str, str, dict[str, Any]]] = [
 ]
 #: The shuffle windows the rows are measured at: the loaders' default and a small one.
 WINDOWS = (1 << 30, 64 << 20)
+#: Bytes of the anonymous buffer the 'random rows' limit draws window-sized regions from, in
+#: turn: more than the largest window and several times the largest CPU cache seen (480 MiB of
+#: L3 on the development machine), so that a region is read from memory, as a loader's window is.
+PLAIN_BUFFER_BYTES = 2 << 30
+#: `LoaderGather.plain_source` of each cache (by path), built once for all its rows.
+_PLAIN_SOURCES: dict[str, tuple[np.ndarray[Any, Any], np.ndarray[Any, Any] | None]] = {}
 
 
 class LoaderGather:
@@ -491,27 +497,49 @@ class LoaderGather:
 
         return self._timed("drawn", run, lambda: sum(done))
 
+    def plain_source(self) -> tuple[np.ndarray[Any, Any], np.ndarray[Any, Any] | None]:
+        """The anonymous buffer 'random rows' draws from, shared by every row of the same cache:
+        `PLAIN_BUFFER_BYTES` of the cache's own vectors (its first window's, repeated; a float8_e4m3
+        row's dequantizing costs what its bytes and scale make it cost, as in the loader)."""
+        key = str(self.loader.shards.path)
+        if key not in _PLAIN_SOURCES:
+            md = self.loader.shards.metadata
+            n_rows = max(1, PLAIN_BUFFER_BYTES // (md.d_model * md.itemsize))
+            own = np.resize(self.index(0).flat.reshape(-1), n_rows)
+            values = np.take(self.cache.values, own, axis=0)
+            scales = None if self.cache.scales is None else np.take(self.cache.scales, own)
+            _PLAIN_SOURCES[key] = (values, scales)
+        return _PLAIN_SOURCES[key]
+
     def plain(self, window_bytes: int, min_bytes: float) -> float:
-        """GB/s of random rows of an anonymous window-sized buffer, the indices drawn batch by batch
-        (``Generator.integers``), into the same outputs by the same call."""
+        """GB/s of random rows of an anonymous buffer, a window's worth at a time: each thread takes
+        the next window-sized region of the buffer (`plain_source`, larger than the CPU's caches, so
+        a region comes round again from memory), draws its order (``Generator.permutation``: every
+        vector once, as a loader's window) and gathers it batch by batch into the same outputs by
+        the same call. Rows drawn again and again from one window-sized buffer (what this limit did
+        until 2026-11-28) came from the CPU's caches at small windows (a 64 MiB buffer fits in this
+        machine's 480 MiB L3), which no loader streaming a cache can reach."""
         cfg = self.cfg
         md = self.loader.shards.metadata
-        n_rows = max(1, min(window_bytes, md.nbytes) // (md.d_model * md.itemsize))
-        # The cache's own vectors (its first window's, repeated to fill the buffer): a float8_e4m3
-        # row's dequantizing costs what its bytes and scale make it cost, as in the loader.
-        own = np.resize(self.index(0).flat.reshape(-1), n_rows)
-        values = np.take(self.cache.values, own, axis=0)
-        scales = None if self.cache.scales is None else np.take(self.cache.scales, own)
-        shape = (BATCH, *cfg.row_shape[:-1])
+        values, scales = self.plain_source()
+        per_row = int(np.prod(cfg.row_shape[:-1]))  # vectors in one output row (L stacked, else 1)
+        region = max(per_row, min(window_bytes // (md.d_model * md.itemsize), len(values)))
+        region -= region % per_row
+        n_regions = max(1, len(values) // region)
         done = [0] * self.threads
 
         def run(t: int) -> None:
             rng = np.random.default_rng(t)
-            o = t
+            r, o = t, t
             while done[t] * self.threads < min_bytes:
-                self.take(values, scales, rng.integers(0, n_rows, shape), o % len(self.outs))
-                o += self.threads
-                done[t] += BATCH * self.row_bytes
+                order = rng.permutation(region) + (r % n_regions) * region
+                rows = order.reshape(-1, *cfg.row_shape[:-1])
+                for i in range(0, len(rows), BATCH):
+                    batch = rows[i : i + BATCH]
+                    self.take(values, scales, batch, o % len(self.outs))
+                    o += self.threads
+                    done[t] += len(batch) * self.row_bytes
+                r += self.threads
 
         return self._timed("plain", run, lambda: sum(done))
 
@@ -561,6 +589,8 @@ def bench_own_limits(caches: dict[str, ss.Shards], quick: bool) -> None:
                 "plain": functools.partial(g.plain, window, limit_bytes),
             }
             fns.update({f"{label}: {k}": _numpy_only(fn) if numpy else fn for k, fn in row_fns.items()})
+    for g in gathers:
+        g.plain_source()  # built once per cache, before any clock starts
     for shards in caches.values():
         bl.warm_cache(shards.path)
     huge_note = bl.mapped_huge_note([shards.path for shards in caches.values()])
@@ -569,6 +599,7 @@ def bench_own_limits(caches: dict[str, ss.Shards], quick: bool) -> None:
     finally:
         for g in gathers:
             g.close()
+        _PLAIN_SOURCES.clear()
     table = tables.Table(
         "loaders_page_cached_own_limits",
         "ShuffledLoader rows, page-cached, against gathers of their own rows and output dtype (GB/s of stored bytes)",
@@ -620,9 +651,14 @@ def bench_own_limits(caches: dict[str, ss.Shards], quick: bool) -> None:
         "metadata handed out. 'own rows, precomputed' (a reference, not reachable): the loader's first window's rows "
         "in its order from the cache mapped in place, its index computed before the clock starts. 'own rows, order "
         "drawn as it goes': every window of the loader's epoch, each thread computing a window's index (the "
-        "permutation and the rows, `index_window`) and then gathering it. 'random rows, drawn as it goes': rows of "
-        "an anonymous buffer of the window's size (or the cache's, if smaller) holding the cache's own vectors (and "
-        "scales), each batch's indices drawn with `Generator.integers` just before its gather. The limit is the "
+        "permutation and the rows, `index_window`) and then gathering it. 'random rows, drawn as it goes': "
+        f"window-sized regions, in turn, of an anonymous buffer of {PLAIN_BUFFER_BYTES >> 30} GiB holding the "
+        "cache's own vectors (and scales), each thread drawing its region's order (`Generator.permutation`, every "
+        "vector once, as a loader's window) and gathering it batch by batch; the buffer is several times the "
+        "CPU's last-level cache, so that a region comes from memory, as a loader's window does (rows drawn again "
+        "and again from one window-sized buffer, as this limit did before 2026-11-28, came from the CPU's cache at "
+        "a 64 MiB window: no loader streaming a cache reaches that). 'own rows, precomputed' at a window that "
+        "fits in the CPU's cache gathers from it too: a reference only. The limit is the "
         "faster of the two drawn ones ('ratio to own rows drawn' is the loader against the rows it reads, where "
         "it reads them: a page-cached window is not one anonymous buffer); its CPU "
         "s/GB is the process's while its gathers ran (not its set-up: the anonymous buffer's fill). "
