@@ -45,6 +45,19 @@ class Order(Protocol):
         ...
 
 
+#: Bytes of the first window of an order whose windows' cuts leave its batches unchanged (an
+#: `Order` with ``windows_free`` true), when its windows are larger: its first batch waits for
+#: one window's reads from a cold cache, the later windows' are read while earlier ones are gathered.
+FIRST_WINDOW_BYTES = 64 << 20
+
+
+def windows_free(order: Order) -> bool:
+    """Whether ``order``'s windows may be cut anywhere without changing its batches: its
+    ``windows_free`` attribute (an order without one counts as not: a window permuted, or its
+    generator drawn from its number, depends on where windows start)."""
+    return bool(getattr(order, "windows_free", False))
+
+
 @dataclasses.dataclass(frozen=True)
 class ShuffledWindows:
     """ReadSpans permuted over the whole cache per epoch; every unit of a window permuted."""
@@ -52,6 +65,8 @@ class ShuffledWindows:
     name: str = "shuffled"
     #: ReadSpans come in random order (`default_read_threads` keeps more requests in flight).
     sequential: bool = False
+    #: Every window's units are permuted: where windows start decides the batches.
+    windows_free: bool = False
 
     def block_order(self, n_blocks: int, seed: int, epoch: int) -> npt.NDArray[np.int64]:
         return np.random.default_rng([seed, epoch]).permutation(n_blocks).astype(np.int64)
@@ -70,6 +85,8 @@ class Sequential:
     name: str = "ordered"
     #: ReadSpans follow each other in each file: the kernel's readahead streams them.
     sequential: bool = True
+    #: Windows are walked in order and never permuted: however they are cut, the same batches.
+    windows_free: bool = True
 
     def block_order(self, n_blocks: int, seed: int, epoch: int) -> npt.NDArray[np.int64]:
         return np.arange(n_blocks, dtype=np.int64)

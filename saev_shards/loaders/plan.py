@@ -145,8 +145,11 @@ def plan_epoch(
     window_rows: int,
     batch_size: int,
     drop_last: bool,
+    first_window_rows: int | None = None,
 ) -> EpochPlan:
-    """Cut the block stream ``order`` into this rank's share, then into windows of ``window_rows``."""
+    """Cut the block stream ``order`` into this rank's share, then into windows of ``window_rows``
+    (the first of ``first_window_rows`` when given and smaller: an order whose windows are not
+    permuted gives the same batches however they are cut, and a small first window is read sooner)."""
     units = spans.units[order]
     cum = np.zeros(len(order) + 1, dtype=np.int64)
     np.cumsum(units, out=cum[1:])
@@ -169,6 +172,9 @@ def plan_epoch(
     row_start = np.zeros(len(mine), dtype=np.int64)
     np.cumsum(rows[:-1], out=row_start[1:])
     window_of = row_start // max(1, window_rows)
+    if first_window_rows is not None and first_window_rows < window_rows:
+        first_rows = max(1, first_window_rows)
+        window_of = np.where(row_start < first_rows, 0, 1 + (row_start - first_rows) // max(1, window_rows))
     cuts = np.flatnonzero(np.diff(window_of)) + 1
     groups = np.split(np.arange(len(mine)), cuts)
     trim_lo, trim_hi = lo - int(cum[first]), int(cum[end]) - hi

@@ -70,6 +70,56 @@ def test_windows_and_segments_cover_each_share_once(
             )
 
 
+@given(
+    strategies.metadata(max_examples=30, min_examples=1),
+    st.integers(1, 3),
+    st.sampled_from([1, 7, 50, 300]),
+    st.sampled_from([1, 3, 40, 1 << 20]),
+    st.sampled_from([1, 64, 1 << 22]),
+    st.integers(1, 17),
+)
+def test_a_smaller_first_window_cuts_the_same_stream(
+    md: ss.Metadata, world_size: int, window_rows: int, first_rows: int, block_bytes: int, batch_size: int
+) -> None:
+    """An order whose windows are not permuted may read a smaller first window first: the same
+    blocks in the same order, the first window holding the blocks that start before
+    ``first_rows``, every later one ``window_rows`` of the stream from there."""
+    with cache(md) as (shards, _):
+        selection = TokenSelection(shards)
+        spans = ReadSpans(shards, selection, block_bytes)
+        order = Sequential().block_order(len(spans), 0, 0)
+        for rank in range(world_size):
+            even = plan_epoch(spans, order, rank, world_size, window_rows, batch_size, False)
+            cut = plan_epoch(spans, order, rank, world_size, window_rows, batch_size, False, first_rows)
+            assert [b for w in cut.windows for b in w.spans.tolist()] == [
+                b for w in even.windows for b in w.spans.tolist()
+            ]
+            assert (cut.n_units, cut.n_batches) == (even.n_units, even.n_batches)
+            assert sum(w.n_units for w in cut.windows) == cut.n_units == cut.window_start[-1]
+
+            def units(plan: Any) -> list[tuple[int, int, int]]:
+                out = []
+                for w in plan.windows:
+                    ix = index_window(selection, spans, w, None)
+                    assert ix.layers is not None
+                    out += list(zip(ix.examples.tolist(), ix.layers.tolist(), ix.tokens.tolist(), strict=True))
+                return out
+
+            assert units(cut) == units(even)  # the same units, in the same order
+            # Each window holds the blocks of one bucket of the stream's rows, buckets increasing.
+            first = min(first_rows, window_rows)
+            sizes = [int(spans.rows[b]) for w in cut.windows for b in w.spans.tolist()]
+            starts = np.cumsum([0, *sizes])[:-1].tolist()
+            buckets: list[int] = []
+            at = 0
+            for w in cut.windows:
+                mine = {0 if r < first else 1 + (r - first) // window_rows for r in starts[at : at + len(w.spans)]}
+                at += len(w.spans)
+                assert len(mine) == 1
+                buckets += mine
+            assert buckets == sorted(set(buckets)) and buckets[:1] == ([0] if cut.windows else [])
+
+
 def test_planning_needs_no_torch(tmp_path: Path) -> None:
     code = f"""
 import sys

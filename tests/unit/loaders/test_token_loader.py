@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import inspect
 import re
 import subprocess
 import sys
@@ -17,7 +18,7 @@ from hypothesis import strategies as st
 import saev_shards as ss
 from saev_shards import loaders
 from saev_shards.errors import LoaderError
-from saev_shards.loaders import CLS_LABEL
+from saev_shards.loaders import CLS_LABEL, token_loader
 
 from ...support import strategies
 from ...support.caches import expected_vectors, labels_for, small_metadata, write_cache
@@ -104,6 +105,48 @@ def test_ordered_batches_cross_shard_boundaries(make_cache: Any) -> None:
     for b in batches:
         assert b.labels is not None
         np.testing.assert_array_equal(b.labels.numpy(), labels[b.examples.numpy(), b.tokens.numpy() - 1])
+
+
+def test_ordered_windows_however_cut_give_the_same_batches(make_cache: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The OrderedLoader's windows (its ``buffer_bytes``, and its smaller first window) decide
+    how much is read at once, never a batch: the same batches, and a state saved by one resumes
+    in another. A ShuffledLoader's windows are permuted: it never cuts its first one smaller."""
+    md = small_metadata(n_examples=23, patches_per_shard=50)
+    shards, logical = make_cache(md, labels=True)
+    slice_bytes = md.tokens_per_ex * md.d_model * md.itemsize
+
+    def ordered(buffer_slices: int, first_slices: int) -> loaders.OrderedLoader:
+        monkeypatch.setattr(token_loader, "FIRST_WINDOW_BYTES", first_slices * slice_bytes)
+        loader = OrderedLoader(shards, batch_size=13, buffer_bytes=buffer_slices * slice_bytes, block_bytes=1)
+        assert loader._first_window_rows == first_slices
+        return loader
+
+    reference = ordered(1 << 20, 1 << 20)
+    want = [(b.acts.clone(), b.examples, b.tokens, b.layers) for b in reference]
+    for b in reference:
+        check_batch(b, md, logical)
+    for buffer_slices, first_slices in [(7, 1), (7, 3), (40, 2), (5, 40), (1, 1)]:
+        loader = ordered(buffer_slices, first_slices)
+        windows = [len(w.spans) for w in loader.plan(0).windows]
+        if first_slices < buffer_slices:  # the first window is the small one
+            assert windows[0] <= first_slices < buffer_slices
+        got = list(loader)
+        assert len(got) == len(want)
+        for g, (acts, examples, tokens, layers) in zip(got, want, strict=True):
+            assert torch.equal(g.acts, acts) and torch.equal(g.examples, examples)
+            assert torch.equal(g.tokens, tokens) and torch.equal(g.layers, layers)
+        # A state saved part-way by one resumes in another with the batches still to come.
+        saver = ordered(buffer_slices, first_slices)
+        it = iter(saver)
+        for _ in range(5):
+            next(it)
+        resumed = ordered(3, 1)
+        resumed.load_state_dict(saver.state_dict())
+        rest = list(resumed)
+        assert [r.examples.tolist() for r in rest] == [w[1].tolist() for w in want[5:]]
+    monkeypatch.setattr(token_loader, "FIRST_WINDOW_BYTES", slice_bytes)
+    assert ShuffledLoader(shards, batch_size=13, buffer_bytes=7 * slice_bytes)._first_window_rows is None
+    assert inspect.signature(loaders.OrderedLoader).parameters["buffer_bytes"].default == 256 << 20
 
 
 # -- order, determinism, resume -------------------------------------------------------
