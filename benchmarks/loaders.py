@@ -398,8 +398,9 @@ OWN_ROWS: list[tuple[str, str, dict[str, Any]]] = [
 #: The shuffle windows the rows are measured at: the loaders' default and a small one.
 WINDOWS = (1 << 30, 64 << 20)
 #: Bytes of the anonymous buffer the 'random rows' limit draws window-sized regions from, in
-#: turn: more than the largest window and several times the largest CPU cache seen (480 MiB of
-#: L3 on the development machine), so that a region is read from memory, as a loader's window is.
+#: turn (or the whole cache, if smaller): more than the largest window and several times the
+#: largest CPU cache seen (480 MiB of L3 on the development machine), so that a region is read
+#: from memory, as a loader's window is.
 PLAIN_BUFFER_BYTES = 2 << 30
 #: `LoaderGather.plain_source` of each cache (by path), built once for all its rows.
 _PLAIN_SOURCES: dict[str, tuple[np.ndarray[Any, Any], np.ndarray[Any, Any] | None]] = {}
@@ -499,41 +500,51 @@ class LoaderGather:
 
     def plain_source(self) -> tuple[np.ndarray[Any, Any], np.ndarray[Any, Any] | None]:
         """The anonymous buffer 'random rows' draws from, shared by every row of the same cache:
-        `PLAIN_BUFFER_BYTES` of the cache's own vectors (its first window's, repeated; a float8_e4m3
-        row's dequantizing costs what its bytes and scale make it cost, as in the loader)."""
+        the cache's first examples as stored, ``(examples * L * T, D)`` in its own layout (every
+        layer and token, a float8_e4m3 cache's scales beside), up to `PLAIN_BUFFER_BYTES`."""
         key = str(self.loader.shards.path)
         if key not in _PLAIN_SOURCES:
-            md = self.loader.shards.metadata
-            n_rows = max(1, PLAIN_BUFFER_BYTES // (md.d_model * md.itemsize))
-            own = np.resize(self.index(0).flat.reshape(-1), n_rows)
-            values = np.take(self.cache.values, own, axis=0)
-            scales = None if self.cache.scales is None else np.take(self.cache.scales, own)
+            shards = self.loader.shards
+            md = shards.metadata
+            n_ex = max(1, min(md.n_examples, PLAIN_BUFFER_BYTES // md.example_nbytes))
+            values = shards.read_range_raw(0, n_ex).reshape(-1, md.d_model)
+            scales = shards.read_range_scales(0, n_ex).reshape(-1) if self.cache.scales is not None else None
             _PLAIN_SOURCES[key] = (values, scales)
         return _PLAIN_SOURCES[key]
 
     def plain(self, window_bytes: int, min_bytes: float) -> float:
         """GB/s of random rows of an anonymous buffer, a window's worth at a time: each thread takes
-        the next window-sized region of the buffer (`plain_source`, larger than the CPU's caches, so
-        a region comes round again from memory), draws its order (``Generator.permutation``: every
-        vector once, as a loader's window) and gathers it batch by batch into the same outputs by
-        the same call. Rows drawn again and again from one window-sized buffer (what this limit did
-        until 2026-11-28) came from the CPU's caches at small windows (a 64 MiB buffer fits in this
-        machine's 480 MiB L3), which no loader streaming a cache can reach."""
-        cfg = self.cfg
+        the next window-sized region of the buffer (`plain_source`: the cache's layout, larger than
+        the CPU's caches, so a region comes round again from memory), draws its order
+        (``Generator.permutation`` of the region's chosen units: the loader's layers and tokens,
+        every one once, as a loader's window) and gathers it batch by batch into the same outputs
+        by the same call. Rows drawn again and again from one window-sized buffer of the chosen
+        vectors alone (what this limit did until 2026-11-28) came from the CPU's caches at small
+        windows (a 64 MiB buffer fits in this machine's 480 MiB L3), and one layer of two packed
+        densely was not the layout a loader reads: neither is reachable by a loader."""
         md = self.loader.shards.metadata
         values, scales = self.plain_source()
-        per_row = int(np.prod(cfg.row_shape[:-1]))  # vectors in one output row (L stacked, else 1)
-        region = max(per_row, min(window_bytes // (md.d_model * md.itemsize), len(values)))
-        region -= region % per_row
-        n_regions = max(1, len(values) // region)
+        per_ex = md.n_layers * md.tokens_per_ex  # vectors of one example in the buffer
+        layers = self.loader.selection.layer_positions
+        tokens = self.loader.selection.base_tokens
+        if self.loader.stack_layers:  # a unit is one token at every chosen layer: (tokens, L)
+            units = layers[None, :] * md.tokens_per_ex + tokens[:, None]
+        else:  # a unit is one vector, by layer then token
+            units = (layers[:, None] * md.tokens_per_ex + tokens[None, :]).reshape(-1)
+        unit_bytes = units[0].size * md.d_model * md.itemsize
+        n_ex = len(values) // per_ex
+        region = max(1, min(n_ex, window_bytes // max(1, len(units) * unit_bytes)))  # examples per window
+        n_regions = max(1, n_ex // region)
         done = [0] * self.threads
 
         def run(t: int) -> None:
             rng = np.random.default_rng(t)
             r, o = t, t
             while done[t] * self.threads < min_bytes:
-                order = rng.permutation(region) + (r % n_regions) * region
-                rows = order.reshape(-1, *cfg.row_shape[:-1])
+                order = rng.permutation(region * len(units))
+                example, unit = np.divmod(order, len(units))
+                rows = (example + (r % n_regions) * region).reshape(-1, *([1] * (units.ndim - 1))) * per_ex
+                rows = rows + units[unit]
                 for i in range(0, len(rows), BATCH):
                     batch = rows[i : i + BATCH]
                     self.take(values, scales, batch, o % len(self.outs))
@@ -652,13 +663,15 @@ def bench_own_limits(caches: dict[str, ss.Shards], quick: bool) -> None:
         "in its order from the cache mapped in place, its index computed before the clock starts. 'own rows, order "
         "drawn as it goes': every window of the loader's epoch, each thread computing a window's index (the "
         "permutation and the rows, `index_window`) and then gathering it. 'random rows, drawn as it goes': "
-        f"window-sized regions, in turn, of an anonymous buffer of {PLAIN_BUFFER_BYTES >> 30} GiB holding the "
-        "cache's own vectors (and scales), each thread drawing its region's order (`Generator.permutation`, every "
-        "vector once, as a loader's window) and gathering it batch by batch; the buffer is several times the "
-        "CPU's last-level cache, so that a region comes from memory, as a loader's window does (rows drawn again "
-        "and again from one window-sized buffer, as this limit did before 2026-11-28, came from the CPU's cache at "
-        "a 64 MiB window: no loader streaming a cache reaches that). 'own rows, precomputed' at a window that "
-        "fits in the CPU's cache gathers from it too: a reference only. The limit is the "
+        f"window-sized regions, in turn, of an anonymous buffer holding the cache's first {PLAIN_BUFFER_BYTES >> 30} "
+        "GiB as stored (every layer and token, and scales), each thread drawing the order of its region's chosen "
+        "units (`Generator.permutation`: the loader's layers and tokens, every one once, as a loader's window) "
+        "and gathering them batch by batch; the buffer is several times the CPU's last-level cache, so that a "
+        "region comes from memory, as a loader's window does. Until 2026-11-28 this limit drew rows again and "
+        "again from one window-sized buffer of the chosen vectors alone: at a 64 MiB window they came from the "
+        "CPU's cache, and one layer of two was packed densely, not laid out as a loader reads it; neither is "
+        "reachable by a loader. 'own rows, precomputed' at a window that fits in the CPU's cache gathers from it "
+        "too: a reference only. The limit is the "
         "faster of the two drawn ones ('ratio to own rows drawn' is the loader against the rows it reads, where "
         "it reads them: a page-cached window is not one anonymous buffer); its CPU "
         "s/GB is the process's while its gathers ran (not its set-up: the anonymous buffer's fill). "
