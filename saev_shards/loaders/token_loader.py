@@ -162,13 +162,7 @@ class TokenLoader:
         self.pin_memory = bool(pin_memory) and torch.cuda.is_available() and self.device is None
         self.buffer_bytes, self.block_bytes = int(buffer_bytes), int(block_bytes)
         self._spans = ReadSpans(self.shards, self.selection, self.block_bytes, self.stack_layers)
-        md = self.shards.metadata
-        slice_bytes = md.tokens_per_ex * md.d_model * md.itemsize
-        self._window_rows = max(1, self.buffer_bytes // max(1, slice_bytes))
-        #: The first window's rows, where cutting it smaller changes no batch (`order.windows_free`).
-        self._first_window_rows = (
-            max(1, FIRST_WINDOW_BYTES // max(1, slice_bytes)) if windows_free(self.order) else None
-        )
+        self._window_rows, self._first_window_rows = _window_rows(self.shards, self.buffer_bytes, self.order)
         if read_threads is None:
             read_threads = default_read_threads(self.device is not None, getattr(self.order, "sequential", False))
         gathering = default_gather_threads() if gather_threads is None else int(gather_threads)
@@ -379,6 +373,15 @@ class TokenLoader:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def _window_rows(shards: Shards, buffer_bytes: int, order: Order) -> tuple[int, int | None]:
+    """``(T, D)`` slices of a window of ``buffer_bytes``, and of the first window where cutting it
+    smaller changes no batch (`order.windows_free`: `order.FIRST_WINDOW_BYTES`), else None."""
+    md = shards.metadata
+    slice_bytes = max(1, md.tokens_per_ex * md.d_model * md.itemsize)
+    first = max(1, FIRST_WINDOW_BYTES // slice_bytes) if windows_free(order) else None
+    return max(1, buffer_bytes // slice_bytes), first
 
 
 def _reordered(batch: Batch, order: tuple[int, ...]) -> Batch:
