@@ -7,6 +7,7 @@ import contextlib
 import dataclasses
 import os
 import shutil
+import stat
 import time
 import warnings
 from pathlib import Path
@@ -82,7 +83,10 @@ def list_caches(root: PathLike) -> list[CacheEntry]:
     base = Path(root).absolute()
     for name in _cache_names(base):
         path = base / name
-        nbytes = sum(e.stat(follow_symlinks=False).st_size for e in _scan(path) if e.is_file(follow_symlinks=False))
+        try:
+            nbytes, _ = _size_and_mtime(path)
+        except FileNotFoundError:  # removed meanwhile
+            continue
         try:
             shards = open_quietly(path)  # listings show the protocol column
         except (ShardsError, OSError) as err:  # OSError: e.g. an unreadable cache among readable ones
@@ -229,14 +233,20 @@ def folder_nbytes(path: Path) -> int:
 
 
 def _size_and_mtime(path: Path) -> tuple[int, float]:
+    """Bytes of ``path``'s files (one level) and the latest change among them and it.
+    `FileNotFoundError` if ``path`` itself is gone; a file inside renamed or removed while it is
+    scanned (a live writer sealing a shard) is left out, not taken for the folder's own end."""
     st = os.lstat(path)
     if not os.path.isdir(path):
         return st.st_size, st.st_mtime
     nbytes, mtime = 0, st.st_mtime
     for e in _scan(path):
-        est = e.stat(follow_symlinks=False)
+        try:
+            est = e.stat(follow_symlinks=False)
+        except FileNotFoundError:
+            continue
         mtime = max(mtime, est.st_mtime)
-        if e.is_file(follow_symlinks=False):
+        if stat.S_ISREG(est.st_mode):
             nbytes += est.st_size
     return nbytes, mtime
 

@@ -3,13 +3,17 @@ that are not caches (staging, partial copies), each judged live, resumable or st
 
 from __future__ import annotations
 
+import os
+from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
+import pytest
 
 import saev_shards as ss
 from saev_shards import store
 from saev_shards.protocol.staging import staging_dir
+from saev_shards.store import caches as store_caches
 
 from ...support.caches import small_metadata, write_cache
 
@@ -32,6 +36,33 @@ def test_list_caches_opens_each_cache_and_reports_what_does_not_open(root: Path)
     damaged = entries[broken.hash]
     assert not damaged.ok and damaged.n_shards is None and damaged.metadata == broken
     assert damaged.problem is not None and "acts000000.bin: missing" in damaged.problem
+
+
+def test_a_file_gone_while_its_folder_is_sized_leaves_the_folder_listed(
+    root: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A live writer renames and removes files in its staging folder as it goes: one gone between
+    the folder's listing and its stat is left out of the size, and the folder is still listed (it
+    used to vanish from `unpublished` as if it had been published, a race a busy test run met)."""
+    md = small_metadata()
+    w = ss.ShardWriter(root, md, durable=False)
+    w.write(np.zeros((7, *md.shape[1:]), np.float16))
+    w.abort()  # its folder stays as it is from here on
+    staging = staging_dir(root, md)
+    (before,) = store.unpublished(root)
+    (staging / "sealing.tmp").write_bytes(b"\0" * 4096)
+    real_scan = store_caches._scan  # type: ignore[attr-defined]
+
+    def scan(path: Path) -> Iterator[os.DirEntry[str]]:
+        for e in real_scan(path):
+            if e.name == "sealing.tmp":
+                os.remove(e.path)  # renamed by a writer's thread, say, after the listing
+            yield e
+
+    monkeypatch.setattr(store_caches, "_scan", scan)
+    (entry,) = store.unpublished(root)
+    assert (entry.kind, entry.hash, entry.nbytes, entry.sealed) == ("staging", md.hash, before.nbytes, 1)
+    assert not (staging / "sealing.tmp").exists()
 
 
 def test_an_interrupted_writer_leaves_a_resumable_staging_folder(root: Path) -> None:
