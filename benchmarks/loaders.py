@@ -464,6 +464,19 @@ class LoaderGather:
             np.take(values, rows, axis=0, out=raw, mode="clip")
             cast_into(raw, cfg.stored, cfg.out_dtype, out)
 
+    def take_batches(
+        self, values: np.ndarray[Any, Any], scales: np.ndarray[Any, Any] | None, rows: np.ndarray[Any, Any], o: int
+    ) -> tuple[int, int]:
+        """``rows`` gathered batch by batch into this thread's outputs from output ``o`` on (every
+        ``threads``-th): ``(the next output, stored bytes gathered)``."""
+        nbytes = 0
+        for i in range(0, len(rows), BATCH):
+            batch = rows[i : i + BATCH]
+            self.take(values, scales, batch, o % len(self.outs))
+            o += self.threads
+            nbytes += len(batch) * self.row_bytes
+        return o, nbytes
+
     def precomputed(self, min_bytes: float) -> float:
         """GB/s of the first window's rows, its index computed beforehand (not timed)."""
         flat = self.index(0).flat
@@ -488,12 +501,8 @@ class LoaderGather:
         def run(t: int) -> None:
             w, o = t, t
             while done[t] * self.threads < min_bytes:
-                flat = self.index(w % n_windows).flat
-                for i in range(0, len(flat), BATCH):
-                    rows = flat[i : i + BATCH]
-                    self.take(values, scales, rows, o % len(self.outs))
-                    o += self.threads
-                    done[t] += len(rows) * self.row_bytes
+                o, nbytes = self.take_batches(values, scales, self.index(w % n_windows).flat, o)
+                done[t] += nbytes
                 w += self.threads
 
         return self._timed("drawn", run, lambda: sum(done))
@@ -541,15 +550,11 @@ class LoaderGather:
             rng = np.random.default_rng(t)
             r, o = t, t
             while done[t] * self.threads < min_bytes:
-                order = rng.permutation(region * len(units))
-                example, unit = np.divmod(order, len(units))
-                rows = (example + (r % n_regions) * region).reshape(-1, *([1] * (units.ndim - 1))) * per_ex
-                rows = rows + units[unit]
-                for i in range(0, len(rows), BATCH):
-                    batch = rows[i : i + BATCH]
-                    self.take(values, scales, batch, o % len(self.outs))
-                    o += self.threads
-                    done[t] += len(batch) * self.row_bytes
+                example, unit = np.divmod(rng.permutation(region * len(units)), len(units))
+                first = (example + (r % n_regions) * region) * per_ex  # each unit's example's first vector
+                rows = units[unit] + (first[:, None] if units.ndim > 1 else first)
+                o, nbytes = self.take_batches(values, scales, rows, o)
+                done[t] += nbytes
                 r += self.threads
 
         return self._timed("plain", run, lambda: sum(done))
