@@ -22,7 +22,7 @@ import time
 import warnings
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 
@@ -65,18 +65,36 @@ def build_cache(root: Path, md: ss.Metadata) -> ss.Shards:
     return ss.open(path)
 
 
+class EpochSample(NamedTuple):
+    """One loader sample of `epoch_rate`."""
+
+    #: GB/s of stored bytes and tokens/s, from the first batch on (or after the first epoch).
+    gbps: float
+    tokens: float
+    #: Seconds from ``iter`` to the new loader's first batch.
+    first_batch: float
+    #: CPU seconds (every thread) per GB over the timed stretch.
+    cpu: float
+    #: Share of the timed stretch spent in later epochs' start-ups.
+    startups: float
+    #: GB/s of the new loader's whole first epoch, first batch included (``after_first_epoch``), else NaN.
+    first_epoch: float
+
+
 def epoch_rate(
-    make: Callable[[], Any], max_bytes: float = float("inf"), min_bytes: float = 0
-) -> tuple[float, float, float, float, float]:
-    """``(GB/s, tokens/s, seconds to the first batch, CPU seconds per GB, share of the time spent
-    in later epochs' start-ups)`` of one epoch (or its first ``max_bytes``), or of as many epochs
-    of the same loader as make ``min_bytes``.
+    make: Callable[[], Any], max_bytes: float = float("inf"), min_bytes: float = 0, after_first_epoch: bool = False
+) -> EpochSample:
+    """One epoch of a new loader (or its first ``max_bytes``), or as many epochs of the same
+    loader as make ``min_bytes``.
 
     The rates count from the first batch on: the first window's load, which nothing can
     overlap, is reported apart as the start-up time; later epochs' start-ups (from ``iter`` to
     their first batch) are counted, as a training loop meets them, and their share of the time
     reported. CPU time is the process's (every loader thread and the consumer) over the same
-    stretch.
+    stretch. ``after_first_epoch``: the clock starts once the new loader has run one whole epoch
+    (timed apart, `EpochSample.first_epoch`): what a training run gets from its second epoch on,
+    with the cache mapped in place (a local page-cached cache's pages are mapped into the process
+    during a loader's first epoch, once per loader).
     """
     loader = make()
     itemsize = loader.shards.metadata.itemsize  # count stored bytes, whatever the output dtype
@@ -85,7 +103,17 @@ def epoch_rate(
     it = iter(loader)
     first = next(it, None)
     t, cpu = time.perf_counter(), time.process_time()
+    first_batch, first_epoch = t - start, float("nan")
     startups = 0.0
+    if after_first_epoch and first is not None:
+        moved = first.acts.numel() + sum(batch.acts.numel() for batch in it)
+        first_epoch = moved * itemsize / (time.perf_counter() - start) / 1e9
+        t, cpu = time.perf_counter(), time.process_time()
+        it = iter(loader)  # the second epoch's start-up on the clock, as every later epoch's
+        first = next(it, None)
+        startups = time.perf_counter() - t
+        if first is not None:
+            tokens, nbytes = len(first), first.acts.numel() * itemsize
     while True:
         for batch in it:
             tokens += len(batch)
@@ -98,14 +126,15 @@ def epoch_rate(
         it = iter(loader)
         batch = next(it, None)  # counted like the others: the start-up is timed, not left out
         startups += time.perf_counter() - t_iter
-        if batch is not None:
-            tokens += len(batch)
-            nbytes += batch.acts.numel() * itemsize
+        if batch is None:
+            break
+        tokens += len(batch)
+        nbytes += batch.acts.numel() * itemsize
     dt, cpu = time.perf_counter() - t, time.process_time() - cpu
     del first, it
     loader.close()
     gbps, tps = nbytes / max(dt, 1e-9) / 1e9, tokens / max(dt, 1e-9)
-    return gbps, tps, t - start, cpu / max(nbytes / 1e9, 1e-9), startups / max(dt, 1e-9)
+    return EpochSample(gbps, tps, first_batch, cpu / max(nbytes / 1e9, 1e-9), startups / max(dt, 1e-9), first_epoch)
 
 
 # --------------------------------------------------------------------------------------
@@ -128,19 +157,21 @@ def loader_table(
     max_bytes: float = float("inf"),
     min_bytes: float = 0,
     limit_cpu: dict[str, float] | None = None,
+    after_first_epoch: bool = False,
 ) -> tables.Table:
     """Interleave ``rounds`` epochs of each loader with every limit; a table of medians and ratios.
 
     Every row, limits included, gets a ratio to each limit column (the best row of that
     column, measured in the same run), then to Gemma Scope's 1 GB/s. ``limit_cpu``: the CPU
-    seconds per GB of limit rows that measured it (filled while they run).
+    seconds per GB of limit rows that measured it (filled while they run). ``after_first_epoch``:
+    each loader timed from its second epoch on (`epoch_rate`), its first epoch in a column of its own.
     """
-    samples: dict[str, list[tuple[float, float, float, float, float]]] = {}
+    samples: dict[str, list[EpochSample]] = {}
 
     def timed(label: str, make: Callable[[], Any]) -> Callable[[], float]:
         def fn() -> float:
             before_each()
-            sample = epoch_rate(make, max_bytes, min_bytes)
+            sample = epoch_rate(make, max_bytes, min_bytes, after_first_epoch)
             samples.setdefault(label, []).append(sample)
             return sample[0]
 
@@ -168,19 +199,31 @@ def loader_table(
             *(f"ratio to {c}" for c in columns),
             "ratio to Gemma Scope 1 GB/s",
             "first batch (s)",
+            *(["first epoch GB/s"] if after_first_epoch else []),
             "later start-ups (share of time)",
             "CPU s/GB",
         ],
     )
+    first_epoch_blank = [""] if after_first_epoch else []
     for label in limits:
         gbps = medians[label]
         cpu_row = limit_cpu.get(label, "") if limit_cpu is not None else ""
         ratios = (gbps / tops[c] for c in columns)
-        table.add(label, gbps, float("nan"), *ratios, gbps / GEMMA_SCOPE_GBPS, "", "", cpu_row)
+        table.add(label, gbps, float("nan"), *ratios, gbps / GEMMA_SCOPE_GBPS, "", *first_epoch_blank, "", cpu_row)
     for label in contenders:
         gbps = medians[label]
-        tokens, startup, cpu, later = (float(np.median([s[i] for s in samples[label]])) for i in (1, 2, 3, 4))
-        table.add(label, gbps, tokens, *(gbps / tops[c] for c in columns), gbps / GEMMA_SCOPE_GBPS, startup, later, cpu)
+        tokens, startup, cpu, later, first = (float(np.median([s[i] for s in samples[label]])) for i in (1, 2, 3, 4, 5))
+        table.add(
+            label,
+            gbps,
+            tokens,
+            *(gbps / tops[c] for c in columns),
+            gbps / GEMMA_SCOPE_GBPS,
+            startup,
+            *([first] if after_first_epoch else []),
+            later,
+            cpu,
+        )
         table.values[f"{label} (CPU s/GB)"] = cpu
         table.values[f"{label} (start-ups)"] = later
     table.values.update(medians)
@@ -356,14 +399,20 @@ def bench_page_cached(shards: ss.Shards, quick: bool) -> None:
         rounds,
         min_bytes=PAGE_CACHED_BYTES,
         limit_cpu=limit_cpu,
+        after_first_epoch=True,
     )
     table.note(
         f"Batches of {BATCH} token vectors (1,536 bytes each, float16 unless noted; GB/s counts the stored bytes "
         f"delivered). Shuffle window {buffer >> 20} MiB, 4 MiB read blocks, read in place (no window buffers: "
         f"docs/loaders.md), read threads: {read_threads} ({loaders.default_read_threads(sequential=True)} for the "
         f"OrderedLoader), gather threads: {loaders.default_gather_threads()} unless noted. Each sample is a new "
-        f"loader's epochs until {PAGE_CACHED_BYTES / 1e9:.0f} GB, timed from its first batch (later epochs' "
-        f"start-ups counted, and their share of its time shown); median of {rounds} interleaved rounds. The gather "
+        f"loader: its first epoch (timed apart: 'first epoch GB/s', its first batch included), then its later "
+        f"epochs until {PAGE_CACHED_BYTES / 1e9:.0f} GB, timed from the second epoch's start (every later epoch's "
+        "start-up counted, and their share of its time shown): what a training run gets from its second epoch on. "
+        "A loader's first epoch also maps the cache's pages into the process (once per loader, docs/loaders.md, "
+        "'Read in place'); the limits gather from pages mapped before their clocks start. Until 2026-11-28 the "
+        f"samples were a new loader's first {PAGE_CACHED_BYTES / 1e9:.0f} GB, that mapping included. Median of "
+        f"{rounds} interleaved rounds. The gather "
         "limit is the best of the six random-row gather rows: the rows of the shuffled loader's first window, in "
         "its order, from a buffer of its window's size (numpy and torch) or from the cache mapped in place as the "
         "loader reads it (numpy), into as many batch-sized outputs as it keeps in flight, nothing else (no reads, "
@@ -580,7 +629,7 @@ def bench_own_limits(caches: dict[str, ss.Shards], quick: bool) -> None:
     min_bytes = 0.5e9 if quick else PAGE_CACHED_BYTES
     limit_bytes = 0.25e9 if quick else 1e9
     fns: dict[str, Callable[[], float]] = {}
-    samples: dict[str, list[tuple[float, float, float, float, float]]] = {}
+    samples: dict[str, list[EpochSample]] = {}
     gathers: list[LoaderGather] = []
     rows = []
     for window in WINDOWS:
@@ -594,7 +643,9 @@ def bench_own_limits(caches: dict[str, ss.Shards], quick: bool) -> None:
             rows.append((label, g))
 
             def sample(label: str = label, shards: ss.Shards = shards, kwargs: dict[str, Any] = kwargs) -> float:
-                s = epoch_rate(lambda: loaders.ShuffledLoader(shards, BATCH, **kwargs), min_bytes=min_bytes)
+                s = epoch_rate(
+                    lambda: loaders.ShuffledLoader(shards, BATCH, **kwargs), min_bytes=min_bytes, after_first_epoch=True
+                )
                 samples.setdefault(label, []).append(s)
                 return s[0]
 
@@ -630,6 +681,7 @@ def bench_own_limits(caches: dict[str, ss.Shards], quick: bool) -> None:
             "ratio to own rows drawn",
             "ratio to precomputed",
             "first batch (s)",
+            "first epoch GB/s",
             "CPU s/GB",
             "limit CPU s/GB",
         ],
@@ -638,7 +690,7 @@ def bench_own_limits(caches: dict[str, ss.Shards], quick: bool) -> None:
         loader = medians[f"{label}: loader"]
         own, drawn, plain = (medians[f"{label}: {k}"] for k in ("precomputed", "drawn", "plain"))
         best = "drawn" if drawn >= plain else "plain"
-        tokens, startup, loader_cpu = (float(np.median([s[i] for s in samples[label]])) for i in (1, 2, 3))
+        tokens, startup, loader_cpu, first = (float(np.median([s[i] for s in samples[label]])) for i in (1, 2, 3, 5))
         limit_cpu = float(np.median(g.cpu[best]))
         table.add(
             label,
@@ -651,6 +703,7 @@ def bench_own_limits(caches: dict[str, ss.Shards], quick: bool) -> None:
             loader / drawn,
             loader / own,
             startup,
+            first,
             loader_cpu,
             limit_cpu,
         )
@@ -680,8 +733,12 @@ def bench_own_limits(caches: dict[str, ss.Shards], quick: bool) -> None:
         "faster of the two drawn ones ('ratio to own rows drawn' is the loader against the rows it reads, where "
         "it reads them: a page-cached window is not one anonymous buffer); its CPU "
         "s/GB is the process's while its gathers ran (not its set-up: the anonymous buffer's fill). "
-        f"Median of {rounds} interleaved rounds; each loader sample runs its "
-        f"epochs until {min_bytes / 1e9:.1f} GB. The 'numpy only' row and its limits run without numba's "
+        f"Median of {rounds} interleaved rounds; each loader sample is a new loader's first epoch (timed apart: "
+        "'first epoch GB/s', its first batch and the mapping of the cache's pages into the process included, once "
+        f"per loader), then its later epochs until {min_bytes / 1e9:.1f} GB, timed from the second epoch's start "
+        "(its start-up included): what a training run gets from its second epoch on, against limits that gather "
+        "from pages mapped before their clocks start (until 2026-11-28 the samples were a new loader's first "
+        f"{min_bytes / 1e9:.1f} GB, the mapping included). The 'numpy only' row and its limits run without numba's "
         "kernels. Targets: every row >= 0.8 of its limit, CPU s/GB within 1.3 x the limit's; numpy only "
         "within 2 x the compiled row's time. " + huge_note
     )

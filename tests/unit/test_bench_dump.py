@@ -46,10 +46,17 @@ def test_each_process_takes_the_examples_its_writer_records(tmp_path: Path, worl
 
 def test_the_table_divides_the_figures_it_measured(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("SAEV_RESULTS_DIR", str(tmp_path))
-    samples = {"forward": [(2.0, 4.0), (4.0, 4.0), (3.0, 4.0)], "float16": [(2.5, 4.4)], "float8_e4m3": [(4.0, 5.0)]}
+    samples = {
+        "forward": [(2.0, 4.0), (4.0, 4.0), (3.0, 4.0)],
+        "float16": [(2.5, 4.4), (4.0, 4.4), (2.0, 4.4)],
+        "float8_e4m3": [(4.0, 5.0), (4.0, 5.0), (4.0, 5.0)],
+    }
     row = bench.Row("cpu", 1, samples, [1.0], {"float16": 100_000_000, "float8_e4m3": 50_000_000}, 1_000)
     table = bench.speed_table([row], rounds=3)
     forward, f16, f8 = table.rows
     assert forward[3:5] == ["forward alone", f"{1_000 * bench.TOKENS / 3.0:,.0f}"]  # the median round
-    assert f16[3:7] == ["float16", f"{64_000 / 2.5:,.0f}", "1.20", "4.40"]  # forward 3.0 s / dump 2.5 s
-    assert f8[5:10] == ["0.75", "5.00", "1.25", "12.5", "0.013"]  # 50 MB in 4 s against 1 GB/s, 2 digits
+    # Each round's forward over its dump: 2 / 2.5, 4 / 4, 3 / 2 -> median 1.00, from 0.80 to 1.50;
+    # tokens/s and CPU from the median round (2.5 s, 4.4 s).
+    assert f16[3:8] == ["float16", f"{64_000 / 2.5:,.0f}", "1.00", "0.80-1.50", "4.40"]
+    # 2 / 4, 4 / 4, 3 / 4; 50 MB in 4 s against 1 GB/s, 2 digits.
+    assert f8[5:11] == ["0.75", "0.50-1.00", "5.00", "1.25", "12.5", "0.013"]  # 50 MB in 4 s against 1 GB/s, 2 digits

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import mmap
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
@@ -79,3 +80,53 @@ def test_in_threads_cpu_counts_the_threads_work_and_nothing_before_it() -> None:
     _, idle = bl.in_threads_cpu(2, rest)
     assert busy >= 0.1  # both threads' CPU, whatever the wall time was
     assert idle < 0.05 <= busy
+
+
+class _Acts:
+    def __init__(self, rows: int) -> None:
+        self.rows = rows
+
+    def numel(self) -> int:
+        return self.rows * 4
+
+
+class _Batch:
+    def __init__(self, rows: int) -> None:
+        self.acts = _Acts(rows)
+        self.rows = rows
+
+    def __len__(self) -> int:
+        return self.rows
+
+
+class _Loader:
+    """An epoch of three batches of 10 rows x 4 values (2 bytes each), counting its epochs."""
+
+    def __init__(self) -> None:
+        self.shards = type("S", (), {"metadata": type("M", (), {"itemsize": 2})()})()
+        self.epochs = 0
+        self.closed = False
+
+    def __iter__(self) -> Iterator[_Batch]:
+        self.epochs += 1
+        return iter([_Batch(10), _Batch(10), _Batch(10)])
+
+    def close(self) -> None:
+        self.closed = True
+
+
+def test_epoch_rate_after_the_first_epoch_times_only_the_later_ones() -> None:
+    from benchmarks.loaders import epoch_rate
+
+    epoch_bytes = 3 * 10 * 4 * 2
+    loader = _Loader()
+    # 2.5 epochs' bytes wanted after the first, which is not counted: epochs 2, 3 and 4.
+    sample = epoch_rate(lambda: loader, min_bytes=2.5 * epoch_bytes, after_first_epoch=True)
+    assert loader.epochs == 4 and loader.closed
+    assert sample.gbps > 0 and sample.first_epoch > 0
+
+    plain = _Loader()
+    sample = epoch_rate(lambda: plain, min_bytes=2.5 * epoch_bytes)
+    assert np.isnan(sample.first_epoch)
+    # From the new loader's first batch on: its first epoch counts (all but that batch).
+    assert plain.epochs == 3 and plain.closed
