@@ -63,6 +63,7 @@ class HostRun:
         pools: Pools | None = None,
     ) -> None:
         self.cfg = cfg
+        self.epoch = epoch
         self.plan = epoch.plan
         self.schedule = epoch.schedule
         self.stop = threading.Event()
@@ -146,6 +147,8 @@ class HostRun:
                     self.first_load.add_done_callback(self._first_loaded)
                 break
             self.loads[self.next_load] = self.windows.submit(self.next_load)
+            if self.next_load == len(self.plan.windows) - 1:
+                self.epoch.after_last_load(self.loads[self.next_load])
             if self.next_load == first:
                 self.first_load = self.loads[first]
             self.next_load += 1

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable
+from concurrent.futures import Future
 from typing import Any
 
 import numpy as np
@@ -14,7 +15,7 @@ import numpy.typing as npt
 from ..protocol.common import FLOAT8
 from ..reader import Shards
 from .mapped import CacheMap
-from .plan import EpochPlan, ReadSpans
+from .plan import EpochPlan, ReadSpans, WindowIndex
 from .selection import TokenSelection
 
 #: Smallest output of one gather task: below this the Python around a ``numpy.take`` costs
@@ -104,6 +105,13 @@ class Epoch:
     schedule: Schedule
     number: int
     window_rng: Callable[[int, int], np.random.Generator | None]
+    #: The index of the plan's first window in the cache mapped in place, computed while the
+    #: epoch before ended (`ahead.IndexAhead`), or None. Used only where that window is read in
+    #: place: the same index its load would compute.
+    first_index: WindowIndex | None = None
+    #: Called with the last window's load once the run has started it: the next epoch's first
+    #: window may be indexed on a read thread once that load is done, while its gathers run.
+    after_last_load: Callable[[Future[Any]], None] = lambda load: None
 
     @property
     def plan(self) -> EpochPlan:

@@ -11,10 +11,12 @@ from __future__ import annotations
 
 import atexit
 import contextlib
+import functools
 import inspect
 import os
 import weakref
 from collections.abc import Callable, Iterable, Iterator, Sequence
+from concurrent.futures import Future
 from typing import Any
 
 import numpy as np
@@ -26,11 +28,13 @@ from ..errors import LoaderError
 from ..humanize import html_table
 from ..protocol.jsonfile import is_int, short_repr
 from ..reader import Shards
+from .ahead import IndexAhead
 from .batch import Batch
 from .device import DeviceRun
 from .host_run import HostRun
 from .order import FIRST_WINDOW_BYTES, Order, parse_order, windows_free
-from .plan import BLOCK_BYTES, EpochPlan, ReadSpans, index_window, plan_epoch
+from .plan import BLOCK_BYTES, EpochPlan, ReadSpans, WindowIndex, index_window, plan_epoch
+from .pools import Pools
 from .schedule import Config, Epoch, Schedule
 from .selection import TokenSelection, as_shards, check_layers_not_mixed, choose_sites, parse_out_dtype
 from .spares import Spares
@@ -178,6 +182,8 @@ class TokenLoader:
         self._runs: weakref.WeakSet[HostRun | DeviceRun] = weakref.WeakSet()
         #: What epochs borrow and give back: buffers, threads, device slots, the cache mapped in place.
         self._spares = Spares(self._config)
+        #: The next epoch's plan and first window's index, computed while an epoch ends.
+        self._ahead = IndexAhead()
 
     # -- size and identity -------------------------------------------------------------
     def __len__(self) -> int:
@@ -314,25 +320,28 @@ class TokenLoader:
         return self._iterate(epoch, start)
 
     def _iterate(self, epoch: int, start: int) -> Iterator[Batch]:
-        plan = self.plan(epoch)
         cfg = self._config
-        schedule = Schedule(plan, start, 1 if self.device is not None else cfg.chunk_batches)
-        run_epoch = Epoch(schedule, epoch, self._window_rng)
         rows = self._buffer_rows()
         run: HostRun | DeviceRun
         release: Callable[[], None]
         if self.device is not None:
+            schedule = Schedule(self.plan(epoch), start, 1)
             slots = self._spares.take_slots(self.device, schedule.n_slots, rows)
-            run = DeviceRun(cfg, run_epoch, slots)
+            run = DeviceRun(cfg, Epoch(schedule, epoch, self._window_rng), slots)
             release = lambda: self._spares.give_slots(slots)  # noqa: E731
         else:
             # Windows in the page cache are read in place; the others into these buffers, which
             # take memory only once written (numpy's pages are the kernel's until touched).
             spares = self._spares
             cfg.mapped = spares.cache_map()
+            # This epoch's plan and first index, if computed while the last one ended (`ahead`).
+            ahead = self._ahead.take(epoch, cfg.mapped if start == 0 else None)
+            schedule = Schedule(self.plan(epoch) if ahead is None else ahead[0], start, cfg.chunk_batches)
             buffers = spares.take_buffers(schedule.n_slots, rows) if len(schedule) else []
             values, scales = [b for b, _ in buffers], [s for _, s in buffers if s is not None]
             pools = spares.take_pools()
+            index_next = functools.partial(self._index_ahead, epoch + 1, pools)
+            run_epoch = Epoch(schedule, epoch, self._window_rng, None if ahead is None else ahead[1], index_next)
             run = HostRun(cfg, run_epoch, values, scales, pools)
 
             def release() -> None:
@@ -351,6 +360,22 @@ class TokenLoader:
             run.close()
             release()
 
+    def _index_ahead(self, epoch: int, pools: Pools, last_load: Future[Any]) -> None:
+        """Epoch ``epoch``'s plan and the index of its first window in the cache mapped in place,
+        on a read thread once ``last_load`` (the epoch before's last window) is done, for
+        `_iterate` to take if that epoch comes next (`ahead`)."""
+        mapped = self._config.mapped
+        if mapped is None:
+            return
+
+        def work() -> tuple[EpochPlan, WindowIndex]:
+            last_load.result()  # after the last window's load (its failure: nothing computed)
+            plan = self.plan(epoch)
+            rng = self._window_rng(epoch, 0)
+            return plan, index_window(self.selection, self._spans, plan.windows[0], rng, mapped.source)
+
+        self._ahead.start(epoch, mapped, pools.read, work)
+
     def _buffer_rows(self) -> int:
         """``(T, D)`` slices one window buffer holds: a window and one more block."""
         return min(self._window_rows + self._spans.max_rows, int(self._spans.rows.sum()))
@@ -362,6 +387,7 @@ class TokenLoader:
             run.close()
             if isinstance(run, HostRun):  # a suspended iterator gives its threads back only when it resumes
                 run.pools.shutdown()
+        self._ahead.clear()
         self._spares.clear()
 
     def __del__(self) -> None:

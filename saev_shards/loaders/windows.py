@@ -65,6 +65,8 @@ class WindowLoader:
         self.cfg = cfg
         self.epoch = epoch
         self.plan = epoch.plan
+        #: Window 0's index in the cache mapped in place, if computed ahead (`ahead`); let go of once used.
+        self.first_index = epoch.first_index
         self.buffers = buffers
         self.scale_buffers = scale_buffers
         self.stop = stop
@@ -169,8 +171,13 @@ class WindowLoader:
             for b in self.plan.windows[before].spans.tolist():
                 cfg.mapped.unmap_pages(int(cfg.spans.start[b]), int(cfg.spans.stop[b]))
         if not self.in_place[w]:
+            if w == 0:
+                self.first_index = None  # computed for the cache read in place: not this buffer's
             return index_window(cfg.selection, cfg.spans, window, rng)
         assert cfg.mapped is not None
+        if w == 0 and self.first_index is not None:  # computed while the epoch before ended: the same index
+            index, self.first_index = self.first_index, None
+            return index
         return index_window(cfg.selection, cfg.spans, window, rng, cfg.mapped.source)
 
     def _gatherable(self, w: int) -> bool:
@@ -276,6 +283,7 @@ class WindowLoader:
         # Nothing of this epoch outlives it: the caller's callbacks may refer back to its run.
         self.buffers = ()
         self.early = {}
+        self.first_index = None
         self.ready_to_write = self.finish = _closed
 
 

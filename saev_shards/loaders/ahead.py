@@ -1,0 +1,92 @@
+"""The next epoch's first window indexed while the epoch before ends (`IndexAhead`).
+
+An epoch's first batch waits for its first window's index (its permutation and the batches'
+metadata: 40-70 ms for a 1 GiB window on the 2-core development machine) while the gather
+threads have nothing to do. When a host epoch starts loading its last window (`HostRun`), the
+loader queues the next epoch's plan and the index of its first window on a read thread, to be
+computed once that load is done, beside the last window's gathers; the next epoch, if it is that one and starts from its
+first batch, takes them instead of computing them again (`TokenLoader._iterate`). The index
+is a pure function of the seed, the epoch, the window and the cache's mapping, so the batches
+are the same either way. Only windows read in place use it (the index points into the cache
+mapped in place: `mapped.CacheMap.source`); an epoch that does not match (another epoch
+asked for, a resumed state, the map made again) drops it.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import os
+import threading
+from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
+
+from .mapped import CacheMap
+from .plan import EpochPlan, WindowIndex
+
+#: The next epoch's plan and the index of its first window, read in place.
+Ahead = tuple[EpochPlan, WindowIndex]
+
+
+class IndexAhead:
+    """At most one epoch's first window, indexed ahead on a read thread (module docstring)."""
+
+    def __init__(self) -> None:
+        self._reset()
+
+    def _reset(self) -> None:
+        self._pid = os.getpid()
+        self._lock = threading.Lock()
+        self._epoch: int | None = None
+        self._mapped: CacheMap | None = None
+        self._future: Future[Ahead] | None = None
+
+    def _check_pid(self) -> None:
+        """In a forked child, forget the parent's work: its threads are not here to finish it,
+        and its locks may have been held when the process forked."""
+        if self._pid != os.getpid():
+            self._reset()
+
+    def start(self, epoch: int, mapped: CacheMap, pool: ThreadPoolExecutor, work: Callable[[], Ahead]) -> None:
+        """Run ``work`` (epoch ``epoch``'s plan and first index in ``mapped``) on ``pool``,
+        unless it is already under way; nothing if the pool is shut down."""
+        self._check_pid()
+        with self._lock:
+            if self._future is not None and self._epoch == epoch and self._mapped is mapped:
+                return
+            old, self._future = self._future, None
+            try:
+                future = pool.submit(work)
+            except RuntimeError:  # the loader is closing: its threads take no new work
+                future = None
+            if future is not None:
+                self._epoch, self._mapped, self._future = epoch, mapped, future
+        if old is not None:
+            old.cancel()
+
+    def take(self, epoch: int, mapped: CacheMap | None) -> Ahead | None:
+        """What was computed for epoch ``epoch`` in ``mapped``, waiting for it if it is still
+        under way (queued behind the last window's load, or computing: the epoch would wait as
+        long to compute it itself); None (and it is dropped) for any other epoch or map, or if it
+        failed or was cancelled (the epoch then computes its own, as it always did). Called from
+        the consumer's thread, never from a read thread the work may be queued for."""
+        self._check_pid()
+        with self._lock:
+            future, matches = self._future, self._epoch == epoch and mapped is not None and self._mapped is mapped
+            self._future, self._epoch, self._mapped = None, None, None
+        if future is None:
+            return None
+        if not matches:
+            future.cancel()
+            return None
+        concurrent.futures.wait([future])
+        if future.cancelled() or future.exception() is not None:
+            return None
+        return future.result()
+
+    def clear(self) -> None:
+        """Drop what is held or under way (the loader is closing)."""
+        self._check_pid()
+        with self._lock:
+            future, self._future, self._epoch, self._mapped = self._future, None, None, None
+        if future is not None:
+            future.cancel()
