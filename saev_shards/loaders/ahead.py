@@ -4,8 +4,9 @@ An epoch's first batch waits for its first window's index (its permutation and t
 metadata: 40-70 ms for a 1 GiB window on the 2-core development machine) while the gather
 threads have nothing to do. When a host epoch starts loading its last window (`HostRun`), the
 loader queues the next epoch's plan and the index of its first window on a read thread, to be
-computed once that load is done, beside the last window's gathers; the next epoch, if it is that one and starts from its
-first batch, takes them instead of computing them again (`TokenLoader._iterate`). The index
+computed once that load is done, beside the last window's gathers; the next epoch, if it is
+that one and starts from its first batch, takes them instead of computing them again
+(`TokenLoader._iterate`). The index
 is a pure function of the seed, the epoch, the window and the cache's mapping, so the batches
 are the same either way. Only windows read in place use it (the index points into the cache
 mapped in place: `mapped.CacheMap.source`); an epoch that does not match (another epoch
