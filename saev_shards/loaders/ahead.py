@@ -20,9 +20,13 @@ import os
 import threading
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
+from typing import TYPE_CHECKING, Any
 
 from .mapped import CacheMap
-from .plan import EpochPlan, WindowIndex
+from .plan import EpochPlan, WindowIndex, index_window
+
+if TYPE_CHECKING:
+    from .token_loader import TokenLoader
 
 #: The next epoch's plan and the index of its first window, read in place.
 Ahead = tuple[EpochPlan, WindowIndex]
@@ -63,6 +67,22 @@ class IndexAhead:
                 self._epoch, self._mapped, self._future = epoch, mapped, future
         if old is not None:
             old.cancel()
+
+    def queue(self, loader: TokenLoader, epoch: int, pool: ThreadPoolExecutor, last_load: Future[Any]) -> None:
+        """Epoch ``epoch``'s plan and the index of its first window in the cache ``loader`` maps in
+        place, on ``pool`` once ``last_load`` (the epoch before's last window) is done, for the
+        loader to `take` if that epoch comes next (`schedule.Epoch.after_last_load`)."""
+        mapped = loader._config.mapped
+        if mapped is None:
+            return
+
+        def work() -> Ahead:
+            last_load.result()  # after the last window's load (its failure: nothing computed)
+            plan = loader.plan(epoch)
+            rng = loader._window_rng(epoch, 0)
+            return plan, index_window(loader.selection, loader._spans, plan.windows[0], rng, mapped.source)
+
+        self.start(epoch, mapped, pool, work)
 
     def take(self, epoch: int, mapped: CacheMap | None) -> Ahead | None:
         """What was computed for epoch ``epoch`` in ``mapped``, waiting for it if it is still

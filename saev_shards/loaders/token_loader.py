@@ -16,7 +16,6 @@ import inspect
 import os
 import weakref
 from collections.abc import Callable, Iterable, Iterator, Sequence
-from concurrent.futures import Future
 from typing import Any
 
 import numpy as np
@@ -33,8 +32,7 @@ from .batch import Batch
 from .device import DeviceRun
 from .host_run import HostRun
 from .order import FIRST_WINDOW_BYTES, Order, parse_order, windows_free
-from .plan import BLOCK_BYTES, EpochPlan, ReadSpans, WindowIndex, index_window, plan_epoch
-from .pools import Pools
+from .plan import BLOCK_BYTES, EpochPlan, ReadSpans, index_window, plan_epoch
 from .schedule import Config, Epoch, Schedule
 from .selection import TokenSelection, as_shards, check_layers_not_mixed, choose_sites, parse_out_dtype
 from .spares import Spares
@@ -340,7 +338,7 @@ class TokenLoader:
             buffers = spares.take_buffers(schedule.n_slots, rows) if len(schedule) else []
             values, scales = [b for b, _ in buffers], [s for _, s in buffers if s is not None]
             pools = spares.take_pools()
-            index_next = functools.partial(self._index_ahead, epoch + 1, pools)
+            index_next = functools.partial(self._ahead.queue, self, epoch + 1, pools.read)
             run_epoch = Epoch(schedule, epoch, self._window_rng, None if ahead is None else ahead[1], index_next)
             run = HostRun(cfg, run_epoch, values, scales, pools)
 
@@ -359,22 +357,6 @@ class TokenLoader:
         finally:
             run.close()
             release()
-
-    def _index_ahead(self, epoch: int, pools: Pools, last_load: Future[Any]) -> None:
-        """Epoch ``epoch``'s plan and the index of its first window in the cache mapped in place,
-        on a read thread once ``last_load`` (the epoch before's last window) is done, for
-        `_iterate` to take if that epoch comes next (`ahead`)."""
-        mapped = self._config.mapped
-        if mapped is None:
-            return
-
-        def work() -> tuple[EpochPlan, WindowIndex]:
-            last_load.result()  # after the last window's load (its failure: nothing computed)
-            plan = self.plan(epoch)
-            rng = self._window_rng(epoch, 0)
-            return plan, index_window(self.selection, self._spans, plan.windows[0], rng, mapped.source)
-
-        self._ahead.start(epoch, mapped, pools.read, work)
 
     def _buffer_rows(self) -> int:
         """``(T, D)`` slices one window buffer holds: a window and one more block."""

@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from saev_shards import loaders
-from saev_shards.loaders import mapped, token_loader, windows
+from saev_shards.loaders import ahead, mapped, windows
 from saev_shards.loaders.plan import index_window
 
 from ...support.caches import small_metadata
@@ -65,7 +65,7 @@ def counted(monkeypatch: pytest.MonkeyPatch) -> dict[str, list[int]]:
         return index
 
     monkeypatch.setattr(windows, "index_window", counting("load", index_window))
-    monkeypatch.setattr(token_loader, "index_window", counting("ahead", index_window))
+    monkeypatch.setattr(ahead, "index_window", counting("ahead", index_window))
     return seen
 
 
@@ -103,14 +103,14 @@ def test_epochs_back_to_back_give_the_batches_of_epochs_run_alone(
         got.append(fields(batches))
     assert (loader._spares.map is not None) == read_in_place
     loader.close()
-    loads, ahead = list(counted["load"]), list(counted["ahead"])
+    loads, indexed_ahead = list(counted["load"]), list(counted["ahead"])
     for epoch, epoch_fields in enumerate(got):
         assert_same(epoch_fields, alone(make, epoch))
     if read_in_place:  # epochs 1 and 2 took their first window's index from the epoch before
-        assert ahead == [0, 0, 0]  # after each epoch's last window, the next one's first
+        assert indexed_ahead == [0, 0, 0]  # after each epoch's last window, the next one's first
         assert loads.count(0) == 1  # window 0 indexed by a load in epoch 0 only
     else:
-        assert ahead == [] and loads.count(0) == 3
+        assert indexed_ahead == [] and loads.count(0) == 3
 
 
 def test_another_epoch_or_a_resumed_state_drops_what_was_computed_ahead(
@@ -171,7 +171,7 @@ def test_a_forked_child_computes_its_own_first_window(make_cache: Any, monkeypat
         gate.wait()
         return index_window(*args, **kwargs)
 
-    monkeypatch.setattr(token_loader, "index_window", held)
+    monkeypatch.setattr(ahead, "index_window", held)
     loader = make()
     list(loader)  # epoch 1's first window being indexed ahead on this process's threads
     assert started.wait(30)
