@@ -6,11 +6,10 @@ threads have nothing to do. When a host epoch starts loading its last window (`H
 loader queues the next epoch's plan and the index of its first window on a read thread, to be
 computed once that load is done, beside the last window's gathers; the next epoch, if it is
 that one and starts from its first batch, takes them instead of computing them again
-(`TokenLoader._iterate`). The index
-is a pure function of the seed, the epoch, the window and the cache's mapping, so the batches
-are the same either way. Only windows read in place use it (the index points into the cache
-mapped in place: `mapped.CacheMap.source`); an epoch that does not match (another epoch
-asked for, a resumed state, the map made again) drops it.
+(`TokenLoader._iterate`). The index is a pure function of the seed, the epoch, the window and
+the cache's mapping, so the batches are the same either way. Only windows read in place use it
+(the index points into the cache mapped in place: `mapped.CacheMap.source`); an epoch that does
+not match (another epoch asked for, a resumed state, the map made again) drops it.
 """
 
 from __future__ import annotations
@@ -18,7 +17,6 @@ from __future__ import annotations
 import concurrent.futures
 import os
 import threading
-from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any
 
@@ -51,27 +49,11 @@ class IndexAhead:
         if self._pid != os.getpid():
             self._reset()
 
-    def start(self, epoch: int, mapped: CacheMap, pool: ThreadPoolExecutor, work: Callable[[], Ahead]) -> None:
-        """Run ``work`` (epoch ``epoch``'s plan and first index in ``mapped``) on ``pool``,
-        unless it is already under way; nothing if the pool is shut down."""
-        self._check_pid()
-        with self._lock:
-            if self._future is not None and self._epoch == epoch and self._mapped is mapped:
-                return
-            old, self._future = self._future, None
-            try:
-                future = pool.submit(work)
-            except RuntimeError:  # the loader is closing: its threads take no new work
-                future = None
-            if future is not None:
-                self._epoch, self._mapped, self._future = epoch, mapped, future
-        if old is not None:
-            old.cancel()
-
     def queue(self, loader: TokenLoader, epoch: int, pool: ThreadPoolExecutor, last_load: Future[Any]) -> None:
         """Epoch ``epoch``'s plan and the index of its first window in the cache ``loader`` maps in
         place, on ``pool`` once ``last_load`` (the epoch before's last window) is done, for the
-        loader to `take` if that epoch comes next (`schedule.Epoch.after_last_load`)."""
+        loader to `take` if that epoch comes next (`schedule.Epoch.after_last_load`); nothing if
+        the cache is not mapped or the pool is shut down."""
         mapped = loader._config.mapped
         if mapped is None:
             return
@@ -82,7 +64,24 @@ class IndexAhead:
             rng = loader._window_rng(epoch, 0)
             return plan, index_window(loader.selection, loader._spans, plan.windows[0], rng, mapped.source)
 
-        self.start(epoch, mapped, pool, work)
+        old, _, _ = self._pop()
+        try:
+            future = pool.submit(work)
+        except RuntimeError:  # the loader is closing: its threads take no new work
+            future = None
+        with self._lock:
+            if future is not None:
+                self._epoch, self._mapped, self._future = epoch, mapped, future
+        if old is not None:
+            old.cancel()
+
+    def _pop(self) -> tuple[Future[Ahead] | None, int | None, CacheMap | None]:
+        """Let go of what is held (in a forked child, of the parent's too): its future, epoch and map."""
+        self._check_pid()
+        with self._lock:
+            held = self._future, self._epoch, self._mapped
+            self._future, self._epoch, self._mapped = None, None, None
+        return held
 
     def take(self, epoch: int, mapped: CacheMap | None) -> Ahead | None:
         """What was computed for epoch ``epoch`` in ``mapped``, waiting for it if it is still
@@ -90,13 +89,10 @@ class IndexAhead:
         long to compute it itself); None (and it is dropped) for any other epoch or map, or if it
         failed or was cancelled (the epoch then computes its own, as it always did). Called from
         the consumer's thread, never from a read thread the work may be queued for."""
-        self._check_pid()
-        with self._lock:
-            future, matches = self._future, self._epoch == epoch and mapped is not None and self._mapped is mapped
-            self._future, self._epoch, self._mapped = None, None, None
+        future, held_epoch, held_map = self._pop()
         if future is None:
             return None
-        if not matches:
+        if held_epoch != epoch or mapped is None or held_map is not mapped:
             future.cancel()
             return None
         concurrent.futures.wait([future])
@@ -106,8 +102,6 @@ class IndexAhead:
 
     def clear(self) -> None:
         """Drop what is held or under way (the loader is closing)."""
-        self._check_pid()
-        with self._lock:
-            future, self._future, self._epoch, self._mapped = self._future, None, None, None
+        future, _, _ = self._pop()
         if future is not None:
             future.cancel()

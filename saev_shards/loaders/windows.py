@@ -170,14 +170,14 @@ class WindowLoader:
         if cfg.mapped is not None and cfg.mapped.bounded and self.in_place.pop(before, False):
             for b in self.plan.windows[before].spans.tolist():
                 cfg.mapped.unmap_pages(int(cfg.spans.start[b]), int(cfg.spans.stop[b]))
+        ahead = None
+        if w == 0:  # its index may have been computed while the epoch before ended (`ahead`)
+            ahead, self.first_index = self.first_index, None
         if not self.in_place[w]:
-            if w == 0:
-                self.first_index = None  # computed for the cache read in place: not this buffer's
             return index_window(cfg.selection, cfg.spans, window, rng)
         assert cfg.mapped is not None
-        if w == 0 and self.first_index is not None:  # computed while the epoch before ended: the same index
-            index, self.first_index = self.first_index, None
-            return index
+        if ahead is not None:  # computed in the cache read in place: the same index
+            return ahead
         return index_window(cfg.selection, cfg.spans, window, rng, cfg.mapped.source)
 
     def _gatherable(self, w: int) -> bool:
