@@ -74,15 +74,18 @@ class Sizes:
     narrow_bytes: int  # the cache of small slices (0: none)
     sparse_bytes: tuple[int, ...]
     rounds: int
+    #: Rounds of the shuffle table: each pairs one shuffle with the read + write limits
+    #: measured just before and after it (the disk's rate drifts by a quarter from minute to minute).
+    shuffle_rounds: int
 
 
 def sizes_for(quick: bool, scale: bool) -> Sizes:
     """The quick run (development), the default (`make bench`: a few minutes) and ``--scale``."""
     if quick:
-        return Sizes(512 << 20, 0, (10**9, 10**11, 10**13), 1)
+        return Sizes(512 << 20, 0, (10**9, 10**11, 10**13), 1, 1)
     if scale:
-        return Sizes(8 << 30, 2 << 30, tuple(10**e for e in range(9, 14)), 3)
-    return Sizes(2 << 30, 1 << 30, tuple(10**e for e in range(9, 14)), 2)
+        return Sizes(8 << 30, 2 << 30, tuple(10**e for e in range(9, 14)), 3, 3)
+    return Sizes(2 << 30, 1 << 30, tuple(10**e for e in range(9, 14)), 2, 5)
 
 
 def limit_for(nbytes: int) -> int:
@@ -260,17 +263,35 @@ def child_read(files: list[str], write_to: str | None = None, write_bytes: int =
 
 
 def child_shuffle(path: str, out: str, memory: int) -> dict[str, float]:
-    """One shuffle of the cache at ``path`` into ``out`` with a memory budget of ``memory``."""
+    """One shuffle of the cache at ``path`` into ``out`` with a memory budget of ``memory``: its
+    time, and that of its two passes (the scatter pass ends when every run is written)."""
     from saev_shards.shuffle import plan_shuffle, run_plan
 
     plan = plan_shuffle(ss.open(path), out, memory_bytes=memory)
+    marks: dict[str, float] = {}
+
+    def mark(kind: str, index: int) -> None:
+        marks.setdefault(kind, time.perf_counter())
+
     start = time.perf_counter()
-    result = run_plan(plan)
+    result = run_plan(plan, after_step=mark)
     seconds = time.perf_counter() - start
     nbytes = result.metadata.nbytes
     result.close()
     ss.store.remove(result.path)
-    return {"seconds": seconds, "nbytes": float(nbytes)}
+    scatter = marks["scattered"] - start
+    return {"seconds": seconds, "scatter": scatter, "merge": seconds - scatter, "nbytes": float(nbytes)}
+
+
+def paired_ratios(samples: Sequence[dict[str, float]], key: str) -> list[float]:
+    """Each round's ``key`` over that round's limit: the limit is measured around the shuffle
+    it is paired with, so the disk's drift between rounds moves both."""
+    return [ratio(s[key], s["limit"]) for s in samples]
+
+
+def spread(values: Sequence[float]) -> str:
+    """``"lo-hi"`` of per-round ratios, for the table's range column."""
+    return f"{min(values):.2f}-{max(values):.2f}" if values else ""
 
 
 def child_loader(path: str, order: str, layers: int | None, before: bool, window: int) -> dict[str, float]:
@@ -462,9 +483,10 @@ def bench_shuffle(shards: ss.Shards, sizes: Sizes, out: Path) -> None:
             "scale_shuffle", title, f"{tables.gb(free)} free under {out}, the shuffle needs {tables.gb(need)}"
         )
     memory = limit.limit // 2  # what a machine of this much memory would give it: half
-    samples = []
+    samples: list[dict[str, float]] = []
+    limits: list[float] = []
     with limit:
-        for _ in range(sizes.rounds):  # each shuffle between two read + write limits: the disk drifts
+        for _ in range(sizes.shuffle_rounds):  # each shuffle between two read + write limits: the disk drifts
             bl.drop_cache(shards.path)
             a = in_child(
                 "read", limit, files=files, write_to=str(out / "limit.bin"), write_bytes=shards.metadata.nbytes
@@ -475,25 +497,38 @@ def bench_shuffle(shards: ss.Shards, sizes: Sizes, out: Path) -> None:
             b = in_child(
                 "read", limit, files=files, write_to=str(out / "limit.bin"), write_bytes=shards.metadata.nbytes
             )
-            rw = statistics.mean([a["read_s"] + a["write_s"], b["read_s"] + b["write_s"]])
-            samples.append({"shuffle": s["seconds"], "limit": rw, "read": (a["read_s"] + b["read_s"]) / 2,
-                            "write": (a["write_s"] + b["write_s"]) / 2, "peak": float(limit.peak() or 0)})  # fmt: skip
+            limits += [a["read_s"] + a["write_s"], b["read_s"] + b["write_s"]]
+            rw = statistics.mean(limits[-2:])
+            samples.append({"shuffle": s["seconds"], "scatter": s["scatter"], "merge": s["merge"], "limit": rw,
+                            "read": (a["read_s"] + b["read_s"]) / 2, "write": (a["write_s"] + b["write_s"]) / 2,
+                            "peak": float(limit.peak() or 0)})  # fmt: skip
     m = median_rows(samples)
+    ratios = {key: paired_ratios(samples, key) for key in ("shuffle", "scatter", "merge")}
+    m.update({f"{key}_ratio": statistics.median(r) for key, r in ratios.items()})
     table = tables.Table(
         "scale_shuffle",
         title,
-        ["run", "seconds", "ratio to read + write", "target", "floor"],
+        ["run", "seconds", "ratio to read + write", "range over rounds", "target", "floor"],
     )
-    table.add("read of the source + write of as many bytes, fsynced (limit)", m["limit"], 1.0, "", "")
-    table.add(f"shuffle, all layers, memory budget {memory >> 20} MiB", m["shuffle"], ratio(m["shuffle"], m["limit"]),
-              "<= 2.2", "2.0")  # fmt: skip
+    table.add("read of the source + write of as many bytes, fsynced (limit)", m["limit"], 1.0, "", "", "")
+    table.add(f"shuffle, all layers, memory budget {memory >> 20} MiB", m["shuffle"], m["shuffle_ratio"],
+              spread(ratios["shuffle"]), "<= 2.2", "2.0")  # fmt: skip
+    table.add("its scatter pass (source read, runs written)", m["scatter"], m["scatter_ratio"],
+              spread(ratios["scatter"]), "", "1.0")  # fmt: skip
+    table.add("its write pass (runs read, output written and published)", m["merge"], m["merge_ratio"],
+              spread(ratios["merge"]), "", "1.0")  # fmt: skip
     table.values.update(m)
     table.note(
         f"Each run is a child process under {how}; the page cache it fills is charged to the same cgroup, so it "
         "holds neither the source nor the scratch runs. The limit row is a child under the same limit reading every "
         f"shard file in order (8 MiB reads) then writing and fsyncing as many bytes (read {m['read']:.1f} s, write "
-        f"{m['write']:.1f} s), measured before and after each shuffle; median of {sizes.rounds} round(s). The "
-        "shuffle reads and writes every byte twice (scatter into runs, then merge), so 2.0 is its floor."
+        f"{m['write']:.1f} s), measured before and after each shuffle. {sizes.shuffle_rounds} round(s), each a "
+        "shuffle between two limits: a ratio is the median over rounds of each round's time over its own limit "
+        "(the mean of the two around it), seconds the median seconds; the limit itself took "
+        f"{min(limits):.2f}-{max(limits):.2f} s over this run's limits (the disk's rate drifts), so a shuffle is "
+        "compared with the limits taken around it. The shuffle reads and writes every byte twice (scatter into "
+        "runs, then merge), so 2.0 is its floor, 1.0 each pass's; the write pass reads the runs while it writes "
+        "the output."
     )
     table.emit()
 

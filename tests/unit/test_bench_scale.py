@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 
 import saev_shards as ss
-from benchmarks import cgroup, tables
+from benchmarks import benchlib, cgroup, tables
 from benchmarks import scale as bench
 
 GIB = 1 << 30
@@ -124,6 +124,63 @@ def test_without_room_for_the_shuffle_it_says_so(tmp_path: Path, monkeypatch: py
     (table,) = tables.emitted_since(mark)
     assert "Skipped: 0.10 GB free under" in table and "the shuffle needs 9.45 GB" in table
     assert removed == [True]
+
+
+def test_paired_ratios_take_each_round_against_its_own_limit() -> None:
+    # The disk halves its rate between rounds: each shuffle against the limits around it
+    # gives 2.0, a median of shuffles over a median of limits would not.
+    rounds = [{"shuffle": 4.0, "limit": 2.0}, {"shuffle": 8.0, "limit": 4.0}, {"shuffle": 9.0, "limit": 4.0}]
+    assert bench.paired_ratios(rounds, "shuffle") == [2.0, 2.0, 2.25]
+    assert bench.spread([2.0, 2.25, 1.5]) == "1.50-2.25" and bench.spread([]) == ""
+
+
+def test_the_shuffle_table_pairs_every_shuffle_with_the_limits_around_it(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("SAEV_RESULTS_DIR", str(tmp_path))
+    monkeypatch.setattr(benchlib, "drop_cache", lambda path: None)
+    # Round r: the disk scale[r] times slower for the limits around it and the shuffle alike,
+    # the shuffle ratio[r] times its limit. Paired, the median ratio is 2.1; the median shuffle
+    # over the median limit would say 8.8 / 4.0 = 2.2.
+    scales, ratios = [1, 8, 2, 4, 16], [2.3, 2.0, 2.1, 2.2, 1.9]
+    calls: list[str] = []
+
+    def child(job: str, lim: Any, **kwargs: Any) -> dict[str, float]:
+        calls.append(job)
+        r = (len(calls) - 1) // 3  # each round: read, shuffle, read
+        if job == "read":
+            return {"read_s": 0.6 * scales[r], "write_s": 0.4 * scales[r]}
+        return {"seconds": ratios[r] * scales[r], "scatter": 1.0 * scales[r], "merge": (ratios[r] - 1) * scales[r]}
+
+    monkeypatch.setattr(bench, "in_child", child)
+
+    class Limit:
+        limit = GIB
+
+        def __enter__(self) -> Limit:
+            return self
+
+        def __exit__(self, *exc: object) -> None:
+            pass
+
+        def peak(self) -> int:
+            return 0
+
+    monkeypatch.setattr(bench, "limited", lambda nbytes: (Limit(), "a limit"))
+    fake: Any = SimpleNamespace(metadata=SimpleNamespace(nbytes=GIB), n_shards=1, path=tmp_path,
+                                shard_path=lambda k: tmp_path / "acts000000.bin")  # fmt: skip
+    sizes = bench.sizes_for(False, False)
+    mark = len(tables.emitted_since(0))
+    bench.bench_shuffle(fake, sizes, tmp_path / "out")
+    (table,) = tables.emitted_since(mark)
+    assert sizes.shuffle_rounds == len(scales) and calls == ["read", "shuffle", "read"] * len(scales)
+    rows = {line.split("|")[1].strip(): [c.strip() for c in line.split("|")[2:-1]] for line in table.splitlines()
+            if line.startswith("| ") and "---" not in line}  # fmt: skip
+    shuffle = next(v for k, v in rows.items() if k.startswith("shuffle, all layers"))
+    assert shuffle[0] == "8.80" and shuffle[1:3] == ["2.10", "1.90-2.30"]  # median seconds; paired ratios
+    assert rows["its scatter pass (source read, runs written)"][1:3] == ["1.00", "1.00-1.00"]
+    assert rows["its write pass (runs read, output written and published)"][1:3] == ["1.10", "0.90-1.30"]
+    assert "the limit itself took 1.00-16.00 s" in table
 
 
 # -- the cgroup helper ------------------------------------------------------------------------
