@@ -307,5 +307,8 @@ class HostRun:
             self.pools.shutdown()
 
     def __del__(self) -> None:
-        with contextlib.suppress(Exception):
+        # Not contextlib.suppress: it may be gone at interpreter shutdown (`Shards.__del__`).
+        try:  # noqa: SIM105
             self.close()
+        except Exception:  # noqa: S110
+            pass

@@ -373,8 +373,11 @@ class TokenLoader:
         self._spares.clear()
 
     def __del__(self) -> None:
-        with contextlib.suppress(Exception):
+        # Not contextlib.suppress: it may be gone at interpreter shutdown (`Shards.__del__`).
+        try:  # noqa: SIM105
             self.close()
+        except Exception:  # noqa: S110
+            pass
 
     def __enter__(self) -> TokenLoader:
         return self

@@ -25,7 +25,6 @@ checked against the manifest, and whose shards (and scale files), which it canno
 
 from __future__ import annotations
 
-import contextlib
 import os
 import threading
 from collections.abc import Callable
@@ -112,8 +111,12 @@ class ShardHandles:
         # The collector may run this on any thread, at any allocation, even one that holds a
         # lock that joining a thread needs (threading's own, while a thread starts): waiting
         # for the block-cache writer here once deadlocked the test suite.
-        with contextlib.suppress(Exception):  # at interpreter shutdown os may be gone
+        # Not contextlib.suppress: at interpreter shutdown a module's globals (contextlib, os)
+        # may already be None; a try statement needs builtins only.
+        try:  # noqa: SIM105
             self.close(wait=False)
+        except Exception:  # noqa: S110  # nothing to tell a collector
+            pass
 
     def shard_path(self, k: int) -> Path:
         """Absolute path of shard file ``k`` (of a local cache: a remote one's files are `files`)."""

@@ -39,8 +39,11 @@ class FolderLock:
             os.close(fd)  # a forked child closes its copy only: the parent's lock stays
 
     def __del__(self) -> None:
-        with contextlib.suppress(Exception):
+        # Not contextlib.suppress: it may be gone at interpreter shutdown (`Shards.__del__`).
+        try:  # noqa: SIM105
             self.release()
+        except Exception:  # noqa: S110
+            pass
 
 
 def removed_while_open(folder: Path, name: str) -> CacheNotFoundError:

@@ -362,8 +362,11 @@ class ShardWriter:
 
     def __del__(self) -> None:
         if not getattr(self, "_closed", True):
-            with contextlib.suppress(BaseException):
+            # Not contextlib.suppress: it may be gone at interpreter shutdown (`Shards.__del__`).
+            try:  # noqa: SIM105
                 self.abort()
+            except BaseException:  # noqa: S110
+                pass
 
     def __repr__(self) -> str:
         return (
