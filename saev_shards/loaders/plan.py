@@ -242,9 +242,9 @@ def index_window(
     tokens = selection.tokens_per_ex
     labels = None
     if selection.has_labels:
-        rows = [selection.labels_of(np.arange(a, b)) for a, b in zip(starts.tolist(), stops.tolist(), strict=True)]
+        # One read for the window (one slice where its examples are consecutive), not one per span.
         labels = np.full((n_ex, tokens), CLS_LABEL, dtype=np.uint8)
-        labels[:, selection.cls :] = np.concatenate(rows)
+        labels[:, selection.cls :] = selection.labels_of(examples)
     slots = spans.slots.astype(np.int32)
     n_slots = 1 if spans.stack_layers else len(slots)  # slots enumerated per unit
     if source is None:  # the window buffer
