@@ -39,6 +39,7 @@ from pathlib import Path
 if __package__ in (None, ""):  # run as a file: the repository root on the path, for `benchmarks`
     sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
+from benchmarks import benchlib as bl
 from benchmarks import tables
 from benchmarks.peers import slices, workloads
 from benchmarks.peers.data import Source, remove
@@ -80,6 +81,9 @@ def compare(cfg: Config, keep: bool = False) -> None:
         # OpenMP's spinning made the main process's collate 30x slower.
         torch.set_num_threads(1)
         gc.freeze()  # the libraries' objects stay out of the collections we force before evicting
+        # Free memory compacted, so the stores read whole into the page cache get large folios (`Harness.prepare`).
+        if settled := bl.settle_memory():
+            print(f"- before writing the stores: {settled}\n", flush=True)
         h.source = Source(h.spec)
         for name, step in steps(h):
             t0 = time.perf_counter()

@@ -4,7 +4,6 @@ cold, in a plain loop and through a PyTorch DataLoader, then page-cached at othe
 
 from __future__ import annotations
 
-import gc
 import os
 import statistics
 import warnings
@@ -15,7 +14,7 @@ import numpy as np
 from benchmarks import benchlib as bl
 from benchmarks import tables
 from benchmarks.peers import adapters as F
-from benchmarks.peers.data import DTYPE, CacheSpec, Source, files, remove
+from benchmarks.peers.data import DTYPE, CacheSpec, Source, remove
 from benchmarks.peers.harness import DISK_NOTE, OURS, Harness, Run, SliceDataset, Summary, loader_run, ms, ratio
 
 #: A row of workload 1's table: ``(format key, mode, summary, the limit it is compared with)``.
@@ -56,12 +55,7 @@ def _through_loaders(h: Harness, regime: str, loop: dict[str, Summary]) -> tuple
             if per_batch > cfg.budget_s * 2:
                 skipped.append(f"{F.FORMATS[key].name} (w={w}: one batch would take ~{per_batch:.0f} s)")
                 continue
-            paths = files(h.stores[key])
-            if regime == "cold":
-                gc.collect()
-                bl.drop_cache(paths)
-            else:
-                bl.warm_cache(paths)
+            h.prepare(h.stores[key], regime)
             ds = SliceDataset(key, h.stores[key], spec, queries)
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore", UserWarning)  # torch: non-writable numpy arrays

@@ -1,4 +1,5 @@
-"""The benchmark's format adapters return exactly the data they were given (a benchmark of wrong data is void)."""
+"""The benchmark's format adapters return exactly the data they were given (a benchmark of wrong data is void),
+and its harness puts a store in the page-cache state it is timed in."""
 
 from __future__ import annotations
 
@@ -59,3 +60,35 @@ def test_adapter_round_trips(key: str, source: Source, tmp_path: Path) -> None:
         reader.close()
     remove(path)
     assert not path.exists()
+
+
+def test_a_store_is_read_whole_before_its_first_page_cached_use(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # The page cache's folios are set by the first read of a page: a store read at random by
+    # a cold workload, or just written, is evicted and read whole before it is timed page-cached.
+    from benchmarks import benchlib
+    from benchmarks.peers.harness import QUICK, Harness
+
+    monkeypatch.setenv("SAEV_BENCH_DIR", str(tmp_path / "bench"))
+    calls: list[str] = []
+    monkeypatch.setattr(benchlib, "drop_cache", lambda paths: calls.append("drop"))
+    monkeypatch.setattr(benchlib, "warm_cache", lambda paths: calls.append("warm"))
+    h = Harness(QUICK)
+    store = tmp_path / "store"
+    store.mkdir()
+    (store / "a.bin").write_bytes(b"x" * 4096)
+
+    def prepared(regime: str) -> list[str]:
+        calls.clear()
+        h.prepare(store, regime)
+        return list(calls)
+
+    assert prepared("page-cached") == ["drop", "warm"]  # just written: read whole
+    assert prepared("page-cached") == ["warm"]  # settled: only made sure it is all there
+    assert prepared("cold") == ["drop"]
+    assert prepared("page-cached") == ["drop", "warm"]  # read at random since: again
+    assert prepared("page-cached") == ["warm"]
+    (store / "a.bin").unlink()
+    (store / "a.bin").write_bytes(b"y" * 8192)  # written again at the same path
+    assert prepared("page-cached") == ["drop", "warm"]
