@@ -34,7 +34,7 @@ from __future__ import annotations
 import concurrent.futures
 import contextlib
 import threading
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Iterator, Sequence
 from concurrent.futures import CancelledError, Future
 from typing import Any
 
@@ -231,43 +231,66 @@ class HostRun:
         return index.result() if gatherable.result() else None
 
     def _batches(self, c: int, acts: Any, pieces: list[tuple[WindowIndex, int, int]]) -> list[Batch]:
-        import torch
-
         cfg, sched = self.cfg, self.schedule
 
         # A chunk inside one window hands out slices of the window's index (each index serves one
         # window of one epoch, each of its rows one batch): no copy, and no numpy call that lets
         # go of the GIL, each of which costs a wait to take it back while other threads run
         # Python (0.05-0.4 ms on average on the 2-core development machine: docs/loaders.md).
-        def column(get: Callable[[WindowIndex], npt.NDArray[Any] | None]) -> npt.NDArray[Any]:
-            parts = [get(ix)[a:b] for ix, a, b in pieces]  # type: ignore[index]
-            return np.concatenate(parts) if len(parts) > 1 else parts[0]
+        first, stop = int(sched.first_batch[c]), int(sched.stop_batch[c])
+        if len(pieces) == 1:  # inside one window: each column a slice of the window's
+            ix, a, b = pieces[0]
+            examples, tokens, layers, labels = ix.examples[a:b], ix.tokens[a:b], ix.layers, ix.labels
+            layers = None if layers is None else layers[a:b]
+            labels = None if labels is None else labels[a:b]
+        else:  # across windows: each column joined from the windows' slices
 
-        examples = column(lambda ix: ix.examples)
-        tokens = column(lambda ix: ix.tokens)
-        layers = None if cfg.stack else column(lambda ix: ix.layers)
-        labels = column(lambda ix: ix.labels) if cfg.selection.has_labels else None
+            def joined(name: str) -> npt.NDArray[Any]:
+                return np.concatenate([getattr(ix, name)[a:b] for ix, a, b in pieces])
+
+            examples, tokens = joined("examples"), joined("tokens")
+            layers = None if cfg.stack else joined("layers")
+            labels = joined("labels") if cfg.selection.has_labels else None
+        if stop - first == 1:  # one batch, the whole chunk (the usual case: no slicing)
+            return [self._batch(acts, examples, tokens, layers, labels)]
+        size, n = cfg.batch_size, len(examples)
         out = []
-        size = cfg.batch_size
-        first = int(sched.first_batch[c])
-        for b in range(first, int(sched.stop_batch[c])):
-            s = (b - first) * size
-            e = min(s + size, len(examples))
-            rows = e - s
+        for k in range(stop - first):
+            s, e = k * size, min((k + 1) * size, n)
             out.append(
-                Batch(
-                    acts=acts[s:e],
-                    examples=torch.from_numpy(examples[s:e]),
-                    tokens=torch.from_numpy(tokens[s:e]),
-                    layers=(
-                        torch.from_numpy(cfg.layer_values.copy()).expand(rows, len(cfg.layer_values))
-                        if layers is None
-                        else torch.from_numpy(layers[s:e])
-                    ),
-                    labels=None if labels is None else torch.from_numpy(labels[s:e]),
+                self._batch(
+                    acts[s:e],
+                    examples[s:e],
+                    tokens[s:e],
+                    None if layers is None else layers[s:e],
+                    None if labels is None else labels[s:e],
                 )
             )
         return out
+
+    def _batch(
+        self,
+        acts: Any,
+        examples: npt.NDArray[np.int64],
+        tokens: npt.NDArray[np.int64],
+        layers: npt.NDArray[np.int64] | None,
+        labels: npt.NDArray[np.uint8] | None,
+    ) -> Batch:
+        import torch
+
+        from_numpy = torch.from_numpy
+        if layers is None:  # stacked: every row holds every chosen layer
+            values = self.cfg.layer_values
+            layer_col = from_numpy(values.copy()).expand(len(examples), len(values))
+        else:
+            layer_col = from_numpy(layers)
+        return Batch(
+            acts=acts,
+            examples=from_numpy(examples),
+            tokens=from_numpy(tokens),
+            layers=layer_col,
+            labels=None if labels is None else from_numpy(labels),
+        )
 
     def _output(self, n: int, dtype: str) -> tuple[Any, npt.NDArray[Any]]:
         """The ``(n, *row)`` output tensor of a chunk and its numpy view (pinned when asked)."""
