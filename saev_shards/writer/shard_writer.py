@@ -355,18 +355,14 @@ class ShardWriter:
         return self
 
     def __exit__(self, exc_type: object, exc: object, tb: object) -> None:
-        if exc_type is None:
-            self.close()
-        else:
-            self.abort()
+        (self.close if exc_type is None else self.abort)()  # published only without an error
 
     def __del__(self) -> None:
-        if not getattr(self, "_closed", True):
-            # Not contextlib.suppress: it may be gone at interpreter shutdown (`Shards.__del__`).
-            try:  # noqa: SIM105
+        try:  # not contextlib.suppress: None at interpreter shutdown (`Shards.__del__`)
+            if not getattr(self, "_closed", True):
                 self.abort()
-            except BaseException:  # noqa: S110
-                pass
+        except BaseException:  # noqa: S110
+            pass
 
     def __repr__(self) -> str:
         return (
