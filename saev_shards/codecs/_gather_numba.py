@@ -106,10 +106,29 @@ def window_index(order: Any, units: Any, listed: Any, rows: Any, out: Any) -> No
     is_listed = ex_c.shape[0] != 0
     n_stacked = stack_offsets.shape[0]
     has_labels = label_out.shape[0] != 0
+    # In order (no ``order``, units numbered): the next unit's example, slot and token counted up
+    # from the first's, not divided out of each unit number (the OrderedLoader's windows: their
+    # index in 2.9 instead of 5.8 ms/GB on the development machine).
+    counted = not ordered and not is_listed and n_chosen > 0
+    n_slots = per_ex // n_chosen if counted else 0
+    next_ex = next_s = next_c = np.int64(0)
+    if counted:
+        next_ex = _divide(lo, per_ex, per_ex_inverse)
+        next_s = _divide(lo - next_ex * per_ex, n_chosen, chosen_inverse)
+        next_c = lo - next_ex * per_ex - next_s * n_chosen
     for u in range(flat.shape[0]):
         i = order[u] if ordered else u
         if is_listed:
             ex, tok, slot = ex_c[i], tok_c[i], slot_c[i]
+        elif counted:
+            ex, tok, slot = next_ex, chosen[next_c], slots[next_s]
+            next_c += 1
+            if next_c == n_chosen:
+                next_c = np.int64(0)
+                next_s += 1
+                if next_s == n_slots:
+                    next_s = np.int64(0)
+                    next_ex += 1
         else:
             unit = lo + i
             ex = _divide(unit, per_ex, per_ex_inverse)

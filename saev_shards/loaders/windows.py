@@ -134,7 +134,7 @@ class WindowLoader:
             # thread cost more in hand-offs between threads than they saved: on 2 busy cores the
             # shuffled loader delivered 0.91 and the ordered walk 0.96 of what they do this way.
             load = _Countdown(functools.partial(self.finish, w, slot))
-            load.watch([self.pool.submit(self._load_in_place, w, slot, window.spans, offsets)])
+            load.watch([self.pool.submit(self._load_in_place, w, window.spans)])
             return load.done
         # The index first: it needs no data, so it is ready by the time the reads are.
         index = self.pool.submit(self._index, w)
@@ -153,12 +153,17 @@ class WindowLoader:
         load.watch(parts)
         return load.done
 
-    def _load_in_place(
-        self, w: int, slot: int, ids: npt.NDArray[np.int64], offsets: npt.NDArray[np.int64]
-    ) -> WindowIndex:
-        """Window ``w``'s index, then its blocks checked in the page cache (`_read_blocks` in place)."""
+    def _load_in_place(self, w: int, ids: npt.NDArray[np.int64]) -> WindowIndex:
+        """Window ``w``'s index, then its blocks checked in the page cache (`_read_blocks` in place):
+        runs of neighbouring blocks mapped before and still there at once, the rest block by block."""
         index = self._index(w)
-        self._read_blocks(slot, ids, offsets, itertools.count(), True)
+        mapped, spans = self.cfg.mapped, self.cfg.spans
+        assert mapped is not None
+        done = mapped.still_resident(spans.start[ids], spans.stop[ids]).tolist()
+        for b, resident in zip(ids.tolist(), done, strict=True):
+            if self.stop.is_set():
+                raise CancelledError
+            self._check_in_place(b, resident)
         return index
 
     def _index(self, w: int) -> WindowIndex:
@@ -221,19 +226,25 @@ class WindowLoader:
             self.ready_to_write(slot)
         buffer = self.buffers[slot]
         scales = self.scale_buffers[slot] if self.scale_buffers else None
-        spans = self.cfg.spans
         for i in next_block:  # itertools.count: its next() is atomic, each block goes to one thread
             if i >= len(ids):
                 return
             if self.stop.is_set():
                 raise CancelledError
             if in_place:
-                assert self.cfg.mapped is not None
-                start, stop = int(spans.start[ids[i]]), int(spans.stop[ids[i]])
-                self.cfg.mapped.make_resident(start, stop, spans, self.stop)
-                self.cfg.mapped.check_scales(start, stop, spans)  # read from the files, they are checked there
+                self._check_in_place(int(ids[i]))
             else:
                 self._read_block(int(ids[i]), buffer, int(offsets[i]), scales)
+
+    def _check_in_place(self, block: int, resident: bool = False) -> None:
+        """Block ``block`` of a window read in place: its pages in the page cache and mapped (unless
+        ``resident``: `CacheMap.still_resident` found them there), a float8_e4m3 cache's scales checked."""
+        mapped, spans = self.cfg.mapped, self.cfg.spans
+        assert mapped is not None
+        start, stop = int(spans.start[block]), int(spans.stop[block])
+        if not resident:
+            mapped.make_resident(start, stop, spans, self.stop)
+        mapped.check_scales(start, stop, spans)  # read from the files, they are checked there
 
     def _read_block(
         self, block: int, buffer: npt.NDArray[Any], row_offset: int, scales: npt.NDArray[np.float32] | None

@@ -6,6 +6,7 @@ from __future__ import annotations
 import gc
 import os
 import sys
+import threading
 import weakref
 from pathlib import Path
 from typing import Any
@@ -244,3 +245,91 @@ def test_too_many_shards_for_the_mappings_allowed_are_read_into_buffers(
     assert mapped.available(shards)
     monkeypatch.setattr(mapped, "max_map_count", lambda: 4 * 2 * shards.n_shards - 1)
     assert not mapped.available(shards)
+
+
+def test_blocks_still_resident_are_asked_about_a_run_at_a_time(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """`CacheMap.still_resident`: blocks mapped before, whose shard holds them and whose pages are
+    in the page cache, need nothing more; neighbouring blocks of one shard are one ``fstat`` and
+    one ``mincore``; blocks never mapped, evicted, or of a shard cut short are left to
+    `make_resident` (which reads them, or raises the first block's `FileSizeError`)."""
+    md = small_metadata(n_examples=40, patches_per_shard=60)
+    write_cache(tmp_path, md)
+    shards = ss.open(tmp_path / md.hash)
+    cache_map = CacheMap(shards)
+    spans = plan.ReadSpans(shards, TokenSelection(shards, tokens="all"), 320)
+    starts, stops = spans.start.astype(np.int64), spans.stop.astype(np.int64)
+    assert len(starts) > shards.n_shards  # several blocks a shard
+    assert not cache_map.still_resident(starts, stops).any()  # never mapped
+    stop_event = threading.Event()
+    for a, b in zip(starts.tolist(), stops.tolist(), strict=True):
+        cache_map.make_resident(a, b, spans, stop_event)
+    calls: list[tuple[int, int]] = []
+    resident = cache_map.resident
+
+    def counted(addr: int, nbytes: int) -> bool:
+        calls.append((addr, nbytes))
+        return resident(addr, nbytes)
+
+    monkeypatch.setattr(cache_map, "resident", counted)
+    assert cache_map.still_resident(starts, stops).all()
+    assert len(calls) == shards.n_shards  # one run a shard: its blocks follow one another
+    calls.clear()
+    shard = starts // md.examples_per_shard
+    pair = int(np.flatnonzero(shard[1:] == shard[:-1])[0])  # two blocks of one shard
+    picked = np.array([pair, pair + 1, len(starts) - 1])  # a gap before the last: two runs
+    assert cache_map.still_resident(starts[picked], stops[picked]).all() and len(calls) == 2
+    assert cache_map.still_resident(starts[:0], stops[:0]).shape == (0,)
+    reclaimed(cache_map, shards)
+    assert not cache_map.still_resident(starts, stops).any()
+    for a, b in zip(starts.tolist(), stops.tolist(), strict=True):
+        cache_map.make_resident(a, b, spans, stop_event)  # read again, from disk
+    assert cache_map.still_resident(starts, stops).all()
+    path = shards.shard_path(1)
+    os.chmod(path, 0o644)
+    with open(path, "r+b") as f:
+        f.truncate(os.path.getsize(path) // 2)
+    found = cache_map.still_resident(starts, stops)
+    in_shard_1 = shard == 1
+    assert not found[in_shard_1].any() and found[~in_shard_1].all()
+    last = int(np.flatnonzero(in_shard_1)[-1])  # past the half left
+    with pytest.raises(FileSizeError, match="truncated"):
+        cache_map.make_resident(int(starts[last]), int(stops[last]), spans, stop_event)
+    shards.close()
+
+
+def reclaimed(cache_map: CacheMap, shards: ss.Shards) -> None:
+    """What memory pressure does to a mapped cache (a page mapped into a process is not dropped by
+    ``POSIX_FADV_DONTNEED``): its pages unmapped behind the map's back, then evicted."""
+    libc = mapped._get_libc()
+    for region in cache_map.regions:
+        assert libc.madvise(region.start, region.length, mapped._MADV_DONTNEED) == 0
+    evict(shards)
+
+
+@pytest.mark.parametrize("between", ["evicted", "cut short"])
+def test_a_later_epoch_read_in_place_sees_what_changed_since_the_last(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, between: str
+) -> None:
+    """A loader's later epochs check its mapped windows a run at a time: the cache evicted between
+    epochs is read again (the same batches), a shard cut short is a `FileSizeError`."""
+    md = small_metadata(n_examples=40, patches_per_shard=60)
+    write_cache(tmp_path, md)
+    shards = ss.open(tmp_path / md.hash)
+    monkeypatch.setattr(mapped, "MIN_SHARD_BYTES", 0)
+    loader = loaders.OrderedLoader(shards, batch_size=7, mix_layers=True, buffer_bytes=2000, block_bytes=320)
+    first = [b.acts.clone() for b in loader]
+    assert loader._spares.map is not None and loader._spares.map.populated.all()
+    if between == "evicted":
+        reclaimed(loader._spares.map, shards)
+        again = [b.acts.clone() for b in loader]
+        assert len(again) == len(first) and all(torch.equal(a, b) for a, b in zip(again, first, strict=True))
+    else:
+        path = shards.shard_path(2)
+        os.chmod(path, 0o644)
+        with open(path, "r+b") as f:
+            f.truncate(os.path.getsize(path) - 1)
+        with pytest.raises(FileSizeError, match="truncated"):
+            for _ in loader:
+                pass
+    loader.close()
+    shards.close()

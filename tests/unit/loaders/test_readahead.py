@@ -45,13 +45,23 @@ def test_the_window_after_next_loads_before_the_next_is_read(
             submitted.set()
         return future
 
-    def read_blocks(self: windows.WindowLoader, slot: int, ids: Any, *args: Any) -> None:
+    real_in_place = windows.WindowLoader._load_in_place
+
+    def wait(self: windows.WindowLoader, ids: Any) -> None:
         if ids is self.plan.windows[1].spans and not waited:
             waited.append(submitted.wait(timeout=10))
+
+    def read_blocks(self: windows.WindowLoader, slot: int, ids: Any, *args: Any) -> None:
+        wait(self, ids)
         real_read(self, slot, ids, *args)
+
+    def load_in_place(self: windows.WindowLoader, w: int, ids: Any) -> Any:  # a window the page cache holds
+        wait(self, ids)
+        return real_in_place(self, w, ids)
 
     monkeypatch.setattr(windows.WindowLoader, "submit", submit)
     monkeypatch.setattr(windows.WindowLoader, "_read_blocks", read_blocks)
+    monkeypatch.setattr(windows.WindowLoader, "_load_in_place", load_in_place)
     monkeypatch.setattr(schedule, "CHUNK_BYTES", 1)  # one batch per gather, as with real-sized rows
     if device == "in place":  # the host path, windows read in place (`loaders.mapped`)
         monkeypatch.setattr(mapped, "MIN_SHARD_BYTES", 0)
