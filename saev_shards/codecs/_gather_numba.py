@@ -108,7 +108,7 @@ def window_index(order: Any, units: Any, listed: Any, rows: Any, out: Any) -> No
     has_labels = label_out.shape[0] != 0
     # In order (no ``order``, units numbered): the next unit's example, slot and token counted up
     # from the first's, not divided out of each unit number (the OrderedLoader's windows: their
-    # index in 2.9 instead of 5.8 ms/GB on the development machine).
+    # index in 3.0 instead of 5.8 ms/GB on the development machine).
     counted = not ordered and not is_listed and n_chosen > 0
     n_slots = per_ex // n_chosen if counted else 0
     next_ex = next_s = next_c = np.int64(0)
