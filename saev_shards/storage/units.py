@@ -122,13 +122,19 @@ class _Pool:
     as far as the block needs where one is free, so that a buffer first filled by a short
     block is not then filled by full ones, faulting in fresh pages each time (a reader's first
     cold epochs cost a fifth more CPU here that way), and no page is faulted in that no block
-    needs (faulting a whole buffer in when made cost a new process more: fresh memory)."""
+    needs (faulting a whole buffer in when made cost a new process more: fresh memory).
 
-    def __init__(self, nbytes: int, keep: int) -> None:
+    Free buffers are kept while the bytes they have faulted in come to at most ``keep_bytes``:
+    bytes, not buffers, because that is what the units a process holds are bounded by, and a
+    file's short last blocks fill only part of a buffer (counted in buffers, a cache of 38 MB
+    files kept too few, and every cold epoch faulted in a fifth of its bytes afresh)."""
+
+    def __init__(self, nbytes: int, keep_bytes: int) -> None:
         self.nbytes = nbytes
-        self.keep = keep
+        self.keep_bytes = keep_bytes
         #: Free buffers, the last given back last, each with how far it has been filled.
         self._free: list[tuple[mmap.mmap, int]] = []
+        self._free_bytes = 0  # how far the free buffers have been filled, together
         self._filled: dict[int, int] = {}  # id of a buffer handed out -> how far it was filled
         self._lock = threading.Lock()
 
@@ -145,6 +151,7 @@ class _Pool:
                     best = i
             if best >= 0:
                 buffer, filled = self._free.pop(best)
+                self._free_bytes -= filled
             else:
                 buffer, filled = aligned_buffer(self.nbytes), 0
             self._filled[id(buffer)] = max(filled, nbytes)
@@ -153,14 +160,15 @@ class _Pool:
     def give(self, buffer: mmap.mmap) -> None:
         with self._lock:
             filled = self._filled.pop(id(buffer), self.nbytes)
-            if len(self._free) < self.keep:
+            if self._free_bytes + filled <= self.keep_bytes:
                 self._free.append((buffer, filled))
+                self._free_bytes += filled
                 return
         _unmap(buffer)
 
     def clear(self) -> None:
         with self._lock:
-            free, self._free = self._free, []
+            free, self._free, self._free_bytes = self._free, [], 0
         for buffer, _ in free:
             _unmap(buffer)
 
@@ -351,7 +359,7 @@ class UnitReads:
             if self._buffers is None:
                 assert self.block_size is not None  # blocks are units only with a block size
                 # Enough for what a process may hold: units in memory, writes waiting, fetches.
-                keep = (MAX_MEMORY + MAX_PENDING_WRITES) // self.block_size + requests_in_flight()
+                keep = MAX_MEMORY + MAX_PENDING_WRITES + requests_in_flight() * self.block_size
                 self._buffers = _Pool(self.block_size, keep)
             return self._buffers
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
+from typing import Any
 
 import pytest
 import xxhash
@@ -15,9 +16,23 @@ from hypothesis import strategies as st
 
 from saev_shards.errors import ChecksumMismatchError, FileSizeError
 from saev_shards.storage import units
+from saev_shards.storage.blockcache import BlockCache
+from saev_shards.storage.remote import RemoteFiles
 from saev_shards.storage.units import Unit, copy_out, describe
 
-from .test_remote import DATA, remote_file
+from .test_remote import DATA, MemoryClient, remote_file
+
+
+class FilesClient(MemoryClient):
+    """Serves several files from memory (``bodies``: name -> bytes)."""
+
+    def __init__(self, bodies: dict[str, bytes]) -> None:
+        super().__init__(b"")
+        self.bodies = bodies
+
+    def stream(self, name: str, start: int, end: int, chunk: int = 0) -> Any:
+        self.data = self.bodies[name]
+        return super().stream(name, start, end, chunk)
 
 
 def test_a_damaged_answer_is_fetched_again_and_a_damaged_file_named(
@@ -141,7 +156,7 @@ def test_the_pool_hands_out_a_buffer_filled_as_far_as_the_block_needs() -> None:
     filled that far where one is free (not the last given back, first filled by a file's short
     last block), a short one the last given back, and a new buffer only when none is free."""
     mib = 1 << 20
-    pool = units._Pool(4 * mib, keep=4)
+    pool = units._Pool(4 * mib, keep_bytes=16 * mib)
     full, short = pool.take(4 * mib), pool.take(mib)
     assert full is not short
     pool.give(full)
@@ -159,3 +174,59 @@ def test_the_pool_hands_out_a_buffer_filled_as_far_as_the_block_needs() -> None:
     for buffer in (full, short, fresh):
         pool.give(buffer)
     pool.clear()
+
+
+def test_the_pool_keeps_free_buffers_by_the_bytes_they_have_faulted_in() -> None:
+    """Free buffers are kept while the bytes filled in them come to at most ``keep_bytes``
+    (short blocks fill a buffer only in part); one given back beyond that is unmapped."""
+    mib = 1 << 20
+    pool = units._Pool(4 * mib, keep_bytes=6 * mib)
+    taken = [pool.take(4 * mib), pool.take(mib), pool.take(mib), pool.take(mib)]
+    for buffer in taken:
+        pool.give(buffer)
+    assert [b.closed for b in taken] == [False, False, False, True]  # 4 + 1 + 1 MiB kept
+    assert pool.take(4 * mib) is taken[0] and pool.take(mib) is taken[2]
+    pool.clear()
+    assert taken[1].closed and not taken[0].closed  # taken[0] and taken[2] are still handed out
+
+
+def test_a_later_cold_read_of_short_blocks_reuses_the_buffers_of_the_first(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A process that lets go of its units and reads them again (a later cold epoch) fetches
+    into the buffers it filled the first time, even where most of its blocks are a file's
+    short last block: no fresh memory to fault in (it was a fifth of a cold epoch's bytes)."""
+    monkeypatch.setenv("SAEV_SHARDS_REMOTE_REQUESTS", "1")
+    monkeypatch.setattr("saev_shards.storage.units.MAX_PENDING_WRITES", 0)  # nothing stored
+    bodies = {f"f{i}.bin": bytes((b + 31 * i) % 256 for b in DATA) for i in range(4)}
+    block = 4096
+    monkeypatch.setattr("saev_shards.storage.units.MAX_MEMORY", len(DATA) * len(bodies))  # all held
+    made: list[int] = []
+    real = units.aligned_buffer
+
+    def counted(nbytes: int) -> Any:
+        made.append(nbytes)
+        return real(nbytes)
+
+    monkeypatch.setattr("saev_shards.storage.units.aligned_buffer", counted)
+    files = RemoteFiles(
+        "s3://bucket/root/" + "a" * 64,
+        {name: (len(body), xxhash.xxh3_128_hexdigest(body)) for name, body in bodies.items()},
+        BlockCache(tmp_path),
+    )
+    client = FilesClient(bodies)
+    files.client = client
+    digests = {
+        name: [xxhash.xxh3_128_hexdigest(b[i : i + block]) for i in range(0, len(b), block)]
+        for name, b in bodies.items()
+    }
+    files.use_blocks(block, digests.get)
+    try:
+        for _ in range(3):
+            for name, body in bodies.items():
+                assert bytes(files.read(name, 0, len(body))) == body
+            files.let_go()
+        assert len(made) == 2 * len(bodies)  # the first read's buffers, and no more
+        assert len(client.requests) == 3 * 2 * len(bodies)  # every read fetched: nothing was stored
+    finally:
+        files.close_all()
