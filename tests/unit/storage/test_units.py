@@ -15,6 +15,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from saev_shards.errors import ChecksumMismatchError, FileSizeError
+from saev_shards.fileio import aligned_buffer
 from saev_shards.storage import units
 from saev_shards.storage.blockcache import BlockCache
 from saev_shards.storage.remote import RemoteFiles
@@ -202,7 +203,7 @@ def test_a_later_cold_read_of_short_blocks_reuses_the_buffers_of_the_first(
     block = 4096
     monkeypatch.setattr("saev_shards.storage.units.MAX_MEMORY", len(DATA) * len(bodies))  # all held
     made: list[int] = []
-    real = units.aligned_buffer
+    real = aligned_buffer
 
     def counted(nbytes: int) -> Any:
         made.append(nbytes)
