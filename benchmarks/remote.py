@@ -80,11 +80,15 @@ def rate(nbytes: int, fn: Callable[[], Any]) -> float:
     return nbytes / (time.perf_counter() - t)
 
 
+def ranges(files: list[tuple[str, int]]) -> list[tuple[str, int, int]]:
+    """``(name, start, stop)`` of every `RANGE` of ``files`` (16 MiB: a block each)."""
+    return [(name, a, min(a + RANGE, size)) for name, size in files for a in range(0, size, RANGE)]
+
+
 def ranged_reads(client: Client, files: list[tuple[str, int]], threads: int) -> int:
     """Every byte of ``files`` in `RANGE` requests, ``threads`` in flight (obstore, no checks)."""
-    jobs = [(name, a, min(a + RANGE, size)) for name, size in files for a in range(0, size, RANGE)]
     with ThreadPoolExecutor(threads) as pool:
-        return sum(memoryview(b).nbytes for b in pool.map(lambda j: client.get_range(*j), jobs))
+        return sum(memoryview(b).nbytes for b in pool.map(lambda j: client.get_range(*j), ranges(files)))
 
 
 # --------------------------------------------------------------------------------------
@@ -363,7 +367,7 @@ def library_table(bucket: str, local: ss.Shards, work: Path, meter: Meter, quick
         buffer = bytearray(RANGE)
         buffer[:] = bytes(RANGE)
         spare.put(memoryview(buffer))
-    jobs = [(name, a, min(a + RANGE, size)) for name, size in files for a in range(0, size, RANGE)]
+    jobs = ranges(files)
 
     def read_one(job: tuple[str, int, int]) -> int:
         name, start, stop = job

@@ -21,10 +21,11 @@ DATA = bytes((i * 7 + i // 251) % 256 for i in range(5000))
 
 
 class MemoryClient(Client):
-    """Serves one file from memory, in pieces of ``piece`` bytes; ``damage`` flips a byte of
-    the next ``n`` answers, ``cut`` drops (or, negative, adds) bytes at the end of the next one."""
+    """Serves ``data`` (under any name; or, a dict, each name's bytes) from memory, in pieces of
+    ``piece`` bytes; ``damage`` flips a byte of the next ``n`` answers, ``cut`` drops (or,
+    negative, adds) bytes at the end of the next one."""
 
-    def __init__(self, data: bytes, piece: int = 1000) -> None:
+    def __init__(self, data: bytes | dict[str, bytes], piece: int = 1000) -> None:
         super().__init__("s3://bucket/root")
         self.data = data
         self.piece = piece
@@ -34,7 +35,8 @@ class MemoryClient(Client):
 
     def stream(self, name: str, start: int, end: int, chunk: int = 0) -> Any:
         self.requests.append((start, end))
-        body = bytearray(self.data[start:end])
+        data = self.data[name] if isinstance(self.data, dict) else self.data
+        body = bytearray(data[start:end])
         if self.damage and body:
             self.damage -= 1
             body[0] ^= 1
@@ -45,15 +47,24 @@ class MemoryClient(Client):
             yield bytes(body[i : i + self.piece])
 
 
-def remote_file(tmp_path: Path, block_size: int | None) -> tuple[RemoteFiles, MemoryClient]:
+def remote_file(
+    tmp_path: Path, block_size: int | None, bodies: dict[str, bytes] | None = None
+) -> tuple[RemoteFiles, MemoryClient]:
+    """A remote cache's files served from memory: ``f.bin`` holding `DATA`, or ``bodies``."""
+    bodies = bodies or {"f.bin": DATA}
     files = RemoteFiles(
-        "s3://bucket/root/" + "a" * 64, {"f.bin": (len(DATA), xxhash.xxh3_128_hexdigest(DATA))}, BlockCache(tmp_path)
+        "s3://bucket/root/" + "a" * 64,
+        {name: (len(body), xxhash.xxh3_128_hexdigest(body)) for name, body in bodies.items()},
+        BlockCache(tmp_path),
     )
-    client = MemoryClient(DATA)
+    client = MemoryClient(bodies)
     files.client = client
     if block_size is not None:
-        digests = [xxhash.xxh3_128_hexdigest(DATA[i : i + block_size]) for i in range(0, len(DATA), block_size)]
-        files.use_blocks(block_size, {"f.bin": digests}.get)
+        bs = block_size
+        digests = {
+            n: [xxhash.xxh3_128_hexdigest(b[i : i + bs]) for i in range(0, len(b), bs)] for n, b in bodies.items()
+        }
+        files.use_blocks(block_size, digests.get)
     return files, client
 
 

@@ -17,23 +17,9 @@ from hypothesis import strategies as st
 from saev_shards.errors import ChecksumMismatchError, FileSizeError
 from saev_shards.fileio import aligned_buffer
 from saev_shards.storage import units
-from saev_shards.storage.blockcache import BlockCache
-from saev_shards.storage.remote import RemoteFiles
 from saev_shards.storage.units import Unit, copy_out, describe
 
-from .test_remote import DATA, MemoryClient, remote_file
-
-
-class FilesClient(MemoryClient):
-    """Serves several files from memory (``bodies``: name -> bytes)."""
-
-    def __init__(self, bodies: dict[str, bytes]) -> None:
-        super().__init__(b"")
-        self.bodies = bodies
-
-    def stream(self, name: str, start: int, end: int, chunk: int = 0) -> Any:
-        self.data = self.bodies[name]
-        return super().stream(name, start, end, chunk)
+from .test_remote import DATA, remote_file
 
 
 def test_a_damaged_answer_is_fetched_again_and_a_damaged_file_named(
@@ -200,7 +186,6 @@ def test_a_later_cold_read_of_short_blocks_reuses_the_buffers_of_the_first(
     monkeypatch.setenv("SAEV_SHARDS_REMOTE_REQUESTS", "1")
     monkeypatch.setattr("saev_shards.storage.units.MAX_PENDING_WRITES", 0)  # nothing stored
     bodies = {f"f{i}.bin": bytes((b + 31 * i) % 256 for b in DATA) for i in range(4)}
-    block = 4096
     monkeypatch.setattr("saev_shards.storage.units.MAX_MEMORY", len(DATA) * len(bodies))  # all held
     made: list[int] = []
     real = aligned_buffer
@@ -210,18 +195,7 @@ def test_a_later_cold_read_of_short_blocks_reuses_the_buffers_of_the_first(
         return real(nbytes)
 
     monkeypatch.setattr("saev_shards.storage.units.aligned_buffer", counted)
-    files = RemoteFiles(
-        "s3://bucket/root/" + "a" * 64,
-        {name: (len(body), xxhash.xxh3_128_hexdigest(body)) for name, body in bodies.items()},
-        BlockCache(tmp_path),
-    )
-    client = FilesClient(bodies)
-    files.client = client
-    digests = {
-        name: [xxhash.xxh3_128_hexdigest(b[i : i + block]) for i in range(0, len(b), block)]
-        for name, b in bodies.items()
-    }
-    files.use_blocks(block, digests.get)
+    files, client = remote_file(tmp_path, 4096, bodies)
     try:
         for _ in range(3):
             for name, body in bodies.items():
