@@ -326,20 +326,25 @@ class BlockCache:
         if self.disabled or self.paused:
             return None
         view = memoryview(data).cast("B")
-        for attempt in range(2):
+        trimmed = removed = False
+        while True:
             try:
                 with self.writing(key) as tmp:
                     write_new_file(tmp.fd, view)
                     return self.commit(tmp)
             except OSError as err:
+                if err.errno == errno.ENOENT and not removed:
+                    removed = True  # the folder was removed while the entry was written: made anew
+                    continue
                 if err.errno not in DISK_FULL_ERRNOS:
                     raise
-                if attempt == 0:
+                if not trimmed:
+                    trimmed = True
                     with contextlib.suppress(OSError):
                         self.trim(target=0.5)
                     continue
                 self.pause_writes(err)
-        return None
+                return None
 
     @property
     def paused(self) -> bool:
@@ -380,9 +385,11 @@ class BlockCache:
                     raise
                 remove_name(dfd, tmp.key, None)  # a folder at the entry's name
                 os.replace(tmp.name, tmp.key, src_dir_fd=tmp.dir_fd, dst_dir_fd=dfd)
-            tmp.committed = True
             # Its bytes are those verified: sealed as it is now, so no process hashes it again.
+            # (Where the seal cannot be written, `writing` closes the entry's descriptor: unsealed,
+            # the entry is checked by the next `open`.)
             write_seal(dfd, tmp.key, os.fstat(tmp.fd), self.modes[2])
+            tmp.committed = True
         with self._lock:  # another process may have put the same bytes there: either is right
             self._pending += nbytes
             due = self._pending >= max(1, self.limit // 32)

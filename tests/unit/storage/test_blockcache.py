@@ -4,8 +4,11 @@ recently used entries with their seals."""
 
 from __future__ import annotations
 
+import errno
 import os
+import shutil
 from pathlib import Path
+from typing import Any
 
 import pytest
 import xxhash
@@ -129,3 +132,56 @@ def test_a_root_id_is_a_stable_short_name() -> None:
     a = root_id("s3://bucket/root")
     assert a == root_id("s3://bucket/root") and len(a) == 16 and int(a, 16) >= 0
     assert a != root_id("s3://bucket/root2")
+
+
+def test_an_entry_written_while_the_folder_is_removed_is_written_again_into_the_folder_made_anew(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, recwarn: pytest.WarningsRecorder
+) -> None:
+    """``rm -rf`` of the block cache while a block is stored (a user emptying it, a benchmark
+    between rounds): the entry is stored again in the folder made anew, with no warning and
+    no pause of the cache's writes, and no descriptor is left open."""
+    folder = tmp_path / "blocks"
+    cache = BlockCache(folder, limit=1 << 20)
+    removed: list[bool] = []
+    original = blockcache.write_new_file
+
+    def remove_once(fd: int, data: memoryview) -> None:
+        if not removed:
+            removed.append(True)
+            shutil.rmtree(folder)
+        original(fd, data)
+
+    monkeypatch.setattr(blockcache, "write_new_file", remove_once)
+    fds_before = len(os.listdir("/proc/self/fd"))
+    digest = insert(cache, b"hello")
+    assert removed == [True]
+    assert not cache.paused and not recwarn.list
+    assert len(os.listdir("/proc/self/fd")) == fds_before
+    fd = cache.open(digest, 5, digest)
+    assert fd is not None and os.pread(fd, 5, 0) == b"hello"
+    os.close(fd)
+
+
+def test_an_entry_whose_seal_cannot_be_written_leaves_no_descriptor_open(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A full disk met by the seal (after the entry's rename): the cache trims and stores the
+    entry again; the first attempt's descriptor is closed, not left behind."""
+    cache = BlockCache(tmp_path / "blocks", limit=1 << 20)
+    original = blockcache.write_seal
+    failed: list[bool] = []
+
+    def full_once(*args: Any) -> None:
+        if not failed:
+            failed.append(True)
+            raise OSError(errno.ENOSPC, "No space left on device")
+        original(*args)
+
+    monkeypatch.setattr(blockcache, "write_seal", full_once)
+    fds_before = len(os.listdir("/proc/self/fd"))
+    digest = insert(cache, b"hello")
+    assert failed == [True] and not cache.paused
+    assert len(os.listdir("/proc/self/fd")) == fds_before
+    fd = cache.open(digest, 5, digest)
+    assert fd is not None and os.pread(fd, 5, 0) == b"hello"
+    os.close(fd)
