@@ -16,7 +16,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from saev_shards.errors import BlockCacheError
-from saev_shards.storage import blockcache
+from saev_shards.storage import blockcache, folders, seals
 from saev_shards.storage.blockcache import BlockCache, parse_limit, root_id
 
 UNITS = {"": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40}
@@ -143,7 +143,7 @@ def test_an_entry_written_while_the_folder_is_removed_is_written_again_into_the_
     folder = tmp_path / "blocks"
     cache = BlockCache(folder, limit=1 << 20)
     removed: list[bool] = []
-    original = blockcache.write_new_file
+    original = folders.write_new_file
 
     def remove_once(fd: int, data: memoryview) -> None:
         if not removed:
@@ -168,7 +168,7 @@ def test_an_entry_whose_seal_cannot_be_written_leaves_no_descriptor_open(
     """A full disk met by the seal (after the entry's rename): the cache trims and stores the
     entry again; the first attempt's descriptor is closed, not left behind."""
     cache = BlockCache(tmp_path / "blocks", limit=1 << 20)
-    original = blockcache.write_seal
+    original = seals.write_seal
     failed: list[bool] = []
 
     def full_once(*args: Any) -> None:
