@@ -37,6 +37,17 @@ SLACK = 16 << 20
 #: A bucket's size is binomial; the plan keeps the mean this many standard deviations
 #: below the largest bucket the budget holds, so no bucket exceeds it in practice.
 BUCKET_SIGMAS = 6
+#: Each pass is cut into at least this many steps where the sizes below allow (chunks in the
+#: scatter pass, buckets in the write pass): a pass overlaps each step's reads with the step
+#: before's writes, but not its first step's reads nor its last step's writes: a 3.6 GB cache cut
+#: into the 7 chunks and 4 buckets a 1 GiB budget allows took 2.67 x one read plus one write of
+#: the output, into 32 and 16 2.34 (docs/shuffle.md; 2.0 is the floor).
+MIN_CHUNKS = 32
+MIN_BUCKETS = 16
+#: ... with no chunk smaller than this (bytes read; a run is fsynced and sealed per chunk) and no
+#: piece (what the write pass reads per request) smaller than `MIN_PIECE` on average.
+MIN_CHUNK_BYTES = 16 << 20
+MIN_PIECE = 1 << 20
 #: Names of the per-row columns of a shuffled cache (protocol.md section 2.4, informative).
 SOURCE_EXAMPLE = "source_example"
 SOURCE_TOKEN = "source_token"  # noqa: S105 (a column name, not a password)
@@ -316,7 +327,9 @@ def make_plan(
     # Chunks first (their token counts give the total), then the buckets from the total.
     n_source = source.n_examples
     bound = output_metadata(source, selection, seed, n_source * selection.per_example, dtype, patches_per_shard)
-    most_buckets = n_buckets or _n_buckets(bound, mem.per_process, mem.fixed_write, mem.per_bucket_row)[0]
+    most_buckets = n_buckets or max(
+        MIN_BUCKETS, _n_buckets(bound, mem.per_process, mem.fixed_write, mem.per_bucket_row)[0]
+    )
     fixed_scatter = 2 * most_buckets * len(layout.fields) * REGION_ALIGN + mem.slack
     room = mem.per_process - fixed_scatter
     if room < mem.per_example:
@@ -325,10 +338,15 @@ def make_plan(
             f"{_mib(mem.per_example + fixed_scatter)} in the scatter pass"
             + (f" per process ({options.workers} processes)" if options.workers > 1 else "")
         )
-    examples_per_chunk = options.examples_per_chunk or max(1, min(n_source, room // mem.per_example))
+    # As large as the budget allows, but small enough that the pass is cut into MIN_CHUNKS steps.
+    steps = max(-(-n_source // MIN_CHUNKS), -(-MIN_CHUNK_BYTES // max(1, reader.example_nbytes)))
+    examples_per_chunk = options.examples_per_chunk or max(1, min(n_source, room // mem.per_example, steps))
     first, dropped = _count_chunks(reader, n_source, examples_per_chunk)
     output = output_metadata(source, selection, seed, first[-1], dtype, patches_per_shard, dropped)
     sized_buckets, bucket_rows = _n_buckets(output, mem.per_process, mem.fixed_write, mem.per_bucket_row)
+    # As few as the budget allows, but MIN_BUCKETS where the pieces stay MIN_PIECE on average.
+    n_pieces = first[-1] * layout.row_nbytes // MIN_PIECE
+    sized_buckets = max(sized_buckets, min(MIN_BUCKETS, n_pieces // max(1, len(first) - 1)))
     base = Path(options.work_dir) if options.work_dir is not None else Path(root)
     return ShufflePlan(
         source=source,
