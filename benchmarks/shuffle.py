@@ -311,7 +311,10 @@ def main(quick: bool = False, keep: bool = False) -> None:
             shutil.rmtree(work / md.hash, ignore_errors=True)
             with contextlib.suppress(OSError):
                 for path in out.iterdir():
-                    ss.store.remove(path)
+                    if path.name.startswith(".shuffle-"):  # a failed shuffle's scratch runs (no cache)
+                        shutil.rmtree(path, ignore_errors=True)
+                    else:
+                        ss.store.remove(path)
                 out.rmdir()
     bench_quality(quick)
     with contextlib.suppress(OSError):
