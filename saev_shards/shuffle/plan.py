@@ -346,7 +346,7 @@ def make_plan(
     sized_buckets, bucket_rows = _n_buckets(output, mem.per_process, mem.fixed_write, mem.per_bucket_row)
     # As few as the budget allows, but MIN_BUCKETS where the pieces stay MIN_PIECE on average.
     n_pieces = first[-1] * layout.row_nbytes // MIN_PIECE
-    sized_buckets = max(sized_buckets, min(MIN_BUCKETS, n_pieces // max(1, len(first) - 1)))
+    pipelined = min(MIN_BUCKETS, n_pieces // max(1, len(first) - 1))
     base = Path(options.work_dir) if options.work_dir is not None else Path(root)
     return ShufflePlan(
         source=source,
@@ -359,7 +359,7 @@ def make_plan(
         workers=int(options.workers),
         examples_per_chunk=int(examples_per_chunk),
         chunk_first=tuple(first),
-        n_buckets=n_buckets or sized_buckets,
+        n_buckets=n_buckets or max(sized_buckets, pipelined),
         bucket_rows=bucket_rows,
         batch_rows=mem.batch_rows,
         layout=layout,
